@@ -1,0 +1,33 @@
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from ttft_sse.settings import Settings
+
+# The suite uses the same converted-model cache as `make serve` (the Makefile prepares it), so the ~25 s
+# GGUF conversion happens once per machine, not per test run.
+CACHE_DIR = Path(Settings.from_env().cache_dir)
+
+
+@pytest.fixture(scope="session")
+def settings() -> Settings:
+    return Settings(cache_dir=CACHE_DIR, threads=1, log_format="console")
+
+
+@pytest.fixture(scope="session")
+def hf_app(settings: Settings) -> Iterator[object]:
+    from ttft_sse.app import create_app
+
+    yield create_app(settings)
+
+
+@pytest.fixture(scope="session")
+def hf_server(hf_app: object) -> Iterator[str]:
+    """A real hypercorn server with the real bundled model, shared by the integration tests."""
+    from tests.servers import running
+
+    with running(hf_app) as base:  # type: ignore[arg-type]
+        yield base

@@ -1,0 +1,65 @@
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from ttft_sse.errors import Overloaded
+from ttft_sse.gate import Gate
+
+
+async def test_slots_then_queue_then_overload_with_retry_after() -> None:
+    gate = Gate(slots=2, max_queue=1, timeout=5)
+    a, b = gate.reserve(), gate.reserve()
+    assert a.admitted and b.admitted and gate.running == 2
+    c = gate.reserve()
+    assert not c.admitted and c.position == 1 and gate.waiting == 1
+    with pytest.raises(Overloaded) as info:
+        gate.reserve()
+    assert "2 generations running and 1 waiting" in info.value.message
+    assert int(info.value.headers()["Retry-After"]) >= 1
+
+
+async def test_queued_request_is_admitted_when_a_slot_frees_and_sees_its_positions() -> None:
+    gate = Gate(slots=1, max_queue=3, timeout=5)
+    first = gate.reserve()
+    second, third = gate.reserve(), gate.reserve()
+    seen: list[int] = []
+
+    async def wait_third() -> None:
+        async for position in third.wait():
+            seen.append(position)
+
+    waiter = asyncio.create_task(wait_third())
+    await asyncio.sleep(0)
+    first.release()  # second admitted, third moves to position 1
+    async with asyncio.timeout(1):
+        while len(seen) < 2:
+            await asyncio.sleep(0.001)
+    assert second.admitted and not third.admitted
+    second.release()
+    await asyncio.wait_for(waiter, 1)
+    assert seen == [2, 1]
+    assert third.admitted and gate.running == 1 and gate.waiting == 0
+    third.release()
+    third.release()  # idempotent
+    assert gate.running == 0
+
+
+async def test_a_request_that_leaves_the_queue_frees_its_place() -> None:
+    gate = Gate(slots=1, max_queue=1, timeout=5)
+    gate.reserve()
+    queued = gate.reserve()
+    queued.release()
+    assert gate.waiting == 0
+    assert not gate.reserve().admitted  # the place is free again
+
+
+async def test_queue_wait_is_bounded() -> None:
+    gate = Gate(slots=1, max_queue=1, timeout=0.05)
+    gate.reserve()
+    queued = gate.reserve()
+    with pytest.raises(Overloaded, match="waited 0.05 s in the queue"):
+        async for _ in queued.wait():
+            pass
+    assert gate.waiting == 0

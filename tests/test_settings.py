@@ -1,0 +1,48 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ttft_sse.settings import Settings, SettingsError, auto_threads
+
+
+def test_environment_values_are_parsed_by_type() -> None:
+    env = {
+        "TTFT_PORT": "9001",
+        "TTFT_MODEL": "/models/x.gguf",
+        "TTFT_WARMUP": "false",
+        "TTFT_QUEUE_TIMEOUT_SECONDS": "2.5",
+        "TTFT_CACHE_DIR": "/tmp/c",
+        "TTFT_REDIS_URL": "",
+    }
+    s = Settings.from_env(env)
+    assert (s.port, s.model, s.warmup, s.queue_timeout_seconds) == (9001, "/models/x.gguf", False, 2.5)
+    assert s.cache_dir == Path("/tmp/c")
+    assert s.redis_url is None
+
+
+def test_cli_overrides_win_over_the_environment_and_none_means_not_given() -> None:
+    s = Settings.from_env({"TTFT_PORT": "9001", "TTFT_HOST": "0.0.0.0"}, port=9002, host=None)
+    assert (s.host, s.port) == ("0.0.0.0", 9002)
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"TTFT_PORT": "eighty"}, "TTFT_PORT must be an integer"),
+        ({"TTFT_WARMUP": "maybe"}, "TTFT_WARMUP must be true or false"),
+        ({"TTFT_MAX_CONCURRENCY": "0"}, "max_concurrency must be at least 1"),
+        ({"TTFT_DEVICE": "tpu"}, "device must be auto, cpu"),
+        ({"TTFT_MAX_TOKEN": "5"}, "unknown setting(s) TTFT_MAX_TOKEN"),
+        ({"TTFT_DEFAULT_MAX_TOKENS": "9000"}, "default_max_tokens (9000) is above max_tokens_cap"),
+    ],
+)
+def test_bad_settings_are_refused_with_a_sentence_naming_them(env: dict[str, str], message: str) -> None:
+    with pytest.raises(SettingsError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        Settings.from_env(env)
+
+
+def test_auto_threads_leave_half_the_cores() -> None:
+    assert [auto_threads(n) for n in (1, 2, 3, 8, 16)] == [1, 1, 1, 4, 8]
+    assert Settings(threads=3).torch_threads == 3

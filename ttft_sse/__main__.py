@@ -1,0 +1,106 @@
+"""Command line: ``ttft-sse serve`` runs the server under hypercorn; ``ttft-sse prepare`` converts the model once."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import structlog
+
+from ttft_sse import __version__, log
+from ttft_sse.errors import StartupError
+from ttft_sse.settings import Settings, SettingsError
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ttft-sse", description="LLM streaming server built for time-to-first-token.")
+    parser.add_argument("--version", action="version", version=f"ttft-sse {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser("serve", help="load and warm the model, then serve HTTP (SSE) requests")
+    serve.add_argument("--host", help="address to bind (TTFT_HOST, default 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="port to bind (TTFT_PORT, default 8000)")
+    serve.add_argument("--model", help="bundled, a .gguf file, a model directory or a model id (TTFT_MODEL)")
+    serve.add_argument("--device", help="auto, cpu, cuda, cuda:N (TTFT_DEVICE)")
+    serve.add_argument("--dtype", help="auto, float32, bfloat16, float16 (TTFT_DTYPE)")
+    serve.add_argument("--threads", type=int, help="torch threads; 0 = half the cores (TTFT_THREADS)")
+    prepare = commands.add_parser("prepare", help="convert the model into the cache so that serve starts fast")
+    prepare.add_argument("--model", help="as for serve (TTFT_MODEL)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    overrides = {k: v for k, v in vars(args).items() if k != "command"}
+    try:
+        settings = Settings.from_env(**overrides)
+    except SettingsError as exc:
+        print(f"ttft-sse: {exc}", file=sys.stderr)
+        return 2
+    log.configure(level=settings.log_level, fmt=settings.log_format)
+    try:
+        if args.command == "prepare":
+            return _prepare(settings)
+        return asyncio.run(_serve(settings))
+    except StartupError as exc:
+        print(f"ttft-sse: {exc.message}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+def _prepare(settings: Settings) -> int:
+    from ttft_sse.engine import models
+    from ttft_sse.stages import StageClock
+
+    clock = StageClock()
+    location = models.materialize(models.resolve(settings.model), settings.cache_dir, clock)
+    structlog.get_logger("ttft_sse.prepare").info("prepared", model=settings.model, path=location, **clock.as_dict())
+    print(location)
+    return 0
+
+
+async def _serve(settings: Settings) -> int:
+    from hypercorn.asyncio import serve
+    from hypercorn.config import Config
+
+    from ttft_sse.app import create_app
+    from ttft_sse.lifespan import Runtime
+
+    app = create_app(settings)
+    runtime: Runtime = app.state.runtime
+    config = Config()
+    host = f"[{settings.host}]" if ":" in settings.host else settings.host
+    config.bind = [f"{host}:{settings.port}"]
+    config.accesslog = None  # the RequestContext middleware logs each request, with its id
+    config.graceful_timeout = settings.drain_seconds
+    config.keep_alive_timeout = 75  # above common proxy idle timeouts, so the proxy closes first
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    async def shutdown_trigger() -> None:
+        failed = asyncio.ensure_future(runtime.failed.wait())
+        stopping = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({failed, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        for task in (failed, stopping):
+            task.cancel()
+        if runtime.state != "failed":
+            runtime.state = "stopping"  # readiness turns 503 at once; new generations are refused
+        structlog.get_logger("ttft_sse.main").info("shutting_down", state=runtime.state)
+
+    asgi: Any = app  # hypercorn's own ASGI types do not name Starlette; it is a plain ASGI app
+    await serve(asgi, config, shutdown_trigger=shutdown_trigger)
+    if runtime.state == "failed":
+        print(f"ttft-sse: the model failed to load: {runtime.error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

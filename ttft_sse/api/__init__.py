@@ -1,0 +1,1 @@
+"""HTTP surfaces, one module each. Routes stay thin: parse, hand to ``Generations``, frame the answer."""

@@ -1,0 +1,68 @@
+"""``POST /complete``: the whole reply as one JSON document — the batch path, beside the stream for comparison."""
+
+from __future__ import annotations
+
+from contextlib import aclosing
+
+import anyio
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from ttft_sse.api.body import arrival_of, generation_request, runtime_of
+from ttft_sse.engine.base import Finished, Piece
+from ttft_sse.generation import Run
+
+
+async def complete(request: Request) -> Response:
+    runtime = runtime_of(request)
+    run = await runtime.generations.open(
+        await generation_request(request), arrival=arrival_of(request), endpoint="complete"
+    )
+    result: list[Finished] = []
+    parts: list[str] = []
+    failures: list[Exception] = []
+    async with anyio.create_task_group() as group:
+
+        async def collect() -> None:
+            try:
+                await _collect(run, parts, result)
+            except Exception as exc:  # re-raised below, outside the task group, so handlers see it bare
+                failures.append(exc)
+            finally:
+                group.cancel_scope.cancel()
+
+        async def watch_disconnect() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            group.cancel_scope.cancel()  # the caller left: stop its generation
+
+        group.start_soon(collect)
+        group.start_soon(watch_disconnect)
+    if failures:
+        raise failures[0]
+    if not result:  # only when the client disconnected; nobody reads this
+        return Response(status_code=499)
+    finished = result[0]
+    return JSONResponse(
+        {
+            "text": "".join(parts),
+            "finish_reason": finished.finish_reason,
+            "usage": finished.usage.as_dict(),
+            "timings": finished.timings,
+        },
+        headers={"Server-Timing": server_timing(finished.timings)},
+    )
+
+
+async def _collect(run: Run, parts: list[str], result: list[Finished]) -> None:
+    async with aclosing(run.events()) as events:
+        async for item in events:
+            if isinstance(item, Piece):
+                parts.append(item.text)
+            elif isinstance(item, Finished):
+                result.append(item)
+
+
+def server_timing(timings: dict[str, float]) -> str:
+    """``Server-Timing: queue;dur=0.1, prefill;dur=151.2, …`` — browsers' dev tools show it per request."""
+    return ", ".join(f"{name.removesuffix('_ms')};dur={value}" for name, value in timings.items())

@@ -1,0 +1,40 @@
+"""Liveness and readiness."""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from ttft_sse.api.body import runtime_of
+
+
+async def healthz(request: Request) -> JSONResponse:
+    """The process is alive and its event loop answers (also while the model loads or works)."""
+    return JSONResponse({"status": "ok", "state": runtime_of(request).state})
+
+
+async def readyz(request: Request) -> JSONResponse:
+    """200 once the model is loaded and warmed, with what is loaded and how long each start-up stage took."""
+    runtime = runtime_of(request)
+    if not runtime.ready:
+        body = {
+            "status": runtime.state,
+            "reason": runtime.not_ready_reason(),
+            "startup": runtime.startup_report(),
+        }
+        return JSONResponse(body, status_code=503, headers={"Retry-After": "1"})
+    info = runtime.engine.info
+    return JSONResponse(
+        {
+            "status": "ready",
+            "model": info.name,
+            "source": info.source,
+            "device": info.device,
+            "dtype": info.dtype,
+            "context_length": info.context_length,
+            "threads": info.threads,
+            "startup": runtime.startup_report(),
+            "running": runtime.gate.running,
+            "waiting": runtime.gate.waiting,
+        }
+    )

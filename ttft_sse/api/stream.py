@@ -1,0 +1,77 @@
+"""``GET|POST /stream``: tokens as Server-Sent Events, the moment each one is decoded."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import structlog
+from sse_starlette import EventSourceResponse, ServerSentEvent
+from starlette.background import BackgroundTask
+from starlette.requests import Request
+from starlette.responses import Response
+
+from ttft_sse.api.body import arrival_of, generation_request, runtime_of
+from ttft_sse.engine.base import Finished, Piece
+from ttft_sse.errors import ServiceError
+from ttft_sse.generation import Queued, Run
+
+log = structlog.get_logger("ttft_sse.stream")
+
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-store", "X-Accel-Buffering": "no"}
+
+
+def _json(data: Any) -> str:
+    return json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+
+
+class TokenStream(EventSourceResponse):
+    """sse-starlette's response, less its ``Connection: keep-alive`` header.
+
+    Do not put it back: HTTP/2 forbids connection-specific headers (RFC 9113 §8.2.2) and hypercorn speaks h2;
+    on HTTP/1.1 keep-alive is the default anyway. ``X-Accel-Buffering: no`` and ``Cache-Control: no-store``
+    (set by sse-starlette) stay: they keep proxies from buffering the stream.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.raw_headers = [(k, v) for k, v in self.raw_headers if k.lower() != b"connection"]
+
+
+async def stream(request: Request) -> Response:
+    if request.method == "HEAD":  # headers only; never start a generation for a HEAD
+        return Response(headers=SSE_HEADERS)
+    runtime = runtime_of(request)
+    run = await runtime.generations.open(
+        await generation_request(request), arrival=arrival_of(request), endpoint="stream"
+    )
+    settings = runtime.settings
+    return TokenStream(
+        _events(run),
+        ping=settings.ping_seconds,
+        send_timeout=60,
+        background=BackgroundTask(run.close),
+    )
+
+
+async def _events(run: Run) -> AsyncIterator[ServerSentEvent]:
+    try:
+        async for item in run.events():
+            if isinstance(item, Piece):
+                yield ServerSentEvent(_json({"text": item.text}), event="token", id=str(item.index))
+            elif isinstance(item, Queued):
+                yield ServerSentEvent(_json({"position": item.position}), event="queued")
+            elif isinstance(item, Finished):
+                done = {
+                    "finish_reason": item.finish_reason,
+                    "usage": item.usage.as_dict(),
+                    "timings": item.timings,
+                }
+                yield ServerSentEvent(_json(done), event="done")
+    except ServiceError as exc:
+        yield ServerSentEvent(_json(exc.to_dict()), event="error")
+    except Exception as exc:  # never a traceback on the wire; the log has it
+        log.exception("stream_failed", error_type=type(exc).__name__)
+        error = {"error": {"message": "internal server error", "type": "server_error", "param": None, "code": None}}
+        yield ServerSentEvent(_json(error), event="error")

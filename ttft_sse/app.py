@@ -1,0 +1,41 @@
+"""The app factory: routes, middleware, exception handlers, lifespan. Wiring only; nothing runs at import."""
+
+from __future__ import annotations
+
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.routing import Route
+
+from ttft_sse.api.complete import complete
+from ttft_sse.api.health import healthz, readyz
+from ttft_sse.api.stream import stream
+from ttft_sse.engine.base import Engine
+from ttft_sse.errors import EXCEPTION_HANDLERS
+from ttft_sse.lifespan import Runtime, lifespan
+from ttft_sse.log import RequestContext
+from ttft_sse.settings import Settings
+
+
+def create_app(settings: Settings | None = None, engine: Engine | None = None) -> Starlette:
+    """Build the ASGI app. ``engine`` defaults to the transformers engine for ``settings.model``.
+
+    The model is loaded by the app's lifespan, not here: creating an app is cheap and has no side effects.
+    """
+    settings = settings or Settings()
+    if engine is None:
+        from ttft_sse.engine.hf import HFEngine
+
+        engine = HFEngine(settings)
+    app = Starlette(
+        routes=[
+            Route("/stream", stream, methods=["GET", "POST"]),
+            Route("/complete", complete, methods=["POST"]),
+            Route("/healthz", healthz, methods=["GET"]),
+            Route("/readyz", readyz, methods=["GET"]),
+        ],
+        middleware=[Middleware(RequestContext)],
+        exception_handlers=EXCEPTION_HANDLERS,
+        lifespan=lifespan,
+    )
+    app.state.runtime = Runtime(settings, engine)
+    return app

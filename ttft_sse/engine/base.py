@@ -1,0 +1,123 @@
+"""The engine interface and the value types that cross it. Imports no torch: the HTTP layer depends on this alone.
+
+An engine turns a prepared prompt into an async stream of :class:`Piece` items followed by exactly one
+:class:`Finished`. Closing the stream early (``aclose()``, or cancelling the task that iterates it) cancels the
+generation; the engine must not leave a thread or a slot behind when it does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+from ttft_sse.stages import StageClock
+
+Role = Literal["system", "user", "assistant", "tool"]
+ROLES: tuple[str, ...] = ("system", "user", "assistant", "tool")
+FinishReason = Literal["stop", "length", "cancelled"]
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    role: Role
+    content: str
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A tokenized prompt, ready for the model. ``text`` is what the chat template produced."""
+
+    text: str
+    token_ids: tuple[int, ...]
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A piece of generated text, emitted the moment it is decodable. Never empty."""
+
+    index: int
+    text: str
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+    def as_dict(self) -> dict[str, int]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.total_tokens,
+        }
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The last item of every stream that was not cancelled."""
+
+    finish_reason: FinishReason
+    usage: Usage
+    # Engine-side timings in milliseconds: prefill_ms (generation start → first token), decode_ms (first → last
+    # token). The HTTP layer adds its own (ttft_ms, queue_ms, total_ms).
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    source: str
+    device: str
+    dtype: str
+    context_length: int
+    threads: int
+
+
+class Engine(Protocol):
+    """What the HTTP layer needs from a model. ``load`` and ``prepare`` block; call them off the event loop."""
+
+    @property
+    def info(self) -> ModelInfo: ...
+
+    @property
+    def active(self) -> int:
+        """Generations running right now."""
+        ...
+
+    def load(self, clock: StageClock) -> None:
+        """Load tokenizer and model, timing each stage on ``clock``. Called once, in a worker thread."""
+        ...
+
+    def prepare(self, *, prompt: str | None, messages: Sequence[ChatMessage] | None, raw: bool) -> Prompt:
+        """Render and tokenize. Raises ``PromptTooLong`` when the prompt cannot fit the context."""
+        ...
+
+    def stream(self, prompt: Prompt, params: SamplingParams) -> AsyncGenerator[Piece | Finished, None]:
+        """Generate. Pieces as they are decoded, then one ``Finished``. Raises ``EngineError`` on failure."""
+        ...
+
+    async def close(self) -> None:
+        """Cancel every running generation and wait for their threads to end."""
+        ...

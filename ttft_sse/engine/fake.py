@@ -1,0 +1,129 @@
+"""A scripted engine that ships beside the real one, for transport, framing and failure tests.
+
+It goes through the same thread bridge and the same text framing (stop sequences) as the transformers engine,
+so only the model is fake. Tokens are whitespace-separated words.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import AsyncGenerator, Sequence
+from contextlib import aclosing
+
+from ttft_sse.bridge import Emit, Workers
+from ttft_sse.engine.base import (
+    ChatMessage,
+    Finished,
+    FinishReason,
+    ModelInfo,
+    Piece,
+    Prompt,
+    SamplingParams,
+    Usage,
+)
+from ttft_sse.engine.text import StopMatcher
+from ttft_sse.errors import EngineError, PromptTooLong
+from ttft_sse.stages import StageClock
+
+Item = Piece | Finished
+
+
+class FakeEngine:
+    """Emits ``pieces`` one by one (then stops, as if at end-of-sequence).
+
+    * ``delay``: seconds between pieces;
+    * ``fail_after``: raise ``RuntimeError`` in the worker thread after that many pieces;
+    * ``hold_after``: after that many pieces, wait until ``release`` is set (or the request is cancelled);
+    * ``context_length``: prompts of that many words or more are refused.
+    """
+
+    def __init__(
+        self,
+        pieces: Sequence[str] = ("Hello", ",", " world", "!"),
+        *,
+        delay: float = 0.0,
+        fail_after: int | None = None,
+        hold_after: int | None = None,
+        context_length: int = 64,
+        load_seconds: float = 0.0,
+    ) -> None:
+        self.pieces = list(pieces)
+        self.delay = delay
+        self.fail_after = fail_after
+        self.hold_after = hold_after
+        self.release = threading.Event()
+        self.load_seconds = load_seconds
+        self.generated: list[int] = []  # completion tokens of every generation, cancelled ones included
+        self._workers: Workers[Item] = Workers(name="ttft-fake")
+        self._info = ModelInfo(
+            name="fake", source="fake", device="cpu", dtype="none", context_length=context_length, threads=1
+        )
+
+    @property
+    def info(self) -> ModelInfo:
+        return self._info
+
+    @property
+    def active(self) -> int:
+        return self._workers.active
+
+    def load(self, clock: StageClock) -> None:
+        with clock.stage("model"):
+            time.sleep(self.load_seconds)
+
+    def prepare(self, *, prompt: str | None, messages: Sequence[ChatMessage] | None, raw: bool) -> Prompt:
+        text = prompt if prompt is not None else "\n".join(f"{m.role}: {m.content}" for m in messages or ())
+        words = text.split()
+        if len(words) >= self._info.context_length:
+            raise PromptTooLong(
+                f"the prompt is {len(words)} tokens; the model's context is {self._info.context_length} tokens",
+                param="prompt" if prompt is not None else "messages",
+                code="context_length_exceeded",
+            )
+        return Prompt(text=text, token_ids=tuple(range(len(words))))
+
+    async def stream(self, prompt: Prompt, params: SamplingParams) -> AsyncGenerator[Item, None]:
+        def produce(emit: Emit[Item], cancelled: threading.Event) -> None:
+            stops = StopMatcher(params.stop)
+            count, index = 0, 0
+            reason: FinishReason = "stop"
+            try:
+                for piece in self.pieces:
+                    if cancelled.is_set():
+                        return
+                    if count == params.max_tokens:
+                        reason = "length"
+                        break
+                    if self.fail_after is not None and count == self.fail_after:
+                        raise RuntimeError("scripted engine failure")
+                    if self.hold_after is not None and count == self.hold_after:
+                        while not (self.release.wait(0.01) or cancelled.is_set()):
+                            pass
+                        if cancelled.is_set():
+                            return
+                    if self.delay:
+                        time.sleep(self.delay)
+                    count += 1
+                    text = stops.feed(piece)
+                    if text:
+                        emit(Piece(index, text))
+                        index += 1
+                    if stops.matched:
+                        break
+                if not stops.matched and (tail := stops.flush()):
+                    emit(Piece(index, tail))
+                usage = Usage(prompt_tokens=prompt.n_tokens, completion_tokens=count)
+                emit(Finished(reason, usage, {"prefill_ms": 0.0, "decode_ms": 0.0}))
+            finally:
+                self.generated.append(count)
+
+        try:
+            async with aclosing(self._workers.stream(produce)) as items:
+                async for item in items:
+                    yield item
+        except RuntimeError as exc:
+            raise EngineError(f"generation failed: {exc}") from exc
+
+    async def close(self) -> None:
+        await self._workers.cancel_all()

@@ -1,0 +1,311 @@
+"""The transformers engine: one ``model.generate`` per request, in a worker thread, streamed piece by piece."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncGenerator, Sequence
+from contextlib import aclosing
+from typing import Any
+
+import structlog
+
+from ttft_sse.bridge import Emit, Workers
+from ttft_sse.engine import models
+from ttft_sse.engine.base import (
+    ChatMessage,
+    Finished,
+    FinishReason,
+    ModelInfo,
+    Piece,
+    Prompt,
+    SamplingParams,
+    Usage,
+)
+from ttft_sse.engine.text import IncrementalDecoder, StopMatcher
+from ttft_sse.errors import EngineError, InvalidRequest, PromptTooLong, StartupError
+from ttft_sse.settings import Settings
+from ttft_sse.stages import StageClock
+
+log = structlog.get_logger("ttft_sse.engine")
+
+Item = Piece | Finished
+
+
+class HFEngine:
+    """Engine over a transformers causal LM. Torch and transformers are imported in :meth:`load`, not before."""
+
+    def __init__(self, settings: Settings) -> None:
+        self._settings = settings
+        self._workers: Workers[Item] = Workers(name="ttft-gen")
+        self._info: ModelInfo | None = None
+        self._torch: Any = None
+        self._tokenizer: Any = None
+        self._model: Any = None
+        self._eos: frozenset[int] = frozenset()
+
+    @property
+    def info(self) -> ModelInfo:
+        if self._info is None:
+            raise RuntimeError("HFEngine.info is read before load(); await the lifespan's readiness first")
+        return self._info
+
+    @property
+    def active(self) -> int:
+        return self._workers.active
+
+    # -- loading -----------------------------------------------------------------------------------------------
+
+    def load(self, clock: StageClock) -> None:
+        settings = self._settings
+        with clock.stage("imports"):
+            import torch
+            import transformers
+        self._torch = torch
+        threads = settings.torch_threads
+        torch.set_num_threads(threads)
+        source = models.resolve(settings.model)
+        location = models.materialize(source, settings.cache_dir, clock)
+        device = self._pick_device(torch)
+        dtype = self._pick_dtype(torch, device)
+        try:
+            with clock.stage("tokenizer"):
+                self._tokenizer = transformers.AutoTokenizer.from_pretrained(location)
+            with clock.stage("model"):
+                kwargs: dict[str, Any] = {"dtype": dtype}
+                if device.startswith("cuda"):
+                    # accelerate places the weights; "auto" spreads a model too big for one GPU.
+                    kwargs["device_map"] = "auto" if settings.device == "auto" else device
+                model = transformers.AutoModelForCausalLM.from_pretrained(location, **kwargs)
+                if "device_map" not in kwargs:
+                    model = model.to(device)
+                model.eval()
+        except OSError as exc:
+            raise StartupError(f"cannot load model {settings.model!r}: {exc}") from exc
+        self._model = model
+        gen = model.generation_config
+        eos = gen.eos_token_id if gen.eos_token_id is not None else self._tokenizer.eos_token_id
+        self._eos = frozenset(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        config = model.config
+        context: Any = getattr(config, "max_position_embeddings", None) or getattr(
+            self._tokenizer, "model_max_length", 2048
+        )
+        self._info = ModelInfo(
+            name=source.name,
+            source=source.location,
+            device=str(model.device),
+            dtype=str(dtype).removeprefix("torch."),
+            context_length=int(context),
+            threads=threads,
+        )
+
+    def _pick_device(self, torch: Any) -> str:
+        wanted = self._settings.device
+        if wanted == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        if wanted.startswith("cuda") and not torch.cuda.is_available():
+            raise StartupError(f"device {wanted!r} was asked for but torch sees no CUDA device")
+        return wanted
+
+    def _pick_dtype(self, torch: Any, device: str) -> Any:
+        wanted = self._settings.dtype
+        if wanted != "auto":
+            return getattr(torch, wanted)
+        if device.startswith("cuda"):
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float32
+
+    # -- requests ----------------------------------------------------------------------------------------------
+
+    def prepare(self, *, prompt: str | None, messages: Sequence[ChatMessage] | None, raw: bool) -> Prompt:
+        tokenizer = self._tokenizer
+        if messages is None:
+            assert prompt is not None
+            messages = [ChatMessage("user", prompt)]
+        if raw or tokenizer.chat_template is None:
+            text = prompt if prompt is not None else "\n".join(m.content for m in messages)
+        else:
+            try:
+                text = tokenizer.apply_chat_template(
+                    [{"role": m.role, "content": m.content} for m in messages],
+                    add_generation_prompt=True,
+                    tokenize=False,
+                )
+            except Exception as exc:  # jinja raises its own TemplateError for conversations it refuses
+                raise InvalidRequest(
+                    f"the model's chat template rejected the messages: {exc}", param="messages"
+                ) from exc
+        ids = tuple(tokenizer(text, add_special_tokens=raw)["input_ids"])
+        if not ids:
+            raise InvalidRequest("the prompt encodes to no tokens", param="prompt")
+        limit = self.info.context_length
+        if len(ids) >= limit:
+            raise PromptTooLong(
+                f"the prompt is {len(ids)} tokens; the model's context is {limit} tokens, and at least one must "
+                "be left to generate",
+                param="messages" if prompt is None else "prompt",
+                code="context_length_exceeded",
+            )
+        return Prompt(text=text, token_ids=ids)
+
+    async def stream(self, prompt: Prompt, params: SamplingParams) -> AsyncGenerator[Item, None]:
+        def produce(emit: Emit[Item], cancelled: Any) -> None:
+            self._generate(prompt, params, emit, cancelled)
+
+        try:
+            async with aclosing(self._workers.stream(produce)) as items:
+                async for item in items:
+                    yield item
+        except EngineError:
+            raise
+        except Exception as exc:
+            log.error("generation_failed", error=str(exc), error_type=type(exc).__name__)
+            raise EngineError(f"generation failed: {type(exc).__name__}") from exc
+
+    async def close(self) -> None:
+        await self._workers.cancel_all()
+
+    # -- the worker thread -------------------------------------------------------------------------------------
+
+    def _generate(self, prompt: Prompt, params: SamplingParams, emit: Emit[Item], cancelled: Any) -> None:
+        torch = self._torch
+        import transformers
+
+        device = self._model.device
+        input_ids = torch.tensor([prompt.token_ids], dtype=torch.long, device=device)
+        streamer = _PieceStreamer(self._tokenizer, params.stop, self._eos, emit, cancelled)
+        config = transformers.GenerationConfig(
+            max_new_tokens=params.max_tokens,
+            do_sample=False,  # sampling, when asked for, is done by _SeededSampler below
+            eos_token_id=sorted(self._eos) or None,
+            pad_token_id=self._tokenizer.pad_token_id if self._tokenizer.pad_token_id is not None else None,
+        )
+        processors = transformers.LogitsProcessorList()
+        if not params.greedy:
+            processors.append(_seeded_sampler(torch, params, device))
+        criteria = transformers.StoppingCriteriaList([_cancel_criterion(torch, cancelled)])
+        started = time.perf_counter()
+        streamer.started = started
+        with torch.inference_mode():
+            self._model.generate(
+                input_ids=input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                generation_config=config,
+                logits_processor=processors,
+                stopping_criteria=criteria,
+                streamer=streamer,
+            )
+        if cancelled.is_set() and not streamer.stops.matched:
+            # Nobody is listening any more; say how far it got, for the logs.
+            log.info("generation_cancelled", completion_tokens=streamer.count, max_tokens=params.max_tokens)
+            return
+        ended = time.perf_counter()
+        reason: FinishReason = "stop"
+        if not streamer.stops.matched and streamer.last_token not in self._eos and streamer.count >= params.max_tokens:
+            reason = "length"
+        first = streamer.first_token_at or ended
+        emit(
+            Finished(
+                finish_reason=reason,
+                usage=Usage(prompt_tokens=prompt.n_tokens, completion_tokens=streamer.count),
+                timings={
+                    "prefill_ms": round((first - started) * 1000, 1),
+                    "decode_ms": round((ended - first) * 1000, 1),
+                },
+            )
+        )
+
+
+class _PieceStreamer:
+    """The streamer handed to ``generate``: transformers' streamer contract (``put`` / ``end``).
+
+    Deliberate divergence from ``TextIteratorStreamer``: no blocking ``queue.Queue`` (items go to the event loop
+    through the bridge's ``emit``), and no holding text back to a word boundary (see ``IncrementalDecoder``).
+    It also stops the generation at a stop sequence by setting the cancel flag, which the stopping criterion
+    reads right after this ``put``: generation ends within the same step.
+    """
+
+    def __init__(self, tokenizer: Any, stops: Sequence[str], eos: frozenset[int], emit: Emit[Item], cancelled: Any):
+        self._decoder = IncrementalDecoder(lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+        self.stops = StopMatcher(stops)
+        self._eos = eos
+        self._emit = emit
+        self._cancelled = cancelled
+        self._prompt_seen = False
+        self._index = 0
+        self.count = 0
+        self.last_token: int | None = None
+        self.started = 0.0
+        self.first_token_at: float | None = None
+
+    def put(self, value: Any) -> None:
+        if not self._prompt_seen:  # generate() first hands us the prompt itself
+            self._prompt_seen = True
+            return
+        if self.stops.matched:
+            return
+        for token in value.reshape(-1).tolist():
+            if self.first_token_at is None:
+                self.first_token_at = time.perf_counter()
+            self.count += 1
+            self.last_token = token
+            if token in self._eos:
+                continue
+            self._send(self.stops.feed(self._decoder.push(token)))
+            if self.stops.matched:
+                self._cancelled.set()
+                return
+
+    def end(self) -> None:
+        if self.stops.matched or self._cancelled.is_set():
+            return
+        self._send(self.stops.feed(self._decoder.flush()))
+        if not self.stops.matched:
+            self._send(self.stops.flush())
+
+    def _send(self, text: str) -> None:
+        if text:
+            self._emit(Piece(index=self._index, text=text))
+            self._index += 1
+
+
+def _cancel_criterion(torch: Any, cancelled: Any) -> Any:
+    import transformers
+
+    class CancelCriterion(transformers.StoppingCriteria):  # type: ignore[misc]
+        """Ends generation at the next step once the request is cancelled (client gone, stop sequence)."""
+
+        def __call__(self, input_ids: Any, scores: Any, **kwargs: Any) -> Any:
+            done = cancelled.is_set()
+            return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
+
+    return CancelCriterion()
+
+
+def _seeded_sampler(torch: Any, params: SamplingParams, device: Any) -> Any:
+    """Temperature / top-p sampling with a per-request ``torch.Generator``.
+
+    ``generate(do_sample=True)`` draws from torch's global RNG, which every concurrent request shares, so a
+    ``seed`` would not reproduce anything under load. This processor samples with the request's own generator
+    and leaves only the drawn token finite; greedy selection then picks it.
+    """
+    import transformers
+
+    generator = torch.Generator(device=device)
+    if params.seed is not None:
+        generator.manual_seed(params.seed)
+    else:
+        generator.seed()
+
+    class SeededSampler(transformers.LogitsProcessor):  # type: ignore[misc]
+        def __call__(self, input_ids: Any, scores: Any) -> Any:
+            probs = torch.softmax(scores.float() / params.temperature, dim=-1)
+            if params.top_p < 1.0:
+                sorted_probs, order = torch.sort(probs, descending=True, dim=-1)
+                outside = torch.cumsum(sorted_probs, dim=-1) - sorted_probs > params.top_p
+                sorted_probs = sorted_probs.masked_fill(outside, 0.0)
+                probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+            choice = torch.multinomial(probs, num_samples=1, generator=generator)
+            out = torch.full_like(scores, float("-inf"))
+            return out.scatter_(-1, choice, 0.0)
+
+    return SeededSampler()

@@ -1,0 +1,91 @@
+"""From token ids to the pieces of text a client sees: eager incremental decoding and stop sequences.
+
+Both classes are pure (no torch) and are used by every engine, so the fake and the real engine frame text the
+same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+REPLACEMENT = "\ufffd"
+
+
+class IncrementalDecoder:
+    """Turns token ids, one at a time, into new text as soon as it is decodable.
+
+    Deliberate divergence from transformers' ``TextStreamer``: that one holds text back until a space or a
+    newline (it fears an incomplete word), which delays the first visible text by a whole decode step. Here a
+    token's text is released at once; only an incomplete UTF-8 sequence (a byte-level token that decodes to
+    U+FFFD on its own) is held back until the token that completes it.
+
+    Decoding uses a small window (``prefix`` .. end) rather than the whole history, so the cost per token stays
+    flat; the window starts one token back so that tokenizers which strip a leading space on the first token
+    (SentencePiece) produce the same spacing as a full decode.
+    """
+
+    def __init__(self, decode: Callable[[Sequence[int]], str]) -> None:
+        self._decode = decode
+        self._ids: list[int] = []
+        self._prefix = 0  # start of the decode window
+        self._read = 0  # ids before this index have had their text released
+
+    def push(self, token_id: int) -> str:
+        self._ids.append(token_id)
+        return self._release(final=False)
+
+    def flush(self) -> str:
+        """Whatever is still held back (an incomplete sequence at the very end)."""
+        return self._release(final=True)
+
+    def _release(self, *, final: bool) -> str:
+        if self._read >= len(self._ids):
+            return ""
+        before = self._decode(self._ids[self._prefix : self._read])
+        text = self._decode(self._ids[self._prefix :])
+        if not final and text.endswith(REPLACEMENT):
+            return ""
+        # A skipped special token decodes to nothing new; text never repeats and never goes backwards.
+        new = text[len(before) :] if len(text) > len(before) else ""
+        self._prefix, self._read = self._read, len(self._ids)
+        return new
+
+
+class StopMatcher:
+    """Cuts generated text at the first stop sequence; the stop text itself is never released.
+
+    Text that could still grow into a stop sequence is held back until it either completes one (generation
+    stops, the held text is dropped) or can no longer match (it is released).
+    """
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self._stops = tuple(s for s in stops if s)
+        self._pending = ""
+        self.matched = False
+
+    def feed(self, text: str) -> str:
+        if not self._stops:
+            return text
+        buffer = self._pending + text
+        hits = [i for stop in self._stops if (i := buffer.find(stop)) != -1]
+        if hits:
+            self.matched = True
+            self._pending = ""
+            return buffer[: min(hits)]
+        hold = self._partial_suffix(buffer)
+        self._pending = buffer[len(buffer) - hold :] if hold else ""
+        return buffer[: len(buffer) - hold]
+
+    def flush(self) -> str:
+        pending, self._pending = self._pending, ""
+        return pending
+
+    def _partial_suffix(self, buffer: str) -> int:
+        """Length of the longest end of ``buffer`` that is the beginning of some stop sequence."""
+        best = 0
+        for stop in self._stops:
+            for size in range(min(len(stop) - 1, len(buffer)), best, -1):
+                if buffer.endswith(stop[:size]):
+                    best = size
+                    break
+        return best

@@ -1,0 +1,163 @@
+"""One exception tree for the whole service, and the handlers that turn it into JSON at the HTTP boundary.
+
+    ServiceError                      every error the service raises on purpose
+    ├── ClientError                   the request is wrong; 4xx, never logged as a server fault
+    │   ├── InvalidRequest            400 invalid_request_error (names the offending ``param``)
+    │   │   └── PromptTooLong         400, the prompt does not fit the model's context
+    │   ├── Unauthorized              401 authentication_error
+    │   ├── NotFound                  404 not_found_error
+    │   ├── PayloadTooLarge           413 invalid_request_error
+    │   └── UnsupportedMediaType      415 invalid_request_error
+    ├── Unavailable                   503 with Retry-After
+    │   ├── NotReady                  the model is still loading, or the server is draining
+    │   └── Overloaded                every generation slot and queue place is taken
+    ├── EngineError                   500 server_error: generation itself failed
+    └── StartupError                  the model cannot be found or loaded; the process exits with its message
+
+Lower-layer errors (torch, transformers, the thread bridge) are translated with ``raise EngineError(...) from
+exc`` inside the engine. Every JSON error has one shape: ``{"error": {"message", "type", "param", "code"}}``.
+No traceback ever reaches a client: unexpected exceptions become a generic 500 and are logged with a request id.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import structlog
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+log = structlog.get_logger("ttft_sse.errors")
+
+
+class ServiceError(Exception):
+    status_code = 500
+    error_type = "server_error"
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.error_type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def headers(self) -> dict[str, str]:
+        return {}
+
+
+class ClientError(ServiceError):
+    status_code = 400
+    error_type = "invalid_request_error"
+
+
+class InvalidRequest(ClientError):
+    pass
+
+
+class PromptTooLong(InvalidRequest):
+    pass
+
+
+class Unauthorized(ClientError):
+    status_code = 401
+    error_type = "authentication_error"
+
+
+class NotFound(ClientError):
+    status_code = 404
+    error_type = "not_found_error"
+
+
+class PayloadTooLarge(ClientError):
+    status_code = 413
+
+
+class UnsupportedMediaType(ClientError):
+    status_code = 415
+
+
+class Unavailable(ServiceError):
+    status_code = 503
+    error_type = "unavailable_error"
+
+    def __init__(self, message: str, *, retry_after: float = 1.0, code: str | None = None) -> None:
+        super().__init__(message, code=code)
+        self.retry_after = retry_after
+
+    def headers(self) -> dict[str, str]:
+        # Retry-After takes whole seconds; round up so that a client never comes back too early.
+        return {"Retry-After": str(max(1, int(-(-self.retry_after // 1))))}
+
+
+class NotReady(Unavailable):
+    pass
+
+
+class Overloaded(Unavailable):
+    error_type = "overloaded_error"
+
+
+class EngineError(ServiceError):
+    pass
+
+
+class StartupError(ServiceError):
+    pass
+
+
+def error_response(exc: ServiceError) -> JSONResponse:
+    return JSONResponse(exc.to_dict(), status_code=exc.status_code, headers=exc.headers())
+
+
+async def _service_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ServiceError)
+    if not isinstance(exc, ClientError | Unavailable):
+        log.error("request_failed", error=exc.message, error_type=type(exc).__name__)
+    return error_response(exc)
+
+
+_HTTP_TYPES = {404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error"}
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == 404:
+        message = f"no route for {request.method} {request.url.path}"
+    elif exc.status_code == 405:
+        message = f"method {request.method} is not allowed on {request.url.path}"
+    elif exc.status_code == 413:
+        message = "request body is too large"
+    else:
+        message = str(exc.detail)
+    body = {
+        "error": {
+            "message": message,
+            "type": _HTTP_TYPES.get(exc.status_code, "invalid_request_error"),
+            "param": None,
+            "code": None,
+        }
+    }
+    return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+
+
+async def _unexpected_error(request: Request, exc: Exception) -> Response:
+    log.exception("unhandled_error", error_type=type(exc).__name__)
+    body = {"error": {"message": "internal server error", "type": "server_error", "param": None, "code": None}}
+    return JSONResponse(body, status_code=500)
+
+
+EXCEPTION_HANDLERS: dict[Any, Any] = {
+    ServiceError: _service_error,
+    HTTPException: _http_error,
+    Exception: _unexpected_error,
+}

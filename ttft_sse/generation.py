@@ -1,0 +1,134 @@
+"""The path every generating surface shares: validate → tokenize → admit → stream → time → log.
+
+``Generations.open`` does everything that can fail with a status code (not ready, bad prompt, no room) before
+a response header is sent. ``Run.events`` then yields ``Queued`` (while waiting for a slot), ``Piece`` items and
+one ``Finished`` whose timings hold the request's whole story: queue wait, prefill, time to first token, total.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
+from dataclasses import dataclass, replace
+from functools import partial
+from typing import TYPE_CHECKING
+
+import anyio
+import structlog
+
+from ttft_sse.engine.base import Finished, Piece, Prompt, SamplingParams
+from ttft_sse.errors import ClientError, NotReady, Overloaded, ServiceError
+from ttft_sse.gate import Ticket
+from ttft_sse.schemas import GenerationRequest
+
+if TYPE_CHECKING:
+    from ttft_sse.lifespan import Runtime
+
+log = structlog.get_logger("ttft_sse.generation")
+
+
+@dataclass(frozen=True)
+class Queued:
+    position: int
+
+
+Event = Queued | Piece | Finished
+
+
+class Generations:
+    def __init__(self, runtime: Runtime) -> None:
+        self._runtime = runtime
+
+    async def open(self, request: GenerationRequest, *, arrival: float, endpoint: str, check_ready: bool = True) -> Run:
+        runtime = self._runtime
+        if check_ready and not runtime.ready:
+            raise NotReady(runtime.not_ready_reason(), retry_after=5)
+        engine = runtime.engine
+        prompt = await anyio.to_thread.run_sync(
+            partial(engine.prepare, prompt=request.prompt, messages=request.messages, raw=request.raw)
+        )
+        params = request.sampling(
+            prompt_tokens=prompt.n_tokens,
+            context_length=engine.info.context_length,
+            default_max_tokens=runtime.settings.default_max_tokens,
+        )
+        ticket = runtime.gate.reserve()
+        return Run(runtime, prompt, params, ticket, arrival=arrival, endpoint=endpoint)
+
+
+class Run:
+    """One admitted (or queued) generation. Iterate :meth:`events` once; closing it early cancels generation."""
+
+    def __init__(
+        self,
+        runtime: Runtime,
+        prompt: Prompt,
+        params: SamplingParams,
+        ticket: Ticket,
+        *,
+        arrival: float,
+        endpoint: str,
+    ) -> None:
+        self._runtime = runtime
+        self.prompt = prompt
+        self.params = params
+        self._ticket = ticket
+        self._arrival = arrival
+        self._endpoint = endpoint
+
+    def close(self) -> None:
+        """Give back the gate ticket. ``events`` does this itself; call it where ``events`` may never start."""
+        self._ticket.release()
+
+    async def events(self) -> AsyncGenerator[Event, None]:
+        outcome = "cancelled"
+        first_at: float | None = None
+        finished: Finished | None = None
+        try:
+            async for position in self._ticket.wait():
+                yield Queued(position)
+            queue_ms = self._ticket.waited * 1000
+            async with aclosing(self._runtime.engine.stream(self.prompt, self.params)) as items:
+                async for item in items:
+                    if isinstance(item, Finished):
+                        now = time.perf_counter()
+                        timings = {
+                            "queue_ms": round(queue_ms, 1),
+                            **item.timings,
+                            "ttft_ms": round(((first_at or now) - self._arrival) * 1000, 1),
+                            "total_ms": round((now - self._arrival) * 1000, 1),
+                        }
+                        finished = replace(item, timings=timings)
+                        outcome = "ok"
+                        yield finished
+                        return
+                    if first_at is None:
+                        first_at = time.perf_counter()
+                    yield item
+        except Overloaded:
+            outcome = "overloaded"
+            raise
+        except ClientError:
+            outcome = "invalid"
+            raise
+        except ServiceError:
+            outcome = "error"
+            raise
+        finally:
+            self._ticket.release()
+            fields: dict[str, object] = {
+                "endpoint": self._endpoint,
+                "outcome": outcome,
+                "prompt_tokens": self.prompt.n_tokens,
+                "max_tokens": self.params.max_tokens,
+            }
+            if finished is not None:
+                fields.update(
+                    finish_reason=finished.finish_reason,
+                    completion_tokens=finished.usage.completion_tokens,
+                    **finished.timings,
+                )
+            elif first_at is not None:
+                fields["ttft_ms"] = round((first_at - self._arrival) * 1000, 1)
+            log.info("generation", **fields)

@@ -1,0 +1,97 @@
+"""structlog set-up, and the middleware that gives every request an id, an arrival time and an access log line."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+import uuid
+
+import structlog
+from starlette.datastructures import MutableHeaders
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+REQUEST_ID_HEADER = "x-request-id"
+
+
+def configure(*, level: str = "info", fmt: str = "json") -> None:
+    """JSON lines on stderr (or a readable console form). Stdlib loggers (hypercorn's) go through the same path."""
+    renderer: structlog.typing.Processor = (
+        structlog.processors.JSONRenderer() if fmt == "json" else structlog.dev.ConsoleRenderer(colors=False)
+    )
+    shared: list[structlog.typing.Processor] = [
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+    ]
+    structlog.configure(
+        processors=[*shared, structlog.processors.format_exc_info, renderer],
+        wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        cache_logger_on_first_use=True,
+    )
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
+            foreign_pre_chain=[*shared, structlog.stdlib.add_logger_name],
+        )
+    )
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    for noisy in ("httpx", "httpcore", "urllib3", "filelock"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+class RequestContext:
+    """Pure ASGI middleware (it must not buffer streams): request id, arrival time, access log.
+
+    The id comes from the client's ``X-Request-ID`` when it sends a sane one, else a new one; it is echoed in
+    the response and bound to every log line of the request. ``scope["state"]["arrival"]`` is the
+    ``perf_counter`` at which the request reached the app: TTFT is measured from there.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+        self.log = structlog.get_logger("ttft_sse.access")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        arrival = time.perf_counter()
+        request_id = _request_id(scope)
+        scope.setdefault("state", {})
+        scope["state"]["arrival"] = arrival
+        scope["state"]["request_id"] = request_id
+        status = 0
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                MutableHeaders(scope=message)[REQUEST_ID_HEADER] = request_id
+            await send(message)
+
+        structlog.contextvars.bind_contextvars(request_id=request_id)
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            self.log.info(
+                "request",
+                method=scope["method"],
+                path=scope["path"],
+                status=status,
+                duration_ms=round((time.perf_counter() - arrival) * 1000, 1),
+            )
+            structlog.contextvars.unbind_contextvars("request_id")
+
+
+def _request_id(scope: Scope) -> str:
+    for name, value in scope.get("headers", ()):
+        if name == REQUEST_ID_HEADER.encode():
+            text: str = value.decode("latin-1")
+            if 0 < len(text) <= 128 and text.isascii() and text.isprintable():
+                return text
+    return uuid.uuid4().hex

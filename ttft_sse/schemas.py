@@ -1,0 +1,229 @@
+"""Request value types and their validation. Every refusal is an ``InvalidRequest`` that names the field."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, cast
+
+from starlette.datastructures import QueryParams
+
+from ttft_sse.engine.base import ROLES, ChatMessage, Role, SamplingParams
+from ttft_sse.errors import InvalidRequest, PromptTooLong
+
+MAX_STOP_SEQUENCES = 4
+FIELDS = ("prompt", "messages", "raw", "max_tokens", "temperature", "top_p", "stop", "seed")
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt: str | None
+    messages: tuple[ChatMessage, ...] | None
+    raw: bool = False
+    max_tokens: int | None = None
+    temperature: float = 0.0
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+    @classmethod
+    def from_json(cls, body: Any, *, max_tokens_cap: int) -> GenerationRequest:
+        if not isinstance(body, dict):
+            raise InvalidRequest(f"the request body must be a JSON object, not {_json_type(body)}")
+        unknown = sorted(set(body) - set(FIELDS))
+        if unknown:
+            raise InvalidRequest(
+                f"unknown field(s): {', '.join(unknown)}; accepted: {', '.join(FIELDS)}", param=unknown[0]
+            )
+        return cls._build(body, max_tokens_cap)
+
+    @classmethod
+    def from_query(cls, query: QueryParams, *, max_tokens_cap: int) -> GenerationRequest:
+        """GET form, for ``EventSource``: scalars as text, ``stop`` repeated, ``messages`` as a JSON string."""
+        unknown = sorted(set(query.keys()) - set(FIELDS))
+        if unknown:
+            raise InvalidRequest(
+                f"unknown query parameter(s): {', '.join(unknown)}; accepted: {', '.join(FIELDS)}",
+                param=unknown[0],
+            )
+        values: dict[str, Any] = {}
+        for key in query:
+            if key == "stop":
+                stops = query.getlist("stop")
+                values["stop"] = stops[0] if len(stops) == 1 else stops
+                continue
+            if len(query.getlist(key)) > 1:
+                raise InvalidRequest(f"{key} is given more than once", param=key)
+            text = query[key]
+            if key == "messages":
+                try:
+                    values[key] = json.loads(text)
+                except json.JSONDecodeError:
+                    raise InvalidRequest("messages must be a JSON array of {role, content}", param=key) from None
+            elif key in ("max_tokens", "seed"):
+                values[key] = _parse_number(key, text, int)
+            elif key in ("temperature", "top_p"):
+                values[key] = _parse_number(key, text, float)
+            elif key == "raw":
+                values[key] = _parse_bool(key, text)
+            else:
+                values[key] = text
+        return cls._build(values, max_tokens_cap)
+
+    @classmethod
+    def _build(cls, body: Mapping[str, Any], cap: int) -> GenerationRequest:
+        prompt = body.get("prompt")
+        messages = body.get("messages")
+        if prompt is not None and messages is not None:
+            raise InvalidRequest("give either prompt or messages, not both", param="messages")
+        if prompt is None and messages is None:
+            raise InvalidRequest("prompt or messages is required", param="prompt")
+        if prompt is not None:
+            if not isinstance(prompt, str):
+                raise InvalidRequest(f"prompt must be a string, not {_json_type(prompt)}", param="prompt")
+            if not prompt.strip():
+                raise InvalidRequest("prompt is empty", param="prompt")
+        parsed_messages = _messages(messages) if messages is not None else None
+        raw = body.get("raw", False)
+        if not isinstance(raw, bool):
+            raise InvalidRequest(f"raw must be true or false, not {_json_type(raw)}", param="raw")
+        if raw and parsed_messages is not None:
+            raise InvalidRequest(
+                "raw applies to prompt only; messages always go through the chat template", param="raw"
+            )
+        max_tokens = body.get("max_tokens")
+        if max_tokens is not None:
+            max_tokens = _integer("max_tokens", max_tokens)
+            if not 1 <= max_tokens <= cap:
+                raise InvalidRequest(f"max_tokens must be between 1 and {cap}, got {max_tokens}", param="max_tokens")
+        temperature = _number("temperature", body.get("temperature", 0.0))
+        if not 0.0 <= temperature <= 2.0:
+            raise InvalidRequest(f"temperature must be between 0 and 2, got {temperature}", param="temperature")
+        top_p = _number("top_p", body.get("top_p", 1.0))
+        if not 0.0 < top_p <= 1.0:
+            raise InvalidRequest(f"top_p must be more than 0 and at most 1, got {top_p}", param="top_p")
+        seed = body.get("seed")
+        if seed is not None:
+            seed = _integer("seed", seed)
+            if not 0 <= seed < 2**63:
+                raise InvalidRequest("seed must be between 0 and 2**63-1", param="seed")
+        return cls(
+            prompt=prompt,
+            messages=parsed_messages,
+            raw=raw,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            stop=_stops(body.get("stop")),
+            seed=seed,
+        )
+
+    def sampling(self, *, prompt_tokens: int, context_length: int, default_max_tokens: int) -> SamplingParams:
+        """Sampling parameters for a prompt of ``prompt_tokens``; refuses a ``max_tokens`` that cannot fit."""
+        room = context_length - prompt_tokens
+        if self.max_tokens is None:
+            max_tokens = min(default_max_tokens, room)
+        elif self.max_tokens > room:
+            raise PromptTooLong(
+                f"the prompt is {prompt_tokens} tokens and max_tokens is {self.max_tokens}, but the model's context "
+                f"is {context_length} tokens; lower max_tokens to {room} or shorten the prompt",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        else:
+            max_tokens = self.max_tokens
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            seed=self.seed,
+            stop=self.stop,
+        )
+
+
+def _messages(value: Any) -> tuple[ChatMessage, ...]:
+    if not isinstance(value, list):
+        raise InvalidRequest(f"messages must be a list, not {_json_type(value)}", param="messages")
+    if not value:
+        raise InvalidRequest("messages is empty", param="messages")
+    out = []
+    for i, item in enumerate(value):
+        where = f"messages[{i}]"
+        if not isinstance(item, dict):
+            raise InvalidRequest(f"{where} must be an object with role and content", param=where)
+        role, content = item.get("role"), item.get("content")
+        if role not in ROLES:
+            raise InvalidRequest(
+                f"{where}.role must be one of {', '.join(ROLES)}, got {json.dumps(role)}",
+                param=f"{where}.role",
+            )
+        if not isinstance(content, str):
+            raise InvalidRequest(f"{where}.content must be a string", param=f"{where}.content")
+        extra = sorted(set(item) - {"role", "content", "name"})
+        if extra:
+            raise InvalidRequest(f"{where} has unknown field(s): {', '.join(extra)}", param=f"{where}.{extra[0]}")
+        out.append(ChatMessage(role=cast(Role, role), content=content))
+    if not any(m.content.strip() for m in out):
+        raise InvalidRequest("every message is empty", param="messages")
+    return tuple(out)
+
+
+def _stops(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+        raise InvalidRequest("stop must be a string or a list of strings", param="stop")
+    if len(items) > MAX_STOP_SEQUENCES:
+        raise InvalidRequest(f"stop takes at most {MAX_STOP_SEQUENCES} sequences, got {len(items)}", param="stop")
+    if any(not s for s in items):
+        raise InvalidRequest("stop sequences must not be empty", param="stop")
+    return tuple(items)
+
+
+def _integer(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value):
+        raise InvalidRequest(f"{name} must be an integer, not {_json_type(value)}", param=name)
+    return int(value)
+
+
+def _number(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise InvalidRequest(f"{name} must be a number, not {_json_type(value)}", param=name)
+    return float(value)
+
+
+def _parse_number(name: str, text: str, kind: type[int] | type[float]) -> int | float:
+    try:
+        value = kind(text)
+    except ValueError:
+        noun = "an integer" if kind is int else "a number"
+        raise InvalidRequest(f"{name} must be {noun}, got {text!r}", param=name) from None
+    return value
+
+
+def _parse_bool(name: str, text: str) -> bool:
+    lowered = text.lower()
+    if lowered in ("1", "true", "yes"):
+        return True
+    if lowered in ("0", "false", "no"):
+        return False
+    raise InvalidRequest(f"{name} must be true or false, got {text!r}", param=name)
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, dict):
+        return "an object"
+    return type(value).__name__
