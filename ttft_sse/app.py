@@ -8,9 +8,11 @@ from starlette.routing import Route
 
 from ttft_sse.api.complete import complete
 from ttft_sse.api.health import healthz, readyz
+from ttft_sse.api.jobs import cancel_job, job_result, submit_job
 from ttft_sse.api.stream import stream
 from ttft_sse.engine.base import Engine
 from ttft_sse.errors import EXCEPTION_HANDLERS
+from ttft_sse.jobs import make_store
 from ttft_sse.lifespan import Runtime, lifespan
 from ttft_sse.log import RequestContext
 from ttft_sse.settings import Settings
@@ -30,6 +32,9 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
         routes=[
             Route("/stream", stream, methods=["GET", "POST"]),
             Route("/complete", complete, methods=["POST"]),
+            Route("/jobs", submit_job, methods=["POST"]),
+            Route("/result/{job_id}", job_result, methods=["GET"]),
+            Route("/jobs/{job_id}", cancel_job, methods=["DELETE"]),
             Route("/healthz", healthz, methods=["GET"]),
             Route("/readyz", readyz, methods=["GET"]),
         ],
@@ -37,5 +42,7 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
         exception_handlers=EXCEPTION_HANDLERS,
         lifespan=lifespan,
     )
-    app.state.runtime = Runtime(settings, engine)
+    runtime = Runtime(settings, engine)
+    runtime.jobs = make_store(runtime)
+    app.state.runtime = runtime
     return app

@@ -6,6 +6,7 @@
     │   │   └── PromptTooLong         400, the prompt does not fit the model's context
     │   ├── Unauthorized              401 authentication_error
     │   ├── NotFound                  404 not_found_error
+    │   ├── Conflict                  409 conflict_error (e.g. cancelling a job that has already finished)
     │   ├── PayloadTooLarge           413 invalid_request_error
     │   └── UnsupportedMediaType      415 invalid_request_error
     ├── Unavailable                   503 with Retry-After
@@ -72,10 +73,18 @@ class Unauthorized(ClientError):
     status_code = 401
     error_type = "authentication_error"
 
+    def headers(self) -> dict[str, str]:
+        return {"WWW-Authenticate": 'Bearer realm="ttft-sse"'}
+
 
 class NotFound(ClientError):
     status_code = 404
     error_type = "not_found_error"
+
+
+class Conflict(ClientError):
+    status_code = 409
+    error_type = "conflict_error"
 
 
 class PayloadTooLarge(ClientError):

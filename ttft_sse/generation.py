@@ -1,7 +1,11 @@
 """The path every generating surface shares: validate → tokenize → admit → stream → time → log.
 
 ``Generations.open`` does everything that can fail with a status code (not ready, bad prompt, no room) before
-a response header is sent. ``Run.events`` then yields ``Queued`` (while waiting for a slot), ``Piece`` items and
+a response header is sent: ``prepare`` (readiness, tokenizer, length) then ``admit`` (a gate ticket in the
+caller's lane). Overflow jobs call the two apart: prepared at submission, so a bad prompt is a 400 at once,
+and admitted in the jobs lane when a runner takes them.
+
+``Run.events`` then yields ``Queued`` (while waiting for a slot), ``Piece`` items and
 one ``Finished`` whose timings hold the request's whole story: queue wait, prefill, time to first token, total.
 """
 
@@ -17,9 +21,10 @@ from typing import TYPE_CHECKING
 import anyio
 import structlog
 
+from ttft_sse.auth import Caller
 from ttft_sse.engine.base import Finished, Piece, Prompt, SamplingParams
 from ttft_sse.errors import ClientError, NotReady, Overloaded, ServiceError
-from ttft_sse.gate import Ticket
+from ttft_sse.gate import Lane, Ticket
 from ttft_sse.schemas import GenerationRequest
 
 if TYPE_CHECKING:
@@ -36,11 +41,33 @@ class Queued:
 Event = Queued | Piece | Finished
 
 
+@dataclass(frozen=True)
+class Prepared:
+    """A validated, tokenized request, not yet admitted: what ``Generations.admit`` (or a job) takes."""
+
+    prompt: Prompt
+    params: SamplingParams
+
+
 class Generations:
     def __init__(self, runtime: Runtime) -> None:
         self._runtime = runtime
 
-    async def open(self, request: GenerationRequest, *, arrival: float, endpoint: str, check_ready: bool = True) -> Run:
+    async def open(
+        self,
+        request: GenerationRequest,
+        *,
+        caller: Caller,
+        arrival: float,
+        endpoint: str,
+        check_ready: bool = True,
+    ) -> Run:
+        """Prepare, then admit ``request`` in ``caller``'s lane (a slot, a queue place, or ``Overloaded``)."""
+        prepared = await self.prepare(request, check_ready=check_ready)
+        return self.admit(prepared, caller=caller, arrival=arrival, endpoint=endpoint)
+
+    async def prepare(self, request: GenerationRequest, *, check_ready: bool = True) -> Prepared:
+        """Everything that can refuse a request as the client's fault: readiness, template, tokenizer, length."""
         runtime = self._runtime
         if check_ready and not runtime.ready:
             raise NotReady(runtime.not_ready_reason(), retry_after=5)
@@ -53,8 +80,14 @@ class Generations:
             context_length=engine.info.context_length,
             default_max_tokens=runtime.settings.default_max_tokens,
         )
-        ticket = runtime.gate.reserve()
-        return Run(runtime, prompt, params, ticket, arrival=arrival, endpoint=endpoint)
+        return Prepared(prompt, params)
+
+    def admit(self, prepared: Prepared, *, caller: Caller, arrival: float, endpoint: str) -> Run:
+        """Take a gate ticket in ``caller``'s lane. Job-lane tickets are patient (no deadline, no queue place)."""
+        ticket = self._runtime.gate.reserve(caller.lane, patient=caller.lane is Lane.JOBS)
+        return Run(
+            self._runtime, prepared.prompt, prepared.params, ticket, arrival=arrival, endpoint=endpoint, caller=caller
+        )
 
 
 class Run:
@@ -69,8 +102,10 @@ class Run:
         *,
         arrival: float,
         endpoint: str,
+        caller: Caller,
     ) -> None:
         self._runtime = runtime
+        self.caller = caller
         self.prompt = prompt
         self.params = params
         self._ticket = ticket
@@ -120,6 +155,8 @@ class Run:
             fields: dict[str, object] = {
                 "endpoint": self._endpoint,
                 "outcome": outcome,
+                "lane": self.caller.lane.label,
+                "key_id": self.caller.key_id,
                 "prompt_tokens": self.prompt.n_tokens,
                 "max_tokens": self.params.max_tokens,
             }

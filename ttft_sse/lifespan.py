@@ -18,9 +18,11 @@ import anyio
 import structlog
 from starlette.applications import Starlette
 
+from ttft_sse.auth import ANONYMOUS, Keyring
 from ttft_sse.engine.base import Engine
 from ttft_sse.gate import Gate
 from ttft_sse.generation import Generations
+from ttft_sse.jobs import JobStore
 from ttft_sse.schemas import GenerationRequest
 from ttft_sse.settings import Settings
 from ttft_sse.stages import StageClock
@@ -33,7 +35,7 @@ WARMUP_TOKENS = 8
 
 
 class Runtime:
-    """What the app holds while it runs: settings, the engine, the gate, and the start-up story."""
+    """What the app holds while it runs: settings, keys, the engine, the gate, jobs, and the start-up story."""
 
     def __init__(self, settings: Settings, engine: Engine) -> None:
         self.settings = settings
@@ -43,7 +45,9 @@ class Runtime:
             max_queue=settings.max_queue,
             timeout=settings.queue_timeout_seconds,
         )
+        self.keyring = Keyring.from_spec(settings.api_keys)
         self.generations = Generations(self)
+        self.jobs: JobStore | None = None  # set by create_app; a worker process runs jobs, it keeps none
         self.clock = StageClock()
         self.state: State = "starting"
         self.error: str | None = None
@@ -77,6 +81,8 @@ class Runtime:
             self.failed.set()
             return
         if self.state == "starting":
+            if self.jobs is not None:
+                await self.jobs.start()
             self.state = "ready"
             info = self.engine.info
             log.info(
@@ -91,13 +97,17 @@ class Runtime:
     async def _warm_up(self) -> None:
         """One short generation through the same path a request takes (template, tokenizer, gate, engine)."""
         request = GenerationRequest(prompt=WARMUP_PROMPT, messages=None, max_tokens=WARMUP_TOKENS)
-        run = await self.generations.open(request, arrival=time.perf_counter(), endpoint="warmup", check_ready=False)
+        run = await self.generations.open(
+            request, caller=ANONYMOUS, arrival=time.perf_counter(), endpoint="warmup", check_ready=False
+        )
         async with aclosing(run.events()) as events:
             async for _ in events:
                 pass
 
     async def stop(self) -> None:
         self.state = "stopping" if self.state != "failed" else self.state
+        if self.jobs is not None:
+            await self.jobs.close()
         await self.engine.close()
 
 

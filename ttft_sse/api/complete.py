@@ -8,15 +8,16 @@ import anyio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from ttft_sse.api.body import arrival_of, generation_request, runtime_of
+from ttft_sse.api.body import arrival_of, caller_of, generation_request, runtime_of
 from ttft_sse.engine.base import Finished, Piece
 from ttft_sse.generation import Run
 
 
 async def complete(request: Request) -> Response:
     runtime = runtime_of(request)
+    caller = caller_of(request)
     run = await runtime.generations.open(
-        await generation_request(request), arrival=arrival_of(request), endpoint="complete"
+        await generation_request(request), caller=caller, arrival=arrival_of(request), endpoint="complete"
     )
     result: list[Finished] = []
     parts: list[str] = []
