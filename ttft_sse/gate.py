@@ -149,6 +149,10 @@ class Gate:
             return 0
         return sum(len(self._lanes[lane]) for lane in Lane if lane < ticket.lane) + index + 1
 
+    def record_service(self, seconds: float) -> None:
+        """Note how long a slot was held (``_leave`` calls it for every admitted ticket)."""
+        self._held.append(seconds)
+
     def service_seconds(self) -> float | None:
         """Mean slot hold time of the last :data:`SERVICE_WINDOW` generations; None before the first one ends."""
         return sum(self._held) / len(self._held) if self._held else None
@@ -167,7 +171,7 @@ class Gate:
 
     def _leave(self, ticket: Ticket) -> None:
         if ticket.admitted:
-            self._held.append(time.perf_counter() - (ticket.admitted_at or ticket.created))
+            self.record_service(time.perf_counter() - (ticket.admitted_at or ticket.created))
             self.running -= 1
         else:
             queue = self._lanes[ticket.lane]

@@ -179,6 +179,9 @@ def celery_app(settings: Settings) -> Celery:
         task_serializer="json",
         accept_content=["json"],
         worker_prefetch_multiplier=1,  # a worker process holds one job, not a batch that others could run
+        # A pool process loads and warms the model before it reports up. Celery's default (4 s) kills and
+        # re-forks one that takes longer, forever: a replacement for a killed pool process never came up.
+        worker_proc_alive_timeout=900,
         worker_hijack_root_logger=False,
         worker_redirect_stdouts=False,
         worker_cancel_long_running_tasks_on_connection_loss=False,
