@@ -45,7 +45,7 @@ def running(app: Starlette, *, ready_timeout: float = 120.0) -> Iterator[str]:
         asyncio.set_event_loop(loop)
         try:
             loop.run_until_complete(serve(app, config, shutdown_trigger=stop.wait))  # type: ignore[arg-type]
-        except BaseException as exc:  # noqa: BLE001
+        except BaseException as exc:
             failure.append(exc)
 
     thread = threading.Thread(target=run, name="test-hypercorn", daemon=True)

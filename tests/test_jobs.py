@@ -15,7 +15,7 @@ from ttft_sse.auth import ANONYMOUS
 from ttft_sse.engine.fake import FakeEngine
 from ttft_sse.jobs import EmbeddedJobs
 from ttft_sse.lifespan import Runtime
-from ttft_sse.settings import Settings
+from ttft_sse.settings import Settings, SettingsError
 
 VIEW_KEYS = {"id", "status", "created", "started", "finished", "attempts", "tokens", "result_url"}
 
@@ -182,3 +182,42 @@ def test_jobs_left_at_shutdown_end_failed_with_the_reason() -> None:
         assert job.status == "failed"
         assert job.error["code"] == "shutdown"
         assert job.error["message"].startswith(f"the server shut down {when}")
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"TTFT_REDIS_URL": "localhost:6379"}, "redis_url must start with redis://, rediss:// or unix://"),
+        ({"TTFT_REDIS_URL": "http://user:hunter2@host"}, "redis_url must start with"),
+        ({"TTFT_JOB_RUNNERS": "0"}, "job_runners must be at least 1, got 0"),
+        ({"TTFT_MAX_JOBS": "0"}, "max_jobs must be at least 1, got 0"),
+        ({"TTFT_JOB_ATTEMPTS": "0"}, "job_attempts must be at least 1, got 0"),
+        ({"TTFT_JOB_TTL_SECONDS": "0"}, "job_ttl_seconds must be more than 0"),
+        ({"TTFT_JOB_LEASE_SECONDS": "-1"}, "job_lease_seconds must be more than 0"),
+    ],
+)
+def test_bad_job_settings_are_refused_with_a_sentence(env: dict[str, str], message: str) -> None:
+    with pytest.raises(SettingsError) as info:
+        Settings.from_env(env)
+    assert message in str(info.value)
+    assert "hunter2" not in str(info.value)  # a Redis URL may carry a password: never echoed
+
+
+def test_job_settings_from_the_environment() -> None:
+    env = {
+        "TTFT_REDIS_URL": "redis://127.0.0.1:6380/2",
+        "TTFT_JOB_RUNNERS": "2",
+        "TTFT_MAX_JOBS": "50",
+        "TTFT_JOB_TTL_SECONDS": "60",
+        "TTFT_JOB_LEASE_SECONDS": "10",
+        "TTFT_JOB_ATTEMPTS": "5",
+    }
+    s = Settings.from_env(env)
+    assert (s.redis_url, s.job_runners, s.max_jobs, s.job_ttl_seconds, s.job_lease_seconds, s.job_attempts) == (
+        "redis://127.0.0.1:6380/2",
+        2,
+        50,
+        60.0,
+        10.0,
+        5,
+    )

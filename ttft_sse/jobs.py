@@ -256,14 +256,17 @@ class EmbeddedJobs:
             run = generations.admit(
                 entry.prepared, caller=Caller(Lane.JOBS, job.owner), arrival=started, endpoint="job"
             )
+            finished: Finished | None = None
             async with aclosing(run.events()) as events:
                 async for item in events:
                     if isinstance(item, Piece):
                         parts.append(item.text)
                         job.tokens += 1
                     elif isinstance(item, Finished):
-                        job.tokens = item.usage.completion_tokens
-                        self._end(entry, "done", result=result_of(item, "".join(parts), wait_ms))
+                        finished = item
+            if finished is not None and job.status == "running":  # done once its slot is given back
+                job.tokens = finished.usage.completion_tokens
+                self._end(entry, "done", result=result_of(finished, "".join(parts), wait_ms))
         except asyncio.CancelledError:
             if job.status == "running":  # the server is closing, not a DELETE
                 raise

@@ -49,9 +49,10 @@ class Reader:
         self._thread.start()
 
     def _read(self, base: str, prompt: str, headers: dict[str, str]) -> None:
-        with httpx.Client(timeout=30) as client, client.stream(
-            "POST", f"{base}/stream", json={"prompt": prompt}, headers=headers
-        ) as response:
+        with (
+            httpx.Client(timeout=30) as client,
+            client.stream("POST", f"{base}/stream", json={"prompt": prompt}, headers=headers) as response,
+        ):
             self.status = response.status_code
             for line in response.iter_lines():
                 self.lines.append(line)
@@ -131,9 +132,7 @@ def test_a_client_that_leaves_while_queued_frees_its_place_and_a_full_queue_is_a
 
         leaver.leave()
         leaver.join()
-        wait_until(
-            lambda: httpx.get(f"{base}/readyz").json()["waiting"] == 0, timeout=20, what="the place to be freed"
-        )
+        wait_until(lambda: httpx.get(f"{base}/readyz").json()["waiting"] == 0, timeout=20, what="the place to be freed")
         after = Reader(base, "after")
         after.wait_for("the newcomer to take the freed place", lambda r: r.positions() == [1])
         engine.release.set()

@@ -81,11 +81,13 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         settings = Settings(redis_url=url, warmup=False, job_lease_seconds=LEASE)
         client = redis.Redis.from_url(url, decode_responses=True)
         try:
-            with running(create_app(settings, FakeEngine(context_length=4096))) as one:
-                with running(create_app(settings, FakeEngine(context_length=4096))) as two:
-                    for worker in workers:
-                        wait_worker_ready(worker)
-                    yield Cluster(one, two, workers, client)
+            with (
+                running(create_app(settings, FakeEngine(context_length=4096))) as one,
+                running(create_app(settings, FakeEngine(context_length=4096))) as two,
+            ):
+                for worker in workers:
+                    wait_worker_ready(worker)
+                yield Cluster(one, two, workers, client)
         finally:
             for worker in workers:
                 worker.stop()

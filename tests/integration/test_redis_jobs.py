@@ -48,9 +48,11 @@ def settings_for(url: str, **changes: Any) -> Settings:
 @pytest.fixture
 def servers(redis_url: str, r: redis.Redis) -> Iterator[tuple[str, str]]:
     """Two servers sharing the Redis URL (the fake engine only validates; jobs run on a worker)."""
-    with running(create_app(settings_for(redis_url), FakeEngine())) as one:
-        with running(create_app(settings_for(redis_url), FakeEngine())) as two:
-            yield one, two
+    with (
+        running(create_app(settings_for(redis_url), FakeEngine())) as one,
+        running(create_app(settings_for(redis_url), FakeEngine())) as two,
+    ):
+        yield one, two
 
 
 def runner_for(url: str, engine: FakeEngine | None = None, **changes: Any) -> JobRunner:
@@ -90,7 +92,12 @@ def test_submitted_on_one_server_run_by_a_worker_answered_by_another(
     finally:
         runner.close()
     done = view(two, job_id)
-    assert (done["status"], done["text"], done["finish_reason"], done["attempts"]) == ("done", "Hello, world", "length", 1)
+    assert (done["status"], done["text"], done["finish_reason"], done["attempts"]) == (
+        "done",
+        "Hello, world",
+        "length",
+        1,
+    )
     assert done["usage"] == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}
     assert {"wait_ms", "queue_ms", "prefill_ms", "decode_ms", "ttft_ms", "total_ms"} <= set(done["timings"])
     assert view(one, job_id) == done
