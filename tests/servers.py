@@ -45,8 +45,14 @@ def running(app: Starlette, *, ready_timeout: float = 120.0) -> Iterator[str]:
         asyncio.set_event_loop(loop)
         try:
             loop.run_until_complete(serve(app, config, shutdown_trigger=stop.wait))  # type: ignore[arg-type]
-        except BaseException as exc:  # noqa: BLE001
+        except BaseException as exc:
             failure.append(exc)
+        finally:  # end what the server left behind (sse-starlette's shutdown watcher) before the loop goes
+            pending = asyncio.all_tasks(loop)
+            for task in pending:
+                task.cancel()
+            loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+            loop.close()
 
     thread = threading.Thread(target=run, name="test-hypercorn", daemon=True)
     thread.start()
@@ -56,8 +62,11 @@ def running(app: Starlette, *, ready_timeout: float = 120.0) -> Iterator[str]:
         if failure:
             raise RuntimeError("server failed to start") from failure[0]
         try:
-            if httpx.get(f"{base}/readyz", timeout=2).status_code == 200:
+            ready = httpx.get(f"{base}/readyz", timeout=2)
+            if ready.status_code == 200:
                 break
+            if ready.json()["status"] == "failed":
+                raise RuntimeError(f"server failed to start: {ready.json()['reason']}")
         except httpx.TransportError:
             pass
         if time.monotonic() > deadline:

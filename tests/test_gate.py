@@ -59,7 +59,7 @@ async def test_queue_wait_is_bounded() -> None:
     gate = Gate(slots=1, max_queue=1, timeout=0.05)
     gate.reserve()
     queued = gate.reserve()
-    with pytest.raises(Overloaded, match="waited 0.05 s in the queue"):
+    with pytest.raises(Overloaded, match=r"waited 0\.05 s in the queue"):
         async for _ in queued.wait():
             pass
     assert gate.waiting == 0
