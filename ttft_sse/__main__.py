@@ -69,6 +69,11 @@ def _prepare(settings: Settings) -> int:
     return 0
 
 
+# Above the idle timeouts of common proxies (nginx upstream keepalive_timeout 60 s, cloud LBs 60 s), so the proxy
+# closes an idle connection first and never sends a request on one that hypercorn is closing.
+KEEP_ALIVE_SECONDS = 75
+
+
 def hypercorn_config(settings: Settings) -> Config:
     """The hypercorn settings ``serve`` runs with; ``deploy/hypercorn.toml`` writes the same down (a test checks)."""
     from hypercorn.config import Config
@@ -84,11 +89,6 @@ def hypercorn_config(settings: Settings) -> Config:
     config.graceful_timeout = FLUSH_SECONDS
     config.keep_alive_timeout = KEEP_ALIVE_SECONDS
     return config
-
-
-# Above the idle timeouts of common proxies (nginx upstream keepalive_timeout 60 s, cloud LBs 60 s), so the proxy
-# closes an idle connection first and never sends a request on one that hypercorn is closing.
-KEEP_ALIVE_SECONDS = 75
 
 
 async def shutdown_trigger(runtime: Runtime, stop: asyncio.Event) -> None:
