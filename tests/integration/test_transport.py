@@ -94,7 +94,7 @@ def test_sse_headers_tell_proxies_not_to_buffer_and_head_starts_nothing() -> Non
         head = client.head(f"{base}/stream?prompt=hi")
     assert headers["content-type"].startswith("text/event-stream")
     assert headers["x-accel-buffering"] == "no"
-    assert headers["cache-control"] == "no-store"
+    assert headers["cache-control"] == "no-store, no-transform"
     assert "connection" not in {k.lower() for k in headers if headers[k].lower() == "keep-alive"}
     assert head.status_code == 200 and head.content == b""
     assert engine.generated == [4]  # the GET ran once; the HEAD generated nothing
