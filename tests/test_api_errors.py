@@ -110,9 +110,8 @@ def test_oversized_body_is_413(client: TestClient) -> None:
 def test_wrong_content_type_is_415_but_curls_default_form_type_is_read_as_json(client: TestClient) -> None:
     error = error_of(client.post("/complete", content=b"<xml/>", headers={"content-type": "application/xml"}), 415)
     assert "application/json" in str(error["message"])
-    ok = client.post(
-        "/complete", content=json.dumps({"prompt": "hi"}), headers={"content-type": "application/x-www-form-urlencoded"}
-    )
+    form = {"content-type": "application/x-www-form-urlencoded"}
+    ok = client.post("/complete", content=json.dumps({"prompt": "hi"}), headers=form)
     assert ok.status_code == 200
 
 

@@ -76,7 +76,14 @@ def keyed() -> Iterator[TestClient]:
         yield client
 
 
-GENERATING = [("POST", "/complete"), ("POST", "/stream"), ("GET", "/stream?prompt=hi"), ("POST", "/jobs")]
+GENERATING = [
+    ("POST", "/complete"),
+    ("POST", "/stream"),
+    ("GET", "/stream?prompt=hi"),
+    ("POST", "/jobs"),
+    ("POST", "/v1/chat/completions"),
+    ("POST", "/v1/completions"),
+]
 
 
 @pytest.mark.parametrize(("method", "path"), GENERATING)
@@ -106,6 +113,9 @@ def test_a_valid_key_in_either_header_generates(keyed: TestClient) -> None:
         response = keyed.post("/complete", json={"prompt": "hi"}, headers=headers)
         assert response.status_code == 200, response.text
         assert response.json()["text"] == "Hello, world!"
+    chat = {"model": "fake", "messages": [{"role": "user", "content": "hi"}]}
+    response = keyed.post("/v1/chat/completions", json=chat, headers={"Authorization": f"Bearer {VIP}"})
+    assert response.status_code == 200, response.text  # what OpenAI clients send: their api_key as a Bearer token
 
 
 def test_health_and_readiness_need_no_key(keyed: TestClient) -> None:

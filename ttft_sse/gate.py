@@ -6,7 +6,9 @@ lane is admitted: ``high`` before ``normal`` before ``low``, and overflow ``jobs
 request waits. Within a lane it is first come, first served.
 
 A queued request waits at most ``timeout`` seconds and sees its position each time it moves (a newcomer in a
-higher lane moves it back). A request that leaves while queued frees its place at once.
+higher lane moves it back). A request that leaves while queued frees its place at once. ``close`` (on shutdown)
+refuses every queued request with the error it is given, and every newcomer after it; requests already admitted
+keep their slots until they finish.
 
 *Patient* tickets (the job runners') wait without a deadline and do not count against ``max_queue``: their number
 is bounded by the number of runners, and a job must never take a place an interactive request could have.
@@ -21,9 +23,9 @@ import asyncio
 import enum
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
-from ttft_sse.errors import Overloaded
+from ttft_sse.errors import Overloaded, Unavailable
 
 SERVICE_WINDOW = 32  # recent generations whose slot hold times make the Retry-After estimate
 
@@ -69,17 +71,23 @@ class Ticket:
     async def wait(self) -> AsyncIterator[int]:
         """Yield the queue position at once and each time it changes, until admitted.
 
-        Raises ``Overloaded`` when the gate's timeout passes first (never for a patient ticket).
+        Raises ``Overloaded`` when the gate's timeout passes first (never for a patient ticket), and the gate's
+        refusal when the gate is closed while this ticket waits.
         """
         deadline = None if self.patient else self.created + self._gate.timeout
         last = 0
         while not self.admitted:
+            if (refusal := self._gate.refusal) is not None:
+                self.release()
+                raise refusal()
             position = self.position
             if position != last:
                 last = position
                 yield position
-                continue  # the position may have moved while the consumer handled the last one
-            self._moved.clear()
+                # Look again before sleeping: the consumer may take a while with the position (send it to a
+                # client), and an admission, a move or a refusal meanwhile must not be slept through.
+                continue
+            self._moved.clear()  # nothing awaits between the look above and here: no wake-up can be lost
             remaining = None if deadline is None else max(deadline - time.perf_counter(), 0.0)
             try:
                 await asyncio.wait_for(self._moved.wait(), timeout=remaining)
@@ -115,6 +123,8 @@ class Gate:
         self._lanes: dict[Lane, deque[Ticket]] = {lane: deque() for lane in Lane}
         self._bounded = 0  # waiting tickets that count against max_queue (all but patient ones)
         self._held: deque[float] = deque(maxlen=SERVICE_WINDOW)  # recent slot hold times, seconds
+        self.refusal: Callable[[], Unavailable] | None = None
+        self._changed = asyncio.Event()
 
     @property
     def waiting(self) -> int:
@@ -123,7 +133,13 @@ class Gate:
     def waiting_by_lane(self) -> dict[str, int]:
         return {lane.label: len(queue) for lane, queue in self._lanes.items()}
 
+    @property
+    def closed(self) -> bool:
+        return self.refusal is not None
+
     def reserve(self, lane: Lane = Lane.NORMAL, *, patient: bool = False) -> Ticket:
+        if self.refusal is not None:
+            raise self.refusal()
         # Invariant: a free slot means nobody waits (``_leave`` admits the moment one frees).
         if self.running < self.slots:
             self.running += 1
@@ -140,6 +156,29 @@ class Gate:
         self._bounded += not patient
         self._notify_behind(lane)  # everyone in a lower lane just moved back one place
         return ticket
+
+    def close(self, refusal: Callable[[], Unavailable]) -> None:
+        """Admit nobody from now on: every queued ticket and every later ``reserve`` gets ``refusal()`` raised.
+
+        Queued tickets are taken out of the queue at once (their ``wait`` raises when it wakes), so that
+        ``wait_idle`` counts only the generations still running.
+        """
+        if self.refusal is not None:
+            return
+        self.refusal = refusal
+        queued = [ticket for queue in self._lanes.values() for ticket in queue]
+        for queue in self._lanes.values():
+            queue.clear()
+        self._bounded = 0
+        for ticket in queued:
+            ticket._notify()
+        self._changed.set()
+
+    async def wait_idle(self) -> None:
+        """Return once no generation holds a slot and nobody is queued."""
+        while self.running or self.waiting:
+            self._changed.clear()
+            await self._changed.wait()
 
     def position(self, ticket: Ticket) -> int:
         queue = self._lanes[ticket.lane]
@@ -187,6 +226,7 @@ class Gate:
             self.running += 1
             admitted._admit()
         self._notify_behind(Lane.HIGH)
+        self._changed.set()
 
     def _notify_behind(self, lane: Lane) -> None:
         """Wake every waiter whose position may have changed; each one re-reads it and reports only a change."""

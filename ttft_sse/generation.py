@@ -1,12 +1,14 @@
 """The path every generating surface shares: validate → tokenize → admit → stream → time → log.
 
-``Generations.open`` does everything that can fail with a status code (not ready, bad prompt, no room) before
-a response header is sent: ``prepare`` (readiness, tokenizer, length) then ``admit`` (a gate ticket in the
-caller's lane). Overflow jobs call the two apart: prepared at submission, so a bad prompt is a 400 at once,
-and admitted in the jobs lane when a runner takes them.
+``Generations.open`` does everything that can fail with a status code (not ready, shutting down, bad prompt,
+no room) before a response header is sent: ``prepare`` (readiness, tokenizer, length) then ``admit`` (a gate
+ticket in the caller's lane). Overflow jobs call the two apart: prepared at submission, so a bad prompt is a 400
+at once, and admitted in the jobs lane when a runner takes them.
 
-``Run.events`` then yields ``Queued`` (while waiting for a slot), ``Piece`` items and
-one ``Finished`` whose timings hold the request's whole story: queue wait, prefill, time to first token, total.
+``Run.events`` then yields ``Queued`` (while waiting for a slot), ``Piece`` items and one ``Finished`` whose
+timings hold the request's whole story: queue wait, prefill, time to first token, total. On shutdown it raises
+``ShuttingDown`` instead: at once for a request still queued, and at the end of the drain grace for one still
+generating (see ``Runtime.drain``).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import structlog
 
 from ttft_sse.auth import Caller
 from ttft_sse.engine.base import Finished, Piece, Prompt, SamplingParams
-from ttft_sse.errors import ClientError, NotReady, Overloaded, ServiceError
+from ttft_sse.errors import ClientError, EngineError, NotReady, Overloaded, ServiceError, ShuttingDown
 from ttft_sse.gate import Lane, Ticket
 from ttft_sse.schemas import GenerationRequest
 
@@ -69,6 +71,8 @@ class Generations:
     async def prepare(self, request: GenerationRequest, *, check_ready: bool = True) -> Prepared:
         """Everything that can refuse a request as the client's fault: readiness, template, tokenizer, length."""
         runtime = self._runtime
+        if runtime.state == "stopping":
+            raise runtime.refusal()
         if check_ready and not runtime.ready:
             raise NotReady(runtime.not_ready_reason(), retry_after=5)
         engine = runtime.engine
@@ -124,6 +128,8 @@ class Run:
             async for position in self._ticket.wait():
                 yield Queued(position)
             queue_ms = self._ticket.waited * 1000
+            if self._runtime.cutting:
+                raise self._runtime.cut()
             async with aclosing(self._runtime.engine.stream(self.prompt, self.params)) as items:
                 async for item in items:
                     if isinstance(item, Finished):
@@ -141,6 +147,12 @@ class Run:
                     if first_at is None:
                         first_at = time.perf_counter()
                     yield item
+            # The engine ended without a Finished: something cancelled it from outside. The only thing that does
+            # is the drain deadline (``engine.close()``); say so to the client rather than just stopping.
+            raise self._runtime.cut() if self._runtime.cutting else EngineError("generation ended without a result")
+        except ShuttingDown:
+            outcome = "shutdown"
+            raise
         except Overloaded:
             outcome = "overloaded"
             raise
