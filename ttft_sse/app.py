@@ -8,6 +8,7 @@ from starlette.routing import Route
 
 from ttft_sse.api.complete import complete
 from ttft_sse.api.health import healthz, readyz
+from ttft_sse.api.metrics import metrics
 from ttft_sse.api.stream import stream
 from ttft_sse.engine.base import Engine
 from ttft_sse.errors import EXCEPTION_HANDLERS
@@ -32,6 +33,7 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
             Route("/complete", complete, methods=["POST"]),
             Route("/healthz", healthz, methods=["GET"]),
             Route("/readyz", readyz, methods=["GET"]),
+            Route("/metrics", metrics, methods=["GET"]),
         ],
         middleware=[Middleware(RequestContext)],
         exception_handlers=EXCEPTION_HANDLERS,

@@ -21,6 +21,7 @@ from starlette.applications import Starlette
 from ttft_sse.engine.base import Engine
 from ttft_sse.gate import Gate
 from ttft_sse.generation import Generations
+from ttft_sse.metrics import Metrics
 from ttft_sse.schemas import GenerationRequest
 from ttft_sse.settings import Settings
 from ttft_sse.stages import StageClock
@@ -33,7 +34,7 @@ WARMUP_TOKENS = 8
 
 
 class Runtime:
-    """What the app holds while it runs: settings, the engine, the gate, and the start-up story."""
+    """What the app holds while it runs: settings, the engine, the gate, the start-up story and the metrics."""
 
     def __init__(self, settings: Settings, engine: Engine) -> None:
         self.settings = settings
@@ -48,6 +49,7 @@ class Runtime:
         self.state: State = "starting"
         self.error: str | None = None
         self.failed = asyncio.Event()
+        self.metrics = Metrics(self)  # this app's own registry; start-up stages are read from `clock` on scrape
 
     @property
     def ready(self) -> bool:
@@ -91,7 +93,9 @@ class Runtime:
     async def _warm_up(self) -> None:
         """One short generation through the same path a request takes (template, tokenizer, gate, engine)."""
         request = GenerationRequest(prompt=WARMUP_PROMPT, messages=None, max_tokens=WARMUP_TOKENS)
-        run = await self.generations.open(request, arrival=time.perf_counter(), endpoint="warmup", check_ready=False)
+        run = await self.generations.open(
+            request, arrival=time.perf_counter(), endpoint="warmup", check_ready=False, record=False
+        )
         async with aclosing(run.events()) as events:
             async for _ in events:
                 pass
