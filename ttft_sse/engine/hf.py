@@ -229,8 +229,9 @@ class CacheJanitor:
 
     torch keeps freed blocks reserved for reuse. Prompts of varying length leave a growing set of odd-sized
     blocks behind, so reserved memory creeps up although live tensors do not; ``empty_cache`` hands the unused
-    ones back. Its cudaFree calls synchronise the device, stalling concurrent generations for a moment, hence only every
-    N requests. Called from generation worker threads, so the count is locked; ``empty`` runs outside the lock.
+    ones back. Its cudaFree calls synchronise the device and stall concurrent generations for a moment, hence
+    only every N requests. Called from generation worker threads, so the count is locked; ``empty`` runs
+    outside the lock.
     """
 
     def __init__(self, every: int, empty: Callable[[], None]) -> None:
