@@ -7,13 +7,16 @@ disconnect or a shutdown; these tests need real sockets.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import queue
 import socket
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import httpx
@@ -29,45 +32,118 @@ def free_port() -> int:
         return port
 
 
-@contextmanager
-def running(app: Starlette, *, ready_timeout: float = 120.0) -> Iterator[str]:
-    """Serve ``app`` on 127.0.0.1 until the block ends; yields the base URL once ``/readyz`` says 200."""
-    port = free_port()
-    config = Config()
-    config.bind = [f"127.0.0.1:{port}"]
-    config.accesslog = None
-    config.graceful_timeout = 2
+@dataclass
+class Served:
+    """A server running in a background thread (see :func:`serving`)."""
+
+    base: str
+    port: int
+    app: Starlette
+    loop: asyncio.AbstractEventLoop
+    thread: threading.Thread
+    _stop: asyncio.Event
+    failure: list[BaseException]
+
+    @property
+    def runtime(self) -> Any:
+        return self.app.state.runtime
+
+    def stop(self) -> None:
+        """What SIGTERM does to ``ttft-sse serve``: set the shutdown trigger's event (a second call hurries)."""
+
+        def signal() -> None:
+            if self._stop.is_set():
+                self.runtime.hurry()
+            self._stop.set()
+
+        with contextlib.suppress(RuntimeError):  # the loop is closed: the server has stopped already
+            self.loop.call_soon_threadsafe(signal)
+
+    def wait_stopped(self, timeout: float) -> bool:
+        self.thread.join(timeout)
+        return not self.thread.is_alive()
+
+
+def _start(
+    app: Starlette, config: Config, trigger: Any, stop: asyncio.Event, port: int, ready_timeout: float
+) -> Served:
     loop = asyncio.new_event_loop()
-    stop = asyncio.Event()
     failure: list[BaseException] = []
 
     def run() -> None:
         asyncio.set_event_loop(loop)
         try:
-            loop.run_until_complete(serve(app, config, shutdown_trigger=stop.wait))  # type: ignore[arg-type]
-        except BaseException as exc:  # noqa: BLE001
+            loop.run_until_complete(serve(app, config, shutdown_trigger=trigger))  # type: ignore[arg-type]
+        except BaseException as exc:
             failure.append(exc)
+        finally:
+            # What asyncio.run does: cancel what is left (sse-starlette's per-loop shutdown watcher) and close.
+            leftover = asyncio.all_tasks(loop)
+            for task in leftover:
+                task.cancel()
+            loop.run_until_complete(asyncio.gather(*leftover, return_exceptions=True))
+            loop.close()
 
     thread = threading.Thread(target=run, name="test-hypercorn", daemon=True)
     thread.start()
-    base = f"http://127.0.0.1:{port}"
+    served = Served(f"http://127.0.0.1:{port}", port, app, loop, thread, stop, failure)
     deadline = time.monotonic() + ready_timeout
     while True:
         if failure:
             raise RuntimeError("server failed to start") from failure[0]
         try:
-            if httpx.get(f"{base}/readyz", timeout=2).status_code == 200:
-                break
+            ready = httpx.get(f"{served.base}/readyz", timeout=2)
+            if ready.status_code == 200:
+                return served
+            if ready.json()["status"] == "failed":
+                raise RuntimeError(f"server failed to start: {ready.json()['reason']}")
         except httpx.TransportError:
             pass
         if time.monotonic() > deadline:
             raise TimeoutError("server did not become ready")
         time.sleep(0.05)
+
+
+@contextmanager
+def running(app: Starlette, *, ready_timeout: float = 120.0) -> Iterator[str]:
+    """Serve ``app`` on 127.0.0.1 until the block ends; yields the base URL once ``/readyz`` says 200.
+
+    No drain: the block's end stops the server with hypercorn's plain 2 s grace. Use :func:`serving` to test
+    shutdown.
+    """
+    port = free_port()
+    config = Config()
+    config.bind = [f"127.0.0.1:{port}"]
+    config.accesslog = None
+    config.graceful_timeout = 2
+    stop = asyncio.Event()
+    served = _start(app, config, stop.wait, stop, port, ready_timeout)
     try:
-        yield base
+        yield served.base
     finally:
-        loop.call_soon_threadsafe(stop.set)
-        thread.join(30)
+        with contextlib.suppress(RuntimeError):
+            served.loop.call_soon_threadsafe(stop.set)
+        served.thread.join(30)
+
+
+@contextmanager
+def serving(app: Starlette, *, ready_timeout: float = 120.0) -> Iterator[Served]:
+    """Serve ``app`` exactly as ``ttft-sse serve`` does (its hypercorn settings and its draining shutdown
+    trigger), on a free loopback port. ``served.stop()`` is SIGTERM; the block's end stops it if the test did not.
+    """
+    from ttft_sse.__main__ import hypercorn_config, shutdown_trigger
+    from ttft_sse.lifespan import shutdown_budget
+
+    port = free_port()
+    runtime = app.state.runtime
+    config = hypercorn_config(runtime.settings.replace(host="127.0.0.1", port=port))
+    stop = asyncio.Event()
+    served = _start(app, config, partial(shutdown_trigger, runtime, stop), stop, port, ready_timeout)
+    try:
+        yield served
+    finally:
+        served.stop()
+        served.thread.join(shutdown_budget(runtime.settings.drain_seconds) + 30)
 
 
 @dataclass
@@ -108,3 +184,61 @@ def stream_events(client: httpx.Client, method: str, url: str, **kwargs: Any) ->
     with client.stream(method, url, **kwargs) as response:
         assert response.status_code == 200, response.read()
         return list(parse_sse(response.iter_lines()))
+
+
+class StreamReader(threading.Thread):
+    """Reads one SSE response in a background thread, so that a test can act while the stream is open.
+
+    ``next()`` returns each event as it arrives; after the last one it returns ``None``. ``status`` and
+    ``headers`` are set once the response has started; ``error`` holds a transport error, if any.
+    """
+
+    def __init__(self, url: str, *, method: str = "GET", client: httpx.Client | None = None, **kwargs: Any):
+        super().__init__(name="test-sse-reader", daemon=True)
+        self._client = client or httpx.Client(timeout=httpx.Timeout(120, connect=10))
+        self._owns_client = client is None
+        self._request = (method, url, kwargs)
+        self._events: queue.Queue[SSEEvent | None] = queue.Queue()
+        self.started = threading.Event()
+        self.status: int | None = None
+        self.headers: httpx.Headers | None = None
+        self.http_version: str | None = None
+        self.body = b""
+        self.error: BaseException | None = None
+        self.start()
+
+    def run(self) -> None:
+        method, url, kwargs = self._request
+        try:
+            with self._client.stream(method, url, **kwargs) as response:
+                self.status, self.headers, self.http_version = (
+                    response.status_code,
+                    response.headers,
+                    response.http_version,
+                )
+                self.started.set()
+                if response.status_code != 200:
+                    self.body = response.read()
+                    return
+                for event in parse_sse(response.iter_lines()):
+                    self._events.put(event)
+        except BaseException as exc:
+            self.error = exc
+        finally:
+            self.started.set()
+            self._events.put(None)
+            if self._owns_client:
+                self._client.close()
+
+    def next(self, timeout: float = 60) -> SSEEvent | None:
+        try:
+            return self._events.get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError(f"no SSE event within {timeout} s") from None
+
+    def rest(self, timeout: float = 60) -> list[SSEEvent]:
+        """Every event until the stream ends."""
+        events = []
+        while (event := self.next(timeout)) is not None:
+            events.append(event)
+        return events

@@ -92,7 +92,9 @@ def test_bad_query_strings_get_400(client: TestClient, query: str, param: str, m
 
 def test_malformed_json_empty_body_and_non_object(client: TestClient) -> None:
     headers = {"content-type": "application/json"}
-    assert "not valid JSON" in str(error_of(client.post("/complete", content=b"{nope", headers=headers), 400)["message"])
+    assert "not valid JSON" in str(
+        error_of(client.post("/complete", content=b"{nope", headers=headers), 400)["message"]
+    )
     assert "body is empty" in str(error_of(client.post("/complete", content=b"", headers=headers), 400)["message"])
     msg = error_of(client.post("/complete", content=b"[1,2]", headers=headers), 400)["message"]
     assert msg == "the request body must be a JSON object, not an array"
@@ -108,7 +110,8 @@ def test_oversized_body_is_413(client: TestClient) -> None:
 def test_wrong_content_type_is_415_but_curls_default_form_type_is_read_as_json(client: TestClient) -> None:
     error = error_of(client.post("/complete", content=b"<xml/>", headers={"content-type": "application/xml"}), 415)
     assert "application/json" in str(error["message"])
-    ok = client.post("/complete", content=json.dumps({"prompt": "hi"}), headers={"content-type": "application/x-www-form-urlencoded"})
+    form = {"content-type": "application/x-www-form-urlencoded"}
+    ok = client.post("/complete", content=json.dumps({"prompt": "hi"}), headers=form)
     assert ok.status_code == 200
 
 

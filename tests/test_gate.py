@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from ttft_sse.errors import Overloaded
+from ttft_sse.errors import Overloaded, Unavailable
 from ttft_sse.gate import Gate
 
 
@@ -59,7 +59,47 @@ async def test_queue_wait_is_bounded() -> None:
     gate = Gate(slots=1, max_queue=1, timeout=0.05)
     gate.reserve()
     queued = gate.reserve()
-    with pytest.raises(Overloaded, match="waited 0.05 s in the queue"):
+    with pytest.raises(Overloaded, match=r"waited 0\.05 s in the queue"):
         async for _ in queued.wait():
             pass
     assert gate.waiting == 0
+
+
+def _refusal() -> Unavailable:
+    return Unavailable("closed for the night", code="draining")
+
+
+async def test_closing_refuses_queued_and_new_requests_but_keeps_admitted_ones() -> None:
+    gate = Gate(slots=1, max_queue=2, timeout=5)
+    running = gate.reserve()
+    queued = gate.reserve()
+    positions = queued.wait()
+    assert await anext(positions) == 1
+    gate.close(_refusal)
+    with pytest.raises(Unavailable, match="closed for the night"):
+        await anext(positions)
+    assert (gate.running, gate.waiting) == (1, 0) and queued.released
+    with pytest.raises(Unavailable, match="closed for the night"):
+        gate.reserve()
+    assert running.admitted and not running.released
+    idle = asyncio.create_task(gate.wait_idle())
+    await asyncio.sleep(0)
+    assert not idle.done()
+    running.release()
+    await asyncio.wait_for(idle, 1)
+
+
+async def test_admission_while_the_consumer_holds_a_position_is_not_lost() -> None:
+    """Regression: ``wait`` cleared its wake-up flag after yielding, so an admission that happened while the
+    consumer was busy with the queued position (sending it to the client) was lost, and the admitted request
+    sat out the whole queue timeout."""
+    gate = Gate(slots=1, max_queue=1, timeout=30)
+    first = gate.reserve()
+    second = gate.reserve()
+    positions = second.wait()
+    assert await anext(positions) == 1
+    first.release()  # admitted while the consumer is "sending" position 1
+    async with asyncio.timeout(1):
+        with pytest.raises(StopAsyncIteration):
+            await anext(positions)
+    assert second.admitted

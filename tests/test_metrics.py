@@ -17,7 +17,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from tests.scrape import Scrape, parse, scrape
-from tests.servers import parse_sse, running
+from tests.servers import StreamReader, parse_sse, running, serving
 from ttft_sse.app import create_app
 from ttft_sse.engine.base import Prompt
 from ttft_sse.engine.fake import FakeEngine
@@ -302,13 +302,34 @@ def test_a_queue_wait_that_runs_out_counts_overloaded_once() -> None:
     assert outcomes_moved(after, before) == {("complete", "overloaded"): 1, ("stream", "ok"): 1}
 
 
+def test_a_drain_counts_refused_queued_and_cut_requests_as_shutdown() -> None:
+    engine = FakeEngine(hold_after=1)
+    app = create_app(Settings(warmup=False, max_concurrency=1, max_queue=4, drain_seconds=3600), engine)
+    with serving(app) as served:
+        cut = StreamReader(f"{served.base}/stream?prompt=running")
+        assert (first := cut.next()) is not None and first.event == "token"
+        queued = StreamReader(f"{served.base}/stream?prompt=queued")
+        assert (waiting := queued.next()) is not None and waiting.event == "queued"
+        served.stop()  # SIGTERM: the queued request is refused at once
+        assert [e.event for e in queued.rest()] == ["error"]
+        wait_for(lambda: httpx.get(f"{served.base}/readyz").status_code == 503)
+        assert httpx.post(f"{served.base}/complete", json={"prompt": "late"}).status_code == 503
+        served.stop()  # a second signal ends the grace: the running one is cut
+        assert [e.event for e in cut.rest()] == ["error"]
+        assert served.wait_stopped(60)
+    got = parse(app.state.runtime.metrics.render()[0].decode())
+    assert outcomes_moved(got, parse("")) == {("stream", "shutdown"): 2, ("complete", "shutdown"): 1}
+    assert got.value(f"{TTFT}_count", endpoint="stream") == 1  # the cut one had its first token
+
+
 def test_outcome_of_each_kind_of_ending() -> None:
     import asyncio
 
-    from ttft_sse.errors import EngineError, InvalidRequest, NotReady, Overloaded, PromptTooLong
+    from ttft_sse.errors import EngineError, InvalidRequest, NotReady, Overloaded, PromptTooLong, ShuttingDown
 
     assert outcome_of(Overloaded("x")) == "overloaded"
     assert outcome_of(NotReady("x")) == "unavailable"
+    assert outcome_of(ShuttingDown("x")) == "shutdown"
     assert outcome_of(PromptTooLong("x")) == "invalid"
     assert outcome_of(InvalidRequest("x")) == "invalid"
     assert outcome_of(asyncio.CancelledError()) == "cancelled"

@@ -7,13 +7,19 @@ import asyncio
 import signal
 import sys
 from collections.abc import Sequence
-from typing import Any
+from functools import partial
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
 from ttft_sse import __version__, log
 from ttft_sse.errors import StartupError
 from ttft_sse.settings import Settings, SettingsError
+
+if TYPE_CHECKING:
+    from hypercorn.config import Config
+
+    from ttft_sse.lifespan import Runtime
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -63,39 +69,67 @@ def _prepare(settings: Settings) -> int:
     return 0
 
 
-async def _serve(settings: Settings) -> int:
-    from hypercorn.asyncio import serve
+# Above the idle timeouts of common proxies (nginx upstream keepalive_timeout 60 s, cloud LBs 60 s), so the proxy
+# closes an idle connection first and never sends a request on one that hypercorn is closing.
+KEEP_ALIVE_SECONDS = 75
+
+
+def hypercorn_config(settings: Settings) -> Config:
+    """The hypercorn settings ``serve`` runs with; ``deploy/hypercorn.toml`` writes the same down (a test checks)."""
     from hypercorn.config import Config
 
-    from ttft_sse.app import create_app
-    from ttft_sse.lifespan import Runtime
+    from ttft_sse.lifespan import FLUSH_SECONDS
 
-    app = create_app(settings)
-    runtime: Runtime = app.state.runtime
     config = Config()
     host = f"[{settings.host}]" if ":" in settings.host else settings.host
     config.bind = [f"{host}:{settings.port}"]
     config.accesslog = None  # the RequestContext middleware logs each request, with its id
-    config.graceful_timeout = settings.drain_seconds
-    config.keep_alive_timeout = 75  # above common proxy idle timeouts, so the proxy closes first
+    # Hypercorn's own grace starts only when the shutdown trigger returns, which is after our drain
+    # (Runtime.drain): by then every stream has its final event, and this is only the time to write it.
+    config.graceful_timeout = FLUSH_SECONDS
+    config.keep_alive_timeout = KEEP_ALIVE_SECONDS
+    return config
+
+
+async def shutdown_trigger(runtime: Runtime, stop: asyncio.Event) -> None:
+    """Hypercorn's shutdown trigger: wait for ``stop`` (SIGTERM / SIGINT) or a failed load, then drain.
+
+    Hypercorn keeps accepting connections until this returns, which is what lets a draining server still answer
+    ``/readyz`` (503) and refuse new generations with 503 + Retry-After instead of resetting connections.
+    """
+    failed = asyncio.ensure_future(runtime.failed.wait())
+    stopping = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({failed, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    for task in (failed, stopping):
+        task.cancel()
+    log = structlog.get_logger("ttft_sse.main")
+    log.info("shutting_down", state=runtime.state, drain_s=runtime.settings.drain_seconds)
+    await runtime.drain(runtime.settings.drain_seconds)
+
+
+async def _serve(settings: Settings) -> int:
+    from hypercorn.asyncio import serve
+
+    from ttft_sse.app import create_app
+
+    app = create_app(settings)
+    runtime: Runtime = app.state.runtime
+    config = hypercorn_config(settings)
 
     stop = asyncio.Event()
+
+    def on_signal() -> None:
+        if stop.is_set():
+            runtime.hurry()  # a second signal: do not wait out the grace
+        stop.set()
+
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-
-    async def shutdown_trigger() -> None:
-        failed = asyncio.ensure_future(runtime.failed.wait())
-        stopping = asyncio.ensure_future(stop.wait())
-        await asyncio.wait({failed, stopping}, return_when=asyncio.FIRST_COMPLETED)
-        for task in (failed, stopping):
-            task.cancel()
-        if runtime.state != "failed":
-            runtime.state = "stopping"  # readiness turns 503 at once; new generations are refused
-        structlog.get_logger("ttft_sse.main").info("shutting_down", state=runtime.state)
+        loop.add_signal_handler(sig, on_signal)
 
     asgi: Any = app  # hypercorn's own ASGI types do not name Starlette; it is a plain ASGI app
-    await serve(asgi, config, shutdown_trigger=shutdown_trigger)
+    await serve(asgi, config, shutdown_trigger=partial(shutdown_trigger, runtime, stop))
+    structlog.get_logger("ttft_sse.main").info("stopped", state=runtime.state)
     if runtime.state == "failed":
         print(f"ttft-sse: the model failed to load: {runtime.error}", file=sys.stderr)
         return 1

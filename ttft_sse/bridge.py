@@ -102,6 +102,8 @@ class Workers(Generic[T]):
             # hold the request forever; the producer checks `cancelled` once per decode step.
             with anyio.CancelScope(shield=True), anyio.move_on_after(self._join_timeout):
                 await ended
+                while thread.is_alive():  # `ended` is posted from the thread's last lines; let it return
+                    await asyncio.sleep(0.001)
             self._running.pop(key, None)
 
     async def cancel_all(self) -> None:

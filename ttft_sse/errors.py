@@ -9,8 +9,10 @@
     │   ├── PayloadTooLarge           413 invalid_request_error
     │   └── UnsupportedMediaType      415 invalid_request_error
     ├── Unavailable                   503 with Retry-After
-    │   ├── NotReady                  the model is still loading, or the server is draining
-    │   └── Overloaded                every generation slot and queue place is taken
+    │   ├── NotReady                  the model is still loading
+    │   ├── Overloaded                every generation slot and queue place is taken
+    │   └── ShuttingDown              shutdown_error: the server is draining (code ``draining``: refused before
+    │                                 anything was generated; ``drain_timeout``: cut at the end of the drain grace)
     ├── EngineError                   500 server_error: generation itself failed
     └── StartupError                  the model cannot be found or loaded; the process exits with its message
 
@@ -105,6 +107,12 @@ class NotReady(Unavailable):
 
 class Overloaded(Unavailable):
     error_type = "overloaded_error"
+
+
+class ShuttingDown(Unavailable):
+    """The server is shutting down. Sent as a 503 before a response starts, or as the final SSE ``error`` event."""
+
+    error_type = "shutdown_error"
 
 
 class EngineError(ServiceError):

@@ -2,7 +2,8 @@
 
 A request either gets a slot, a place in the queue, or an immediate ``Overloaded`` (503 + Retry-After) — decided
 before any response header is sent. A queued request waits at most ``timeout`` seconds; a request that leaves
-while queued frees its place at once.
+while queued frees its place at once. ``close`` (on shutdown) refuses every queued request with the error it is
+given, and every newcomer after it; requests already admitted keep their slots until they finish.
 """
 
 from __future__ import annotations
@@ -11,9 +12,9 @@ import asyncio
 import contextlib
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
-from ttft_sse.errors import Overloaded
+from ttft_sse.errors import Overloaded, Unavailable
 
 
 class Ticket:
@@ -37,11 +38,22 @@ class Ticket:
         return (self.admitted_at or time.perf_counter()) - self.created
 
     async def wait(self) -> AsyncIterator[int]:
-        """Yield the queue position each time it changes, until admitted. Raises ``Overloaded`` on timeout."""
+        """Yield the queue position each time it changes, until admitted.
+
+        Raises ``Overloaded`` on timeout, and the gate's refusal when the gate is closed while this ticket waits.
+        """
         deadline = self.created + self._gate.timeout
         while not self.admitted:
-            yield self.position
+            if (refusal := self._gate.refusal) is not None:
+                self.release()
+                raise refusal()
+            # Clear before yielding, not after: the consumer may take a while with the position (send it to a
+            # client), and an admission or a move that happens meanwhile must not be lost (it used to be, and the
+            # admitted ticket then sat out the whole queue timeout).
             self._moved.clear()
+            yield self.position
+            if self.admitted or self._gate.refusal is not None:
+                continue
             remaining = deadline - time.perf_counter()
             try:
                 await asyncio.wait_for(self._moved.wait(), timeout=max(remaining, 0.0))
@@ -76,12 +88,20 @@ class Gate:
         self.running = 0
         self._queue: deque[Ticket] = deque()
         self._service_seconds = 2.0  # moving average of how long a slot is held; seeded, then measured
+        self.refusal: Callable[[], Unavailable] | None = None
+        self._changed = asyncio.Event()
 
     @property
     def waiting(self) -> int:
         return len(self._queue)
 
+    @property
+    def closed(self) -> bool:
+        return self.refusal is not None
+
     def reserve(self) -> Ticket:
+        if self.refusal is not None:
+            raise self.refusal()
         if self.running < self.slots and not self._queue:
             self.running += 1
             return Ticket(self, admitted=True)
@@ -93,6 +113,26 @@ class Gate:
         ticket = Ticket(self, admitted=False)
         self._queue.append(ticket)
         return ticket
+
+    def close(self, refusal: Callable[[], Unavailable]) -> None:
+        """Admit nobody from now on: every queued ticket and every later ``reserve`` gets ``refusal()`` raised.
+
+        Queued tickets are taken out of the queue at once (their ``wait`` raises when it wakes), so that
+        ``wait_idle`` counts only the generations still running.
+        """
+        if self.refusal is not None:
+            return
+        self.refusal = refusal
+        queued, self._queue = list(self._queue), deque()
+        for ticket in queued:
+            ticket._notify()
+        self._changed.set()
+
+    async def wait_idle(self) -> None:
+        """Return once no generation holds a slot and nobody is queued."""
+        while self.running or self._queue:
+            self._changed.clear()
+            await self._changed.wait()
 
     def position(self, ticket: Ticket) -> int:
         try:
@@ -118,3 +158,4 @@ class Gate:
             self._queue.popleft()._admit()
         for waiting in self._queue:
             waiting._notify()
+        self._changed.set()

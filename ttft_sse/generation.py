@@ -1,8 +1,10 @@
 """The path every generating surface shares: validate → tokenize → admit → stream → time → log.
 
-``Generations.open`` does everything that can fail with a status code (not ready, bad prompt, no room) before
-a response header is sent. ``Run.events`` then yields ``Queued`` (while waiting for a slot), ``Piece`` items and
-one ``Finished`` whose timings hold the request's whole story: queue wait, prefill, time to first token, total.
+``Generations.open`` does everything that can fail with a status code (not ready, shutting down, bad prompt,
+no room) before a response header is sent. ``Run.events`` then yields ``Queued`` (while waiting for a slot),
+``Piece`` items and one ``Finished`` whose timings hold the request's whole story: queue wait, prefill, time to
+first token, total. On shutdown it raises ``ShuttingDown`` instead: at once for a request still queued, and at
+the end of the drain grace for one still generating (see ``Runtime.drain``).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import anyio
 import structlog
 
 from ttft_sse.engine.base import Finished, Piece, Prompt, SamplingParams
-from ttft_sse.errors import NotReady
+from ttft_sse.errors import EngineError, NotReady
 from ttft_sse.gate import Ticket
 from ttft_sse.metrics import Outcome, outcome_of
 from ttft_sse.schemas import GenerationRequest
@@ -65,6 +67,8 @@ class Generations:
         self, request: GenerationRequest, *, arrival: float, endpoint: str, check_ready: bool, record: bool
     ) -> Run:
         runtime = self._runtime
+        if runtime.state == "stopping":
+            raise runtime.refusal()
         if check_ready and not runtime.ready:
             raise NotReady(runtime.not_ready_reason(), retry_after=5)
         engine = runtime.engine
@@ -118,6 +122,8 @@ class Run:
                 yield Queued(position)
             queue_s = self._ticket.waited
             metrics.observe_admitted(queue_s)
+            if self._runtime.cutting:
+                raise self._runtime.cut()
             async with aclosing(self._runtime.engine.stream(self.prompt, self.params)) as items:
                 async for item in items:
                     now = time.perf_counter()
@@ -137,6 +143,9 @@ class Run:
                         first_at = now
                     metrics.observe_piece(now)
                     yield item
+            # The engine ended without a Finished: something cancelled it from outside. The only thing that does
+            # is the drain deadline (``engine.close()``); say so to the client rather than just stopping.
+            raise self._runtime.cut() if self._runtime.cutting else EngineError("generation ended without a result")
         except BaseException as exc:
             if finished is None:  # closed after its Finished was handed over: that generation still finished
                 outcome, failure = outcome_of(exc), exc

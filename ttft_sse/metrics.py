@@ -16,10 +16,11 @@ Who records what (no other module touches a metric object)::
 Every generating request is counted once in ``ttft_sse_requests_total{endpoint, outcome}``. Outcomes:
 
     ok           generation finished (finish_reason stop or length)
-    cancelled    the client left (or the server shut down) before the end
+    cancelled    the client left before the end
     invalid      4xx: the request was wrong
     overloaded   503: no generation slot and no queue place, or the queue wait ran out
-    unavailable  503: the model is still loading, or the server is draining
+    unavailable  503: the model is still loading
+    shutdown     the server is draining: refused (503, or queued when the drain began), or cut at its deadline
     error        5xx: generation failed
 """
 
@@ -46,15 +47,15 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 
 from ttft_sse.engine.base import Finished
-from ttft_sse.errors import ClientError, Overloaded, Unavailable
+from ttft_sse.errors import ClientError, Overloaded, ShuttingDown, Unavailable
 
 if TYPE_CHECKING:
     from ttft_sse.lifespan import Runtime
 
 log = structlog.get_logger("ttft_sse.metrics")
 
-Outcome = Literal["ok", "cancelled", "invalid", "overloaded", "unavailable", "error"]
-OUTCOMES: tuple[Outcome, ...] = ("ok", "cancelled", "invalid", "overloaded", "unavailable", "error")
+Outcome = Literal["ok", "cancelled", "invalid", "overloaded", "unavailable", "shutdown", "error"]
+OUTCOMES: tuple[Outcome, ...] = ("ok", "cancelled", "invalid", "overloaded", "unavailable", "shutdown", "error")
 
 # Latency buckets resolving 10 ms … 30 s, with edges on the alert thresholds (0.5 s TTFT, 1 s queue wait) so
 # that histogram_quantile interpolates inside the right bucket.
@@ -80,6 +81,8 @@ def outcome_of(exc: BaseException) -> Outcome:
     """The outcome a request that ended with ``exc`` is counted under."""
     if isinstance(exc, Overloaded):
         return "overloaded"
+    if isinstance(exc, ShuttingDown):
+        return "shutdown"
     if isinstance(exc, Unavailable):
         return "unavailable"
     if isinstance(exc, ClientError):
@@ -113,7 +116,8 @@ class Metrics:
         by_endpoint = ["endpoint"]
         self.requests = Counter(
             "ttft_sse_requests",
-            "Generating requests, by endpoint and outcome (ok, cancelled, invalid, overloaded, unavailable, error).",
+            "Generating requests by endpoint and outcome "
+            "(ok, cancelled, invalid, overloaded, unavailable, shutdown, error).",
             ["endpoint", "outcome"],
             registry=registry,
         )

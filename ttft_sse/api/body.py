@@ -11,7 +11,6 @@ from ttft_sse.errors import InvalidRequest, PayloadTooLarge, UnsupportedMediaTyp
 from ttft_sse.lifespan import Runtime
 from ttft_sse.schemas import GenerationRequest
 
-
 _JSON_LIKE = ("application/json", "application/x-www-form-urlencoded", "text/plain")
 
 

@@ -18,12 +18,32 @@ async def complete(request: Request) -> Response:
     run = await runtime.generations.open(
         await generation_request(request), arrival=arrival_of(request), endpoint="complete"
     )
+    reply = await collect(request, run)
+    if reply is None:  # only when the client disconnected; nobody reads this
+        return Response(status_code=499)
+    text, finished = reply
+    return JSONResponse(
+        {
+            "text": text,
+            "finish_reason": finished.finish_reason,
+            "usage": finished.usage.as_dict(),
+            "timings": finished.timings,
+        },
+        headers={"Server-Timing": server_timing(finished.timings)},
+    )
+
+
+async def collect(request: Request, run: Run) -> tuple[str, Finished] | None:
+    """Run ``run`` to the end and join its text; ``None`` when the client left first (its generation is stopped).
+
+    Every non-streaming surface (``/complete``, ``/v1/…`` with ``stream: false``) answers through this one loop.
+    """
     result: list[Finished] = []
     parts: list[str] = []
     failures: list[Exception] = []
     async with anyio.create_task_group() as group:
 
-        async def collect() -> None:
+        async def gather() -> None:
             try:
                 await _collect(run, parts, result)
             except Exception as exc:  # re-raised below, outside the task group, so handlers see it bare
@@ -36,22 +56,13 @@ async def complete(request: Request) -> Response:
                 pass
             group.cancel_scope.cancel()  # the caller left: stop its generation
 
-        group.start_soon(collect)
+        group.start_soon(gather)
         group.start_soon(watch_disconnect)
     if failures:
         raise failures[0]
-    if not result:  # only when the client disconnected; nobody reads this
-        return Response(status_code=499)
-    finished = result[0]
-    return JSONResponse(
-        {
-            "text": "".join(parts),
-            "finish_reason": finished.finish_reason,
-            "usage": finished.usage.as_dict(),
-            "timings": finished.timings,
-        },
-        headers={"Server-Timing": server_timing(finished.timings)},
-    )
+    if not result:
+        return None
+    return "".join(parts), result[0]
 
 
 async def _collect(run: Run, parts: list[str], result: list[Finished]) -> None:

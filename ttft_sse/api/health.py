@@ -17,11 +17,13 @@ async def readyz(request: Request) -> JSONResponse:
     """200 once the model is loaded and warmed, with what is loaded and how long each start-up stage took."""
     runtime = runtime_of(request)
     if not runtime.ready:
-        body = {
+        body: dict[str, object] = {
             "status": runtime.state,
             "reason": runtime.not_ready_reason(),
             "startup": runtime.startup_report(),
         }
+        if runtime.state == "stopping":  # draining: what is still running, for whoever watches the rollout
+            body.update(running=runtime.gate.running, waiting=runtime.gate.waiting)
         return JSONResponse(body, status_code=503, headers={"Retry-After": "1"})
     info = runtime.engine.info
     return JSONResponse(

@@ -19,7 +19,11 @@ from ttft_sse.generation import Queued, Run
 
 log = structlog.get_logger("ttft_sse.stream")
 
-SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-store", "X-Accel-Buffering": "no"}
+# What tells a proxy, even one configured with defaults, to pass each event on at once: nginx (and proxies that
+# copy it) turn buffering off for a response with X-Accel-Buffering: no; no-transform forbids rewriting the body
+# (compressing it, which would hold events back in a compressor's buffer); no-store keeps caches out.
+CACHE_CONTROL = "no-store, no-transform"
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": CACHE_CONTROL, "X-Accel-Buffering": "no"}
 
 
 def _json(data: Any) -> str:
@@ -30,8 +34,11 @@ class TokenStream(EventSourceResponse):
     """sse-starlette's response, less its ``Connection: keep-alive`` header.
 
     Do not put it back: HTTP/2 forbids connection-specific headers (RFC 9113 §8.2.2) and hypercorn speaks h2;
-    on HTTP/1.1 keep-alive is the default anyway. ``X-Accel-Buffering: no`` and ``Cache-Control: no-store``
-    (set by sse-starlette) stay: they keep proxies from buffering the stream.
+    on HTTP/1.1 keep-alive is the default anyway. ``X-Accel-Buffering: no`` (set by sse-starlette) and
+    ``Cache-Control: no-store, no-transform`` stay: they keep proxies from buffering the stream.
+
+    Shutdown: sse-starlette's own drain (``AppStatus``, ``shutdown_event``) is not used; under hypercorn nothing
+    would trigger it. The drain ends each stream through its events instead (``Runtime.drain``).
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -49,6 +56,7 @@ async def stream(request: Request) -> Response:
     settings = runtime.settings
     return TokenStream(
         _events(run),
+        headers={"Cache-Control": CACHE_CONTROL},
         ping=settings.ping_seconds,
         send_timeout=60,
         background=BackgroundTask(run.close),

@@ -1,0 +1,100 @@
+"""The streaming service end to end: real hypercorn, real bundled model."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+from starlette.applications import Starlette
+from structlog.testing import capture_logs
+
+from tests.servers import parse_sse, stream_events
+
+QUESTION = "What is the capital of France?"
+
+
+@pytest.fixture
+def client() -> httpx.Client:
+    return httpx.Client(timeout=60)
+
+
+def test_readyz_reports_model_and_every_startup_stage(hf_server: str, client: httpx.Client) -> None:
+    body = client.get(f"{hf_server}/readyz").json()
+    assert body["status"] == "ready"
+    assert (body["model"], body["device"], body["dtype"]) == ("SmolLM2-135M-Instruct", "cpu", "float32")
+    startup = body["startup"]
+    assert {"imports_ms", "tokenizer_ms", "model_ms", "warmup_ms", "total_ms"} <= set(startup)
+    assert startup["warmup_ms"] > 0
+    assert startup["total_ms"] >= sum(v for k, v in startup.items() if k != "total_ms") - 1
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"prompt": QUESTION, "max_tokens": 32},
+        {"messages": [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Name a color."}]},
+        {"prompt": "Once upon a time", "raw": True, "max_tokens": 20},
+    ],
+)
+def test_streamed_text_equals_the_batch_text_for_greedy_requests(
+    hf_server: str, client: httpx.Client, body: dict[str, object]
+) -> None:
+    events = stream_events(client, "POST", f"{hf_server}/stream", json=body)
+    complete = client.post(f"{hf_server}/complete", json=body).json()
+    tokens = [e for e in events if e.event == "token"]
+    done = events[-1]
+    assert done.event == "done" and [e.event for e in events[:-1]] == ["token"] * len(tokens)
+    assert [e.id for e in tokens] == [str(i) for i in range(len(tokens))]
+    assert all(e.data["text"] for e in tokens)
+    assert "".join(e.data["text"] for e in tokens) == complete["text"]
+    assert done.data["usage"] == complete["usage"]
+    assert done.data["finish_reason"] == complete["finish_reason"]
+
+
+def test_get_stream_answers_the_readme_question(hf_server: str, client: httpx.Client) -> None:
+    events = stream_events(client, "GET", f"{hf_server}/stream", params={"prompt": QUESTION, "max_tokens": 32})
+    assert "".join(e.data["text"] for e in events if e.event == "token") == "The capital of France is Paris."
+    done = events[-1].data
+    assert done["finish_reason"] == "stop"
+    assert done["usage"] == {"prompt_tokens": 37, "completion_tokens": 8, "total_tokens": 45}
+    timings = done["timings"]
+    assert set(timings) == {"queue_ms", "prefill_ms", "decode_ms", "ttft_ms", "total_ms"}
+    assert 0 < timings["prefill_ms"] <= timings["ttft_ms"] <= timings["total_ms"]
+
+
+def test_first_token_arrives_before_generation_ends(hf_server: str, client: httpx.Client) -> None:
+    body = {"prompt": "List the days of the week.", "max_tokens": 40}
+    events = stream_events(client, "POST", f"{hf_server}/stream", json=body)
+    tokens = [e for e in events if e.event == "token"]
+    assert len(tokens) > 10
+    # Each token was received as its own event, in the order generated, before the done event: the body was
+    # not buffered into one write (that would give every event the same arrival instant).
+    arrivals = [e.received for e in events]
+    assert arrivals == sorted(arrivals)
+    assert len({round(t, 4) for t in arrivals}) > len(tokens) // 2
+    assert events[-1].data["timings"]["ttft_ms"] < events[-1].data["timings"]["total_ms"]
+
+
+def test_disconnect_stops_generation_and_leaves_no_thread(
+    hf_server: str, hf_app: Starlette, client: httpx.Client
+) -> None:
+    engine = hf_app.state.runtime.engine
+    body = {"prompt": "Count from one to two hundred, one number per line.", "max_tokens": 400}
+    with capture_logs() as logs:
+        with client.stream("POST", f"{hf_server}/stream", json=body) as response:
+            events = parse_sse(response.iter_lines())
+            assert next(events).event == "token"
+            assert engine.active == 1
+        deadline = time.monotonic() + 30
+        while engine.active and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert engine.active == 0
+    assert not [t for t in threading.enumerate() if t.name.startswith("ttft-gen")]
+    assert hf_app.state.runtime.gate.running == 0
+    # It was cancelled, not run to the end: the thread logged how far it got, far short of max_tokens.
+    cancelled = [e for e in logs if e["event"] == "generation_cancelled"]
+    assert len(cancelled) == 1 and cancelled[0]["completion_tokens"] < 100
+    outcome = [e for e in logs if e["event"] == "generation"]
+    assert [(e["endpoint"], e["outcome"]) for e in outcome] == [("stream", "cancelled")]
