@@ -34,6 +34,7 @@ from ttft_sse.engine.base import Engine
 from ttft_sse.errors import ShuttingDown
 from ttft_sse.gate import Gate
 from ttft_sse.generation import Generations
+from ttft_sse.metrics import Metrics
 from ttft_sse.schemas import GenerationRequest
 from ttft_sse.settings import Settings
 from ttft_sse.stages import StageClock
@@ -56,7 +57,7 @@ def shutdown_budget(drain_seconds: float) -> float:
 
 
 class Runtime:
-    """What the app holds while it runs: settings, the engine, the gate, and the start-up story."""
+    """What the app holds while it runs: settings, the engine, the gate, the start-up story and the metrics."""
 
     def __init__(self, settings: Settings, engine: Engine) -> None:
         self.settings = settings
@@ -73,6 +74,7 @@ class Runtime:
         self.failed = asyncio.Event()
         self.cutting = False  # the drain grace is over: running generations are being cancelled
         self._hurry = asyncio.Event()
+        self.metrics = Metrics(self)  # this app's own registry; start-up stages are read from `clock` on scrape
 
     @property
     def ready(self) -> bool:
@@ -136,7 +138,9 @@ class Runtime:
     async def _warm_up(self) -> None:
         """One short generation through the same path a request takes (template, tokenizer, gate, engine)."""
         request = GenerationRequest(prompt=WARMUP_PROMPT, messages=None, max_tokens=WARMUP_TOKENS)
-        run = await self.generations.open(request, arrival=time.perf_counter(), endpoint="warmup", check_ready=False)
+        run = await self.generations.open(
+            request, arrival=time.perf_counter(), endpoint="warmup", check_ready=False, record=False
+        )
         async with aclosing(run.events()) as events:
             async for _ in events:
                 pass
