@@ -9,6 +9,7 @@ from starlette.routing import Route
 from ttft_sse.api.complete import complete
 from ttft_sse.api.health import healthz, readyz
 from ttft_sse.api.jobs import cancel_job, job_result, submit_job
+from ttft_sse.api.metrics import metrics
 from ttft_sse.api.openai import chat_completions, completions, list_models, retrieve_model
 from ttft_sse.api.stream import stream
 from ttft_sse.engine.base import Engine
@@ -42,6 +43,7 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
             Route("/v1/completions", completions, methods=["POST"]),
             Route("/v1/models", list_models, methods=["GET"]),
             Route("/v1/models/{model:path}", retrieve_model, methods=["GET"]),
+            Route("/metrics", metrics, methods=["GET"]),
         ],
         middleware=[Middleware(RequestContext)],
         exception_handlers=EXCEPTION_HANDLERS,

@@ -36,6 +36,7 @@ from ttft_sse.errors import ShuttingDown
 from ttft_sse.gate import Gate
 from ttft_sse.generation import Generations
 from ttft_sse.jobs import JobStore
+from ttft_sse.metrics import Metrics
 from ttft_sse.schemas import GenerationRequest
 from ttft_sse.settings import Settings
 from ttft_sse.stages import StageClock
@@ -58,7 +59,7 @@ def shutdown_budget(drain_seconds: float) -> float:
 
 
 class Runtime:
-    """What the app holds while it runs: settings, keys, the engine, the gate, jobs, and the start-up story."""
+    """What the app holds while it runs: settings, keys, the engine, the gate, jobs, the start-up story, metrics."""
 
     def __init__(self, settings: Settings, engine: Engine) -> None:
         self.settings = settings
@@ -77,6 +78,7 @@ class Runtime:
         self.failed = asyncio.Event()
         self.cutting = False  # the drain grace is over: running generations are being cancelled
         self._hurry = asyncio.Event()
+        self.metrics = Metrics(self)  # this app's own registry; start-up stages are read from `clock` on scrape
 
     @property
     def ready(self) -> bool:
@@ -143,7 +145,7 @@ class Runtime:
         """One short generation through the same path a request takes (template, tokenizer, gate, engine)."""
         request = GenerationRequest(prompt=WARMUP_PROMPT, messages=None, max_tokens=WARMUP_TOKENS)
         run = await self.generations.open(
-            request, caller=ANONYMOUS, arrival=time.perf_counter(), endpoint="warmup", check_ready=False
+            request, caller=ANONYMOUS, arrival=time.perf_counter(), endpoint="warmup", check_ready=False, record=False
         )
         async with aclosing(run.events()) as events:
             async for _ in events:

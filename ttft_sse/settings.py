@@ -58,6 +58,9 @@ class Settings:
     log_level: str = "info"
     log_format: str = "json"
     redis_url: str | None = None
+    # On CUDA, hand the caching allocator's unused blocks back to the driver after every Nth generation
+    # (0 = never), so that one long prompt's peak does not stay reserved for good.
+    cuda_empty_cache_every: int = 1000
     # `key[:lane],…` or `@file`; see ttft_sse/auth.py. Out of repr so that a logged Settings shows no key.
     api_keys: str | None = field(default=None, repr=False)
     job_runners: int = 1
@@ -80,7 +83,7 @@ class Settings:
         for name in positive:
             if getattr(self, name) < 1:
                 raise SettingsError(f"{name} must be at least 1, got {getattr(self, name)}")
-        for name in ("threads", "max_queue"):
+        for name in ("threads", "max_queue", "cuda_empty_cache_every"):
             if getattr(self, name) < 0:
                 raise SettingsError(f"{name} must be 0 or more, got {getattr(self, name)}")
         for name in ("queue_timeout_seconds", "ping_seconds", "drain_seconds", "job_ttl_seconds", "job_lease_seconds"):

@@ -76,5 +76,10 @@ async def _collect(run: Run, parts: list[str], result: list[Finished]) -> None:
 
 
 def server_timing(timings: dict[str, float]) -> str:
-    """``Server-Timing: queue;dur=0.1, prefill;dur=151.2, …`` — browsers' dev tools show it per request."""
+    """``Server-Timing: queue;dur=0.1, prefill;dur=151.2, …`` — browsers' dev tools show it per request.
+
+    The parts are the ones the metrics observe, from the same clock readings: ``queue`` is
+    ``ttft_sse_queue_wait_seconds``, ``prefill`` ``ttft_sse_prefill_seconds``, ``ttft``
+    ``ttft_sse_time_to_first_token_seconds``, ``total`` ``ttft_sse_request_duration_seconds``.
+    """
     return ", ".join(f"{name.removesuffix('_ms')};dur={value}" for name, value in timings.items())
