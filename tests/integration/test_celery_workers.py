@@ -113,8 +113,13 @@ def test_a_job_whose_pool_process_is_killed_is_requeued_and_completed(
     os.kill(pid, signal.SIGKILL)
     done = cluster.until(job_id, "the job to end", lambda v: v["status"] in FINAL)
     assert (done["status"], done["attempts"]) == ("done", 2)
-    assert done["note"].startswith("attempt lost: its worker process died (")
-    assert "signal 9" in done["note"]
+    # Two recovery paths race here, and either is correct: the worker's main process requeues the job when its
+    # pool process dies; on a loaded machine the 3 s lease can run out first, and a redelivery takes it over.
+    if done["note"].startswith("attempt lost"):
+        assert done["note"].startswith("attempt lost: its worker process died (")
+        assert "signal 9" in done["note"]
+    else:
+        assert done["note"] == "attempt 1 stopped sending heartbeats; it was run again"
     assert done["text"] == reference["text"]  # run again from the start, to the end
     assert done["usage"] == reference["usage"]
     assert int(cluster.redis.hget(key_of(job_id), "worker_pid") or 0) != pid
