@@ -8,9 +8,7 @@ if any, is never touched.
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
 import socket
 import subprocess
 import tempfile
@@ -19,8 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import pytest
-
+from tests.processes import system_binary
 from tests.servers import free_port
 
 SHIPPED = Path(__file__).resolve().parents[1] / "deploy" / "nginx" / "ttft-sse.conf"
@@ -38,13 +35,7 @@ server {
 
 
 def nginx_binary() -> str:
-    """The nginx executable; skips the test where nginx is missing, except under CI, where that is a failure."""
-    found = shutil.which("nginx") or next((p for p in ("/usr/sbin/nginx",) if os.access(p, os.X_OK)), None)
-    if found:
-        return found
-    if os.environ.get("CI"):
-        pytest.fail("nginx is not installed; .ci/run installs it (apt-get install nginx)")
-    pytest.skip("nginx is not installed (apt-get install nginx); CI runs these tests")
+    return system_binary("nginx", "nginx")
 
 
 def site_config(text: str, *, listen: int, upstream: int) -> str:

@@ -25,14 +25,23 @@ from tests.servers import free_port
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def system_binary(name: str, package: str) -> str:
+    """A program from a Debian package that the suite drives (redis-server, nginx, promtool, chromium).
+
+    Missing, the test is skipped on a developer's machine but fails under CI, where ``.ci/run`` installs it.
+    """
+    found = shutil.which(name) or next(
+        (p for d in ("/usr/sbin", "/usr/bin") if os.access(p := os.path.join(d, name), os.X_OK)), None
+    )
+    if found:
+        return found
+    if os.environ.get("CI"):
+        pytest.fail(f"{name} is not installed; .ci/run installs it (apt-get install {package})")
+    pytest.skip(f"{name} is not installed (apt-get install {package}); CI runs these tests")
+
+
 def redis_or_skip() -> str:
-    """The redis-server binary. Missing: skip locally, but fail under CI (``.ci/run`` installs it)."""
-    binary = shutil.which("redis-server")
-    if binary is None:
-        if os.environ.get("CI"):
-            pytest.fail("redis-server is not installed; .ci/run installs it with apt-get")
-        pytest.skip("redis-server is not installed (apt-get install redis-server)")
-    return binary
+    return system_binary("redis-server", "redis-server")
 
 
 @contextmanager

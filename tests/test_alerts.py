@@ -6,13 +6,12 @@ developer's machine and fail under CI, where a skip would hide that the rules we
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 from pathlib import Path
 
-import pytest
 import yaml
+
+from tests.processes import system_binary
 
 RULES_DIR = Path(__file__).resolve().parent.parent / "deploy" / "prometheus"
 ALERTS = RULES_DIR / "alerts.yml"
@@ -20,12 +19,7 @@ ALERTS_TEST = RULES_DIR / "alerts_test.yml"
 
 
 def promtool() -> str:
-    path = shutil.which("promtool")
-    if path is None:
-        if os.environ.get("CI"):
-            pytest.fail("promtool is missing; .ci/run installs it with `apt-get install prometheus`")
-        pytest.skip("promtool is not installed (apt-get install prometheus)")
-    return path
+    return system_binary("promtool", "prometheus")
 
 
 def run_promtool(*args: str) -> subprocess.CompletedProcess[str]:
