@@ -37,6 +37,7 @@ from ttft_sse.generation import Generations
 from ttft_sse.schemas import GenerationRequest
 from ttft_sse.settings import Settings
 from ttft_sse.stages import StageClock
+from ttft_sse.streams import Streams
 
 log = structlog.get_logger("ttft_sse.lifespan")
 
@@ -67,6 +68,11 @@ class Runtime:
             timeout=settings.queue_timeout_seconds,
         )
         self.generations = Generations(self)
+        self.streams = Streams(
+            grace=settings.resume_grace_seconds,
+            max_streams=settings.max_streams,
+            buffer_events=settings.stream_buffer_events,
+        )
         self.clock = StageClock()
         self.state: State = "starting"
         self.error: str | None = None
@@ -182,6 +188,7 @@ class Runtime:
 
     async def stop(self) -> None:
         self.state = "stopping" if self.state != "failed" else self.state
+        await self.streams.close()
         await self.engine.close()
 
 

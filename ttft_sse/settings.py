@@ -55,19 +55,30 @@ class Settings:
     queue_timeout_seconds: float = 30.0
     ping_seconds: float = 15.0
     drain_seconds: float = 10.0
+    resume_grace_seconds: float = 30.0
+    max_streams: int = 64
+    stream_buffer_events: int = 4096
     log_level: str = "info"
     log_format: str = "json"
     redis_url: str | None = None
 
     def __post_init__(self) -> None:
-        positive = ("port", "default_max_tokens", "max_tokens_cap", "max_body_bytes", "max_concurrency")
+        positive = (
+            "port",
+            "default_max_tokens",
+            "max_tokens_cap",
+            "max_body_bytes",
+            "max_concurrency",
+            "max_streams",
+            "stream_buffer_events",
+        )
         for name in positive:
             if getattr(self, name) < 1:
                 raise SettingsError(f"{name} must be at least 1, got {getattr(self, name)}")
         for name in ("threads", "max_queue"):
             if getattr(self, name) < 0:
                 raise SettingsError(f"{name} must be 0 or more, got {getattr(self, name)}")
-        for name in ("queue_timeout_seconds", "ping_seconds", "drain_seconds"):
+        for name in ("queue_timeout_seconds", "ping_seconds", "drain_seconds", "resume_grace_seconds"):
             if getattr(self, name) <= 0:
                 raise SettingsError(f"{name} must be more than 0, got {getattr(self, name)}")
         if self.default_max_tokens > self.max_tokens_cap:
