@@ -136,8 +136,9 @@ def test_cut_at_several_points_joins_to_the_uninterrupted_text() -> None:
 
 @pytest.mark.parametrize("attach_first", [True, False], ids=["client-left", "client-never-came"])
 def test_after_the_grace_with_no_client_the_generation_is_cancelled_and_the_buffer_freed(attach_first: bool) -> None:
-    engine = FakeEngine(WORDS, hold_after=2)  # never released: only the expiry can end it
-    with capture_logs() as logs, server(engine, resume_grace_seconds=0.3) as (_, app, client):
+    held = 2 if attach_first else 0
+    engine = FakeEngine(WORDS, hold_after=held)  # never released: only the expiry can end it
+    with capture_logs() as logs, server(engine, resume_grace_seconds=1) as (_, app, client):
         url = create(client)
         runtime = app.state.runtime
         stream = weakref.ref(stream_of(app, url))
@@ -152,11 +153,11 @@ def test_after_the_grace_with_no_client_the_generation_is_cancelled_and_the_buff
         eventually(freed)
         gone = client.get(url)
         assert (len(runtime.streams), runtime.streams.buffered, runtime.gate.running) == (0, 0, 0)
-    assert engine.generated == [2]  # cut while held: it never went past the second piece
+    assert engine.generated == [held]  # cut while held: it never went past the piece it held on
     assert gone.status_code == 410
     error = gone.json()["error"]
     assert (error["type"], error["code"]) == ("not_found_error", "stream_expired")
-    assert "no client was attached for 0.3 s" in error["message"]
+    assert "no client was attached for 1 s" in error["message"]
     outcome = [(e["endpoint"], e["outcome"]) for e in logs if e["event"] == "generation"]
     assert outcome == [("streams", "cancelled")]
     assert [e["event"] for e in logs if e["event"].startswith("stream_expired")] == ["stream_expired"]
@@ -164,11 +165,11 @@ def test_after_the_grace_with_no_client_the_generation_is_cancelled_and_the_buff
 
 def test_an_attached_reader_keeps_the_stream_alive_past_the_grace() -> None:
     engine = FakeEngine(WORDS, hold_after=2)
-    with server(engine, resume_grace_seconds=0.2) as (_, app, client):
+    with server(engine, resume_grace_seconds=1) as (_, app, client):
         url = create(client)
         reader = StreamReader(f"{client.base_url}{url}")
         assert [reader.next().event for _ in range(2)] == ["token", "token"]  # type: ignore[union-attr]
-        time.sleep(1.0)  # five graces
+        time.sleep(3)  # three graces
         assert engine.active == 1 and stream_of(app, url).attached
         engine.release.set()
         rest = reader.rest()
