@@ -26,8 +26,12 @@ function turn(role, text) {
   const node = element("article", `turn ${role}`);
   node.append(element("div", "who", role === "user" ? "You" : "Assistant"), element("div", "text", text));
   log.append(node);
-  node.scrollIntoView({ block: "end" });
+  toBottom();
   return node;
+}
+
+function toBottom() {
+  log.scrollTop = log.scrollHeight;
 }
 
 function errorMessage(body, fallback) {
@@ -45,6 +49,7 @@ class Answer {
     const meta = element("div", "meta");
     meta.append(this.state, this.ttft, this.rate);
     this.node.append(meta);
+    toBottom();
     this.content = "";
     this.tokens = 0;
     this.asked = performance.now(); // TTFT as the browser sees it: from sending the question to the first token
@@ -128,7 +133,7 @@ class Answer {
     this.text.textContent = this.content;
     this.show("streaming", "streaming");
     this.showRate(this.tokens);
-    this.text.scrollIntoView({ block: "end" });
+    toBottom();
   }
 
   showRate(tokens) {
@@ -171,6 +176,7 @@ class Answer {
     if (this.content) history.push({ role: "assistant", content: this.content });
     if (current === this) current = null;
     busy(false);
+    toBottom();
   }
 }
 
