@@ -79,3 +79,13 @@ async def test_the_queue_position_is_a_state_told_once_per_change_not_history() 
         Entry(0, Piece(0, "a")),
         Entry(1, Finished("stop", Usage(1, 1))),
     ]
+
+
+async def test_a_reader_that_arrives_after_the_stream_went_is_told_why() -> None:
+    registry = Streams(grace=60, max_streams=4, buffer_events=8)
+    stream = Stream(registry, "abc", buffer_events=8)
+    stream._publish(Piece(0, "a"))
+    registry._remove(stream, "it was deleted")
+    with pytest.raises(Gone, match="stream abc is gone: it was deleted") as gone:
+        await anext(stream.follow(0))
+    assert gone.value.code == "stream_expired"

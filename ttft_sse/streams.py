@@ -25,7 +25,7 @@ import asyncio
 import contextvars
 import secrets
 from collections import OrderedDict, deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -67,7 +67,8 @@ class Stream:
         self._next = 0
         self.position = 0  # place in the admission queue while queued; 0 once admitted (or not yet known)
         self.final: Entry | None = None
-        self.closed = False  # removed from the registry (expired or deleted)
+        self.closed = False  # removed from the registry (expired or deleted) ...
+        self.gone = ""  # ... and why
         self._changed = asyncio.Event()
         self._reader: object | None = None
         self._expiry: asyncio.TimerHandle | None = None
@@ -139,13 +140,15 @@ class Stream:
             code="events_dropped",
         )
 
-    async def follow(self, start: int) -> AsyncIterator[Entry | Queued]:
+    async def follow(self, start: int) -> AsyncGenerator[Entry | Queued, None]:
         """Attach as the stream's reader: buffered items from ``start``, then live ones, until the final item.
 
         While the generation waits for a slot, ``Queued`` tells the position (not buffered: it is a state, not
         history). Ends early, quietly, when another reader takes over; raises ``Gone`` if this reader falls more
         than the buffer behind. Detaching (closing this iterator) starts the expiry clock.
         """
+        if self.closed:  # expired or deleted between the request's checks and this first step
+            raise Gone(f"stream {self.id} is gone: {self.gone}", code="stream_expired")
         me = object()
         replaced = self._reader is not None
         self._reader = me
@@ -326,7 +329,7 @@ class Streams:
         return False
 
     def _remove(self, stream: Stream, why: str) -> None:
-        stream.closed = True
+        stream.closed, stream.gone = True, why
         if stream._expiry is not None:
             stream._expiry.cancel()
             stream._expiry = None

@@ -11,6 +11,7 @@ in :mod:`ttft_sse.streams`.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 
 from sse_starlette import ServerSentEvent
 from starlette.requests import Request
@@ -68,10 +69,13 @@ async def stream_resource(request: Request) -> Response:
 async def _events(stream: Stream, start: int) -> AsyncIterator[ServerSentEvent]:
     yield ServerSentEvent(retry=RECONNECT_MS)
     try:
-        async for entry in stream.follow(start):
-            if isinstance(entry, Queued):
-                yield sse_event(entry)
-            else:
-                yield sse_event(entry.item, id=stream.event_id(entry.seq))
+        # aclosing: when the client goes, this generator is closed at its own yield; the reader must detach
+        # then (it starts the grace clock), not whenever the garbage collector gets to it.
+        async with aclosing(stream.follow(start)) as entries:
+            async for entry in entries:
+                if isinstance(entry, Queued):
+                    yield sse_event(entry)
+                else:
+                    yield sse_event(entry.item, id=stream.event_id(entry.seq))
     except Exception as exc:  # falling behind the buffer (Gone), never anything else; no id: it is not buffered
         yield sse_event(exc)
