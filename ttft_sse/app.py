@@ -8,12 +8,15 @@ from starlette.routing import Mount, Route
 
 from ttft_sse.api.complete import complete
 from ttft_sse.api.health import healthz, readyz
+from ttft_sse.api.jobs import cancel_job, job_result, submit_job
+from ttft_sse.api.metrics import metrics
 from ttft_sse.api.openai import chat_completions, completions, list_models, retrieve_model
 from ttft_sse.api.page import page, static_files
 from ttft_sse.api.stream import stream
 from ttft_sse.api.streams import create_stream, stream_resource
 from ttft_sse.engine.base import Engine
 from ttft_sse.errors import EXCEPTION_HANDLERS
+from ttft_sse.jobs import make_store
 from ttft_sse.lifespan import Runtime, lifespan
 from ttft_sse.log import RequestContext
 from ttft_sse.settings import Settings
@@ -37,16 +40,22 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
             Route("/streams", create_stream, methods=["POST"]),
             Route("/streams/{stream_id}", stream_resource, methods=["GET", "DELETE"]),
             Route("/complete", complete, methods=["POST"]),
+            Route("/jobs", submit_job, methods=["POST"]),
+            Route("/result/{job_id}", job_result, methods=["GET"]),
+            Route("/jobs/{job_id}", cancel_job, methods=["DELETE"]),
             Route("/healthz", healthz, methods=["GET"]),
             Route("/readyz", readyz, methods=["GET"]),
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
             Route("/v1/completions", completions, methods=["POST"]),
             Route("/v1/models", list_models, methods=["GET"]),
             Route("/v1/models/{model:path}", retrieve_model, methods=["GET"]),
+            Route("/metrics", metrics, methods=["GET"]),
         ],
         middleware=[Middleware(RequestContext)],
         exception_handlers=EXCEPTION_HANDLERS,
         lifespan=lifespan,
     )
-    app.state.runtime = Runtime(settings, engine)
+    runtime = Runtime(settings, engine)
+    runtime.jobs = make_store(runtime)
+    app.state.runtime = runtime
     return app

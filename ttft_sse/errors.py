@@ -7,6 +7,7 @@
     │   ├── Unauthorized              401 authentication_error
     │   ├── NotFound                  404 not_found_error
     │   │   └── Gone                  410, it existed once: an expired or deleted stream, events no longer kept
+    │   ├── Conflict                  409 conflict_error (e.g. cancelling a job that has already finished)
     │   ├── PayloadTooLarge           413 invalid_request_error
     │   └── UnsupportedMediaType      415 invalid_request_error
     ├── Unavailable                   503 with Retry-After
@@ -77,6 +78,9 @@ class Unauthorized(ClientError):
     status_code = 401
     error_type = "authentication_error"
 
+    def headers(self) -> dict[str, str]:
+        return {"WWW-Authenticate": 'Bearer realm="ttft-sse"'}
+
 
 class NotFound(ClientError):
     status_code = 404
@@ -85,6 +89,11 @@ class NotFound(ClientError):
 
 class Gone(NotFound):
     status_code = 410
+
+
+class Conflict(ClientError):
+    status_code = 409
+    error_type = "conflict_error"
 
 
 class PayloadTooLarge(ClientError):
@@ -139,8 +148,22 @@ def error_response(exc: ServiceError) -> JSONResponse:
     return JSONResponse(exc.to_dict(), status_code=exc.status_code, headers=exc.headers())
 
 
+def _count_refusal(request: Request, exc: Exception) -> None:
+    """Count a request that its route refused before it reached ``Generations`` (a bad body, say).
+
+    ``observe_refused`` counts each exception once, so one that ``Generations.open`` or ``Run.events`` already
+    counted (and ``/complete`` re-raised) is not counted again. The endpoint label is the route's name, which
+    is what routes pass to ``Generations.open`` as ``endpoint``.
+    """
+    runtime = getattr(request.app.state, "runtime", None)
+    route = request.scope.get("route")
+    if runtime is not None and route is not None:
+        runtime.metrics.observe_refused(getattr(route, "name", None) or request.url.path, exc)
+
+
 async def _service_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ServiceError)
+    _count_refusal(request, exc)
     if not isinstance(exc, ClientError | Unavailable):
         log.error("request_failed", error=exc.message, error_type=type(exc).__name__)
     return error_response(exc)
@@ -171,6 +194,7 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 
 async def _unexpected_error(request: Request, exc: Exception) -> Response:
+    _count_refusal(request, exc)
     log.exception("unhandled_error", error_type=type(exc).__name__)
     body = {"error": {"message": "internal server error", "type": "server_error", "param": None, "code": None}}
     return JSONResponse(body, status_code=500)

@@ -1,27 +1,58 @@
-"""Admission control: a bounded number of generations at once, and a bounded, first-come queue for the rest.
+"""Admission control: a bounded number of generations at once, and a bounded, prioritised queue for the rest.
 
-A request either gets a slot, a place in the queue, or an immediate ``Overloaded`` (503 + Retry-After) — decided
-before any response header is sent. A queued request waits at most ``timeout`` seconds; a request that leaves
-while queued frees its place at once. ``close`` (on shutdown) refuses every queued request with the error it is
-given, and every newcomer after it; requests already admitted keep their slots until they finish.
+A request either gets a slot, a place in the queue of its lane, or an immediate ``Overloaded`` (503 +
+Retry-After) — decided before any response header is sent. When a slot frees, the head of the highest non-empty
+lane is admitted: ``high`` before ``normal`` before ``low``, and overflow ``jobs`` only when no interactive
+request waits. Within a lane it is first come, first served.
+
+A queued request waits at most ``timeout`` seconds and sees its position each time it moves (a newcomer in a
+higher lane moves it back). A request that leaves while queued frees its place at once. ``close`` (on shutdown)
+refuses every queued request with the error it is given, and every newcomer after it; requests already admitted
+keep their slots until they finish.
+
+*Patient* tickets (the job runners') wait without a deadline and do not count against ``max_queue``: their number
+is bounded by the number of runners, and a job must never take a place an interactive request could have.
+
+Retry-After is an estimate, not a constant: the requests ahead of a newcomer in its lane (or higher), served
+``slots`` at a time, times the mean slot hold time of the last :data:`SERVICE_WINDOW` generations.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import enum
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 
 from ttft_sse.errors import Overloaded, Unavailable
 
+SERVICE_WINDOW = 32  # recent generations whose slot hold times make the Retry-After estimate
+
+
+class Lane(enum.IntEnum):
+    """Priority lanes, best first. API keys map to ``high``, ``normal`` or ``low``; ``jobs`` is for overflow jobs."""
+
+    HIGH = 0
+    NORMAL = 1
+    LOW = 2
+    JOBS = 3
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+
+KEY_LANES: dict[str, Lane] = {lane.label: lane for lane in (Lane.HIGH, Lane.NORMAL, Lane.LOW)}
+
 
 class Ticket:
     """One request's claim on the gate. Release it exactly once, admitted or not (``release`` is idempotent)."""
 
-    def __init__(self, gate: Gate, *, admitted: bool) -> None:
+    def __init__(self, gate: Gate, lane: Lane, *, admitted: bool, patient: bool = False) -> None:
         self._gate = gate
+        self.lane = lane
+        self.patient = patient
         self.admitted = admitted
         self.released = False
         self.created = time.perf_counter()
@@ -30,7 +61,7 @@ class Ticket:
 
     @property
     def position(self) -> int:
-        """1-based place in the queue; 0 once admitted."""
+        """1-based place among everyone who will be admitted first (higher lanes included); 0 once admitted."""
         return 0 if self.admitted else self._gate.position(self)
 
     @property
@@ -38,31 +69,34 @@ class Ticket:
         return (self.admitted_at or time.perf_counter()) - self.created
 
     async def wait(self) -> AsyncIterator[int]:
-        """Yield the queue position each time it changes, until admitted.
+        """Yield the queue position at once and each time it changes, until admitted.
 
-        Raises ``Overloaded`` on timeout, and the gate's refusal when the gate is closed while this ticket waits.
+        Raises ``Overloaded`` when the gate's timeout passes first (never for a patient ticket), and the gate's
+        refusal when the gate is closed while this ticket waits.
         """
-        deadline = self.created + self._gate.timeout
+        deadline = None if self.patient else self.created + self._gate.timeout
+        last = 0
         while not self.admitted:
             if (refusal := self._gate.refusal) is not None:
                 self.release()
                 raise refusal()
-            # Clear before yielding, not after: the consumer may take a while with the position (send it to a
-            # client), and an admission or a move that happens meanwhile must not be lost (it used to be, and the
-            # admitted ticket then sat out the whole queue timeout).
-            self._moved.clear()
-            yield self.position
-            if self.admitted or self._gate.refusal is not None:
+            position = self.position
+            if position != last:
+                last = position
+                yield position
+                # Look again before sleeping: the consumer may take a while with the position (send it to a
+                # client), and an admission, a move or a refusal meanwhile must not be slept through.
                 continue
-            remaining = deadline - time.perf_counter()
+            self._moved.clear()  # nothing awaits between the look above and here: no wake-up can be lost
+            remaining = None if deadline is None else max(deadline - time.perf_counter(), 0.0)
             try:
-                await asyncio.wait_for(self._moved.wait(), timeout=max(remaining, 0.0))
+                await asyncio.wait_for(self._moved.wait(), timeout=remaining)
             except TimeoutError:
                 if not self.admitted:
                     self.release()
                     raise Overloaded(
                         f"waited {self._gate.timeout:g} s in the queue without a free generation slot",
-                        retry_after=self._gate.retry_after(),
+                        retry_after=self._gate.retry_after(self.lane),
                     ) from None
 
     def release(self) -> None:
@@ -86,32 +120,41 @@ class Gate:
         self.max_queue = max_queue
         self.timeout = timeout
         self.running = 0
-        self._queue: deque[Ticket] = deque()
-        self._service_seconds = 2.0  # moving average of how long a slot is held; seeded, then measured
+        self._lanes: dict[Lane, deque[Ticket]] = {lane: deque() for lane in Lane}
+        self._bounded = 0  # waiting tickets that count against max_queue (all but patient ones)
+        self._held: deque[float] = deque(maxlen=SERVICE_WINDOW)  # recent slot hold times, seconds
         self.refusal: Callable[[], Unavailable] | None = None
         self._changed = asyncio.Event()
 
     @property
     def waiting(self) -> int:
-        return len(self._queue)
+        return sum(len(queue) for queue in self._lanes.values())
+
+    def waiting_by_lane(self) -> dict[str, int]:
+        return {lane.label: len(queue) for lane, queue in self._lanes.items()}
 
     @property
     def closed(self) -> bool:
         return self.refusal is not None
 
-    def reserve(self) -> Ticket:
+    def reserve(self, lane: Lane = Lane.NORMAL, *, patient: bool = False) -> Ticket:
         if self.refusal is not None:
             raise self.refusal()
-        if self.running < self.slots and not self._queue:
+        # Invariant: a free slot means nobody waits (``_leave`` admits the moment one frees).
+        if self.running < self.slots:
             self.running += 1
-            return Ticket(self, admitted=True)
-        if len(self._queue) >= self.max_queue:
+            return Ticket(self, lane, admitted=True, patient=patient)
+        if not patient and self._bounded >= self.max_queue:
+            seconds = self.retry_after(lane)
             raise Overloaded(
-                f"server is at capacity: {self.running} generations running and {len(self._queue)} waiting",
-                retry_after=self.retry_after(),
+                f"server is at capacity: {self.running} generations running and {self.waiting} waiting; "
+                f"retry after {_whole(seconds)} s, or POST the same body to /jobs to run it later",
+                retry_after=seconds,
             )
-        ticket = Ticket(self, admitted=False)
-        self._queue.append(ticket)
+        ticket = Ticket(self, lane, admitted=False, patient=patient)
+        self._lanes[lane].append(ticket)
+        self._bounded += not patient
+        self._notify_behind(lane)  # everyone in a lower lane just moved back one place
         return ticket
 
     def close(self, refusal: Callable[[], Unavailable]) -> None:
@@ -123,39 +166,75 @@ class Gate:
         if self.refusal is not None:
             return
         self.refusal = refusal
-        queued, self._queue = list(self._queue), deque()
+        queued = [ticket for queue in self._lanes.values() for ticket in queue]
+        for queue in self._lanes.values():
+            queue.clear()
+        self._bounded = 0
         for ticket in queued:
             ticket._notify()
         self._changed.set()
 
     async def wait_idle(self) -> None:
         """Return once no generation holds a slot and nobody is queued."""
-        while self.running or self._queue:
+        while self.running or self.waiting:
             self._changed.clear()
             await self._changed.wait()
 
     def position(self, ticket: Ticket) -> int:
+        queue = self._lanes[ticket.lane]
         try:
-            return self._queue.index(ticket) + 1
+            index = queue.index(ticket)
         except ValueError:
             return 0
+        return sum(len(self._lanes[lane]) for lane in Lane if lane < ticket.lane) + index + 1
 
-    def retry_after(self) -> float:
-        """Seconds until a newcomer would likely get a slot: the queue ahead of it, served ``slots`` at a time."""
-        rounds = (len(self._queue) + 1) / self.slots
-        return max(1.0, rounds * self._service_seconds)
+    def record_service(self, seconds: float) -> None:
+        """Note how long a slot was held (``_leave`` calls it for every admitted ticket)."""
+        self._held.append(seconds)
+
+    def service_seconds(self) -> float | None:
+        """Mean slot hold time of the last :data:`SERVICE_WINDOW` generations; None before the first one ends."""
+        return sum(self._held) / len(self._held) if self._held else None
+
+    def retry_after(self, lane: Lane = Lane.NORMAL) -> float:
+        """Seconds until a newcomer in ``lane`` would likely get a slot.
+
+        Everyone already waiting in its lane or a better one goes first; the slots serve them ``slots`` at a
+        time, each for the recently measured mean hold time. One second until a generation has been measured.
+        """
+        ahead = sum(len(self._lanes[other]) for other in Lane if other <= lane)
+        mean = self.service_seconds()
+        if mean is None:
+            return 1.0
+        return max(1.0, (ahead + 1) / self.slots * mean)
 
     def _leave(self, ticket: Ticket) -> None:
         if ticket.admitted:
-            held = time.perf_counter() - (ticket.admitted_at or ticket.created)
-            self._service_seconds = 0.8 * self._service_seconds + 0.2 * held
+            self.record_service(time.perf_counter() - (ticket.admitted_at or ticket.created))
             self.running -= 1
         else:
-            with contextlib.suppress(ValueError):
-                self._queue.remove(ticket)
-        while self._queue and self.running < self.slots:
+            queue = self._lanes[ticket.lane]
+            if ticket in queue:
+                queue.remove(ticket)
+                self._bounded -= not ticket.patient
+        while self.running < self.slots:
+            head = next((queue for queue in self._lanes.values() if queue), None)
+            if head is None:
+                break
+            admitted = head.popleft()
+            self._bounded -= not admitted.patient
             self.running += 1
-            self._queue.popleft()._admit()
-        for waiting in self._queue:
-            waiting._notify()
+            admitted._admit()
+        self._notify_behind(Lane.HIGH)
         self._changed.set()
+
+    def _notify_behind(self, lane: Lane) -> None:
+        """Wake every waiter whose position may have changed; each one re-reads it and reports only a change."""
+        for other, queue in self._lanes.items():
+            if other >= lane:
+                for waiting in queue:
+                    waiting._notify()
+
+
+def _whole(seconds: float) -> int:
+    return max(1, int(-(-seconds // 1)))

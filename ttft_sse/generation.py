@@ -1,10 +1,14 @@
 """The path every generating surface shares: validate → tokenize → admit → stream → time → log.
 
 ``Generations.open`` does everything that can fail with a status code (not ready, shutting down, bad prompt,
-no room) before a response header is sent. ``Run.events`` then yields ``Queued`` (while waiting for a slot),
-``Piece`` items and one ``Finished`` whose timings hold the request's whole story: queue wait, prefill, time to
-first token, total. On shutdown it raises ``ShuttingDown`` instead: at once for a request still queued, and at
-the end of the drain grace for one still generating (see ``Runtime.drain``).
+no room) before a response header is sent: ``prepare`` (readiness, tokenizer, length) then ``admit`` (a gate
+ticket in the caller's lane). Overflow jobs call the two apart: prepared at submission, so a bad prompt is a 400
+at once, and admitted in the jobs lane when a runner takes them.
+
+``Run.events`` then yields ``Queued`` (while waiting for a slot), ``Piece`` items and one ``Finished`` whose
+timings hold the request's whole story: queue wait, prefill, time to first token, total. On shutdown it raises
+``ShuttingDown`` instead: at once for a request still queued, and at the end of the drain grace for one still
+generating (see ``Runtime.drain``).
 """
 
 from __future__ import annotations
@@ -19,9 +23,11 @@ from typing import TYPE_CHECKING
 import anyio
 import structlog
 
+from ttft_sse.auth import Caller
 from ttft_sse.engine.base import Finished, Piece, Prompt, SamplingParams
-from ttft_sse.errors import ClientError, EngineError, NotReady, Overloaded, ServiceError, ShuttingDown
-from ttft_sse.gate import Ticket
+from ttft_sse.errors import EngineError, NotReady
+from ttft_sse.gate import Lane, Ticket
+from ttft_sse.metrics import Outcome, outcome_of
 from ttft_sse.schemas import GenerationRequest
 
 if TYPE_CHECKING:
@@ -38,11 +44,43 @@ class Queued:
 Event = Queued | Piece | Finished
 
 
+@dataclass(frozen=True)
+class Prepared:
+    """A validated, tokenized request, not yet admitted: what ``Generations.admit`` (or a job) takes."""
+
+    prompt: Prompt
+    params: SamplingParams
+
+
 class Generations:
     def __init__(self, runtime: Runtime) -> None:
         self._runtime = runtime
 
-    async def open(self, request: GenerationRequest, *, arrival: float, endpoint: str, check_ready: bool = True) -> Run:
+    async def open(
+        self,
+        request: GenerationRequest,
+        *,
+        caller: Caller,
+        arrival: float,
+        endpoint: str,
+        check_ready: bool = True,
+        record: bool = True,
+    ) -> Run:
+        """Everything that can be refused with a status code, before a response starts: ``prepare``, then
+        ``admit`` in ``caller``'s lane (a slot, a queue place, or ``Overloaded``).
+
+        ``endpoint`` labels the request's metrics; ``record=False`` keeps it out of them (the warm-up).
+        """
+        try:
+            prepared = await self.prepare(request, check_ready=check_ready)
+            return self.admit(prepared, caller=caller, arrival=arrival, endpoint=endpoint, record=record)
+        except Exception as exc:
+            if record:
+                self._runtime.metrics.observe_refused(endpoint, exc)
+            raise
+
+    async def prepare(self, request: GenerationRequest, *, check_ready: bool = True) -> Prepared:
+        """Everything that can refuse a request as the client's fault: readiness, template, tokenizer, length."""
         runtime = self._runtime
         if runtime.state == "stopping":
             raise runtime.refusal()
@@ -57,8 +95,22 @@ class Generations:
             context_length=engine.info.context_length,
             default_max_tokens=runtime.settings.default_max_tokens,
         )
-        ticket = runtime.gate.reserve()
-        return Run(runtime, prompt, params, ticket, arrival=arrival, endpoint=endpoint)
+        return Prepared(prompt, params)
+
+    def admit(self, prepared: Prepared, *, caller: Caller, arrival: float, endpoint: str, record: bool = True) -> Run:
+        """Take a gate ticket in ``caller``'s lane. Job-lane tickets are patient (no deadline, no queue place)."""
+        runtime = self._runtime
+        ticket = runtime.gate.reserve(caller.lane, patient=caller.lane is Lane.JOBS)
+        return Run(
+            runtime,
+            prepared.prompt,
+            prepared.params,
+            ticket,
+            caller=caller,
+            arrival=arrival,
+            endpoint=endpoint,
+            record=record,
+        )
 
 
 class Run:
@@ -71,67 +123,72 @@ class Run:
         params: SamplingParams,
         ticket: Ticket,
         *,
+        caller: Caller,
         arrival: float,
         endpoint: str,
+        record: bool = True,
     ) -> None:
         self._runtime = runtime
+        self.caller = caller
         self.prompt = prompt
         self.params = params
         self._ticket = ticket
         self._arrival = arrival
         self._endpoint = endpoint
+        self._metrics = runtime.metrics.request(endpoint, arrival=arrival, record=record)
 
     def close(self) -> None:
         """Give back the gate ticket. ``events`` does this itself; call it where ``events`` may never start."""
         self._ticket.release()
+        self._metrics.observe_ended("cancelled")  # a no-op once ``events`` has counted the request
 
     async def events(self) -> AsyncGenerator[Event, None]:
-        outcome = "cancelled"
+        outcome: Outcome = "cancelled"
+        failure: BaseException | None = None
         first_at: float | None = None
         finished: Finished | None = None
+        metrics = self._metrics
         try:
             async for position in self._ticket.wait():
                 yield Queued(position)
-            queue_ms = self._ticket.waited * 1000
+            queue_s = self._ticket.waited
+            metrics.observe_admitted(queue_s)
             if self._runtime.cutting:
                 raise self._runtime.cut()
             async with aclosing(self._runtime.engine.stream(self.prompt, self.params)) as items:
                 async for item in items:
+                    now = time.perf_counter()
                     if isinstance(item, Finished):
-                        now = time.perf_counter()
                         timings = {
-                            "queue_ms": round(queue_ms, 1),
+                            "queue_ms": round(queue_s * 1000, 1),
                             **item.timings,
                             "ttft_ms": round(((first_at or now) - self._arrival) * 1000, 1),
                             "total_ms": round((now - self._arrival) * 1000, 1),
                         }
                         finished = replace(item, timings=timings)
+                        metrics.observe_finished(finished, now)
                         outcome = "ok"
                         yield finished
                         return
                     if first_at is None:
-                        first_at = time.perf_counter()
+                        first_at = now
+                    metrics.observe_piece(now)
                     yield item
             # The engine ended without a Finished: something cancelled it from outside. The only thing that does
             # is the drain deadline (``engine.close()``); say so to the client rather than just stopping.
             raise self._runtime.cut() if self._runtime.cutting else EngineError("generation ended without a result")
-        except ShuttingDown:
-            outcome = "shutdown"
-            raise
-        except Overloaded:
-            outcome = "overloaded"
-            raise
-        except ClientError:
-            outcome = "invalid"
-            raise
-        except ServiceError:
-            outcome = "error"
+        except BaseException as exc:
+            if finished is None:  # closed after its Finished was handed over: that generation still finished
+                outcome, failure = outcome_of(exc), exc
             raise
         finally:
             self._ticket.release()
+            metrics.observe_ended(outcome, failure)
             fields: dict[str, object] = {
                 "endpoint": self._endpoint,
                 "outcome": outcome,
+                "lane": self.caller.lane.label,
+                "key_id": self.caller.key_id,
                 "prompt_tokens": self.prompt.n_tokens,
                 "max_tokens": self.params.max_tokens,
             }

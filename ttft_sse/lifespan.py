@@ -30,10 +30,13 @@ import anyio
 import structlog
 from starlette.applications import Starlette
 
+from ttft_sse.auth import ANONYMOUS, Keyring
 from ttft_sse.engine.base import Engine
 from ttft_sse.errors import ShuttingDown
 from ttft_sse.gate import Gate
 from ttft_sse.generation import Generations
+from ttft_sse.jobs import JobStore
+from ttft_sse.metrics import Metrics
 from ttft_sse.schemas import GenerationRequest
 from ttft_sse.settings import Settings
 from ttft_sse.stages import StageClock
@@ -57,7 +60,7 @@ def shutdown_budget(drain_seconds: float) -> float:
 
 
 class Runtime:
-    """What the app holds while it runs: settings, the engine, the gate, and the start-up story."""
+    """What the app holds while it runs: settings, keys, the engine, the gate, jobs, the start-up story, metrics."""
 
     def __init__(self, settings: Settings, engine: Engine) -> None:
         self.settings = settings
@@ -67,18 +70,21 @@ class Runtime:
             max_queue=settings.max_queue,
             timeout=settings.queue_timeout_seconds,
         )
+        self.keyring = Keyring.from_spec(settings.api_keys)
         self.generations = Generations(self)
         self.streams = Streams(
             grace=settings.resume_grace_seconds,
             max_streams=settings.max_streams,
             buffer_events=settings.stream_buffer_events,
         )
+        self.jobs: JobStore | None = None  # set by create_app; a worker process runs jobs, it keeps none
         self.clock = StageClock()
         self.state: State = "starting"
         self.error: str | None = None
         self.failed = asyncio.Event()
         self.cutting = False  # the drain grace is over: running generations are being cancelled
         self._hurry = asyncio.Event()
+        self.metrics = Metrics(self)  # this app's own registry; start-up stages are read from `clock` on scrape
 
     @property
     def ready(self) -> bool:
@@ -128,6 +134,8 @@ class Runtime:
             self.failed.set()
             return
         if self.state == "starting":
+            if self.jobs is not None:
+                await self.jobs.start()
             self.state = "ready"
             info = self.engine.info
             log.info(
@@ -142,7 +150,9 @@ class Runtime:
     async def _warm_up(self) -> None:
         """One short generation through the same path a request takes (template, tokenizer, gate, engine)."""
         request = GenerationRequest(prompt=WARMUP_PROMPT, messages=None, max_tokens=WARMUP_TOKENS)
-        run = await self.generations.open(request, arrival=time.perf_counter(), endpoint="warmup", check_ready=False)
+        run = await self.generations.open(
+            request, caller=ANONYMOUS, arrival=time.perf_counter(), endpoint="warmup", check_ready=False, record=False
+        )
         async with aclosing(run.events()) as events:
             async for _ in events:
                 pass
@@ -189,6 +199,8 @@ class Runtime:
     async def stop(self) -> None:
         self.state = "stopping" if self.state != "failed" else self.state
         await self.streams.close()
+        if self.jobs is not None:
+            await self.jobs.close()
         await self.engine.close()
 
 

@@ -120,6 +120,24 @@ class GenerationRequest:
             seed=seed,
         )
 
+    def as_body(self) -> dict[str, Any]:
+        """The JSON body that ``from_json`` reads back into an equal request (how a job travels to a worker)."""
+        body: dict[str, Any] = {
+            "raw": self.raw,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "stop": list(self.stop),
+        }
+        if self.prompt is not None:
+            body["prompt"] = self.prompt
+        if self.messages is not None:
+            body["messages"] = [{"role": m.role, "content": m.content} for m in self.messages]
+        if self.max_tokens is not None:
+            body["max_tokens"] = self.max_tokens
+        if self.seed is not None:
+            body["seed"] = self.seed
+        return body
+
     def sampling(self, *, prompt_tokens: int, context_length: int, default_max_tokens: int) -> SamplingParams:
         """Sampling parameters for a prompt of ``prompt_tokens``; refuses a ``max_tokens`` that cannot fit."""
         room = context_length - prompt_tokens

@@ -61,6 +61,16 @@ class Settings:
     log_level: str = "info"
     log_format: str = "json"
     redis_url: str | None = None
+    # On CUDA, hand the caching allocator's unused blocks back to the driver after every Nth generation
+    # (0 = never), so that one long prompt's peak does not stay reserved for good.
+    cuda_empty_cache_every: int = 1000
+    # `key[:lane],…` or `@file`; see ttft_sse/auth.py. Out of repr so that a logged Settings shows no key.
+    api_keys: str | None = field(default=None, repr=False)
+    job_runners: int = 1
+    max_jobs: int = 1000
+    job_ttl_seconds: float = 600.0
+    job_lease_seconds: float = 30.0
+    job_attempts: int = 3
 
     def __post_init__(self) -> None:
         positive = (
@@ -71,14 +81,25 @@ class Settings:
             "max_concurrency",
             "max_streams",
             "stream_buffer_events",
+            "job_runners",
+            "max_jobs",
+            "job_attempts",
         )
         for name in positive:
             if getattr(self, name) < 1:
                 raise SettingsError(f"{name} must be at least 1, got {getattr(self, name)}")
-        for name in ("threads", "max_queue"):
+        for name in ("threads", "max_queue", "cuda_empty_cache_every"):
             if getattr(self, name) < 0:
                 raise SettingsError(f"{name} must be 0 or more, got {getattr(self, name)}")
-        for name in ("queue_timeout_seconds", "ping_seconds", "drain_seconds", "resume_grace_seconds"):
+        more_than_zero = (
+            "queue_timeout_seconds",
+            "ping_seconds",
+            "drain_seconds",
+            "job_ttl_seconds",
+            "job_lease_seconds",
+            "resume_grace_seconds",
+        )
+        for name in more_than_zero:
             if getattr(self, name) <= 0:
                 raise SettingsError(f"{name} must be more than 0, got {getattr(self, name)}")
         if self.default_max_tokens > self.max_tokens_cap:
@@ -93,6 +114,16 @@ class Settings:
             raise SettingsError(f"log_format must be json or console, got {self.log_format!r}")
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):
             raise SettingsError(f"log_level must be debug, info, warning or error, got {self.log_level!r}")
+        if self.redis_url is not None and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
+            # Not quoted: a Redis URL may carry a password.
+            raise SettingsError("redis_url must start with redis://, rediss:// or unix://")
+        if self.api_keys:
+            from ttft_sse.auth import parse_keys
+
+            try:
+                parse_keys(self.api_keys)
+            except ValueError as exc:
+                raise SettingsError(str(exc)) from None
 
     @property
     def torch_threads(self) -> int:

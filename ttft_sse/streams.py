@@ -210,6 +210,7 @@ class Streams:
         self._live: dict[str, Stream] = {}
         self._gone: OrderedDict[str, str] = OrderedDict()  # id → why it is gone
         self._tasks: set[asyncio.Task[None]] = set()
+        self._reserved = 0  # places held for streams whose generation is being admitted
 
     def __len__(self) -> int:
         return len(self._live)
@@ -219,16 +220,24 @@ class Streams:
         """Items held in all buffers together."""
         return sum(stream.buffered for stream in self._live.values())
 
-    def start(self, run: Run) -> Stream:
-        """Register a stream for ``run`` and start generating at once. Raises ``Overloaded`` when full."""
-        if len(self._live) >= self.max_streams and not self._evict():
-            run.close()
+    def reserve(self) -> None:
+        """Hold a place for one stream, or raise ``Overloaded``. Call before admitting its generation; then
+        :meth:`start` (which takes the place) or :meth:`unreserve` (if admission failed)."""
+        if len(self._live) + self._reserved >= self.max_streams and not self._evict():
             raise Overloaded(
                 f"{len(self._live)} streams are open, the most this server keeps (TTFT_MAX_STREAMS); "
                 f"retry, or end streams you no longer read with DELETE",
                 retry_after=self.grace,
                 code="too_many_streams",
             )
+        self._reserved += 1
+
+    def unreserve(self) -> None:
+        self._reserved -= 1
+
+    def start(self, run: Run) -> Stream:
+        """Register a stream for ``run`` in a place taken with :meth:`reserve`, and start generating at once."""
+        self._reserved -= 1
         stream = Stream(self, secrets.token_urlsafe(12), buffer_events=self.buffer_events)
         self._live[stream.id] = stream
         task = asyncio.create_task(self._pump(stream, run), name=f"ttft-stream-{stream.id}")

@@ -201,6 +201,35 @@ def test_the_page_shows_queued_then_the_error_that_ended_the_answer(page: Page) 
         holder.rest()
 
 
+def test_with_api_keys_on_the_page_asks_for_a_key_and_sends_it(page: Page) -> None:
+    from playwright.sync_api import expect
+
+    engine = FakeEngine(["Hi", " there"], context_length=4096)
+    with fake_server(engine, api_keys="sekrit-key-1") as (base, _app):
+        page.goto(f"{base}/")
+        expect(page.locator("#api-key")).to_be_hidden()
+        page.fill("#prompt", "First?")
+        with page.expect_response(lambda r: r.url.endswith("/streams")) as refused:
+            page.press("#prompt", "Enter")
+        assert refused.value.status == 401
+        expect_state(page, "error")
+        assert latest(page).locator(".error").text_content() == (
+            "an API key is required: send it as 'Authorization: Bearer <key>' or 'X-API-Key: <key>': "
+            "enter it below and ask again"
+        )
+        expect(page.locator("#api-key")).to_be_visible()
+        page.fill("#api-key", "sekrit-key-1")
+        with page.expect_request(lambda r: r.url.endswith("/streams") and r.method == "POST") as sent:
+            ask(page, "Second?")
+        expect_state(page, "done")
+        assert latest(page).locator(".text").text_content() == "Hi there"
+    assert sent.value.headers["authorization"] == "Bearer sekrit-key-1"
+    # The refused question left the conversation; the stream itself was read without a key (EventSource sends
+    # none): its unguessable url is the credential.
+    assert sent.value.post_data_json == {"messages": [{"role": "user", "content": "Second?"}]}
+    assert engine.generated == [2]
+
+
 def test_the_page_is_served_from_the_package_with_a_strict_content_security_policy() -> None:
     with fake_server(FakeEngine()) as (base, _app):
         index = httpx.get(f"{base}/")

@@ -258,6 +258,18 @@ def test_unknown_foreign_and_malformed_reconnects_get_a_clear_error_and_start_no
     assert f"has sent events up to {stream_id}.12" in cases["never-sent"].json()["error"]["message"]
 
 
+def test_with_api_keys_creating_a_stream_needs_one_and_its_url_is_then_the_credential() -> None:
+    engine = FakeEngine(WORDS)
+    with server(engine, api_keys="sekrit-key-1") as (_, _app, client):
+        refused = client.post("/streams", json={"prompt": "hi"})
+        created = client.post("/streams", json={"prompt": "hi"}, headers={"Authorization": "Bearer sekrit-key-1"})
+        events = read(client, created.json()["url"])  # no key: EventSource cannot send one
+    assert (refused.status_code, refused.json()["error"]["code"]) == (401, "missing_api_key")
+    assert created.status_code == 201
+    assert text_of(events) == TEXT
+    assert engine.generated == [len(WORDS)]
+
+
 def test_delete_stops_the_generation_and_an_attached_reader_gets_the_final_event() -> None:
     engine = FakeEngine(WORDS, hold_after=1)
     with capture_logs() as logs, server(engine) as (_, app, client):

@@ -7,7 +7,8 @@ from typing import Any
 
 from starlette.requests import Request
 
-from ttft_sse.errors import InvalidRequest, PayloadTooLarge, UnsupportedMediaType
+from ttft_sse.auth import Caller
+from ttft_sse.errors import InvalidRequest, PayloadTooLarge, Unauthorized, UnsupportedMediaType
 from ttft_sse.lifespan import Runtime
 from ttft_sse.schemas import GenerationRequest
 
@@ -22,6 +23,23 @@ def runtime_of(request: Request) -> Runtime:
 def arrival_of(request: Request) -> float:
     arrival: float = request.scope["state"]["arrival"]
     return arrival
+
+
+def caller_of(request: Request) -> Caller:
+    """Who is asking, from ``Authorization: Bearer <key>`` or ``X-API-Key: <key>``; 401 when keys are on and
+    neither holds a valid one. Call it first, before reading the body: a stranger learns nothing about it.
+    """
+    keyring = runtime_of(request).keyring
+    if not keyring.enabled:
+        return keyring.identify(None)
+    presented = request.headers.get("x-api-key")
+    authorization = request.headers.get("authorization")
+    if authorization is not None:
+        scheme, _, credentials = authorization.strip().partition(" ")
+        if scheme.lower() != "bearer":
+            raise Unauthorized("the Authorization header must use the Bearer scheme", code="invalid_api_key")
+        presented = credentials.strip()
+    return keyring.identify(presented)
 
 
 async def json_body(request: Request) -> Any:

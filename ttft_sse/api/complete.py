@@ -8,15 +8,16 @@ import anyio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from ttft_sse.api.body import arrival_of, generation_request, runtime_of
+from ttft_sse.api.body import arrival_of, caller_of, generation_request, runtime_of
 from ttft_sse.engine.base import Finished, Piece
 from ttft_sse.generation import Run
 
 
 async def complete(request: Request) -> Response:
     runtime = runtime_of(request)
+    caller = caller_of(request)
     run = await runtime.generations.open(
-        await generation_request(request), arrival=arrival_of(request), endpoint="complete"
+        await generation_request(request), caller=caller, arrival=arrival_of(request), endpoint="complete"
     )
     reply = await collect(request, run)
     if reply is None:  # only when the client disconnected; nobody reads this
@@ -75,5 +76,10 @@ async def _collect(run: Run, parts: list[str], result: list[Finished]) -> None:
 
 
 def server_timing(timings: dict[str, float]) -> str:
-    """``Server-Timing: queue;dur=0.1, prefill;dur=151.2, …`` — browsers' dev tools show it per request."""
+    """``Server-Timing: queue;dur=0.1, prefill;dur=151.2, …`` — browsers' dev tools show it per request.
+
+    The parts are the ones the metrics observe, from the same clock readings: ``queue`` is
+    ``ttft_sse_queue_wait_seconds``, ``prefill`` ``ttft_sse_prefill_seconds``, ``ttft``
+    ``ttft_sse_time_to_first_token_seconds``, ``total`` ``ttft_sse_request_duration_seconds``.
+    """
     return ", ".join(f"{name.removesuffix('_ms')};dur={value}" for name, value in timings.items())

@@ -38,5 +38,6 @@ async def readyz(request: Request) -> JSONResponse:
             "startup": runtime.startup_report(),
             "running": runtime.gate.running,
             "waiting": runtime.gate.waiting,
+            "waiting_by_lane": runtime.gate.waiting_by_lane(),
         }
     )

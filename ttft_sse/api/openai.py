@@ -44,7 +44,7 @@ from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from ttft_sse.api.body import arrival_of, json_body, runtime_of
+from ttft_sse.api.body import arrival_of, caller_of, json_body, runtime_of
 from ttft_sse.api.complete import collect, server_timing
 from ttft_sse.api.stream import TokenStream
 from ttft_sse.engine.base import Finished, ModelInfo, Piece, Usage
@@ -320,6 +320,7 @@ async def completions(request: Request) -> Response:
 
 async def _generate(request: Request, *, chat: bool) -> Response:
     runtime = runtime_of(request)
+    caller = caller_of(request)  # first: without a valid key (when keys are on), a 401 before the body is read
     parse = parse_chat if chat else parse_completion
     parsed = parse(await json_body(request), max_tokens_cap=runtime.settings.max_tokens_cap)
     if parsed.user is not None:
@@ -330,7 +331,10 @@ async def _generate(request: Request, *, chat: bool) -> Response:
         log.warning("openai_fields_ignored", fields=list(parsed.ignored))
     with renamed_max_tokens(parsed.max_tokens_field):  # "lower max_tokens to …" names the client's field
         run = await runtime.generations.open(
-            parsed.generation, arrival=arrival_of(request), endpoint="chat_completions" if chat else "completions"
+            parsed.generation,
+            caller=caller,
+            arrival=arrival_of(request),
+            endpoint="chat_completions" if chat else "completions",
         )
     reply = Reply(
         id=f"{'chatcmpl' if chat else 'cmpl'}-{request.scope['state']['request_id']}",

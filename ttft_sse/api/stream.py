@@ -12,7 +12,7 @@ from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import Response
 
-from ttft_sse.api.body import arrival_of, generation_request, runtime_of
+from ttft_sse.api.body import arrival_of, caller_of, generation_request, runtime_of
 from ttft_sse.engine.base import Finished, Piece
 from ttft_sse.errors import ServiceError
 from ttft_sse.generation import Queued, Run
@@ -50,8 +50,9 @@ async def stream(request: Request) -> Response:
     if request.method == "HEAD":  # headers only; never start a generation for a HEAD
         return Response(headers=SSE_HEADERS)
     runtime = runtime_of(request)
+    caller = caller_of(request)
     run = await runtime.generations.open(
-        await generation_request(request), arrival=arrival_of(request), endpoint="stream"
+        await generation_request(request), caller=caller, arrival=arrival_of(request), endpoint="stream"
     )
     settings = runtime.settings
     return TokenStream(

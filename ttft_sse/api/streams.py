@@ -17,23 +17,34 @@ from sse_starlette import ServerSentEvent
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from ttft_sse.api.body import arrival_of, generation_request, runtime_of
+from ttft_sse.api.body import arrival_of, caller_of, generation_request, runtime_of
 from ttft_sse.api.stream import CACHE_CONTROL, SSE_HEADERS, TokenStream, sse_event
-from ttft_sse.errors import InvalidRequest
+from ttft_sse.errors import InvalidRequest, Overloaded
 from ttft_sse.generation import Queued
 from ttft_sse.streams import Stream
 
 # Sent first on every stream: EventSource waits this long before reconnecting (browsers default to ~3 s).
 RECONNECT_MS = 1000
-QUERY = ("lastEventId",)  # what EventSource-unfriendly clients may send instead of the Last-Event-ID header
+QUERY = ("lastEventId",)  # what clients that cannot set the Last-Event-ID header may send instead
+ENDPOINT = "streams"  # the label of these generations in logs and metrics
 
 
 async def create_stream(request: Request) -> Response:
     runtime = runtime_of(request)
-    run = await runtime.generations.open(
-        await generation_request(request), arrival=arrival_of(request), endpoint="streams"
-    )
-    stream = runtime.streams.start(run)
+    caller = caller_of(request)  # with TTFT_API_KEYS, creating a stream needs a key; its url is then the credential
+    generation = await generation_request(request)
+    streams = runtime.streams
+    try:
+        streams.reserve()
+    except Overloaded as exc:
+        runtime.metrics.observe_refused(ENDPOINT, exc)
+        raise
+    try:
+        run = await runtime.generations.open(generation, caller=caller, arrival=arrival_of(request), endpoint=ENDPOINT)
+    except BaseException:
+        streams.unreserve()
+        raise
+    stream = streams.start(run)
     url = f"{request.scope.get('root_path', '')}/streams/{stream.id}"
     return JSONResponse({"id": stream.id, "url": url}, status_code=201, headers={"Location": url})
 

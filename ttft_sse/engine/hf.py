@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from contextlib import aclosing
 from typing import Any
 
@@ -42,6 +43,7 @@ class HFEngine:
         self._tokenizer: Any = None
         self._model: Any = None
         self._eos: frozenset[int] = frozenset()
+        self._janitor = CacheJanitor(0, lambda: None)  # replaced in load() when the model sits on CUDA
 
     @property
     def info(self) -> ModelInfo:
@@ -82,6 +84,8 @@ class HFEngine:
         except OSError as exc:
             raise StartupError(f"cannot load model {settings.model!r}: {exc}") from exc
         self._model = model
+        if device.startswith("cuda"):
+            self._janitor = CacheJanitor(settings.cuda_empty_cache_every, torch.cuda.empty_cache)
         gen = model.generation_config
         eos = gen.eos_token_id if gen.eos_token_id is not None else self._tokenizer.eos_token_id
         self._eos = frozenset(eos if isinstance(eos, list) else [eos] if eos is not None else [])
@@ -149,7 +153,12 @@ class HFEngine:
 
     async def stream(self, prompt: Prompt, params: SamplingParams) -> AsyncGenerator[Item, None]:
         def produce(emit: Emit[Item], cancelled: Any) -> None:
-            self._generate(prompt, params, emit, cancelled)
+            try:
+                self._generate(prompt, params, emit, cancelled)
+            finally:
+                # Here, after _generate's frame (and its tensors) is gone and after Finished was emitted: the
+                # client has its answer before the cache is emptied. Cancelled and failed generations count too.
+                self._janitor.generation_ended()
 
         try:
             async with aclosing(self._workers.stream(produce)) as items:
@@ -213,6 +222,39 @@ class HFEngine:
                 },
             )
         )
+
+
+class CacheJanitor:
+    """Empties the CUDA caching allocator's cache once every ``every`` generations (``every=0``: never).
+
+    torch keeps freed blocks reserved for reuse. Prompts of varying length leave a growing set of odd-sized
+    blocks behind, so reserved memory creeps up although live tensors do not; ``empty_cache`` hands the unused
+    ones back. Its cudaFree calls synchronise the device and stall concurrent generations for a moment, hence
+    only every N requests. Called from generation worker threads, so the count is locked; ``empty`` runs
+    outside the lock.
+    """
+
+    def __init__(self, every: int, empty: Callable[[], None]) -> None:
+        if every < 0:
+            raise ValueError(f"every must be 0 (never) or more, got {every}")
+        self.every = every
+        self._empty = empty
+        self._lock = threading.Lock()
+        self.generations = 0
+        self.emptied = 0
+
+    def generation_ended(self) -> bool:
+        """Count one generation; empty the cache if it is the Nth. True when it emptied."""
+        with self._lock:
+            self.generations += 1
+            count = self.generations
+            due = self.every > 0 and count % self.every == 0
+        if due:
+            self._empty()
+            with self._lock:
+                self.emptied += 1
+            log.info("cuda_cache_emptied", generations=count, every=self.every)
+        return due
 
 
 class _PieceStreamer:

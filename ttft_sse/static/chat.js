@@ -11,6 +11,9 @@ const input = $("prompt");
 const sendButton = $("send");
 const stopButton = $("stop");
 const maxTokens = $("max-tokens");
+const keyLabel = $("key-label");
+const keyInput = $("api-key");
+const KEY_STORE = "ttft-sse-api-key"; // this tab only (sessionStorage); sent only to this server
 
 let history = []; // [{role, content}]: every finished turn, sent whole with the next question
 let current = null; // the Answer being streamed, if any
@@ -66,24 +69,43 @@ class Answer {
     this.state.textContent = label;
   }
 
-  async start(messages) {
+  // A question the server refused before generating anything leaves the conversation: it will be asked again.
+  refused(message) {
+    const asked = history.lastIndexOf(this.question);
+    if (asked >= 0) history.splice(asked, 1);
+    this.fail(message);
+  }
+
+  async start(question) {
+    this.question = question;
+    const messages = history.slice();
     let response;
     let body = null;
     try {
+      const headers = { "Content-Type": "application/json" };
+      if (keyInput.value) headers.Authorization = `Bearer ${keyInput.value}`;
       response = await fetch("streams", {
         method: "POST",
-        headers: { "Content-Type": "application/json" },
+        headers,
         body: JSON.stringify({ messages, max_tokens: Number(maxTokens.value) || undefined }),
       });
       body = await response.json().catch(() => null);
     } catch (err) {
-      this.fail(`could not reach the server (${err.message})`);
+      this.refused(`could not reach the server (${err.message})`);
+      return;
+    }
+    if (response.status === 401) {
+      // With TTFT_API_KEYS set, creating a stream needs a key; the stream's url is the credential after that
+      // (EventSource cannot send headers).
+      keyLabel.hidden = false;
+      keyInput.focus();
+      this.refused(`${errorMessage(body, "an API key is required")}: enter it below and ask again`);
       return;
     }
     if (!response.ok) {
       const retry = response.headers.get("Retry-After");
       const message = errorMessage(body, `the server answered HTTP ${response.status}`);
-      this.fail(retry ? `${message} (retry in ${retry} s)` : message);
+      this.refused(retry ? `${message} (retry in ${retry} s)` : message);
       return;
     }
     this.url = body.url;
@@ -190,10 +212,11 @@ function ask(question) {
   const hint = log.querySelector(".hint");
   if (hint) hint.remove();
   turn("user", question);
-  history.push({ role: "user", content: question });
+  const asked = { role: "user", content: question };
+  history.push(asked);
   current = new Answer();
   busy(true);
-  current.start(history.slice());
+  current.start(asked);
 }
 
 form.addEventListener("submit", (event) => {
@@ -233,5 +256,8 @@ async function showModel() {
   }
   setTimeout(showModel, 2000);
 }
+keyInput.value = sessionStorage.getItem(KEY_STORE) || "";
+keyLabel.hidden = !keyInput.value;
+keyInput.addEventListener("change", () => sessionStorage.setItem(KEY_STORE, keyInput.value));
 showModel();
 input.focus();

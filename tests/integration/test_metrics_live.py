@@ -1,0 +1,161 @@
+"""``/metrics`` of a real server with the real bundled model, after real requests.
+
+The ``hf_server`` is shared by the whole session, so every assertion is on the change between two scrapes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import pytest
+from starlette.applications import Starlette
+from starlette.testclient import TestClient
+
+from tests.scrape import Scrape, scrape
+from tests.servers import parse_sse
+from ttft_sse.app import create_app
+from ttft_sse.settings import Settings
+
+REQUESTS = "ttft_sse_requests_total"
+TTFT_COUNT = "ttft_sse_time_to_first_token_seconds_count"
+
+
+@pytest.fixture
+def client() -> Iterator[httpx.Client]:
+    with httpx.Client(timeout=120) as c:
+        yield c
+
+
+def wait_for(condition: Callable[[], bool], timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition did not hold in time"
+        time.sleep(0.02)
+
+
+def outcomes_moved(after: Scrape, before: Scrape) -> dict[tuple[str, str], float]:
+    moved = {}
+    for labels in set(after.matching(REQUESTS)) | set(before.matching(REQUESTS)):
+        as_dict = dict(labels)
+        if delta := after.delta(before, REQUESTS, **as_dict):
+            moved[(as_dict["endpoint"], as_dict["outcome"])] = delta
+    return moved
+
+
+def test_tokens_counted_equal_the_usage_reported_and_ttft_is_observed_once_per_request(
+    hf_server: str, client: httpx.Client
+) -> None:
+    before = scrape(client, hf_server)
+    with client.stream("GET", f"{hf_server}/stream", params={"prompt": "Name three colours.", "max_tokens": 12}) as r:
+        events = list(parse_sse(r.iter_lines()))
+    answers = [
+        client.post(f"{hf_server}/complete", json={"prompt": prompt, "max_tokens": 6}).json()
+        for prompt in ("What is the capital of France?", "Say hello.")
+    ]
+    after = scrape(client, hf_server)
+
+    done = events[-1].data
+    tokens = [e for e in events if e.event == "token"]
+    assert events[-1].event == "done" and len(tokens) >= 2
+    assert outcomes_moved(after, before) == {("stream", "ok"): 1, ("complete", "ok"): 2}
+    usages = {"stream": [done["usage"]], "complete": [a["usage"] for a in answers]}
+    for endpoint, usage in usages.items():
+        completion = sum(u["completion_tokens"] for u in usage)
+        prompt = sum(u["prompt_tokens"] for u in usage)
+        assert after.delta(before, "ttft_sse_generation_tokens_total", endpoint=endpoint) == completion
+        assert after.delta(before, "ttft_sse_prompt_tokens_total", endpoint=endpoint) == prompt
+        assert after.delta(before, "ttft_sse_request_generation_tokens_sum", endpoint=endpoint) == completion
+        assert after.delta(before, TTFT_COUNT, endpoint=endpoint) == len(usage)
+        assert after.delta(before, "ttft_sse_request_duration_seconds_count", endpoint=endpoint) == len(usage)
+        assert after.delta(before, "ttft_sse_prefill_seconds_count", endpoint=endpoint) == len(usage)
+        assert after.delta(before, "ttft_sse_queue_wait_seconds_count", endpoint=endpoint) == len(usage)
+    capped = [done["finish_reason"]].count("length"), [a["finish_reason"] for a in answers].count("length")
+    assert after.delta(before, "ttft_sse_requests_max_tokens_reached_total", endpoint="stream") == capped[0]
+    assert after.delta(before, "ttft_sse_requests_max_tokens_reached_total", endpoint="complete") == capped[1]
+    assert capped[1] >= 1  # greedy answers; at least one is cut at 6 tokens, so the counter is exercised
+    # One gap between each pair of streamed pieces.
+    assert after.delta(before, "ttft_sse_inter_token_latency_seconds_count", endpoint="stream") == len(tokens) - 1
+
+
+def test_a_stream_the_client_leaves_counts_cancelled_and_frees_its_slot(
+    hf_server: str, hf_app: Starlette, client: httpx.Client
+) -> None:
+    engine = hf_app.state.runtime.engine
+    before = scrape(client, hf_server)
+    params = {"prompt": "Count from one to two hundred, in words.", "max_tokens": 400}
+    with client.stream("GET", f"{hf_server}/stream", params=params) as response:
+        first = next(parse_sse(response.iter_lines()))
+        assert first.event == "token"
+    wait_for(lambda: outcomes_moved(scrape(client, hf_server), before) != {})
+    wait_for(lambda: engine.active == 0)  # the generation thread ended with the request
+    after = scrape(client, hf_server)
+    assert outcomes_moved(after, before) == {("stream", "cancelled"): 1}
+    assert after.delta(before, TTFT_COUNT, endpoint="stream") == 1  # its first token did reach the client
+    assert after.delta(before, "ttft_sse_generation_tokens_total", endpoint="stream") == 0  # no usage reported
+    assert after.value("ttft_sse_num_requests_running") == 0
+
+
+def test_invalid_requests_count_invalid(hf_server: str, client: httpx.Client) -> None:
+    before = scrape(client, hf_server)
+    too_many = client.post(f"{hf_server}/stream", json={"prompt": "hi", "max_tokens": 100_000})
+    too_long = client.post(f"{hf_server}/complete", json={"prompt": "word " * 9000, "raw": True})
+    after = scrape(client, hf_server)
+    assert (too_many.status_code, too_long.status_code) == (400, 400)
+    assert too_long.json()["error"]["code"] == "context_length_exceeded"
+    assert outcomes_moved(after, before) == {("stream", "invalid"): 1, ("complete", "invalid"): 1}
+
+
+def test_startup_stages_process_memory_and_idle_gauges(hf_server: str, hf_app: Starlette, client: httpx.Client) -> None:
+    got = scrape(client, hf_server)
+    stages = hf_app.state.runtime.clock.seconds()
+    assert {"imports", "cache_lookup", "tokenizer", "model", "warmup"} <= set(stages)
+    for stage, seconds in stages.items():
+        assert got.value("ttft_sse_startup_stage_seconds", stage=stage) == seconds > 0
+    assert got.value("process_resident_memory_bytes") > 100 * 2**20  # torch and a 135M-parameter model
+    assert got.has("ttft_sse_num_requests_waiting")
+    assert not got.has("ttft_sse_cuda_memory_reserved_bytes", device="cuda:0")  # CPU here: absent, not zero
+    assert not any(dict(labels).get("endpoint") == "warmup" for labels in got.matching(REQUESTS))
+
+
+def test_model_and_tokenizer_stay_the_same_objects_across_requests(
+    hf_server: str, hf_app: Starlette, client: httpx.Client
+) -> None:
+    engine = hf_app.state.runtime.engine
+    loaded = (engine._model, engine._tokenizer)
+    for _ in range(2):
+        assert client.post(f"{hf_server}/complete", json={"prompt": "Hi", "max_tokens": 2}).status_code == 200
+    assert engine._model is loaded[0] and engine._tokenizer is loaded[1]
+
+
+def test_tokenizer_and_model_are_loaded_once_per_process(monkeypatch: pytest.MonkeyPatch, settings: Settings) -> None:
+    """Counted at ``from_pretrained``: start-up loads each once; warm-up and requests load nothing more."""
+    import transformers
+
+    calls: dict[str, int] = {"tokenizer": 0, "model": 0}
+
+    def counting(kind: str, original: Any) -> Any:
+        def load(*args: Any, **kwargs: Any) -> Any:
+            calls[kind] += 1
+            return original(*args, **kwargs)
+
+        return load
+
+    monkeypatch.setattr(
+        transformers.AutoTokenizer,
+        "from_pretrained",
+        counting("tokenizer", transformers.AutoTokenizer.from_pretrained),
+    )
+    monkeypatch.setattr(
+        transformers.AutoModelForCausalLM,
+        "from_pretrained",
+        counting("model", transformers.AutoModelForCausalLM.from_pretrained),
+    )
+    with TestClient(create_app(settings)) as c:
+        wait_for(lambda: c.get("/readyz").status_code == 200, timeout=120)
+        for prompt in ("One", "Two", "Three"):
+            assert c.post("/stream", json={"prompt": prompt, "max_tokens": 2}).status_code == 200
+            assert c.post("/complete", json={"prompt": prompt, "max_tokens": 2}).status_code == 200
+    assert calls == {"tokenizer": 1, "model": 1}
