@@ -4,14 +4,16 @@ from __future__ import annotations
 
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
-from starlette.routing import Route
+from starlette.routing import Mount, Route
 
 from ttft_sse.api.complete import complete
 from ttft_sse.api.health import healthz, readyz
 from ttft_sse.api.jobs import cancel_job, job_result, submit_job
 from ttft_sse.api.metrics import metrics
 from ttft_sse.api.openai import chat_completions, completions, list_models, retrieve_model
+from ttft_sse.api.page import page, static_files
 from ttft_sse.api.stream import stream
+from ttft_sse.api.streams import create_stream, stream_resource
 from ttft_sse.engine.base import Engine
 from ttft_sse.errors import EXCEPTION_HANDLERS
 from ttft_sse.jobs import make_store
@@ -32,7 +34,11 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
         engine = HFEngine(settings)
     app = Starlette(
         routes=[
+            Route("/", page, methods=["GET"]),
+            Mount("/static", static_files(), name="static"),
             Route("/stream", stream, methods=["GET", "POST"]),
+            Route("/streams", create_stream, methods=["POST"]),
+            Route("/streams/{stream_id}", stream_resource, methods=["GET", "DELETE"]),
             Route("/complete", complete, methods=["POST"]),
             Route("/jobs", submit_job, methods=["POST"]),
             Route("/result/{job_id}", job_result, methods=["GET"]),

@@ -6,6 +6,7 @@
     │   │   └── PromptTooLong         400, the prompt does not fit the model's context
     │   ├── Unauthorized              401 authentication_error
     │   ├── NotFound                  404 not_found_error
+    │   │   └── Gone                  410, it existed once: an expired or deleted stream, events no longer kept
     │   ├── Conflict                  409 conflict_error (e.g. cancelling a job that has already finished)
     │   ├── PayloadTooLarge           413 invalid_request_error
     │   └── UnsupportedMediaType      415 invalid_request_error
@@ -14,6 +15,8 @@
     │   ├── Overloaded                every generation slot and queue place is taken
     │   └── ShuttingDown              shutdown_error: the server is draining (code ``draining``: refused before
     │                                 anything was generated; ``drain_timeout``: cut at the end of the drain grace)
+    ├── Cancelled                     cancelled_error: a client stopped the generation (``DELETE /streams/{id}``);
+    │                                 the final event of the stream for anyone still reading it
     ├── EngineError                   500 server_error: generation itself failed
     └── StartupError                  the model cannot be found or loaded; the process exits with its message
 
@@ -84,6 +87,10 @@ class NotFound(ClientError):
     error_type = "not_found_error"
 
 
+class Gone(NotFound):
+    status_code = 410
+
+
 class Conflict(ClientError):
     status_code = 409
     error_type = "conflict_error"
@@ -122,6 +129,11 @@ class ShuttingDown(Unavailable):
     """The server is shutting down. Sent as a 503 before a response starts, or as the final SSE ``error`` event."""
 
     error_type = "shutdown_error"
+
+
+class Cancelled(ServiceError):
+    status_code = 409
+    error_type = "cancelled_error"
 
 
 class EngineError(ServiceError):

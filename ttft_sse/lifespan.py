@@ -40,6 +40,7 @@ from ttft_sse.metrics import Metrics
 from ttft_sse.schemas import GenerationRequest
 from ttft_sse.settings import Settings
 from ttft_sse.stages import StageClock
+from ttft_sse.streams import Streams
 
 log = structlog.get_logger("ttft_sse.lifespan")
 
@@ -71,6 +72,11 @@ class Runtime:
         )
         self.keyring = Keyring.from_spec(settings.api_keys)
         self.generations = Generations(self)
+        self.streams = Streams(
+            grace=settings.resume_grace_seconds,
+            max_streams=settings.max_streams,
+            buffer_events=settings.stream_buffer_events,
+        )
         self.jobs: JobStore | None = None  # set by create_app; a worker process runs jobs, it keeps none
         self.clock = StageClock()
         self.state: State = "starting"
@@ -192,6 +198,7 @@ class Runtime:
 
     async def stop(self) -> None:
         self.state = "stopping" if self.state != "failed" else self.state
+        await self.streams.close()
         if self.jobs is not None:
             await self.jobs.close()
         await self.engine.close()

@@ -55,6 +55,9 @@ class Settings:
     queue_timeout_seconds: float = 30.0
     ping_seconds: float = 15.0
     drain_seconds: float = 10.0
+    resume_grace_seconds: float = 30.0
+    max_streams: int = 64
+    stream_buffer_events: int = 4096
     log_level: str = "info"
     log_format: str = "json"
     redis_url: str | None = None
@@ -76,6 +79,8 @@ class Settings:
             "max_tokens_cap",
             "max_body_bytes",
             "max_concurrency",
+            "max_streams",
+            "stream_buffer_events",
             "job_runners",
             "max_jobs",
             "job_attempts",
@@ -86,7 +91,15 @@ class Settings:
         for name in ("threads", "max_queue", "cuda_empty_cache_every"):
             if getattr(self, name) < 0:
                 raise SettingsError(f"{name} must be 0 or more, got {getattr(self, name)}")
-        for name in ("queue_timeout_seconds", "ping_seconds", "drain_seconds", "job_ttl_seconds", "job_lease_seconds"):
+        more_than_zero = (
+            "queue_timeout_seconds",
+            "ping_seconds",
+            "drain_seconds",
+            "job_ttl_seconds",
+            "job_lease_seconds",
+            "resume_grace_seconds",
+        )
+        for name in more_than_zero:
             if getattr(self, name) <= 0:
                 raise SettingsError(f"{name} must be more than 0, got {getattr(self, name)}")
         if self.default_max_tokens > self.max_tokens_cap:

@@ -67,20 +67,23 @@ async def stream(request: Request) -> Response:
 async def _events(run: Run) -> AsyncIterator[ServerSentEvent]:
     try:
         async for item in run.events():
-            if isinstance(item, Piece):
-                yield ServerSentEvent(_json({"text": item.text}), event="token", id=str(item.index))
-            elif isinstance(item, Queued):
-                yield ServerSentEvent(_json({"position": item.position}), event="queued")
-            elif isinstance(item, Finished):
-                done = {
-                    "finish_reason": item.finish_reason,
-                    "usage": item.usage.as_dict(),
-                    "timings": item.timings,
-                }
-                yield ServerSentEvent(_json(done), event="done")
-    except ServiceError as exc:
-        yield ServerSentEvent(_json(exc.to_dict()), event="error")
-    except Exception as exc:  # never a traceback on the wire; the log has it
-        log.exception("stream_failed", error_type=type(exc).__name__)
-        error = {"error": {"message": "internal server error", "type": "server_error", "param": None, "code": None}}
-        yield ServerSentEvent(_json(error), event="error")
+            yield sse_event(item, id=str(item.index) if isinstance(item, Piece) else None)
+    except Exception as exc:
+        yield sse_event(exc)
+
+
+def sse_event(item: Queued | Piece | Finished | Exception, *, id: str | None = None) -> ServerSentEvent:
+    """One event of the wire format every SSE surface of ours shares (``/stream``, ``/streams/{id}``)."""
+    if isinstance(item, Piece):
+        return ServerSentEvent(_json({"text": item.text}), event="token", id=id)
+    if isinstance(item, Queued):
+        return ServerSentEvent(_json({"position": item.position}), event="queued", id=id)
+    if isinstance(item, Finished):
+        done = {"finish_reason": item.finish_reason, "usage": item.usage.as_dict(), "timings": item.timings}
+        return ServerSentEvent(_json(done), event="done", id=id)
+    if isinstance(item, ServiceError):
+        return ServerSentEvent(_json(item.to_dict()), event="error", id=id)
+    # never a traceback on the wire; the log has it
+    log.error("stream_failed", error_type=type(item).__name__, exc_info=item)
+    error = {"error": {"message": "internal server error", "type": "server_error", "param": None, "code": None}}
+    return ServerSentEvent(_json(error), event="error", id=id)

@@ -1,0 +1,92 @@
+"""``POST /streams``, ``GET|DELETE /streams/{id}``: resumable streams, for ``EventSource`` and flaky networks.
+
+``POST /streams`` takes the body of ``POST /stream`` (a whole conversation fits; a query string would not),
+starts the generation at once and answers 201 ``{"id", "url"}``. ``GET`` on the url is the same SSE stream as
+``/stream`` — ``queued``, ``token`` … ``done`` | ``error`` — where every token and the final event carry an id;
+a reconnect with ``Last-Event-ID`` (header, which ``EventSource`` sends by itself, or ``?lastEventId=``) gets
+exactly what it missed, then the live rest. ``DELETE`` stops the generation. The rules (grace, buffers, ids) are
+in :mod:`ttft_sse.streams`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+
+from sse_starlette import ServerSentEvent
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from ttft_sse.api.body import arrival_of, caller_of, generation_request, runtime_of
+from ttft_sse.api.stream import CACHE_CONTROL, SSE_HEADERS, TokenStream, sse_event
+from ttft_sse.errors import InvalidRequest, Overloaded
+from ttft_sse.generation import Queued
+from ttft_sse.streams import Stream
+
+# Sent first on every stream: EventSource waits this long before reconnecting (browsers default to ~3 s).
+RECONNECT_MS = 1000
+QUERY = ("lastEventId",)  # what clients that cannot set the Last-Event-ID header may send instead
+ENDPOINT = "streams"  # the label of these generations in logs and metrics
+
+
+async def create_stream(request: Request) -> Response:
+    runtime = runtime_of(request)
+    caller = caller_of(request)  # with TTFT_API_KEYS, creating a stream needs a key; its url is then the credential
+    generation = await generation_request(request)
+    streams = runtime.streams
+    try:
+        streams.reserve()
+    except Overloaded as exc:
+        runtime.metrics.observe_refused(ENDPOINT, exc)
+        raise
+    try:
+        run = await runtime.generations.open(generation, caller=caller, arrival=arrival_of(request), endpoint=ENDPOINT)
+    except BaseException:
+        streams.unreserve()
+        raise
+    stream = streams.start(run)
+    url = f"{request.scope.get('root_path', '')}/streams/{stream.id}"
+    return JSONResponse({"id": stream.id, "url": url}, status_code=201, headers={"Location": url})
+
+
+async def stream_resource(request: Request) -> Response:
+    runtime = runtime_of(request)
+    stream_id: str = request.path_params["stream_id"]
+    if request.method == "DELETE":
+        runtime.streams.delete(stream_id)
+        return Response(status_code=204)
+    unknown = sorted(set(request.query_params) - set(QUERY))
+    if unknown:
+        raise InvalidRequest(
+            f"unknown query parameter(s): {', '.join(unknown)}; accepted: {', '.join(QUERY)}", param=unknown[0]
+        )
+    stream = runtime.streams.get(stream_id)
+    last_event_id = request.headers.get("last-event-id") or request.query_params.get("lastEventId")
+    start = stream.resume_point(last_event_id)
+    if stream.ended and start > stream.last:
+        # The client has the final event already. 204 is what tells EventSource to stop reconnecting
+        # (a 200 that ends at once would have it come back every RECONNECT_MS).
+        return Response(status_code=204)
+    if request.method == "HEAD":
+        return Response(headers=SSE_HEADERS)
+    return TokenStream(
+        _events(stream, start),
+        headers={"Cache-Control": CACHE_CONTROL},
+        ping=runtime.settings.ping_seconds,
+        send_timeout=60,
+    )
+
+
+async def _events(stream: Stream, start: int) -> AsyncIterator[ServerSentEvent]:
+    yield ServerSentEvent(retry=RECONNECT_MS)
+    try:
+        # aclosing: when the client goes, this generator is closed at its own yield; the reader must detach
+        # then (it starts the grace clock), not whenever the garbage collector gets to it.
+        async with aclosing(stream.follow(start)) as entries:
+            async for entry in entries:
+                if isinstance(entry, Queued):
+                    yield sse_event(entry)
+                else:
+                    yield sse_event(entry.item, id=stream.event_id(entry.seq))
+    except Exception as exc:  # falling behind the buffer (Gone), never anything else; no id: it is not buffered
+        yield sse_event(exc)
