@@ -7,12 +7,13 @@ missing the tests skip, except under CI, where that is a failure: ``.ci/run`` in
 from __future__ import annotations
 
 import os
-import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import pytest
+
+from tests.processes import system_binary
 
 if TYPE_CHECKING:
     from playwright.sync_api import Browser
@@ -36,13 +37,7 @@ def _missing(what: str) -> None:
 
 
 def chromium_binary() -> str:
-    for name in ("chromium", "chromium-browser"):
-        if found := shutil.which(name):
-            return found
-    if os.access("/usr/bin/chromium", os.X_OK):
-        return "/usr/bin/chromium"
-    _missing("chromium (apt-get install chromium)")
-    raise AssertionError("unreachable")
+    return system_binary("chromium", "chromium")
 
 
 @contextmanager
