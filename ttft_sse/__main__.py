@@ -1,5 +1,6 @@
 """Command line: ``ttft-sse serve`` runs the server under hypercorn; ``ttft-sse prepare`` converts the model once;
-``ttft-sse worker`` runs overflow jobs from Redis (a Celery worker, one model per pool process)."""
+``ttft-sse worker`` runs overflow jobs from Redis (a Celery worker, one model per pool process); ``ttft-sse bench``
+measures a running server (this one or any OpenAI-compatible one) from the outside."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from ttft_sse import __version__, log
+from ttft_sse.bench import cli as bench_cli
 from ttft_sse.errors import StartupError
 from ttft_sse.settings import Settings, SettingsError
 
@@ -47,11 +49,23 @@ def _parser() -> argparse.ArgumentParser:
     for flag in ("model", "device", "dtype"):
         worker.add_argument(f"--{flag}", help=f"as for serve (TTFT_{flag.upper()})")
     worker.add_argument("--threads", type=int, help="torch threads per pool process (TTFT_THREADS)")
+    bench = commands.add_parser(
+        "bench",
+        help="measure TTFT, inter-token latency and throughput of a server (ours or OpenAI-compatible)",
+        description="Load one or two servers and report TTFT, inter-token latency, total time, tokens/s and errors "
+        "as a table, results.json and PNG charts. See docs/benchmarks.md.",
+    )
+    bench_cli.add_arguments(bench)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "bench":  # a client: no server settings, no server logging
+        try:
+            return bench_cli.main(args, argv)
+        except KeyboardInterrupt:
+            return 130
     overrides = {k: v for k, v in vars(args).items() if k != "command"}
     try:
         settings = Settings.from_env(**overrides)

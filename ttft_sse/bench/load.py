@@ -1,0 +1,182 @@
+"""The load phase: every arm (a target spoken to in one mode) at every concurrency level.
+
+Schedule. With one arm, ``c`` workers send requests back to back (a closed loop: each worker sends its next request
+when the last one ends), so the server always has ``c`` requests in flight. With two arms or more — two ``--url``s,
+or ``--mode stream,batch`` — arms take turns in rounds: a round sends ``c`` requests at once to one arm and waits
+for them, then the next arm gets the same ``c`` prompts; the arm that goes first rotates every round. Only one arm
+is loaded at a time (two servers on one machine would otherwise take each other's cores), each arm sees exactly
+``c`` requests in flight, and slow drifts in machine noise (someone else's build starting) fall on every arm alike,
+so the ratio between arms is taken under the same conditions. Compare arms of the same run with each other; compare
+a one-arm run's figures with another one-arm run's.
+
+Every loop is bounded: by ``--requests`` per arm and level, or by ``--duration`` of active time per arm and level
+(requests in flight at the deadline finish and are counted); each request by its timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import httpx
+
+from ttft_sse.bench.client import Record, Target, send
+from ttft_sse.bench.prompts import Prompt
+from ttft_sse.bench.protocol import Mode
+
+
+@dataclass(frozen=True)
+class Plan:
+    targets: tuple[Target, ...]
+    modes: tuple[Mode, ...]
+    concurrency: tuple[int, ...]
+    prompts: tuple[Prompt, ...]
+    max_tokens: int
+    requests: int | None = None  # per arm and level; exactly one of requests and duration_s is set
+    duration_s: float | None = None
+    timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if (self.requests is None) == (self.duration_s is None):
+            raise ValueError("give either requests or duration_s")
+        if not (self.targets and self.modes and self.concurrency and self.prompts):
+            raise ValueError("a plan needs targets, modes, concurrency levels and prompts")
+
+    @property
+    def arms(self) -> list[tuple[Target, Mode]]:
+        return [(target, mode) for target in self.targets for mode in self.modes]
+
+    @property
+    def planned(self) -> int | None:
+        """How many requests the plan sends, when that is known in advance (``--requests``)."""
+        if self.requests is None:
+            return None
+        return self.requests * len(self.arms) * len(self.concurrency)
+
+
+@dataclass
+class ArmRun:
+    """What one arm did at one concurrency level."""
+
+    target: Target
+    mode: Mode
+    concurrency: int
+    records: list[Record] = field(default_factory=list)
+    active_s: float = 0.0
+
+
+Progress = Callable[[Record], None]
+
+
+def client_for(plan: Plan) -> httpx.AsyncClient:
+    most = max(plan.concurrency)
+    return httpx.AsyncClient(
+        timeout=httpx.Timeout(plan.timeout_s, connect=min(10.0, plan.timeout_s)),
+        limits=httpx.Limits(max_connections=most + 1, max_keepalive_connections=most + 1),
+    )
+
+
+async def run(plan: Plan, *, epoch: float, progress: Progress | None = None) -> list[ArmRun]:
+    """Run the plan, level by level; returns one :class:`ArmRun` per arm and level, in that order."""
+    runs: list[ArmRun] = []
+    clients = {target.label: client_for(plan) for target in plan.targets}  # one pool per target
+    try:
+        for c in plan.concurrency:
+            level = [ArmRun(target, mode, c) for target, mode in plan.arms]
+            sender = _Sender(plan, clients, epoch, progress)
+            if len(level) == 1:
+                await _continuous(level[0], sender)
+            else:
+                await _rounds(level, sender)
+            runs.extend(level)
+    finally:
+        for client in clients.values():
+            await client.aclose()
+    return runs
+
+
+@dataclass
+class _Sender:
+    plan: Plan
+    clients: dict[str, httpx.AsyncClient]
+    epoch: float
+    progress: Progress | None
+
+    async def send(self, arm: ArmRun, index: int) -> None:
+        prompt = self.plan.prompts[index % len(self.plan.prompts)]
+        target = arm.target
+        record = Record(target.label, target.protocol, arm.mode, arm.concurrency, index, prompt.name)
+        await send(
+            self.clients[target.label],
+            target,
+            arm.mode,
+            prompt,
+            max_tokens=self.plan.max_tokens,
+            record=record,
+            epoch=self.epoch,
+        )
+        arm.records.append(record)
+        if self.progress is not None:
+            self.progress(record)
+
+
+async def _continuous(arm: ArmRun, sender: _Sender) -> None:
+    plan = sender.plan
+    started = time.perf_counter()
+    deadline = started + plan.duration_s if plan.duration_s is not None else None
+    issued = 0
+
+    def take() -> int | None:
+        nonlocal issued
+        if plan.requests is not None and issued >= plan.requests:
+            return None
+        if deadline is not None and time.perf_counter() >= deadline:
+            return None
+        issued += 1
+        return issued - 1
+
+    async def worker() -> None:
+        while (index := take()) is not None:
+            await sender.send(arm, index)
+
+    await asyncio.gather(*(worker() for _ in range(arm.concurrency)))
+    arm.active_s = time.perf_counter() - started
+
+
+async def _rounds(arms: list[ArmRun], sender: _Sender) -> None:
+    plan = sender.plan
+    c = arms[0].concurrency
+    round_no = 0
+    while True:
+        first = round_no * c
+        if plan.requests is not None:
+            if first >= plan.requests:
+                return
+            indices = range(first, min(first + c, plan.requests))
+        else:
+            assert plan.duration_s is not None
+            if min(arm.active_s for arm in arms) >= plan.duration_s:
+                return
+            indices = range(first, first + c)
+        for k in range(len(arms)):
+            arm = arms[(round_no + k) % len(arms)]
+            started = time.perf_counter()
+            await asyncio.gather(*(sender.send(arm, i) for i in indices))
+            arm.active_s += time.perf_counter() - started
+        round_no += 1
+
+
+async def discover_model(url: str, *, timeout_s: float = 10.0) -> str:
+    """The first model an OpenAI-compatible server lists at ``/v1/models`` (vLLM wants its exact name)."""
+    async with httpx.AsyncClient(timeout=timeout_s) as client:
+        try:
+            response = await client.get(url.rstrip("/") + "/v1/models")
+            models = response.json()["data"]
+            name = models[0]["id"]
+        except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:
+            raise LookupError(
+                f"could not read the model name from {url}/v1/models ({type(exc).__name__}); pass --model NAME"
+            ) from None
+    return str(name)
