@@ -248,17 +248,9 @@ def test_cold_start_measures_a_real_serve_process_then_soaks_it_and_stops_it(
     monkeypatch.chdir(ROOT)  # the command runs this checkout's ttft_sse
     monkeypatch.setenv("TTFT_LOG_FORMAT", "json")
     command = f"{sys.executable} -m ttft_sse serve --port {port} --threads 1"
-    args = [
-        "bench",
-        "--url",
-        f"http://127.0.0.1:{port}",
-        "--cold-start",
-        command,
-        "--cold-starts",
-        "1",
-        "--steady",
-        "2",
-    ]
+    # --protocol openai: the model name is looked up at /v1/models once the started server is up.
+    args = ["bench", "--url", f"http://127.0.0.1:{port}", "--protocol", "openai", "--cold-start", command]
+    args += ["--cold-starts", "1", "--steady", "2"]
     args += ["--concurrency", "1", "--requests", "1", "--max-tokens", "4", "--out", str(tmp_path)]
     args += ["--soak", "--soak-requests", "4", "--soak-every", "2"]
     assert main(args) == 0
@@ -269,6 +261,7 @@ def test_cold_start_measures_a_real_serve_process_then_soaks_it_and_stops_it(
     assert trial["ready_ms"] > 0 and trial["exit_code"] == 0  # stopped with SIGTERM: drained and exited cleanly
     assert {"imports_ms", "tokenizer_ms", "model_ms", "warmup_ms", "total_ms"} <= set(trial["startup"])
     assert trial["first"]["outcome"] == "ok" and trial["first_ttft_ms"] == trial["first"]["ttft_ms"]
+    assert trial["first"]["protocol"] == "openai" and document["targets"][0]["model"] == "SmolLM2-135M-Instruct"
     assert [r["outcome"] for r in trial["steady"]] == ["ok", "ok"] and trial["steady_ttft_ms"] > 0
     with pytest.raises(ProcessLookupError):
         os.kill(trial["pid"], 0)  # the process it started is gone

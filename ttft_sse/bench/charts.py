@@ -130,7 +130,9 @@ def _soak(plt: Any, soak: dict[str, Any], path: Path) -> Path:
     bottom.set_ylabel("TTFT (ms)")
     bottom.set_xlabel("requests completed")
     bottom.grid(alpha=0.3)
-    fig.suptitle("soak: sequential requests", fontsize=11)
+    growth = soak["summary"]["rss_growth_bytes"]
+    change = f", RSS change {growth / 2**20:+.1f} MiB" if growth is not None else ""
+    fig.suptitle(f"soak: {len(soak['records'])} sequential requests{change}", fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)

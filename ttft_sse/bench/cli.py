@@ -14,6 +14,7 @@ import platform
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -189,7 +190,7 @@ async def _run(
     cold: dict[str, Any] | None = None
     try:
         if args.cold_start:
-            first = await _with_model(targets[0], args.model) if targets[0].protocol == "openai" else targets[0]
+            first = replace(targets[0], model=args.model or "")  # an openai model is looked up once the server is up
             trials, kept = await coldstart.measure(
                 args.cold_start,
                 first,
@@ -309,8 +310,6 @@ async def _run(
 
 
 async def _with_model(target: Target, model: str | None) -> Target:
-    from dataclasses import replace
-
     from ttft_sse.bench.load import discover_model
 
     if target.model:

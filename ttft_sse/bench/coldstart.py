@@ -18,7 +18,7 @@ import shlex
 import signal
 import subprocess
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -26,6 +26,7 @@ import httpx
 
 from ttft_sse.bench import stats
 from ttft_sse.bench.client import Record, Target, send
+from ttft_sse.bench.load import discover_model
 from ttft_sse.bench.prompts import Prompt
 
 POLL_SECONDS = 0.02
@@ -196,6 +197,8 @@ async def measure(
         )
         try:
             startup = body.get("startup") if isinstance(body, dict) else None
+            if target.protocol == "openai" and not target.model:  # the server can only be asked once it is up
+                target = replace(target, model=await discover_model(target.url))
             records = []
             async with httpx.AsyncClient(timeout=httpx.Timeout(request_timeout, connect=10)) as client:
                 for i in range(steady + 1):
