@@ -284,3 +284,24 @@ def test_cold_start_refuses_a_url_where_a_server_already_answers(
         args = ["bench", "--url", base, "--cold-start", "true", "--out", str(tmp_path)]
         assert main(args) == 1
     assert "something already answers at" in capsys.readouterr().err
+
+
+def test_duration_runs_every_arm_for_at_least_that_long_in_whole_rounds() -> None:
+    engine = FakeEngine(["a", " b", " c"], delay=0.01, context_length=1000)
+    with running(create_app(Settings(warmup=False), engine)) as base:
+        target = Target(base, "native", "n")
+        plan = load.Plan(
+            targets=(target,),
+            modes=("stream", "batch"),
+            concurrency=(2,),
+            prompts=SHORT,
+            max_tokens=8,
+            duration_s=0.2,
+        )
+        runs = asyncio.run(load.run(plan, epoch=time.perf_counter()))
+    assert [(run.mode, run.concurrency) for run in runs] == [("stream", 2), ("batch", 2)]
+    for run in runs:
+        assert run.active_s >= 0.2  # rounds go on until every arm has had its duration
+        assert len(run.records) >= 2 and len(run.records) % 2 == 0  # whole rounds of c requests
+        assert {r.outcome for r in run.records} == {"ok"}
+    assert len(runs[0].records) == len(runs[1].records)  # both arms got the same prompts, round for round
