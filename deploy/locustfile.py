@@ -44,6 +44,7 @@ def _arguments(parser: Any) -> None:
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens per request (ttft-sse)")
     parser.add_argument("--prompt", default="", help="send this prompt every time instead of the built-in set")
     parser.add_argument("--wait", type=float, default=0.0, help="seconds each user waits between requests")
+    parser.add_argument("--api-key", default="", help="sent as 'Authorization: Bearer KEY' (TTFT_API_KEYS)")
     parser.add_argument("--requests-per-user", type=int, default=0, help="each user stops after N requests (0: never)")
 
 
@@ -56,6 +57,9 @@ class StreamUser(HttpUser):
         self.max_tokens = int(options.max_tokens)
         self.prompts = itertools.cycle([options.prompt] if options.prompt else PROMPTS)
         self.left = int(options.requests_per_user) or None
+        self.headers = {"Accept": "text/event-stream"}
+        if options.api_key:
+            self.headers["Authorization"] = f"Bearer {options.api_key}"
 
     def _fire(self, name: str, started: float, *, length: int = 0, exception: Exception | None = None) -> None:
         self.environment.events.request.fire(
@@ -82,7 +86,7 @@ class StreamUser(HttpUser):
             with self.client.post(
                 "/stream",
                 json=body,
-                headers={"Accept": "text/event-stream"},
+                headers=self.headers,
                 stream=True,
                 catch_response=True,
                 name="/stream",

@@ -20,12 +20,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from tests.servers import free_port, running
 from ttft_sse.__main__ import main
 from ttft_sse.app import create_app
-from ttft_sse.bench import load, prompts
+from ttft_sse.bench import load, prompts, soak
 from ttft_sse.bench.client import Record, Target
 from ttft_sse.engine.fake import FakeEngine
 from ttft_sse.settings import Settings
@@ -238,6 +239,26 @@ def test_failures_show_in_the_table_by_kind(tmp_path: Path, capsys: pytest.Captu
     assert json.loads((tmp_path / "results.json").read_text())["summary"][0]["outcomes"] == {"transport_error": 3}
 
 
+def test_an_api_key_is_sent_as_a_bearer_token_and_kept_out_of_the_results(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    key = "bench-key-0001"
+    app = create_app(Settings(warmup=False, api_keys=key), FakeEngine(["a", " b"], context_length=1000))
+    with running(app) as base:
+        common = ["bench", "--url", base, "--url", base, "--protocol", "native", "--protocol", "openai"]
+        common += ["--concurrency", "1", "--requests", "2", "--no-charts", "--model", "fake"]
+        assert main([*common, "--out", str(tmp_path / "without")]) == 0
+        assert main([*common, "--api-key", key, "--out", str(tmp_path / "with")]) == 0
+    capsys.readouterr()
+    without = json.loads((tmp_path / "without" / "results.json").read_text())
+    assert {(r["outcome"], r["status"]) for r in without["records"]} == {("http_status", 401)}  # counted, not hidden
+    with_key = (tmp_path / "with" / "results.json").read_text()
+    assert {r["outcome"] for r in json.loads(with_key)["records"]} == {"ok"}
+    assert key not in with_key
+    command = json.loads(with_key)["command"]
+    assert command[command.index("--api-key") + 1] == "***"
+
+
 # -- cold start and soak against a real `ttft-sse serve` process --------------------------------------------------
 
 
@@ -270,7 +291,7 @@ def test_cold_start_measures_a_real_serve_process_then_soaks_it_and_stops_it(
     soak = document["soak"]
     assert soak["pid"] == trial["pid"]
     assert [s["after_requests"] for s in soak["samples"]] == [0, 2, 4]
-    assert soak["summary"]["rss_source"] in ("metrics", "proc")  # /metrics when the server has it, else /proc
+    assert soak["summary"]["rss_source"] == "metrics"  # the server's own gauge comes first
     assert all(s["rss_bytes"] > 200 * 2**20 for s in soak["samples"])  # the 135M-parameter model is resident
     assert [r["outcome"] for r in soak["records"]] == ["ok"] * 4
     assert (tmp_path / "soak.png").read_bytes()[:8] == PNG
@@ -305,3 +326,17 @@ def test_duration_runs_every_arm_for_at_least_that_long_in_whole_rounds() -> Non
         assert len(run.records) >= 2 and len(run.records) % 2 == 0  # whole rounds of c requests
         assert {r.outcome for r in run.records} == {"ok"}
     assert len(runs[0].records) == len(runs[1].records)  # both arms got the same prompts, round for round
+
+
+def test_rss_comes_from_proc_when_there_is_no_metrics_endpoint_and_the_pid_is_known() -> None:
+    gone = f"http://127.0.0.1:{free_port()}"
+
+    async def sources() -> list[str]:
+        async with httpx.AsyncClient(timeout=2) as client:
+            with_pid = soak.RSSReader(gone, os.getpid())
+            chosen = [await with_pid.choose(client), await soak.RSSReader(gone, None).choose(client)]
+            rss = await with_pid.read(client)
+            assert rss is not None and rss > 10 * 2**20
+            return chosen
+
+    assert asyncio.run(sources()) == ["proc", "none"]

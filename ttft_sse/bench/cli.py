@@ -39,6 +39,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="native (/stream, /complete) or openai (/v1/chat/completions); once for every --url, or once per --url",
     )
     add("--model", help="model name sent to openai targets (default: the first of GET /v1/models)")
+    add(
+        "--api-key",
+        action="append",
+        metavar="KEY",
+        help="sent as 'Authorization: Bearer KEY'; once for every --url, or once per --url (never written to results)",
+    )
     add("--concurrency", default="1,8,32", metavar="1,8,32", help="requests in flight, one level after another")
     amount = parser.add_mutually_exclusive_group()
     amount.add_argument("--requests", type=int, metavar="N", help="requests per target, mode and level (default 32)")
@@ -83,12 +89,28 @@ def _modes(text: str) -> tuple[Mode, ...]:
     return modes  # type: ignore[return-value]  # checked just above
 
 
-def _targets(urls: list[str], protocols: list[str] | None) -> list[tuple[str, Protocol]]:
-    given = protocols or ["native"]
+def _per_url(flag: str, values: list[str] | None, urls: list[str], default: str) -> list[str]:
+    given = values or [default]
     if len(given) == 1:
         given = given * len(urls)
     if len(given) != len(urls):
-        raise UsageError(f"give --protocol once, or once per --url ({len(urls)}); got it {len(protocols or [])} times")
+        raise UsageError(f"give {flag} once, or once per --url ({len(urls)}); got it {len(values or [])} times")
+    return given
+
+
+def _redacted(argv: list[str]) -> list[str]:
+    """The command as run, with API keys replaced: results.json gets shared."""
+    out = list(argv)
+    for i, arg in enumerate(out):
+        if arg == "--api-key" and i + 1 < len(out):
+            out[i + 1] = "***"
+        elif arg.startswith("--api-key="):
+            out[i] = "--api-key=***"
+    return out
+
+
+def _targets(urls: list[str], protocols: list[str] | None) -> list[tuple[str, Protocol]]:
+    given = _per_url("--protocol", protocols, urls, "native")
     out: list[tuple[str, Protocol]] = []
     for url, proto in zip(urls, given, strict=True):
         parts = urlsplit(url)
@@ -127,6 +149,7 @@ def main(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
     try:
         _check_counts(args)
         pairs = _targets(args.url, args.protocol)
+        keys = _per_url("--api-key", args.api_key, args.url, "")
         levels, modes = _levels(args.concurrency), _modes(args.mode)
     except UsageError as exc:
         print(f"ttft-sse bench: {exc}", file=sys.stderr)
@@ -135,8 +158,8 @@ def main(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
     from ttft_sse.bench.prompts import PromptFileError
 
     try:
-        command = ["ttft-sse", *(sys.argv[1:] if argv is None else argv)]
-        return asyncio.run(_run(args, pairs, levels, modes, command))
+        command = _redacted(["ttft-sse", *(sys.argv[1:] if argv is None else argv)])
+        return asyncio.run(_run(args, pairs, keys, levels, modes, command))
     except (PromptFileError, ColdStartError, LookupError) as exc:
         print(f"ttft-sse bench: {exc}", file=sys.stderr)
         return 1
@@ -168,6 +191,7 @@ def _loadavg() -> list[float] | None:
 async def _run(
     args: argparse.Namespace,
     pairs: list[tuple[str, Protocol]],
+    keys: list[str],
     levels: tuple[int, ...],
     modes: tuple[Mode, ...],
     argv: list[str],
@@ -182,7 +206,9 @@ async def _run(
     started_at = datetime.now(UTC)
     loadavg_start = _loadavg()
     labels = _labels(pairs)
-    targets = [Target(url, proto, label) for (url, proto), label in zip(pairs, labels, strict=True)]
+    targets = [
+        Target(url, proto, label, api_key=key) for (url, proto), label, key in zip(pairs, labels, keys, strict=True)
+    ]
     requests = args.requests if args.requests is not None or args.duration is not None else 32
 
     document: dict[str, Any] = {"schema": report.SCHEMA}
@@ -314,4 +340,4 @@ async def _with_model(target: Target, model: str | None) -> Target:
 
     if target.model:
         return target
-    return replace(target, model=model or await discover_model(target.url))
+    return replace(target, model=model or await discover_model(target))

@@ -35,12 +35,18 @@ OUTCOMES: tuple[Outcome, ...] = ("ok", "http_status", "error_event", "dropped", 
 
 @dataclass(frozen=True)
 class Target:
-    """A server under test. ``label`` names it in tables and charts; ``model`` is sent to OpenAI servers."""
+    """A server under test. ``label`` names it in tables and charts; ``model`` is sent to OpenAI servers;
+    ``api_key`` goes out as ``Authorization: Bearer`` (ours, vLLM's and llama-server's ``--api-key``)."""
 
     url: str
     protocol: Protocol
     label: str
     model: str = ""
+    api_key: str = field(default="", repr=False)
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
 
 @dataclass
@@ -98,7 +104,7 @@ async def send(
     started = time.perf_counter()
     record.start_s = round(started - epoch, 6)
     try:
-        async with client.stream("POST", url, json=body) as response:
+        async with client.stream("POST", url, json=body, headers=target.headers) as response:
             record.headers_ms = _ms(time.perf_counter() - started)
             record.status = response.status_code
             if response.status_code != 200:

@@ -198,7 +198,7 @@ async def measure(
         try:
             startup = body.get("startup") if isinstance(body, dict) else None
             if target.protocol == "openai" and not target.model:  # the server can only be asked once it is up
-                target = replace(target, model=await discover_model(target.url))
+                target = replace(target, model=await discover_model(target))
             records = []
             async with httpx.AsyncClient(timeout=httpx.Timeout(request_timeout, connect=10)) as client:
                 for i in range(steady + 1):

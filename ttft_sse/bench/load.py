@@ -168,9 +168,10 @@ async def _rounds(arms: list[ArmRun], sender: _Sender) -> None:
         round_no += 1
 
 
-async def discover_model(url: str, *, timeout_s: float = 10.0) -> str:
+async def discover_model(target: Target, *, timeout_s: float = 10.0) -> str:
     """The first model an OpenAI-compatible server lists at ``/v1/models`` (vLLM wants its exact name)."""
-    async with httpx.AsyncClient(timeout=timeout_s) as client:
+    url = target.url
+    async with httpx.AsyncClient(timeout=timeout_s, headers=target.headers) as client:
         try:
             response = await client.get(url.rstrip("/") + "/v1/models")
             models = response.json()["data"]
