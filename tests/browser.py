@@ -6,14 +6,11 @@ missing the tests skip, except under CI, where that is a failure: ``.ci/run`` in
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
-import pytest
-
-from tests.processes import system_binary
+from tests.processes import missing, system_binary
 
 if TYPE_CHECKING:
     from playwright.sync_api import Browser
@@ -30,12 +27,6 @@ ARGS = [
 ]
 
 
-def _missing(what: str) -> None:
-    if os.environ.get("CI"):
-        pytest.fail(f"{what} is not installed; .ci/run installs it")
-    pytest.skip(f"{what} is not installed; CI runs these tests")
-
-
 def chromium_binary() -> str:
     return system_binary("chromium", "chromium")
 
@@ -47,7 +38,7 @@ def chromium() -> Iterator[Browser]:
     try:
         from playwright.sync_api import sync_playwright
     except ImportError:
-        _missing("playwright (pip install -e '.[dev]')")
+        missing("playwright (pip install -e '.[dev]')")
         raise
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=binary, headless=True, args=ARGS)

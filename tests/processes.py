@@ -35,9 +35,15 @@ def system_binary(name: str, package: str) -> str:
     )
     if found:
         return found
+    missing(f"{name} (apt-get install {package})")
+    raise AssertionError("unreachable")
+
+
+def missing(what: str) -> None:
+    """Skip on a developer's machine, fail under CI: there ``.ci/run`` installs what the suite needs."""
     if os.environ.get("CI"):
-        pytest.fail(f"{name} is not installed; .ci/run installs it (apt-get install {package})")
-    pytest.skip(f"{name} is not installed (apt-get install {package}); CI runs these tests")
+        pytest.fail(f"{what} is not installed; .ci/run installs it")
+    pytest.skip(f"{what} is not installed; CI runs these tests")
 
 
 def redis_or_skip() -> str:

@@ -13,7 +13,7 @@ import queue
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
@@ -23,6 +23,10 @@ import httpx
 from hypercorn.asyncio import serve
 from hypercorn.config import Config
 from starlette.applications import Starlette
+
+from ttft_sse.app import create_app
+from ttft_sse.engine.fake import FakeEngine
+from ttft_sse.settings import Settings
 
 
 def free_port() -> int:
@@ -242,3 +246,16 @@ class StreamReader(threading.Thread):
         while (event := self.next(timeout)) is not None:
             events.append(event)
         return events
+
+
+def eventually(check: Callable[[], bool], timeout: float = 30) -> None:
+    """Poll ``check`` until it holds (bounded; a condition, not a speed, is what the caller asserts)."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.01)
+
+
+def fake_app(engine: FakeEngine, **settings: Any) -> Starlette:
+    """An app over the scripted engine, without warm-up (a scripted failure or hold would otherwise hit it)."""
+    return create_app(Settings(warmup=False, log_format="console", **settings), engine)

@@ -8,13 +8,10 @@ real SIGTERM.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
-
 import httpx
 import pytest
 
-from tests.servers import StreamReader, serving
+from tests.servers import StreamReader, eventually, serving
 from ttft_sse.app import create_app
 from ttft_sse.engine.fake import FakeEngine
 from ttft_sse.lifespan import shutdown_budget
@@ -25,13 +22,6 @@ PIECES = ("Hello", ",", " world", "!")
 
 def settings(**changes: object) -> Settings:
     return Settings(warmup=False, log_format="console", **changes)  # type: ignore[arg-type]
-
-
-def eventually(check: Callable[[], bool], timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.01)
 
 
 def test_running_streams_finish_queued_and_new_requests_are_refused() -> None:

@@ -10,8 +10,7 @@ the answer on its own — EventSource reconnects with Last-Event-ID and gets exa
 from __future__ import annotations
 
 import re
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -21,7 +20,7 @@ from starlette.applications import Starlette
 from structlog.testing import capture_logs
 
 from tests.browser import chromium
-from tests.servers import StreamReader, running
+from tests.servers import StreamReader, eventually, running
 from tests.tcpproxy import tcp_proxy
 from ttft_sse.app import create_app
 from ttft_sse.engine.fake import FakeEngine
@@ -37,13 +36,6 @@ LATEST = """() => {
     return [answer.querySelector('.text').textContent.length, answer.dataset.state];
 }"""
 GREW = "n => [...document.querySelectorAll('.turn.assistant')].pop().querySelector('.text').textContent.length > n"
-
-
-def eventually(check: Callable[[], bool], timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.01)
 
 
 @pytest.fixture(scope="module")

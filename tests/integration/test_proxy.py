@@ -8,8 +8,7 @@ been held back to be sent with the rest.
 from __future__ import annotations
 
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -19,8 +18,7 @@ from starlette.applications import Starlette
 from starlette.types import Message, Receive, Scope, Send
 
 from tests.nginx import DEFAULT_PROXY, nginx
-from tests.servers import SSEEvent, StreamReader, parse_sse, running, serving, stream_events
-from ttft_sse.app import create_app
+from tests.servers import SSEEvent, StreamReader, eventually, fake_app, parse_sse, running, serving, stream_events
 from ttft_sse.engine.fake import FakeEngine
 from ttft_sse.settings import Settings
 
@@ -29,17 +27,6 @@ PIECES = ("Hello", ",", " world", "!")
 
 def port_of(base: str) -> int:
     return int(base.rsplit(":", 1)[1])
-
-
-def eventually(check: Callable[[], bool], timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.01)
-
-
-def fake_app(engine: FakeEngine, **settings: Any) -> Starlette:
-    return create_app(Settings(warmup=False, log_format="console", **settings), engine)
 
 
 @contextmanager

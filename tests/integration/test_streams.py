@@ -11,7 +11,7 @@ from __future__ import annotations
 import gc
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -20,24 +20,11 @@ import pytest
 from starlette.applications import Starlette
 from structlog.testing import capture_logs
 
-from tests.servers import SSEEvent, StreamReader, parse_sse, running, serving
-from ttft_sse.app import create_app
+from tests.servers import SSEEvent, StreamReader, eventually, fake_app, parse_sse, running, serving
 from ttft_sse.engine.fake import FakeEngine
-from ttft_sse.settings import Settings
 
 WORDS = tuple(f" w{i}" for i in range(12))
 TEXT = "".join(WORDS)
-
-
-def eventually(check: Callable[[], bool], timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.01)
-
-
-def fake_app(engine: FakeEngine, **settings: Any) -> Starlette:
-    return create_app(Settings(warmup=False, log_format="console", **settings), engine)
 
 
 @contextmanager
