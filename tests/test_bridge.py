@@ -6,7 +6,7 @@ from contextlib import aclosing
 
 import pytest
 
-from ttft_sse.bridge import Emit, Workers
+from ttft_sse.bridge import Emit, Mailboxes, Resident, Workers
 
 
 async def test_items_cross_in_order_and_the_thread_ends() -> None:
@@ -78,3 +78,75 @@ async def test_cancel_all_stops_every_running_producer() -> None:
         await asyncio.wait_for(task, 2)
     await stream.aclose()
     assert workers.active == 0
+
+
+async def test_mailboxes_deliver_per_key_in_order_and_drop_what_nobody_reads() -> None:
+    boxes: Mailboxes[str, int] = Mailboxes(alive=lambda: True, dead=lambda: RuntimeError("gone"))
+    a, b = boxes.open("a"), boxes.open("b")
+    gone = boxes.open("gone")
+    gone.close()
+
+    def producer() -> None:  # one step at a time, from another thread, as a batching loop delivers
+        for step in range(3):
+            boxes.deliver([("a", step), ("gone", step), ("b", 10 + step)])
+        boxes.end_all()
+
+    thread = threading.Thread(target=producer)
+    thread.start()
+    assert [i async for i in a] == [0, 1, 2]
+    assert [i async for i in b] == [10, 11, 12]
+    thread.join()
+    for box in (a, b):
+        box.close()
+    assert boxes.count == 0
+
+
+async def test_a_mailbox_consumer_does_not_wait_for_ever_on_a_dead_producer() -> None:
+    alive = threading.Event()
+    alive.set()
+    boxes: Mailboxes[str, int] = Mailboxes(
+        alive=alive.is_set, dead=lambda: RuntimeError("the loop stopped"), poll_seconds=0.01
+    )
+    inbox = boxes.open("a")
+    boxes.deliver([("a", 1)])
+    got = []
+    with pytest.raises(RuntimeError, match="the loop stopped"):
+        async for item in inbox:
+            got.append(item)
+            alive.clear()  # the producer dies without failing this request
+    assert got == [1]
+
+
+async def test_fail_all_reaches_every_open_mailbox_after_what_it_holds() -> None:
+    boxes: Mailboxes[str, int] = Mailboxes(alive=lambda: True, dead=lambda: RuntimeError("gone"))
+    a, b = boxes.open("a"), boxes.open("b")
+    boxes.deliver([("a", 1)])
+    threading.Thread(target=boxes.fail_all, args=(ValueError("step failed"),)).start()
+    for box, want in ((a, [1]), (b, [])):
+        got = []
+        with pytest.raises(ValueError, match="step failed"):
+            async for item in box:
+                got.append(item)
+        assert got == want
+    with pytest.raises(RuntimeError, match="already open"):
+        boxes.open("a")
+
+
+async def test_resident_threads_are_daemons_and_stop_off_the_event_loop() -> None:
+    stop = threading.Event()
+    threads: list[threading.Thread] = []
+
+    def start() -> None:  # like a library's start(): it spawns its loop with the default daemon flag
+        thread = threading.Thread(target=stop.wait)
+        thread.start()
+        threads.append(thread)
+
+    def halt() -> None:
+        stop.set()
+        threads[0].join()
+
+    resident = Resident(name="r", start=start, stop=halt, alive=lambda: bool(threads) and threads[0].is_alive())
+    resident.start()
+    assert resident.alive and threads[0].daemon
+    await resident.stop()
+    assert not resident.alive

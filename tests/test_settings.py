@@ -34,6 +34,8 @@ def test_cli_overrides_win_over_the_environment_and_none_means_not_given() -> No
         ({"TTFT_WARMUP": "maybe"}, "TTFT_WARMUP must be true or false"),
         ({"TTFT_MAX_CONCURRENCY": "0"}, "max_concurrency must be at least 1"),
         ({"TTFT_DEVICE": "tpu"}, "device must be auto, cpu"),
+        ({"TTFT_ENGINE": "vllm"}, "engine must be single or batched"),
+        ({"TTFT_KV_CACHE_TOKENS": "0"}, "kv_cache_tokens must be at least 1"),
         ({"TTFT_MAX_TOKEN": "5"}, "unknown setting(s) TTFT_MAX_TOKEN"),
         ({"TTFT_DEFAULT_MAX_TOKENS": "9000"}, "default_max_tokens (9000) is above max_tokens_cap"),
     ],

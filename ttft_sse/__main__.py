@@ -33,6 +33,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", help="address to bind (TTFT_HOST, default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port to bind (TTFT_PORT, default 8000)")
     serve.add_argument("--model", help="bundled, a .gguf file, a model directory or a model id (TTFT_MODEL)")
+    serve.add_argument("--engine", help="batched (shared forward passes) or single (TTFT_ENGINE)")
     serve.add_argument("--device", help="auto, cpu, cuda, cuda:N (TTFT_DEVICE)")
     serve.add_argument("--dtype", help="auto, float32, bfloat16, float16 (TTFT_DTYPE)")
     serve.add_argument("--threads", type=int, help="torch threads; 0 = half the cores (TTFT_THREADS)")

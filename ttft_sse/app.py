@@ -23,15 +23,21 @@ from ttft_sse.settings import Settings
 
 
 def create_app(settings: Settings | None = None, engine: Engine | None = None) -> Starlette:
-    """Build the ASGI app. ``engine`` defaults to the transformers engine for ``settings.model``.
+    """Build the ASGI app. ``engine`` defaults to the transformers engine ``settings.engine`` names, for
+    ``settings.model``.
 
     The model is loaded by the app's lifespan, not here: creating an app is cheap and has no side effects.
     """
     settings = settings or Settings()
     if engine is None:
-        from ttft_sse.engine.hf import HFEngine
+        if settings.engine == "batched":
+            from ttft_sse.engine.batched import BatchedEngine
 
-        engine = HFEngine(settings)
+            engine = BatchedEngine(settings)
+        else:
+            from ttft_sse.engine.hf import HFEngine
+
+            engine = HFEngine(settings)
     app = Starlette(
         routes=[
             Route("/", page, methods=["GET"]),

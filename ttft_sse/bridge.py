@@ -1,5 +1,9 @@
 """The one place where threads meet asyncio.
 
+Two shapes of producer: :class:`Workers` runs one thread per request (``model.generate``); :class:`Mailboxes`
+serves many requests from one long-lived thread (a continuous-batching loop), which :class:`Resident` starts and
+stops.
+
 A blocking producer (``model.generate`` with a streamer) runs in its own thread and hands each item to the
 event loop with ``loop.call_soon_threadsafe``. The async side awaits an ``asyncio.Queue``: no thread of anyio's
 shared pool is held per stream, and the loop never blocks.
@@ -19,12 +23,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Hashable, Iterable
 from typing import Generic, TypeVar
 
 import anyio
 
 T = TypeVar("T")
+K = TypeVar("K", bound=Hashable)
 
 Emit = Callable[[T], None]
 Producer = Callable[[Emit[T], threading.Event], None]
@@ -114,3 +119,163 @@ class Workers(Generic[T]):
         if running:
             with anyio.move_on_after(self._join_timeout):
                 await asyncio.gather(*(ended for _, ended in running))
+
+
+class Resident:
+    """A long-lived thread that a library creates for us (transformers' continuous-batching loop), from start to stop.
+
+    ``start`` is called from a short-lived daemon thread: a thread inherits its daemon flag from the thread that
+    creates it, so the library's loop is a daemon too and a process whose ``close()`` never ran can still exit
+    (Python joins non-daemon threads at exit, forever). ``stop`` blocks, so it runs in a worker thread, bounded.
+    """
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        start: Callable[[], None],
+        stop: Callable[[], None],
+        alive: Callable[[], bool],
+        stop_timeout: float = 30.0,
+    ) -> None:
+        self._name = name
+        self._start = start
+        self._stop = stop
+        self._alive = alive
+        self._stop_timeout = stop_timeout
+
+    @property
+    def alive(self) -> bool:
+        return self._alive()
+
+    def start(self) -> None:
+        """Start the thread (blocking for as long as the library's ``start`` takes; call it off the event loop or
+        where that is short)."""
+        failure: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                self._start()
+            except BaseException as exc:
+                failure.append(exc)
+
+        starter = threading.Thread(target=run, name=f"{self._name}-start", daemon=True)
+        starter.start()
+        starter.join()
+        if failure:
+            raise failure[0]
+
+    async def stop(self) -> None:
+        """Ask the thread to stop and wait (in a worker thread, bounded) until it has."""
+        with anyio.move_on_after(self._stop_timeout):
+            await anyio.to_thread.run_sync(self._stop, abandon_on_cancel=True)
+
+
+class Inbox(Generic[K, T]):
+    """What one request receives from a shared producer thread. Iterate it on the event loop that opened it."""
+
+    def __init__(self, owner: Mailboxes[K, T], key: K) -> None:
+        self._owner = owner
+        self.key = key
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[T | _End | _Failure] = asyncio.Queue()
+
+    def __aiter__(self) -> Inbox[K, T]:
+        return self
+
+    async def __anext__(self) -> T:
+        while True:
+            try:
+                async with asyncio.timeout(self._owner.poll_seconds):
+                    item = await self.queue.get()
+            except TimeoutError:
+                # The safety net: a producer thread that died without failing this request (a crash between its
+                # last delivery and its error handling) must not leave the consumer waiting for ever.
+                if not self._owner.alive():
+                    raise self._owner.dead() from None
+                continue
+            if isinstance(item, _End):
+                raise StopAsyncIteration
+            if isinstance(item, _Failure):
+                raise item.exc
+            return item
+
+    def close(self) -> None:
+        """Stop receiving: later deliveries for this key are dropped. Idempotent."""
+        self._owner._forget(self)
+
+
+class Mailboxes(Generic[K, T]):
+    """Per-request inboxes that one long-lived producer thread delivers into.
+
+    ``deliver`` is called from the producer thread once per step with the items of every request that made
+    progress; it crosses to each event loop with a single ``call_soon_threadsafe`` per loop, not one per item. Items
+    for a key that is not open (a request that was cancelled, whose last step was still in flight) are dropped: a
+    cancelled request leaves nothing behind. ``end_all`` ends every inbox quietly (the engine is closing),
+    ``fail_all`` with an exception. A consumer checks ``alive`` every ``poll_seconds`` while it waits, and raises
+    ``dead()`` once the producer is gone: nothing waits for ever on a thread that has died.
+    """
+
+    def __init__(
+        self,
+        *,
+        alive: Callable[[], bool],
+        dead: Callable[[], BaseException],
+        poll_seconds: float = 1.0,
+    ) -> None:
+        self.alive = alive
+        self.dead = dead
+        self.poll_seconds = poll_seconds
+        self._lock = threading.Lock()
+        self._open: dict[K, Inbox[K, T]] = {}
+
+    @property
+    def count(self) -> int:
+        return len(self._open)
+
+    def open(self, key: K) -> Inbox[K, T]:
+        """Open the inbox for ``key``, on the running event loop. Open it before the producer can deliver for it."""
+        inbox: Inbox[K, T] = Inbox(self, key)
+        with self._lock:
+            if key in self._open:
+                raise RuntimeError(f"an inbox for {key!r} is already open; request keys must be unique")
+            self._open[key] = inbox
+        return inbox
+
+    def deliver(self, items: Iterable[tuple[K, T]]) -> None:
+        """From any thread: hand each item to its key's inbox."""
+        self._post((key, item) for key, item in items)
+
+    def fail_all(self, exc: BaseException) -> None:
+        """From any thread: every open inbox raises ``exc`` after what it already holds."""
+        with self._lock:
+            keys = list(self._open)
+        self._post((key, _Failure(exc)) for key in keys)
+
+    def end_all(self) -> None:
+        """From any thread: every open inbox ends (no more items, no error) after what it already holds."""
+        with self._lock:
+            keys = list(self._open)
+        self._post((key, _End()) for key in keys)
+
+    def _post(self, items: Iterable[tuple[K, T | _End | _Failure]]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[T | _End | _Failure], T | _End | _Failure]]]
+        by_loop = {}
+        with self._lock:
+            for key, item in items:
+                inbox = self._open.get(key)
+                if inbox is not None:
+                    by_loop.setdefault(inbox.loop, []).append((inbox.queue, item))
+        for loop, batch in by_loop.items():
+            with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening any more
+                loop.call_soon_threadsafe(_put_all, batch)
+
+    def _forget(self, inbox: Inbox[K, T]) -> None:
+        with self._lock:
+            if self._open.get(inbox.key) is inbox:
+                del self._open[inbox.key]
+
+
+def _put_all(batch: list[tuple[asyncio.Queue[T], T]]) -> None:
+    for queue, item in batch:
+        queue.put_nowait(item)

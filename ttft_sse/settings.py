@@ -42,6 +42,7 @@ class Settings:
     host: str = "127.0.0.1"
     port: int = 8000
     model: str = "bundled"
+    engine: str = "batched"
     device: str = "auto"
     dtype: str = "auto"
     threads: int = 0
@@ -52,6 +53,9 @@ class Settings:
     max_body_bytes: int = 1_048_576
     max_concurrency: int = 4
     max_queue: int = 32
+    batch_tokens: int = 512
+    kv_cache_tokens: int = 16384
+    prefix_cache: bool = True
     queue_timeout_seconds: float = 30.0
     ping_seconds: float = 15.0
     drain_seconds: float = 10.0
@@ -84,6 +88,8 @@ class Settings:
             "job_runners",
             "max_jobs",
             "job_attempts",
+            "batch_tokens",
+            "kv_cache_tokens",
         )
         for name in positive:
             if getattr(self, name) < 1:
@@ -106,6 +112,8 @@ class Settings:
             raise SettingsError(
                 f"default_max_tokens ({self.default_max_tokens}) is above max_tokens_cap ({self.max_tokens_cap})"
             )
+        if self.engine not in ("single", "batched"):
+            raise SettingsError(f"engine must be single or batched, got {self.engine!r}")
         if self.device not in ("auto", "cpu", "cuda", "mps") and not self.device.startswith("cuda:"):
             raise SettingsError(f"device must be auto, cpu, cuda, cuda:N or mps, got {self.device!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

@@ -19,6 +19,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from tests.nginx import DEFAULT_PROXY, nginx
 from tests.servers import SSEEvent, StreamReader, eventually, fake_app, parse_sse, running, serving, stream_events
+from ttft_sse.engine.batched import BatchedEngine
 from ttft_sse.engine.fake import FakeEngine
 from ttft_sse.settings import Settings
 
@@ -120,16 +121,21 @@ def test_a_client_leaving_at_the_proxy_cancels_the_generation_upstream() -> None
         assert app.state.runtime.gate.running == 0
 
 
-def test_a_client_leaving_at_the_proxy_ends_the_real_models_generation_thread(hf_server: str) -> None:
-    def generation_threads() -> list[str]:
-        return [t.name for t in threading.enumerate() if t.name.startswith("ttft-gen-")]
+def test_a_client_leaving_at_the_proxy_ends_the_real_models_generation(hf_server: str, hf_app: Starlette) -> None:
+    engine = hf_app.state.runtime.engine
+
+    def generating() -> bool:
+        # The single engine's work is a thread per request; the batched engine's, a request its loop holds.
+        threads = [t.name for t in threading.enumerate() if t.name.startswith("ttft-gen-")]
+        held = engine.stats().requests if isinstance(engine, BatchedEngine) else 0
+        return bool(threads or held)
 
     body = {"prompt": "1, 2, 3, 4, 5,", "raw": True, "max_tokens": 2048}  # minutes of work if not cancelled
     with nginx(port_of(hf_server)) as proxy, httpx.Client(timeout=120) as client:
         with client.stream("POST", f"{proxy}/stream", json=body) as response:
             first = next(parse_sse(response.iter_lines()))
-            assert first.event == "token" and generation_threads()
-        eventually(lambda: not generation_threads(), timeout=60)
+            assert first.event == "token" and generating()
+        eventually(lambda: not generating() and engine.active == 0, timeout=60)
 
 
 def test_the_services_own_headers_make_a_default_proxy_stream() -> None:

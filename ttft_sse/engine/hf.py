@@ -15,14 +15,13 @@ from ttft_sse.engine import models
 from ttft_sse.engine.base import (
     ChatMessage,
     Finished,
-    FinishReason,
     ModelInfo,
     Piece,
     Prompt,
     SamplingParams,
     Usage,
 )
-from ttft_sse.engine.text import IncrementalDecoder, StopMatcher
+from ttft_sse.engine.text import TokenText
 from ttft_sse.errors import EngineError, InvalidRequest, PromptTooLong, StartupError
 from ttft_sse.settings import Settings
 from ttft_sse.stages import StageClock
@@ -54,6 +53,21 @@ class HFEngine:
     @property
     def active(self) -> int:
         return self._workers.active
+
+    # The loaded parts, for an engine that builds on this one (the batched engine shares model and tokenizer).
+    @property
+    def model(self) -> Any:
+        if self._model is None:
+            raise RuntimeError("HFEngine.model is read before load()")
+        return self._model
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._tokenizer
+
+    @property
+    def eos(self) -> frozenset[int]:
+        return self._eos
 
     # -- loading -----------------------------------------------------------------------------------------------
 
@@ -203,19 +217,17 @@ class HFEngine:
                 stopping_criteria=criteria,
                 streamer=streamer,
             )
-        if cancelled.is_set() and not streamer.stops.matched:
+        text = streamer.text
+        if cancelled.is_set() and not text.stopped:
             # Nobody is listening any more; say how far it got, for the logs.
-            log.info("generation_cancelled", completion_tokens=streamer.count, max_tokens=params.max_tokens)
+            log.info("generation_cancelled", completion_tokens=text.count, max_tokens=params.max_tokens)
             return
         ended = time.perf_counter()
-        reason: FinishReason = "stop"
-        if not streamer.stops.matched and streamer.last_token not in self._eos and streamer.count >= params.max_tokens:
-            reason = "length"
         first = streamer.first_token_at or ended
         emit(
             Finished(
-                finish_reason=reason,
-                usage=Usage(prompt_tokens=prompt.n_tokens, completion_tokens=streamer.count),
+                finish_reason=text.finish_reason(params.max_tokens),
+                usage=Usage(prompt_tokens=prompt.n_tokens, completion_tokens=text.count),
                 timings={
                     "prefill_ms": round((first - started) * 1000, 1),
                     "decode_ms": round((ended - first) * 1000, 1),
@@ -267,15 +279,11 @@ class _PieceStreamer:
     """
 
     def __init__(self, tokenizer: Any, stops: Sequence[str], eos: frozenset[int], emit: Emit[Item], cancelled: Any):
-        self._decoder = IncrementalDecoder(lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
-        self.stops = StopMatcher(stops)
-        self._eos = eos
+        self.text = TokenText(lambda ids: tokenizer.decode(ids, skip_special_tokens=True), stops, eos)
         self._emit = emit
         self._cancelled = cancelled
         self._prompt_seen = False
         self._index = 0
-        self.count = 0
-        self.last_token: int | None = None
         self.started = 0.0
         self.first_token_at: float | None = None
 
@@ -283,26 +291,20 @@ class _PieceStreamer:
         if not self._prompt_seen:  # generate() first hands us the prompt itself
             self._prompt_seen = True
             return
-        if self.stops.matched:
+        if self.text.stopped:
             return
         for token in value.reshape(-1).tolist():
             if self.first_token_at is None:
                 self.first_token_at = time.perf_counter()
-            self.count += 1
-            self.last_token = token
-            if token in self._eos:
-                continue
-            self._send(self.stops.feed(self._decoder.push(token)))
-            if self.stops.matched:
+            self._send(self.text.push(token))
+            if self.text.stopped:
                 self._cancelled.set()
                 return
 
     def end(self) -> None:
-        if self.stops.matched or self._cancelled.is_set():
+        if self.text.stopped or self._cancelled.is_set():
             return
-        self._send(self.stops.feed(self._decoder.flush()))
-        if not self.stops.matched:
-            self._send(self.stops.flush())
+        self._send(self.text.finish())
 
     def _send(self, text: str) -> None:
         if text:

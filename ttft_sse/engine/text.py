@@ -1,12 +1,14 @@
 """From token ids to the pieces of text a client sees: eager incremental decoding and stop sequences.
 
-Both classes are pure (no torch) and are used by every engine, so the fake and the real engine frame text the
-same way.
+These classes are pure (no torch) and are used by every engine, so the fake and the real engines frame text the
+same way. :class:`TokenText` puts the two together for engines that see token ids (one per step).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
+
+from ttft_sse.engine.base import FinishReason
 
 REPLACEMENT = "\ufffd"
 
@@ -89,3 +91,44 @@ class StopMatcher:
                     best = size
                     break
         return best
+
+
+class TokenText:
+    """One generation's token ids, one at a time, in; the text to release out.
+
+    End-of-sequence tokens are counted (they are completion tokens) but never shown. Once a stop sequence has
+    matched, later tokens (a step that was already in flight) are ignored: they are neither counted nor shown.
+    """
+
+    def __init__(self, decode: Callable[[Sequence[int]], str], stops: Sequence[str], eos: Collection[int]) -> None:
+        self._decoder = IncrementalDecoder(decode)
+        self.stops = StopMatcher(stops)
+        self._eos = eos
+        self.count = 0
+        self.last_token: int | None = None
+
+    @property
+    def stopped(self) -> bool:
+        """A stop sequence matched: generation must end now."""
+        return self.stops.matched
+
+    def push(self, token_id: int) -> str:
+        if self.stops.matched:
+            return ""
+        self.count += 1
+        self.last_token = token_id
+        if token_id in self._eos:
+            return ""
+        return self.stops.feed(self._decoder.push(token_id))
+
+    def finish(self) -> str:
+        """The text still held back, at the end of a generation that was not stopped by a stop sequence."""
+        if self.stops.matched:
+            return ""
+        text = self.stops.feed(self._decoder.flush())
+        return text if self.stops.matched else text + self.stops.flush()
+
+    def finish_reason(self, max_tokens: int) -> FinishReason:
+        if not self.stops.matched and self.last_token not in self._eos and self.count >= max_tokens:
+            return "length"
+        return "stop"

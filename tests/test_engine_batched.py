@@ -1,0 +1,270 @@
+"""The batched engine with the real bundled model, against the single-request engine as the reference.
+
+Everything is observed through the engine's state (``stats()``, ``batch_log``), never through timing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncGenerator, Iterator
+from contextlib import aclosing
+from typing import Any
+
+import pytest
+from structlog.testing import capture_logs
+
+from ttft_sse.engine.base import ChatMessage, Finished, Piece, Prompt, SamplingParams
+from ttft_sse.engine.batched import BLOCK_TOKENS, BatchedEngine
+from ttft_sse.engine.hf import HFEngine
+from ttft_sse.errors import EngineError
+from ttft_sse.settings import Settings
+from ttft_sse.stages import StageClock
+
+QUESTION = "What is the capital of France?"
+LONG = "List the numbers from 1 to 100, separated by commas."  # greedy: longer than 64 tokens
+SYSTEM = (
+    "You are a meticulous assistant for a railway company. You answer questions about timetables, tickets, "
+    "luggage, bicycles, pets and accessibility. You keep every answer short, you never invent a train that does "
+    "not exist, and when you do not know something you say so and point the traveller to the help desk."
+)
+
+
+@pytest.fixture(scope="module")
+def engine(settings: Settings) -> Iterator[BatchedEngine]:
+    engine = BatchedEngine(settings)
+    clock = StageClock()
+    engine.load(clock)
+    assert "batching_ms" in clock.as_dict()
+    yield engine
+    asyncio.run(engine.close())
+
+
+@pytest.fixture(scope="module")
+def reference(settings: Settings) -> HFEngine:
+    engine = HFEngine(settings)
+    engine.load(StageClock())
+    return engine
+
+
+async def collect(items: AsyncGenerator[Piece | Finished, None]) -> tuple[str, Finished]:
+    pieces: list[Piece] = []
+    finished: list[Finished] = []
+    async with aclosing(items) as stream:
+        async for item in stream:
+            (pieces if isinstance(item, Piece) else finished).append(item)  # type: ignore[arg-type]
+    assert [p.index for p in pieces] == list(range(len(pieces)))
+    assert all(p.text for p in pieces)
+    assert len(finished) == 1
+    return "".join(p.text for p in pieces), finished[0]
+
+
+def prompt_of(engine: BatchedEngine | HFEngine, text: str, system: str | None = None) -> Prompt:
+    if system is None:
+        return engine.prepare(prompt=text, messages=None, raw=False)
+    messages = [ChatMessage("system", system), ChatMessage("user", text)]
+    return engine.prepare(prompt=None, messages=messages, raw=False)
+
+
+def outcome(text: str, finished: Finished) -> tuple[str, str, int]:
+    return text, finished.finish_reason, finished.usage.completion_tokens
+
+
+async def settle(engine: BatchedEngine) -> None:
+    """Run one tiny request to its end. The library reads new requests and cancellations together at the start of
+    a step, so once this one has finished, every cancellation sent before it has been applied."""
+    await collect(engine.stream(prompt_of(engine, "Hi"), SamplingParams(max_tokens=1)))
+
+
+async def test_concurrent_greedy_requests_give_the_single_engines_text(
+    engine: BatchedEngine, reference: HFEngine
+) -> None:
+    asks = [
+        (QUESTION, 32),
+        ("Name three colors.", 24),
+        ("Write a haiku about the sea.", 20),
+        ("What is 2+2?", 16),
+        ("Tell me a joke.", 28),
+    ]
+    before = engine.stats().steps
+    got = await asyncio.gather(
+        *(collect(engine.stream(prompt_of(engine, q), SamplingParams(max_tokens=n))) for q, n in asks)
+    )
+    for (question, max_tokens), (text, finished) in zip(asks, got, strict=True):
+        want_text, want = await collect(reference.stream(prompt_of(reference, question), SamplingParams(max_tokens)))
+        assert outcome(text, finished) == outcome(want_text, want), question
+        assert finished.usage == want.usage
+    assert got[0][0] == "The capital of France is Paris."
+    # They shared forward passes: far fewer steps than the tokens they generated together.
+    generated = sum(finished.usage.completion_tokens for _, finished in got)
+    assert engine.stats().steps - before < generated / 2
+
+
+async def test_a_request_arriving_while_another_decodes_joins_its_batch(
+    engine: BatchedEngine, reference: HFEngine
+) -> None:
+    engine.batch_log.clear()
+    late: asyncio.Task[tuple[str, Finished]] | None = None
+    pieces = 0
+    async with aclosing(engine.stream(prompt_of(engine, LONG), SamplingParams(max_tokens=64))) as first:
+        async for item in first:
+            pieces += isinstance(item, Piece)
+            if pieces == 3 and late is None:
+                late = asyncio.create_task(collect(engine.stream(prompt_of(engine, QUESTION), SamplingParams(8))))
+    assert late is not None
+    text, finished = await late
+    assert outcome(text, finished) == ("The capital of France is Paris.", "stop", 8)
+
+    log = list(engine.batch_log)
+    early = log[0][0]
+    (joined,) = {rid for step in log for rid in step} - {early}
+    with_late = [i for i, step in enumerate(log) if joined in step]
+    # The late request's prefill ran in a step that also decoded the early one, the early one had decoded alone
+    # before it, and went on decoding with it: one running batch, not one request after the other.
+    assert all(early in log[i] for i in with_late)
+    assert with_late[0] > 0 and all(step == (early,) for step in log[: with_late[0]])
+    assert len(with_late) == 8  # one step per token of the late request, each shared with the early one
+
+
+async def test_each_request_keeps_its_own_max_tokens_and_stop_sequences(engine: BatchedEngine) -> None:
+    prompt = prompt_of(engine, QUESTION)
+    short, stopped, full = await asyncio.gather(
+        collect(engine.stream(prompt, SamplingParams(max_tokens=3))),
+        collect(engine.stream(prompt, SamplingParams(max_tokens=32, stop=(" is",)))),
+        collect(engine.stream(prompt, SamplingParams(max_tokens=32))),
+    )
+    assert outcome(*short) == ("The capital of", "length", 3)
+    # Stopped on the token that completed the stop text, which is not returned (the single engine gives 5 too).
+    assert outcome(*stopped) == ("The capital of France", "stop", 5)
+    assert outcome(*full) == ("The capital of France is Paris.", "stop", 8)
+    await settle(engine)
+    stats = engine.stats()
+    assert (stats.requests, stats.streams, stats.kv_tokens_in_use) == (0, 0, 0)
+
+
+async def test_a_client_leaving_cancels_its_request_alone_and_frees_its_slot(
+    engine: BatchedEngine, reference: HFEngine
+) -> None:
+    want, _ = await collect(reference.stream(prompt_of(reference, "Name three colors."), SamplingParams(24)))
+    engine.batch_log.clear()
+    with capture_logs() as logs:
+        leaving = engine.stream(prompt_of(engine, LONG), SamplingParams(max_tokens=200))
+        staying = asyncio.create_task(
+            collect(engine.stream(prompt_of(engine, "Name three colors."), SamplingParams(24)))
+        )
+        async with aclosing(leaving) as items:
+            async for item in items:
+                assert isinstance(item, Piece)
+                if item.index == 2:
+                    break
+        assert engine.active == 1  # the one still reading
+        text, finished = await staying
+    assert text == want and finished.usage.completion_tokens == 12
+    cancelled = [e for e in logs if e["event"] == "generation_cancelled"]
+    assert len(cancelled) == 1 and 3 <= cancelled[0]["completion_tokens"] < 50
+
+    await settle(engine)
+    stats = engine.stats()
+    # Nothing of the cancelled request is left: not in the scheduler, not holding cache, not being read.
+    assert (stats.requests, stats.streams, stats.kv_tokens_in_use) == (0, 0, 0)
+    assert engine.active == 0
+
+
+async def test_a_failure_in_the_batching_loop_reaches_every_request_as_engine_error(engine: BatchedEngine) -> None:
+    calls = {"n": 0}
+
+    def explode(module: Any, args: Any, output: Any) -> None:
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    async def doomed(question: str) -> BaseException:
+        with pytest.raises(EngineError) as info:
+            await collect(engine.stream(prompt_of(engine, question), SamplingParams(max_tokens=32)))
+        return info.value
+
+    handle = engine._single.model.register_forward_hook(explode)
+    try:
+        errors = await asyncio.gather(doomed(QUESTION), doomed("Name three colors."))
+    finally:
+        handle.remove()
+    for error in errors:
+        assert isinstance(error, EngineError)
+        assert error.message.startswith("generation failed")
+        assert "illegal memory" not in error.message  # internals stay in the log
+    assert engine.active == 0
+
+    # The loop died with the error; the next request starts it again and is served normally.
+    text, finished = await collect(engine.stream(prompt_of(engine, QUESTION), SamplingParams(max_tokens=32)))
+    assert outcome(text, finished) == ("The capital of France is Paris.", "stop", 8)
+    assert engine.stats().running
+
+
+async def test_a_shared_prefix_is_reused_and_gives_the_same_text(engine: BatchedEngine, reference: HFEngine) -> None:
+    questions = ["Can I bring my bicycle on the train?", "Is my dog allowed on board?"]
+    before = engine.stats()
+    results = []
+    for question in questions:  # one after the other: the second finds the first one's blocks
+        results.append(await collect(engine.stream(prompt_of(engine, question, SYSTEM), SamplingParams(24))))
+    after = engine.stats()
+    for question, (text, finished) in zip(questions, results, strict=True):
+        want_text, want = await collect(reference.stream(prompt_of(reference, question, SYSTEM), SamplingParams(24)))
+        assert outcome(text, finished) == outcome(want_text, want)
+
+    first, second = (prompt_of(engine, q, SYSTEM).token_ids for q in questions)
+    common = next(i for i, (a, b) in enumerate(zip(first, second, strict=False)) if a != b)
+    assert common > 64  # the system prompt and the template around it
+    assert after.prefix_hits - before.prefix_hits == 1
+    # Every whole block of the common part was shared: only the rest of the second prompt was computed.
+    assert after.prefix_hit_tokens - before.prefix_hit_tokens == common // BLOCK_TOKENS * BLOCK_TOKENS
+    assert after.prompt_tokens - before.prompt_tokens == len(first) + len(second)
+    assert after.kv_tokens_cached > 0
+
+
+async def test_sampled_requests_run_on_the_single_engine_with_their_own_seed(
+    engine: BatchedEngine, reference: HFEngine
+) -> None:
+    params = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.95, seed=7)
+    steps = engine.stats().steps
+    text, _ = await collect(engine.stream(prompt_of(engine, "Write a word."), params))
+    assert engine.stats().steps == steps  # no batched step ran
+    want, _ = await collect(reference.stream(prompt_of(reference, "Write a word."), params))
+    assert text == want
+
+
+async def test_a_request_too_long_for_the_shared_cache_runs_on_the_single_engine(settings: Settings) -> None:
+    small = BatchedEngine(settings.replace(kv_cache_tokens=64))
+    small.load(StageClock())
+    try:
+        prompt = prompt_of(small, QUESTION)  # 37 tokens + 32 to generate: more than 64 - one block
+        text, _ = await collect(small.stream(prompt, SamplingParams(max_tokens=32)))
+        assert text == "The capital of France is Paris."
+        assert small.stats().steps == 0
+        text, _ = await collect(small.stream(prompt, SamplingParams(max_tokens=8)))
+        assert text == "The capital of France is Paris." and small.stats().steps == 8
+    finally:
+        await small.close()
+
+
+async def test_close_ends_running_generations_and_stops_the_loops_thread(settings: Settings) -> None:
+    before = set(_loop_threads())
+    own = BatchedEngine(settings)
+    own.load(StageClock())
+    (thread,) = set(_loop_threads()) - before
+    assert thread.daemon  # a process whose close() never ran can still exit
+    items: list[Piece | Finished] = []
+    async with aclosing(own.stream(prompt_of(own, LONG), SamplingParams(max_tokens=200))) as stream:
+        async for item in stream:
+            items.append(item)
+            if len(items) == 2:
+                await own.close()
+    # The stream ended without a result (the generation layer reports the cut), and the loop's thread is gone.
+    assert all(isinstance(i, Piece) for i in items)
+    assert own.active == 0
+    assert not own.stats().running and not thread.is_alive()
+    with pytest.raises(EngineError, match="not running"):
+        await collect(own.stream(prompt_of(own, QUESTION), SamplingParams(max_tokens=4)))
+
+
+def _loop_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if "_run_generation_loop" in t.name]
