@@ -202,22 +202,21 @@ async def test_a_failure_in_the_batching_loop_reaches_every_request_as_engine_er
 
 async def test_a_shared_prefix_is_reused_and_gives_the_same_text(engine: BatchedEngine, reference: HFEngine) -> None:
     questions = ["Can I bring my bicycle on the train?", "Is my dog allowed on board?"]
+    first, second = (prompt_of(engine, q, SYSTEM) for q in questions)
+    results = [await collect(engine.stream(first, SamplingParams(24)))]
     before = engine.stats()
-    results = []
-    for question in questions:  # one after the other: the second finds the first one's blocks
-        results.append(await collect(engine.stream(prompt_of(engine, question, SYSTEM), SamplingParams(24))))
+    results.append(await collect(engine.stream(second, SamplingParams(24))))  # finds the first one's blocks
     after = engine.stats()
     for question, (text, finished) in zip(questions, results, strict=True):
         want_text, want = await collect(reference.stream(prompt_of(reference, question, SYSTEM), SamplingParams(24)))
         assert outcome(text, finished) == outcome(want_text, want)
 
-    first, second = (prompt_of(engine, q, SYSTEM).token_ids for q in questions)
-    common = next(i for i, (a, b) in enumerate(zip(first, second, strict=False)) if a != b)
+    common = next(i for i, (a, b) in enumerate(zip(first.token_ids, second.token_ids, strict=False)) if a != b)
     assert common > 64  # the system prompt and the template around it
     assert after.prefix_hits - before.prefix_hits == 1
     # Every whole block of the common part was shared: only the rest of the second prompt was computed.
     assert after.prefix_hit_tokens - before.prefix_hit_tokens == common // BLOCK_TOKENS * BLOCK_TOKENS
-    assert after.prompt_tokens - before.prompt_tokens == len(first) + len(second)
+    assert after.prompt_tokens - before.prompt_tokens == second.n_tokens
     assert after.kv_tokens_cached > 0
 
 

@@ -143,6 +143,7 @@ class Resident:
         self._stop = stop
         self._alive = alive
         self._stop_timeout = stop_timeout
+        self._restarting = threading.Lock()
 
     @property
     def alive(self) -> bool:
@@ -169,6 +170,18 @@ class Resident:
         """Ask the thread to stop and wait (in a worker thread, bounded) until it has."""
         with anyio.move_on_after(self._stop_timeout):
             await anyio.to_thread.run_sync(self._stop, abandon_on_cancel=True)
+
+    async def restart(self, needed: Callable[[], bool]) -> None:
+        """Stop and start the thread again if ``needed()`` (checked again under a lock, so that concurrent callers
+        restart it once). Waits in a worker thread: stopping joins the old thread."""
+
+        def run() -> None:
+            with self._restarting:
+                if needed():
+                    self._stop()
+                    self.start()
+
+        await anyio.to_thread.run_sync(run)
 
 
 class Inbox(Generic[K, T]):

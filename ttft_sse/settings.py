@@ -51,7 +51,7 @@ class Settings:
     default_max_tokens: int = 256
     max_tokens_cap: int = 2048
     max_body_bytes: int = 1_048_576
-    max_concurrency: int = 4
+    max_concurrency: int = 8
     max_queue: int = 32
     batch_tokens: int = 512
     kv_cache_tokens: int = 16384

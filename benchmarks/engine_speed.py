@@ -1,0 +1,229 @@
+"""Engine speed: the single-request engine against the batched one, interleaved in one run (issue 8).
+
+    python benchmarks/engine_speed.py                       # fp32 single vs batched, 3 rounds
+    python benchmarks/engine_speed.py --engines single:bfloat16,batched:bfloat16
+
+Engine level (no HTTP): what the engines themselves do with the same prompts. Every scenario runs once per engine
+per round, round after round, so that a change in the machine's load hits every engine alike; compare the ratios,
+and read the load average printed with them. Prints:
+
+* c=1 and c=8: aggregate generated tokens/s, TTFT p50/p99 (from the call to the first piece of text);
+* prefix reuse at c=1: TTFT of prompts sharing a long system prompt already seen (reuse) against the same prompts
+  behind a system prompt seen for the first time (miss), and the identical 37-token chat prompt repeated;
+* whether every greedy text is the same as the single-request engine's, of the same dtype.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ttft_sse.engine.base import ChatMessage, Engine, Finished, Piece, Prompt, SamplingParams
+from ttft_sse.engine.batched import BatchedEngine
+from ttft_sse.engine.hf import HFEngine
+from ttft_sse.settings import Settings
+from ttft_sse.stages import StageClock
+
+# Questions whose greedy answers run past 32 tokens, so every request generates the same amount.
+QUESTIONS = [
+    "Write a long story about a dragon who learns to bake bread.",
+    "Explain in detail how a steam engine works.",
+    "Write a poem about the ocean.",
+    "Describe your ideal city in detail.",
+    "What is Python?",
+    "Explain how photosynthesis works, step by step.",
+    "Write a letter to a friend about your summer holidays.",
+    "Describe the history of the bicycle.",
+]
+CHAT = "What is the capital of France?"  # the issue's 37-token chat prompt
+SYSTEM = (
+    "You are the assistant of a railway company. You answer questions about timetables, tickets, seat "
+    "reservations, luggage, bicycles, pets, accessibility, delays and refunds. Keep every answer short and "
+    "friendly. Never invent a train, a platform or a price: when you do not know, say so and point the traveller "
+    "to the help desk in the main hall, open from six in the morning to ten at night. Refunds for delays of more "
+    "than one hour are a quarter of the fare, and half of it from two hours. Bicycles travel free outside rush "
+    "hours on regional trains and need a reservation on long-distance trains. Dogs travel at half fare unless "
+    "they fit in a basket. Passengers in wheelchairs can book help up to one day before travelling."
+)
+
+
+@dataclass
+class Run:
+    tokens: int = 0
+    seconds: float = 0.0
+    ttft: list[float] = field(default_factory=list)
+
+    def add(self, other: Run) -> None:
+        self.tokens += other.tokens
+        self.seconds += other.seconds
+        self.ttft += other.ttft
+
+
+@dataclass
+class Result:
+    c1: Run = field(default_factory=Run)
+    c8: Run = field(default_factory=Run)
+    reuse: list[float] = field(default_factory=list)
+    miss: list[float] = field(default_factory=list)
+    chat: list[float] = field(default_factory=list)
+    texts: dict[tuple[str, int], str] = field(default_factory=dict)
+    mismatches: list[str] = field(default_factory=list)
+    checked: int = 0
+
+
+def prompt_of(engine: Engine, question: str, system: str | None = None) -> Prompt:
+    if system is None:
+        return engine.prepare(prompt=question, messages=None, raw=False)
+    messages = [ChatMessage("system", system), ChatMessage("user", question)]
+    return engine.prepare(prompt=None, messages=messages, raw=False)
+
+
+async def one(engine: Engine, prompt: Prompt, max_tokens: int) -> tuple[str, int, float]:
+    """Text, completion tokens, seconds to the first piece."""
+    started = time.perf_counter()
+    first: float | None = None
+    pieces: list[str] = []
+    tokens = 0
+    async for item in engine.stream(prompt, SamplingParams(max_tokens=max_tokens)):
+        if isinstance(item, Piece):
+            first = first or time.perf_counter()
+            pieces.append(item.text)
+        elif isinstance(item, Finished):
+            tokens = item.usage.completion_tokens
+    return "".join(pieces), tokens, (first or time.perf_counter()) - started
+
+
+async def concurrent(engine: Engine, prompts: Sequence[Prompt], max_tokens: int, c: int) -> tuple[Run, list[str]]:
+    run = Run()
+    texts: list[str] = []
+    for start in range(0, len(prompts), c):
+        wave = prompts[start : start + c]
+        began = time.perf_counter()
+        results = await asyncio.gather(*(one(engine, p, max_tokens) for p in wave))
+        run.seconds += time.perf_counter() - began
+        for text, tokens, ttft in results:
+            run.tokens += tokens
+            run.ttft.append(ttft)
+            texts.append(text)
+    return run, texts
+
+
+def pct(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered) + 0.5) - 1))]
+
+
+def load(spec: str, args: argparse.Namespace) -> Engine:
+    kind, _, dtype = spec.partition(":")
+    settings = Settings(
+        engine=kind,
+        dtype=dtype or "float32",
+        threads=args.threads,
+        max_concurrency=args.concurrency,
+        log_level="warning",
+    )
+    engine: Engine = BatchedEngine(settings) if kind == "batched" else HFEngine(settings)
+    engine.load(StageClock())
+    return engine
+
+
+async def bench(args: argparse.Namespace) -> None:
+    specs = args.engines.split(",")
+    print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}  (cpus: {os.cpu_count()})")
+    engines = {spec: load(spec, args) for spec in specs}
+    results = {spec: Result() for spec in specs}
+    for engine in engines.values():  # warm every path once (first calls allocate and compile kernels)
+        await concurrent(engine, [prompt_of(engine, q) for q in QUESTIONS[:2]], 4, 2)
+    for round_ in range(args.rounds):
+        for spec, engine in engines.items():
+            result = results[spec]
+            prompts = [prompt_of(engine, q) for q in QUESTIONS]
+            for c, run in ((1, result.c1), (args.concurrency, result.c8)):
+                got, texts = await concurrent(engine, prompts, args.tokens, c)
+                run.add(got)
+                for question, text in zip(QUESTIONS, texts, strict=True):
+                    result.texts.setdefault((question, c), text)
+                    if result.texts[(question, c)] != text:
+                        result.mismatches.append(f"{spec} c={c} {question!r}: differs between rounds")
+            # Prefix reuse, at c=1. The system prompt is seen once first; a miss puts a new marker in front of
+            # the same system prompt, so nothing is shared. A single engine never reuses: both are misses there.
+            # Two tokens each, not one: the library registers a prompt's blocks for reuse only if the request is
+            # still running after its first step.
+            await one(engine, prompt_of(engine, CHAT, SYSTEM), 2)
+            for i, question in enumerate(QUESTIONS):
+                result.reuse.append((await one(engine, prompt_of(engine, question, SYSTEM), 2))[2])
+                fresh = f"[session {round_}-{i}-{time.monotonic_ns()}] {SYSTEM}"
+                result.miss.append((await one(engine, prompt_of(engine, question, fresh), 2))[2])
+                result.chat.append((await one(engine, prompt_of(engine, CHAT), 2))[2])
+        print(f"round {round_ + 1}/{args.rounds} done; load average {os.getloadavg()[0]:.2f}", flush=True)
+    # Greedy check: every batched text against the single engine of the same dtype, at both concurrencies.
+    for spec, result in results.items():
+        kind, _, dtype = spec.partition(":")
+        reference = results.get(f"single:{dtype}")
+        if kind != "batched" or reference is None:
+            continue
+        for key, text in result.texts.items():
+            result.checked += 1
+            want = reference.texts.get((key[0], 1))
+            if text != want:
+                result.mismatches.append(f"{spec} c={key[1]} {key[0]!r}: {text!r} != {want!r}")
+    report(results, args)
+    for engine in engines.values():
+        await engine.close()
+
+
+def report(results: dict[str, Result], args: argparse.Namespace) -> None:
+    c = args.concurrency
+    print()
+    print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(f"{args.rounds} rounds x {len(QUESTIONS)} requests x {args.tokens} tokens; threads={args.threads}")
+    print()
+    print(
+        f"| engine | c=1 tok/s | c=1 TTFT p50 / p99 ms | c={c} tok/s | c={c} TTFT p50 / p99 ms | c={c}/c=1 tok/s "
+        f"| c={c} TTFT p99 / c=1 p50 |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for spec, r in results.items():
+        rate1, rate8 = r.c1.tokens / r.c1.seconds, r.c8.tokens / r.c8.seconds
+        p50 = pct(r.c1.ttft, 0.5)
+        print(
+            f"| {spec} | {rate1:.1f} | {p50 * 1000:.0f} / {pct(r.c1.ttft, 0.99) * 1000:.0f} | {rate8:.1f} "
+            f"| {pct(r.c8.ttft, 0.5) * 1000:.0f} / {pct(r.c8.ttft, 0.99) * 1000:.0f} | {rate8 / rate1:.2f}x "
+            f"| {pct(r.c8.ttft, 0.99) / p50:.2f}x |"
+        )
+    print()
+    print("| engine | long system prompt: reuse / miss TTFT p50 ms | reuse/miss | chat prompt again: p50 ms |")
+    print("|---|---|---|---|")
+    for spec, r in results.items():
+        reuse, miss, chat = (statistics.median(x) * 1000 for x in (r.reuse, r.miss, r.chat))
+        print(f"| {spec} | {reuse:.0f} / {miss:.0f} | {reuse / miss:.2f} | {chat:.0f} |")
+    print()
+    for spec, r in results.items():
+        if r.checked or r.mismatches:
+            verdict = "same greedy text" if not r.mismatches else "DIFFERENT greedy text"
+            print(f"{spec}: {verdict} as the single engine in {r.checked - len(r.mismatches)}/{r.checked} requests")
+            for line in r.mismatches[:5]:
+                print(f"  {line}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--engines", default="single:float32,batched:float32", help="kind:dtype, comma-separated")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=32, help="max_tokens of every request")
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads")
+    asyncio.run(bench(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    main()
