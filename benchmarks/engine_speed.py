@@ -7,10 +7,13 @@ Engine level (no HTTP): what the engines themselves do with the same prompts. Ev
 per round, round after round, so that a change in the machine's load hits every engine alike; compare the ratios,
 and read the load average printed with them. Prints:
 
-* c=1 and c=8: aggregate generated tokens/s, TTFT p50/p99 (from the call to the first piece of text);
+* c=1 (one request after another) and c=8 (8 clients, each sending its next request as soon as its previous one
+  has ended; answers of different lengths, so that requests come and go while others decode): aggregate generated
+  tokens/s and TTFT p50/p99, from the call to the first piece of text. At c=8 the TTFT of the first request of each
+  client (all 8 at the same instant: a burst) is reported apart from the rest (steady state);
 * prefix reuse at c=1: TTFT of prompts sharing a long system prompt already seen (reuse) against the same prompts
-  behind a system prompt seen for the first time (miss), and the identical 37-token chat prompt repeated;
-* whether every greedy text is the same as the single-request engine's, of the same dtype.
+  behind a system prompt seen for the first time (miss), and the 37-token chat prompt sent again;
+* whether every greedy text is the same as the single-request engine's for the same prompt, in the same dtype.
 """
 
 from __future__ import annotations
@@ -60,12 +63,14 @@ SYSTEM = (
 class Run:
     tokens: int = 0
     seconds: float = 0.0
-    ttft: list[float] = field(default_factory=list)
+    ttft: list[float] = field(default_factory=list)  # steady state
+    burst: list[float] = field(default_factory=list)  # the first request of each client, all at once
 
     def add(self, other: Run) -> None:
         self.tokens += other.tokens
         self.seconds += other.seconds
         self.ttft += other.ttft
+        self.burst += other.burst
 
 
 @dataclass
@@ -75,7 +80,7 @@ class Result:
     reuse: list[float] = field(default_factory=list)
     miss: list[float] = field(default_factory=list)
     chat: list[float] = field(default_factory=list)
-    texts: dict[tuple[str, int], str] = field(default_factory=dict)
+    texts: dict[str, str] = field(default_factory=dict)  # the question asked -> the answer
     mismatches: list[str] = field(default_factory=list)
     checked: int = 0
 
@@ -102,18 +107,25 @@ async def one(engine: Engine, prompt: Prompt, max_tokens: int) -> tuple[str, int
     return "".join(pieces), tokens, (first or time.perf_counter()) - started
 
 
-async def concurrent(engine: Engine, prompts: Sequence[Prompt], max_tokens: int, c: int) -> tuple[Run, list[str]]:
+async def clients(engine: Engine, asks: Sequence[tuple[str, int]], c: int) -> tuple[Run, dict[str, str]]:
+    """``c`` clients share ``asks`` (question, max_tokens): each sends its next one when its last one has ended."""
     run = Run()
-    texts: list[str] = []
-    for start in range(0, len(prompts), c):
-        wave = prompts[start : start + c]
-        began = time.perf_counter()
-        results = await asyncio.gather(*(one(engine, p, max_tokens) for p in wave))
-        run.seconds += time.perf_counter() - began
-        for text, tokens, ttft in results:
+    texts: dict[str, str] = {}
+    queue = list(asks)
+
+    async def client() -> None:
+        first = True
+        while queue:
+            ask, max_tokens = queue.pop(0)
+            text, tokens, ttft = await one(engine, prompt_of(engine, ask), max_tokens)
             run.tokens += tokens
-            run.ttft.append(ttft)
-            texts.append(text)
+            (run.burst if first and c > 1 else run.ttft).append(ttft)
+            texts[ask] = text
+            first = False
+
+    began = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(c)))
+    run.seconds = time.perf_counter() - began
     return run, texts
 
 
@@ -142,18 +154,22 @@ async def bench(args: argparse.Namespace) -> None:
     engines = {spec: load(spec, args) for spec in specs}
     results = {spec: Result() for spec in specs}
     for engine in engines.values():  # warm every path once (first calls allocate and compile kernels)
-        await concurrent(engine, [prompt_of(engine, q) for q in QUESTIONS[:2]], 4, 2)
+        await clients(engine, [(q, 4) for q in QUESTIONS[:4]], 2)
     for round_ in range(args.rounds):
         for spec, engine in engines.items():
             result = results[spec]
-            prompts = [prompt_of(engine, q) for q in QUESTIONS]
-            for c, run in ((1, result.c1), (args.concurrency, result.c8)):
-                got, texts = await concurrent(engine, prompts, args.tokens, c)
+            for c, run, count in ((1, result.c1, len(QUESTIONS)), (args.concurrency, result.c8, 3 * args.concurrency)):
+                # A new conversation each time: only the chat template's default system prompt is shared (as it
+                # is by every chat request), not a whole prompt seen before. Lengths vary from 1/2 to 11/8 of
+                # --tokens (the mean is --tokens), so that at c=8 requests end, and new ones start, at different
+                # steps.
+                asks = [
+                    (f"Request {round_}.{c}.{i}: {QUESTIONS[i % len(QUESTIONS)]}", args.tokens * (4 + i % 8) // 8)
+                    for i in range(count)
+                ]
+                got, texts = await clients(engine, asks, c)
                 run.add(got)
-                for question, text in zip(QUESTIONS, texts, strict=True):
-                    result.texts.setdefault((question, c), text)
-                    if result.texts[(question, c)] != text:
-                        result.mismatches.append(f"{spec} c={c} {question!r}: differs between rounds")
+                result.texts.update(texts)
             # Prefix reuse, at c=1. The system prompt is seen once first; a miss puts a new marker in front of
             # the same system prompt, so nothing is shared. A single engine never reuses: both are misses there.
             # Two tokens each, not one: the library registers a prompt's blocks for reuse only if the request is
@@ -165,17 +181,17 @@ async def bench(args: argparse.Namespace) -> None:
                 result.miss.append((await one(engine, prompt_of(engine, question, fresh), 2))[2])
                 result.chat.append((await one(engine, prompt_of(engine, CHAT), 2))[2])
         print(f"round {round_ + 1}/{args.rounds} done; load average {os.getloadavg()[0]:.2f}", flush=True)
-    # Greedy check: every batched text against the single engine of the same dtype, at both concurrencies.
+    # Greedy check: every batched text against the single engine's for the same prompt, in the same dtype.
     for spec, result in results.items():
         kind, _, dtype = spec.partition(":")
         reference = results.get(f"single:{dtype}")
         if kind != "batched" or reference is None:
             continue
-        for key, text in result.texts.items():
+        for ask, text in result.texts.items():
             result.checked += 1
-            want = reference.texts.get((key[0], 1))
+            want = reference.texts.get(ask)
             if text != want:
-                result.mismatches.append(f"{spec} c={key[1]} {key[0]!r}: {text!r} != {want!r}")
+                result.mismatches.append(f"{spec} {ask!r}: {text!r} != {want!r}")
     report(results, args)
     for engine in engines.values():
         await engine.close()
@@ -185,20 +201,26 @@ def report(results: dict[str, Result], args: argparse.Namespace) -> None:
     c = args.concurrency
     print()
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    print(f"{args.rounds} rounds x {len(QUESTIONS)} requests x {args.tokens} tokens; threads={args.threads}")
+    print(
+        f"{args.rounds} rounds; per round {len(QUESTIONS)} requests at c=1, {3 * c} at c={c}; "
+        f"max_tokens {args.tokens // 2}..{args.tokens * 11 // 8} (mean {args.tokens}); threads={args.threads}"
+    )
     print()
     print(
-        f"| engine | c=1 tok/s | c=1 TTFT p50 / p99 ms | c={c} tok/s | c={c} TTFT p50 / p99 ms | c={c}/c=1 tok/s "
-        f"| c={c} TTFT p99 / c=1 p50 |"
+        f"| engine | c=1 tok/s | c=1 TTFT p50 / p99 ms | c={c} tok/s | c={c} TTFT p50 / p99 ms | c={c} burst "
+        f"TTFT p50 / p99 ms | c={c}/c=1 tok/s | c={c} TTFT p99 / c=1 p50 (burst) |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for spec, r in results.items():
         rate1, rate8 = r.c1.tokens / r.c1.seconds, r.c8.tokens / r.c8.seconds
         p50 = pct(r.c1.ttft, 0.5)
+
+        def ms(values: list[float]) -> str:
+            return f"{pct(values, 0.5) * 1000:.0f} / {pct(values, 0.99) * 1000:.0f}"
+
         print(
-            f"| {spec} | {rate1:.1f} | {p50 * 1000:.0f} / {pct(r.c1.ttft, 0.99) * 1000:.0f} | {rate8:.1f} "
-            f"| {pct(r.c8.ttft, 0.5) * 1000:.0f} / {pct(r.c8.ttft, 0.99) * 1000:.0f} | {rate8 / rate1:.2f}x "
-            f"| {pct(r.c8.ttft, 0.99) / p50:.2f}x |"
+            f"| {spec} | {rate1:.1f} | {ms(r.c1.ttft)} | {rate8:.1f} | {ms(r.c8.ttft)} | {ms(r.c8.burst)} "
+            f"| {rate8 / rate1:.2f}x | {pct(r.c8.ttft, 0.99) / p50:.2f}x ({pct(r.c8.burst, 0.99) / p50:.2f}x) |"
         )
     print()
     print("| engine | long system prompt: reuse / miss TTFT p50 ms | reuse/miss | chat prompt again: p50 ms |")
@@ -219,7 +241,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--engines", default="single:float32,batched:float32", help="kind:dtype, comma-separated")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--tokens", type=int, default=32, help="max_tokens of every request")
+    parser.add_argument("--tokens", type=int, default=32, help="mean max_tokens of the requests")
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
     asyncio.run(bench(parser.parse_args()))
