@@ -54,7 +54,7 @@ class Settings:
     max_concurrency: int = 8
     max_queue: int = 32
     batch_tokens: int = 512
-    kv_cache_tokens: int = 16384
+    kv_cache_tokens: int = 8192
     prefix_cache: bool = True
     queue_timeout_seconds: float = 30.0
     ping_seconds: float = 15.0
