@@ -124,10 +124,10 @@ def test_model_and_tokenizer_stay_the_same_objects_across_requests(
     hf_server: str, hf_app: Starlette, client: httpx.Client
 ) -> None:
     engine = hf_app.state.runtime.engine
-    loaded = (engine._model, engine._tokenizer)
+    loaded = (engine.model, engine.tokenizer)
     for _ in range(2):
         assert client.post(f"{hf_server}/complete", json={"prompt": "Hi", "max_tokens": 2}).status_code == 200
-    assert engine._model is loaded[0] and engine._tokenizer is loaded[1]
+    assert engine.model is loaded[0] and engine.tokenizer is loaded[1]
 
 
 def test_tokenizer_and_model_are_loaded_once_per_process(monkeypatch: pytest.MonkeyPatch, settings: Settings) -> None:

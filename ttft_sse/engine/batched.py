@@ -106,6 +106,14 @@ class BatchedEngine:
     def active(self) -> int:
         return self._single.active + self._mailboxes.count
 
+    @property
+    def model(self) -> Any:
+        return self._single.model
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._single.tokenizer
+
     # -- loading -----------------------------------------------------------------------------------------------
 
     def load(self, clock: StageClock) -> None:
