@@ -5,8 +5,7 @@ The ``hf_server`` is shared by the whole session, so every assertion is on the c
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -15,7 +14,7 @@ from starlette.applications import Starlette
 from starlette.testclient import TestClient
 
 from tests.scrape import Scrape, scrape
-from tests.servers import parse_sse
+from tests.servers import eventually, parse_sse
 from ttft_sse.app import create_app
 from ttft_sse.settings import Settings
 
@@ -27,13 +26,6 @@ TTFT_COUNT = "ttft_sse_time_to_first_token_seconds_count"
 def client() -> Iterator[httpx.Client]:
     with httpx.Client(timeout=120) as c:
         yield c
-
-
-def wait_for(condition: Callable[[], bool], timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition did not hold in time"
-        time.sleep(0.02)
 
 
 def outcomes_moved(after: Scrape, before: Scrape) -> dict[tuple[str, str], float]:
@@ -89,8 +81,8 @@ def test_a_stream_the_client_leaves_counts_cancelled_and_frees_its_slot(
     with client.stream("GET", f"{hf_server}/stream", params=params) as response:
         first = next(parse_sse(response.iter_lines()))
         assert first.event == "token"
-    wait_for(lambda: outcomes_moved(scrape(client, hf_server), before) != {})
-    wait_for(lambda: engine.active == 0)  # the generation thread ended with the request
+    eventually(lambda: outcomes_moved(scrape(client, hf_server), before) != {}, timeout=60)
+    eventually(lambda: engine.active == 0, timeout=60)  # the generation thread ended with the request
     after = scrape(client, hf_server)
     assert outcomes_moved(after, before) == {("stream", "cancelled"): 1}
     assert after.delta(before, TTFT_COUNT, endpoint="stream") == 1  # its first token did reach the client
@@ -154,7 +146,7 @@ def test_tokenizer_and_model_are_loaded_once_per_process(monkeypatch: pytest.Mon
         counting("model", transformers.AutoModelForCausalLM.from_pretrained),
     )
     with TestClient(create_app(settings)) as c:
-        wait_for(lambda: c.get("/readyz").status_code == 200, timeout=120)
+        eventually(lambda: c.get("/readyz").status_code == 200, timeout=120)
         for prompt in ("One", "Two", "Three"):
             assert c.post("/stream", json={"prompt": prompt, "max_tokens": 2}).status_code == 200
             assert c.post("/complete", json={"prompt": prompt, "max_tokens": 2}).status_code == 200
