@@ -2,6 +2,7 @@
 
     python benchmarks/engine_speed.py                       # fp32 single vs batched, 3 rounds
     python benchmarks/engine_speed.py --engines single:bfloat16,batched:bfloat16
+    python benchmarks/engine_speed.py --engines single:float32:rowmajor,single:float32   # a before/after
 
 Engine level (no HTTP): what the engines themselves do with the same prompts. Every scenario runs once per engine
 per round, round after round, so that a change in the machine's load hits every engine alike; compare the ratios,
@@ -13,7 +14,9 @@ and read the load average printed with them. Prints:
   client (all 8 at the same instant: a burst) is reported apart from the rest (steady state);
 * prefix reuse at c=1: TTFT of prompts sharing a long system prompt already seen (reuse) against the same prompts
   behind a system prompt seen for the first time (miss), and the 37-token chat prompt sent again;
-* whether every greedy text is the same as the single-request engine's for the same prompt, in the same dtype.
+* whether every greedy text is the same as the single-request engine's (``single:<dtype>``) for the same prompt.
+
+``:rowmajor`` after an fp32 spec stores the linear weights row-major again, as before the engine transposed them.
 """
 
 from __future__ import annotations
@@ -135,7 +138,7 @@ def pct(values: Sequence[float], q: float) -> float:
 
 
 def load(spec: str, args: argparse.Namespace) -> Engine:
-    kind, _, dtype = spec.partition(":")
+    kind, dtype, variant = (spec.split(":") + ["", ""])[:3]
     settings = Settings(
         engine=kind,
         dtype=dtype or "float32",
@@ -143,8 +146,17 @@ def load(spec: str, args: argparse.Namespace) -> Engine:
         max_concurrency=args.concurrency,
         log_level="warning",
     )
-    engine: Engine = BatchedEngine(settings) if kind == "batched" else HFEngine(settings)
+    engine: BatchedEngine | HFEngine = BatchedEngine(settings) if kind == "batched" else HFEngine(settings)
     engine.load(StageClock())
+    if variant == "rowmajor":
+        # The layout before the engine stored fp32 linear weights transposed (engine/hf.py): for the before/after.
+        import torch
+
+        for module in engine.model.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.data = module.weight.data.contiguous()
+    elif variant:
+        raise SystemExit(f"unknown variant {variant!r} in {spec!r} (known: rowmajor)")
     return engine
 
 
@@ -183,9 +195,9 @@ async def bench(args: argparse.Namespace) -> None:
         print(f"round {round_ + 1}/{args.rounds} done; load average {os.getloadavg()[0]:.2f}", flush=True)
     # Greedy check: every batched text against the single engine's for the same prompt, in the same dtype.
     for spec, result in results.items():
-        kind, _, dtype = spec.partition(":")
+        dtype = (spec.split(":") + [""])[1]
         reference = results.get(f"single:{dtype}")
-        if kind != "batched" or reference is None:
+        if reference is None or reference is result:
             continue
         for ask, text in result.texts.items():
             result.checked += 1
@@ -239,7 +251,7 @@ def report(results: dict[str, Result], args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--engines", default="single:float32,batched:float32", help="kind:dtype, comma-separated")
+    parser.add_argument("--engines", default="single:float32,batched:float32", help="kind:dtype[:rowmajor], comma-separated")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=32, help="mean max_tokens of the requests")
     parser.add_argument("--concurrency", type=int, default=8)

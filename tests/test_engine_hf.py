@@ -43,6 +43,20 @@ def test_model_info(engine: HFEngine) -> None:
     assert info.context_length == 8192
 
 
+def test_linear_weights_are_stored_transposed_for_small_batch_gemms(engine: HFEngine) -> None:
+    import torch
+
+    model = engine.model
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert len(linears) == 30 * 7 + 1  # q, k, v, o, gate, up, down per layer, and the LM head
+    for linear in linears:
+        out_features, in_features = linear.weight.shape
+        assert (out_features, in_features) == (linear.out_features, linear.in_features)
+        assert linear.weight.stride() == (1, out_features)  # column-major: weight.T is contiguous
+    # The LM head is still tied to the embedding, which reads the same (transposed) storage.
+    assert model.lm_head.weight is model.get_input_embeddings().weight
+
+
 def test_prompt_goes_through_the_chat_template_unless_raw(engine: HFEngine) -> None:
     chat = engine.prepare(prompt=QUESTION, messages=None, raw=False)
     assert chat.text.endswith(f"<|im_start|>user\n{QUESTION}<|im_end|>\n<|im_start|>assistant\n")

@@ -95,6 +95,8 @@ class HFEngine:
                 if "device_map" not in kwargs:
                     model = model.to(device)
                 model.eval()
+                if device == "cpu" and dtype == torch.float32:
+                    _transpose_linear_weights(model, torch)
         except OSError as exc:
             raise StartupError(f"cannot load model {settings.model!r}: {exc}") from exc
         self._model = model
@@ -310,6 +312,23 @@ class _PieceStreamer:
         if text:
             self._emit(Piece(index=self._index, text=text))
             self._index += 1
+
+
+def _transpose_linear_weights(model: Any, torch: Any) -> None:
+    """Store every linear layer's weight transposed in memory (same values, same shape, column-major strides).
+
+    ``Linear`` computes ``x @ weight.T``; with the weight row-major, torch hands the CPU GEMM a transposed operand,
+    and for a few rows (a decode step: one row per stream) that path is slow. Measured on this machine (fp32, one
+    thread, µs per call, row-major → column-major): 576x1536 with 8 rows 456 → 225, 1536x576 431 → 202, the
+    49152-token LM head 26 899 → 20 683; with one row 179 → 181. Whole model: 8 streams decode 15-20 % faster,
+    one stream as fast. bf16 goes through other kernels, which are slower this way (LM head, 8 rows: 4.4 → 5.8 ms),
+    so this is for fp32 on CPU only. A tied LM head and embedding share one parameter: both see the new layout.
+    """
+    seen: set[int] = set()
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear) and id(module.weight) not in seen:
+            seen.add(id(module.weight))
+            module.weight.data = module.weight.data.t().contiguous().t()
 
 
 def _cancel_criterion(torch: Any, cancelled: Any) -> Any:
