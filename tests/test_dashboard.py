@@ -1,7 +1,8 @@
 """The Grafana dashboard and the alert rules query only metrics the server really exports.
 
 Names are checked against a real ``/metrics`` scrape (after requests, so that labelled series exist), plus the
-CUDA series that only a GPU engine exports (``metrics.CUDA_METRICS``).
+CUDA series that only a GPU engine exports (``metrics.CUDA_METRICS``) and the prefix and KV cache series that only
+the batched engine exports (``metrics.BATCH_METRICS``; tests/test_metrics.py checks that it does).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from tests.scrape import scrape
 from tests.test_alerts import ALERTS, run_promtool
 from ttft_sse.app import create_app
 from ttft_sse.engine.fake import FakeEngine
-from ttft_sse.metrics import CUDA_METRICS
+from ttft_sse.metrics import BATCH_METRICS, CUDA_METRICS
 from ttft_sse.settings import Settings
 
 DASHBOARD = Path(__file__).resolve().parent.parent / "deploy" / "grafana" / "ttft-sse.json"
@@ -81,10 +82,10 @@ def exported() -> set[str]:
         client.post("/complete", json={"prompt": "hi"})
         client.post("/complete", json={"prompt": "hi", "max_tokens": 1})
         client.post("/complete", json={"prompt": "hi", "bogus": 1})
-        return scrape(client).names() | set(CUDA_METRICS)
+        return scrape(client).names() | set(CUDA_METRICS) | set(BATCH_METRICS)
 
 
-def test_the_dashboard_parses_and_shows_ttft_throughput_queue_and_memory() -> None:
+def test_the_dashboard_parses_and_shows_ttft_throughput_queue_caches_and_memory() -> None:
     data = dashboard()
     assert data["uid"] == "ttft-sse"
     titles = [panel["title"] for panel in panels(data)]
@@ -99,6 +100,8 @@ def test_the_dashboard_parses_and_shows_ttft_throughput_queue_and_memory() -> No
         "ttft_sse_queue_wait_seconds_bucket",
         "process_resident_memory_bytes",  # memory
         "ttft_sse_cuda_memory_reserved_bytes",
+        "ttft_sse_prefix_cache_hits_tokens_total",  # batched engine
+        "ttft_sse_kv_cache_usage_ratio",
     ):
         assert needed in used, needed
 

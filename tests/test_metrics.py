@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -20,9 +21,10 @@ from tests.scrape import Scrape, parse, scrape
 from tests.servers import StreamReader, parse_sse, running, serving
 from ttft_sse.app import create_app
 from ttft_sse.engine.base import Prompt
+from ttft_sse.engine.batched import BatchedEngine, BatchStats
 from ttft_sse.engine.fake import FakeEngine
 from ttft_sse.lifespan import Runtime
-from ttft_sse.metrics import CUDA_METRICS, LATENCY_BUCKETS, GpuProbe, Metrics, outcome_of
+from ttft_sse.metrics import BATCH_METRICS, CUDA_METRICS, LATENCY_BUCKETS, GpuProbe, Metrics, outcome_of
 from ttft_sse.settings import Settings
 
 REQUESTS = "ttft_sse_requests_total"
@@ -96,8 +98,9 @@ def test_exposition_has_every_family_with_units_and_buckets_from_10ms_to_30s() -
         edges = {float(dict(labels)["le"]) for labels in got.matching(f"{name}_bucket")}
         assert {0.01, 0.5, 1.0, 30.0} <= edges, name
         assert edges == {*LATENCY_BUCKETS, float("inf")}
-    # No CUDA here: the GPU series are absent, not zero.
+    # No CUDA here: the GPU series are absent, not zero; nor does the fake engine batch.
     assert not any(name.startswith(CUDA_METRICS) for name in got.names())
+    assert not got.names() & set(BATCH_METRICS)
 
 
 def test_openmetrics_when_the_scraper_asks_for_it() -> None:
@@ -354,6 +357,101 @@ def test_two_apps_in_one_process_keep_separate_registries() -> None:
     a.state.runtime.metrics.observe_refused("complete", ValueError())
     assert parse(a.state.runtime.metrics.render()[0].decode()).value(REQUESTS, endpoint="complete", outcome="error")
     assert parse(b.state.runtime.metrics.render()[0].decode()).matching(REQUESTS) == {}
+
+
+# -- the batched engine's prefix cache and KV cache (a fake engine with stats(); the real one: test_metrics_live) ---
+
+
+class StatsEngine(FakeEngine):
+    """A FakeEngine that reports batching stats, as ``BatchedEngine`` does: set ``now`` to change them."""
+
+    def __init__(self, now: BatchStats | Exception) -> None:
+        super().__init__()
+        self.now = now
+
+    def stats(self) -> BatchStats:
+        if isinstance(self.now, Exception):
+            raise self.now
+        return self.now
+
+
+STATS = BatchStats(
+    running=True,
+    requests=3,
+    streams=3,
+    steps=120,
+    prompt_tokens=400,
+    prefix_hits=5,
+    prefix_hit_tokens=180,
+    kv_tokens_in_use=2048,
+    kv_tokens_cached=512,
+    kv_tokens_capacity=8192,
+)
+
+
+def rendered(engine: Any) -> Scrape:
+    """One scrape of an app around ``engine``, without starting it (the collector reads the engine as it is)."""
+    return parse(create_app(Settings(), engine).state.runtime.metrics.render()[0].decode())
+
+
+def test_batching_stats_are_exported_as_the_engine_reports_them() -> None:
+    engine = StatsEngine(STATS)
+    app = create_app(Settings(), engine)
+    got = parse(app.state.runtime.metrics.render()[0].decode())
+    assert set(BATCH_METRICS) <= got.names()  # the list the dashboard test trusts is the one exported
+    assert {
+        name: got.families[name]
+        for name in got.families
+        if name.startswith(("ttft_sse_prefix", "ttft_sse_kv", "ttft_sse_batch"))
+    } == {
+        "ttft_sse_prefix_cache_queries_tokens": "counter",
+        "ttft_sse_prefix_cache_hits_tokens": "counter",
+        "ttft_sse_batch_steps": "counter",
+        "ttft_sse_kv_cache_usage_ratio": "gauge",
+        "ttft_sse_kv_cache_tokens": "gauge",
+        "ttft_sse_kv_cache_capacity_tokens": "gauge",
+    }
+    assert got.value("ttft_sse_prefix_cache_queries_tokens_total") == 400
+    assert got.value("ttft_sse_prefix_cache_hits_tokens_total") == 180
+    assert got.value("ttft_sse_batch_steps_total") == 120
+    assert got.value("ttft_sse_kv_cache_usage_ratio") == 0.25  # 2048 of 8192 in use; cached blocks count as free
+    assert got.matching("ttft_sse_kv_cache_tokens") == {
+        frozenset({("state", "in_use")}): 2048,
+        frozenset({("state", "cached")}): 512,
+    }
+    assert got.value("ttft_sse_kv_cache_capacity_tokens") == 8192
+
+    # Read on each scrape: nothing has to keep them up to date.
+    engine.now = replace(STATS, steps=121, prompt_tokens=437, prefix_hit_tokens=216, kv_tokens_in_use=0)
+    later = parse(app.state.runtime.metrics.render()[0].decode())
+    assert later.delta(got, "ttft_sse_prefix_cache_queries_tokens_total") == 37
+    assert later.delta(got, "ttft_sse_prefix_cache_hits_tokens_total") == 36
+    assert later.delta(got, "ttft_sse_batch_steps_total") == 1
+    assert later.value("ttft_sse_kv_cache_usage_ratio") == 0.0  # loaded and idle: a real zero
+    assert later.has("ttft_sse_kv_cache_usage_ratio")
+
+
+def test_openmetrics_exposition_of_the_batching_counters() -> None:
+    app = create_app(Settings(), StatsEngine(STATS))
+    text = app.state.runtime.metrics.render("application/openmetrics-text; version=1.0.0")[0].decode()
+    assert "# TYPE ttft_sse_prefix_cache_hits_tokens counter\n" in text
+    assert "\nttft_sse_prefix_cache_hits_tokens_total 180.0\n" in text
+
+
+def test_batching_series_are_absent_before_the_batched_engine_is_loaded() -> None:
+    """A real BatchedEngine, never loaded: it has no cache yet (capacity 0), so there is nothing to report."""
+    unloaded = BatchedEngine(Settings())
+    assert unloaded.stats().kv_tokens_capacity == 0
+    got = rendered(unloaded)
+    assert not got.names() & set(BATCH_METRICS)
+    assert got.has("ttft_sse_num_requests_running")  # the rest of the scrape is there
+    assert not rendered(StatsEngine(replace(STATS, kv_tokens_capacity=0))).names() & set(BATCH_METRICS)
+
+
+def test_batching_series_are_left_out_when_stats_fail_and_the_scrape_still_answers() -> None:
+    got = rendered(StatsEngine(RuntimeError("the library changed its internals")))
+    assert not got.names() & set(BATCH_METRICS)
+    assert got.has("ttft_sse_num_requests_running") and got.value("process_resident_memory_bytes") > 0
 
 
 # -- the GPU probe (fakes: there is no CUDA here) -------------------------------------------------------------------

@@ -11,7 +11,8 @@ Who records what (no other module touches a metric object)::
                        tokens, outcome
     errors' handlers   a request refused by its route before it reached Generations (a bad body, say)
     each scrape        running and waiting requests (the gate), start-up stages (the stage clock), process
-                       memory, CUDA memory and GPU utilisation
+                       memory, CUDA memory and GPU utilisation, the batched engine's prefix cache and KV cache
+                       (its ``stats()``)
 
 Every generating request is counted once in ``ttft_sse_requests_total{endpoint, outcome}``. Outcomes:
 
@@ -32,7 +33,7 @@ import importlib
 import sys
 import threading
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 import structlog
 from prometheus_client import (
@@ -44,12 +45,13 @@ from prometheus_client import (
     ProcessCollector,
 )
 from prometheus_client.exposition import choose_encoder
-from prometheus_client.metrics_core import GaugeMetricFamily, Metric
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from ttft_sse.engine.base import Finished
 from ttft_sse.errors import ClientError, Overloaded, ShuttingDown, Unavailable
 
 if TYPE_CHECKING:
+    from ttft_sse.engine.batched import BatchStats
     from ttft_sse.lifespan import Runtime
 
 log = structlog.get_logger("ttft_sse.metrics")
@@ -72,6 +74,15 @@ CUDA_METRICS = (
     "ttft_sse_cuda_memory_allocated_bytes",
     "ttft_sse_cuda_memory_reserved_bytes",
     "ttft_sse_gpu_utilization_ratio",
+)
+# Exported only by an engine with batching stats (the batched one), once loaded; sample names, as for CUDA_METRICS.
+BATCH_METRICS = (
+    "ttft_sse_prefix_cache_queries_tokens_total",
+    "ttft_sse_prefix_cache_hits_tokens_total",
+    "ttft_sse_batch_steps_total",
+    "ttft_sse_kv_cache_usage_ratio",
+    "ttft_sse_kv_cache_tokens",
+    "ttft_sse_kv_cache_capacity_tokens",
 )
 
 _COUNTED = "_ttft_sse_counted"
@@ -259,7 +270,8 @@ class RequestMetrics:
 
 
 class _RuntimeCollector:
-    """Gauges read from the runtime on each scrape: nothing has to keep them up to date."""
+    """Series read from the runtime on each scrape (the gate, the stage clock, the engine, the GPU): nothing has to
+    keep them up to date."""
 
     def __init__(self, runtime: Runtime, gpu: GpuProbe) -> None:
         self._runtime = runtime
@@ -281,7 +293,71 @@ class _RuntimeCollector:
         for stage, seconds in runtime.clock.seconds().items():
             stages.add_metric([stage], seconds)
         yield stages
+        yield from _batch_metrics(runtime.engine)
         yield from self._gpu.collect()
+
+
+@runtime_checkable
+class Batching(Protocol):
+    """An engine that batches requests and can say how (``BatchedEngine``). Optional: an engine without ``stats``
+    exports no batching metrics."""
+
+    def stats(self) -> BatchStats: ...
+
+
+def _batch_metrics(engine: object) -> Iterator[Metric]:
+    """The batched engine's prefix cache and KV cache, from its ``stats()`` (counters it keeps itself).
+
+    Absent, not zero, for an engine that does not batch, and before the batched one has created its cache (a
+    capacity of 0: not loaded yet), so that a hit ratio or a usage never reads as a real 0. The counters include
+    the start-up warm-up, which the per-request metrics leave out.
+    """
+    if not isinstance(engine, Batching):
+        return
+    try:
+        stats = engine.stats()
+    except Exception as exc:  # reading the library's state failed: leave these out, keep the rest of the scrape
+        log.warning("batch_stats_unreadable", error=str(exc), error_type=type(exc).__name__)
+        return
+    capacity = stats.kv_tokens_capacity
+    if capacity <= 0:
+        return
+    yield CounterMetricFamily(
+        "ttft_sse_prefix_cache_queries_tokens",
+        "Prompt tokens the batched engine scheduled, served from the prefix cache or computed "
+        "(the denominator of the prefix cache hit ratio).",
+        value=stats.prompt_tokens,
+    )
+    yield CounterMetricFamily(
+        "ttft_sse_prefix_cache_hits_tokens",
+        "Prompt tokens the batched engine served from the prefix cache (KV blocks of earlier prompts) "
+        "instead of computing them.",
+        value=stats.prefix_hit_tokens,
+    )
+    yield CounterMetricFamily(
+        "ttft_sse_batch_steps",
+        "Forward passes of the batching loop that produced tokens; one step serves every request in the batch.",
+        value=stats.steps,
+    )
+    yield GaugeMetricFamily(
+        "ttft_sse_kv_cache_usage_ratio",
+        "Fraction of the batched engine's KV cache held by running requests, 0-1 "
+        "(blocks kept only for prefix reuse count as free: they are evicted when the cache runs short).",
+        value=stats.kv_tokens_in_use / capacity,
+    )
+    tokens = GaugeMetricFamily(
+        "ttft_sse_kv_cache_tokens",
+        "Batched engine KV cache held, in tokens: in_use by running requests, cached only for prefix reuse.",
+        labels=["state"],
+    )
+    tokens.add_metric(["in_use"], stats.kv_tokens_in_use)
+    tokens.add_metric(["cached"], stats.kv_tokens_cached)
+    yield tokens
+    yield GaugeMetricFamily(
+        "ttft_sse_kv_cache_capacity_tokens",
+        "Size of the batched engine's KV cache in tokens (TTFT_KV_CACHE_TOKENS, rounded up to whole blocks).",
+        value=capacity,
+    )
 
 
 def _loaded_torch() -> Any:

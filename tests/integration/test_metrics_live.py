@@ -16,6 +16,8 @@ from starlette.testclient import TestClient
 from tests.scrape import Scrape, scrape
 from tests.servers import eventually, parse_sse
 from ttft_sse.app import create_app
+from ttft_sse.engine.batched import BLOCK_TOKENS, BatchedEngine
+from ttft_sse.metrics import BATCH_METRICS
 from ttft_sse.settings import Settings
 
 REQUESTS = "ttft_sse_requests_total"
@@ -110,6 +112,45 @@ def test_startup_stages_process_memory_and_idle_gauges(hf_server: str, hf_app: S
     assert got.has("ttft_sse_num_requests_waiting")
     assert not got.has("ttft_sse_cuda_memory_reserved_bytes", device="cuda:0")  # CPU here: absent, not zero
     assert not any(dict(labels).get("endpoint") == "warmup" for labels in got.matching(REQUESTS))
+
+
+def test_prefix_cache_and_kv_cache_metrics_are_the_batched_engine_s_own_counts(
+    hf_server: str, hf_app: Starlette, client: httpx.Client
+) -> None:
+    engine = hf_app.state.runtime.engine
+    assert isinstance(engine, BatchedEngine)  # the default engine
+    # The server is shared: let whatever an earlier test left running (a resumable stream, say) end first.
+    eventually(lambda: engine.active == 0, timeout=60)
+    body = {"prompt": "Which ocean is the largest? Answer in one word.", "max_tokens": 4, "temperature": 0}
+    first = client.post(f"{hf_server}/complete", json=body).json()
+    between = engine.stats()
+    second = client.post(f"{hf_server}/complete", json=body).json()
+    # The loop's thread frees a finished request's blocks, perhaps after its answer went out: wait for that (a
+    # condition, not a time); after it nothing moves until the next request.
+    eventually(lambda: engine.stats().kv_tokens_in_use == 0, timeout=60)
+    got = scrape(client, hf_server)
+    stats = engine.stats()
+
+    assert second["text"] == first["text"]
+    assert set(BATCH_METRICS) <= got.names()
+    # The exported series are the engine's own counts (the warm-up included).
+    assert got.value("ttft_sse_prefix_cache_queries_tokens_total") == stats.prompt_tokens
+    assert got.value("ttft_sse_prefix_cache_hits_tokens_total") == stats.prefix_hit_tokens > 0
+    assert got.value("ttft_sse_batch_steps_total") == stats.steps > 0
+    # The second prompt was scheduled in full and served from the first one's blocks: every whole block short of
+    # its last token.
+    n = second["usage"]["prompt_tokens"]
+    reused = (n - 1) // BLOCK_TOKENS * BLOCK_TOKENS
+    assert stats.prompt_tokens - between.prompt_tokens == n
+    assert stats.prefix_hit_tokens - between.prefix_hit_tokens == reused > 0
+    assert stats.steps - between.steps == second["usage"]["completion_tokens"]  # one token a step, alone
+    # Idle: nothing in use, the prompts' blocks kept for reuse.
+    capacity = hf_app.state.runtime.settings.kv_cache_tokens
+    assert got.value("ttft_sse_kv_cache_capacity_tokens") == stats.kv_tokens_capacity == capacity
+    assert got.has("ttft_sse_kv_cache_usage_ratio") and got.value("ttft_sse_kv_cache_usage_ratio") == 0
+    assert got.has("ttft_sse_kv_cache_tokens", state="in_use")
+    assert got.value("ttft_sse_kv_cache_tokens", state="in_use") == stats.kv_tokens_in_use == 0
+    assert got.value("ttft_sse_kv_cache_tokens", state="cached") == stats.kv_tokens_cached >= reused
 
 
 def test_model_and_tokenizer_stay_the_same_objects_across_requests(
