@@ -138,7 +138,7 @@ def pct(values: Sequence[float], q: float) -> float:
 
 
 def load(spec: str, args: argparse.Namespace) -> Engine:
-    kind, dtype, variant = (spec.split(":") + ["", ""])[:3]
+    kind, dtype, variant = [*spec.split(":"), "", ""][:3]
     settings = Settings(
         engine=kind,
         dtype=dtype or "float32",
@@ -193,9 +193,9 @@ async def bench(args: argparse.Namespace) -> None:
                 result.miss.append((await one(engine, prompt_of(engine, question, fresh), 2))[2])
                 result.chat.append((await one(engine, prompt_of(engine, CHAT), 2))[2])
         print(f"round {round_ + 1}/{args.rounds} done; load average {os.getloadavg()[0]:.2f}", flush=True)
-    # Greedy check: every batched text against the single engine's for the same prompt, in the same dtype.
+    # Greedy check: every engine's text against single:<dtype>'s for the same prompt.
     for spec, result in results.items():
-        dtype = (spec.split(":") + [""])[1]
+        dtype = [*spec.split(":"), ""][1]
         reference = results.get(f"single:{dtype}")
         if reference is None or reference is result:
             continue
@@ -251,7 +251,9 @@ def report(results: dict[str, Result], args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--engines", default="single:float32,batched:float32", help="kind:dtype[:rowmajor], comma-separated")
+    parser.add_argument(
+        "--engines", default="single:float32,batched:float32", help="kind:dtype[:rowmajor], comma-separated"
+    )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=32, help="mean max_tokens of the requests")
     parser.add_argument("--concurrency", type=int, default=8)

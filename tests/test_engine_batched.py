@@ -16,7 +16,7 @@ from structlog.testing import capture_logs
 
 from ttft_sse.engine.base import ChatMessage, Finished, Piece, Prompt, SamplingParams
 from ttft_sse.engine.batched import BLOCK_TOKENS, BatchedEngine
-from ttft_sse.engine.hf import HFEngine
+from ttft_sse.engine.hf import CacheJanitor, HFEngine
 from ttft_sse.errors import EngineError
 from ttft_sse.settings import Settings
 from ttft_sse.stages import StageClock
@@ -218,6 +218,29 @@ async def test_a_shared_prefix_is_reused_and_gives_the_same_text(engine: Batched
     assert after.prefix_hit_tokens - before.prefix_hit_tokens == common // BLOCK_TOKENS * BLOCK_TOKENS
     assert after.prompt_tokens - before.prompt_tokens == second.n_tokens
     assert after.kv_tokens_cached > 0
+
+
+async def test_batched_generations_count_towards_the_cuda_cache_janitor_and_it_empties_off_the_loop(
+    engine: BatchedEngine,
+) -> None:
+    calls: list[str] = []
+    saved = engine.janitor
+    engine._single._janitor = CacheJanitor(2, lambda: calls.append(threading.current_thread().name))  # as on CUDA
+    try:
+        await collect(engine.stream(prompt_of(engine, QUESTION), SamplingParams(4)))
+        assert (engine.janitor.generations, calls) == (1, [])
+        async with aclosing(engine.stream(prompt_of(engine, LONG), SamplingParams(64))) as items:
+            await anext(items)  # a client that leaves after its first piece counts too: the 2nd generation
+        assert engine.janitor.generations == 2
+        for _ in range(500):  # the cache is emptied in a worker thread: wait for it (a condition, not a speed)
+            if calls:
+                break
+            await asyncio.sleep(0.01)
+        assert len(calls) == 1 and calls[0] != threading.current_thread().name
+        assert engine.janitor.emptied == 1
+    finally:
+        engine._single._janitor = saved
+    await settle(engine)
 
 
 async def test_sampled_requests_run_on_the_single_engine_with_their_own_seed(

@@ -30,6 +30,7 @@ single engine samples with the request's own generator.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import time
 from collections import deque
@@ -42,7 +43,7 @@ import structlog
 
 from ttft_sse.bridge import Mailboxes, Resident
 from ttft_sse.engine.base import ChatMessage, Finished, ModelInfo, Piece, Prompt, SamplingParams, Usage
-from ttft_sse.engine.hf import HFEngine
+from ttft_sse.engine.hf import CacheJanitor, HFEngine
 from ttft_sse.engine.text import TokenText
 from ttft_sse.errors import EngineError
 from ttft_sse.settings import Settings
@@ -109,6 +110,11 @@ class BatchedEngine:
     @property
     def model(self) -> Any:
         return self._single.model
+
+    @property
+    def janitor(self) -> CacheJanitor:
+        """The single engine's: batched and unbatched generations count towards the same N."""
+        return self._single.janitor
 
     @property
     def tokenizer(self) -> Any:
@@ -246,6 +252,11 @@ class BatchedEngine:
             )
         finally:
             inbox.close()
+            if self.janitor.count():
+                # On CUDA, every N generations: empty the allocator's cache in a worker thread (it synchronises
+                # the device), as the single engine does in its generation thread.
+                emptying = asyncio.get_running_loop().run_in_executor(None, self.janitor.empty)
+                emptying.add_done_callback(_log_failure)
             if in_library:
                 # A stop sequence matched or the client left: the library frees the request's slot and blocks at
                 # its next step. Results of a step already in flight are dropped by the closed inbox.
@@ -308,6 +319,11 @@ class BatchedEngine:
 
     def _dead(self) -> BaseException:
         return EngineError("generation failed: the batching loop stopped")
+
+
+def _log_failure(future: asyncio.Future[None]) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        log.error("cuda_cache_empty_failed", error=repr(future.exception()))
 
 
 def _router(engine: BatchedEngine) -> Any:

@@ -54,6 +54,11 @@ class HFEngine:
     def active(self) -> int:
         return self._workers.active
 
+    @property
+    def janitor(self) -> CacheJanitor:
+        """Counts generations and empties the CUDA allocator's cache every N (a no-op counter off CUDA)."""
+        return self._janitor
+
     # The loaded parts, for an engine that builds on this one (the batched engine shares model and tokenizer).
     @property
     def model(self) -> Any:
@@ -259,16 +264,24 @@ class CacheJanitor:
 
     def generation_ended(self) -> bool:
         """Count one generation; empty the cache if it is the Nth. True when it emptied."""
+        due = self.count()
+        if due:
+            self.empty()
+        return due
+
+    def count(self) -> bool:
+        """Count one generation, without emptying; True when it is the Nth (the caller then calls :meth:`empty`,
+        off the event loop: it synchronises the device)."""
         with self._lock:
             self.generations += 1
-            count = self.generations
-            due = self.every > 0 and count % self.every == 0
-        if due:
-            self._empty()
-            with self._lock:
-                self.emptied += 1
-            log.info("cuda_cache_emptied", generations=count, every=self.every)
-        return due
+            return self.every > 0 and self.generations % self.every == 0
+
+    def empty(self) -> None:
+        self._empty()
+        with self._lock:
+            self.emptied += 1
+            generations = self.generations
+        log.info("cuda_cache_emptied", generations=generations, every=self.every)
 
 
 class _PieceStreamer:
