@@ -336,12 +336,21 @@ def _transpose_linear_weights(model: Any, torch: Any) -> None:
     49152-token LM head 26 899 → 20 683; with one row 179 → 181. Whole model: 8 streams decode 15-20 % faster,
     one stream as fast. bf16 goes through other kernels, which are slower this way (LM head, 8 rows: 4.4 → 5.8 ms),
     so this is for fp32 on CPU only. A tied LM head and embedding share one parameter: both see the new layout.
+
+    The other tensors are copied too. Loaded tensors are views of the checkpoint's memory map, and the map, every
+    page of it read by the copies above, stays resident while any view lives: measured resident memory after load
+    1 396 MiB with only the linear weights copied, 883 MiB with everything copied (row-major and untouched: 401 MiB,
+    ~900 MiB once requests have read every page).
     """
     seen: set[int] = set()
     for module in model.modules():
         if isinstance(module, torch.nn.Linear) and id(module.weight) not in seen:
             seen.add(id(module.weight))
             module.weight.data = module.weight.data.t().contiguous().t()
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            tensor.data = tensor.data.clone()
 
 
 def _cancel_criterion(torch: Any, cancelled: Any) -> Any:
