@@ -14,6 +14,7 @@ and read the load average printed with them. Prints:
   client (all 8 at the same instant: a burst) is reported apart from the rest (steady state);
 * prefix reuse at c=1: TTFT of prompts sharing a long system prompt already seen (reuse) against the same prompts
   behind a system prompt seen for the first time (miss), and the 37-token chat prompt sent again;
+* sampled requests (temperature 1, top_p 0.95, no seed: the OpenAI default) at c=8: tokens/s and TTFT;
 * whether every greedy text is the same as the single-request engine's (``single:<dtype>``) for the same prompt.
 
 ``:rowmajor`` after an fp32 spec stores the linear weights row-major again, as before the engine transposed them.
@@ -80,6 +81,7 @@ class Run:
 class Result:
     c1: Run = field(default_factory=Run)
     c8: Run = field(default_factory=Run)
+    sampled: Run = field(default_factory=Run)  # c=8, temperature 1, top_p 0.95, no seed (the OpenAI default)
     reuse: list[float] = field(default_factory=list)
     miss: list[float] = field(default_factory=list)
     chat: list[float] = field(default_factory=list)
@@ -95,13 +97,17 @@ def prompt_of(engine: Engine, question: str, system: str | None = None) -> Promp
     return engine.prepare(prompt=None, messages=messages, raw=False)
 
 
-async def one(engine: Engine, prompt: Prompt, max_tokens: int) -> tuple[str, int, float]:
-    """Text, completion tokens, seconds to the first piece."""
+SAMPLED = {"temperature": 1.0, "top_p": 0.95}
+
+
+async def one(engine: Engine, prompt: Prompt, max_tokens: int, sampled: bool = False) -> tuple[str, int, float]:
+    """Text, completion tokens, seconds to the first piece. Greedy unless ``sampled``."""
     started = time.perf_counter()
     first: float | None = None
     pieces: list[str] = []
     tokens = 0
-    async for item in engine.stream(prompt, SamplingParams(max_tokens=max_tokens)):
+    params = SamplingParams(max_tokens=max_tokens, **(SAMPLED if sampled else {}))  # type: ignore[arg-type]
+    async for item in engine.stream(prompt, params):
         if isinstance(item, Piece):
             first = first or time.perf_counter()
             pieces.append(item.text)
@@ -110,7 +116,9 @@ async def one(engine: Engine, prompt: Prompt, max_tokens: int) -> tuple[str, int
     return "".join(pieces), tokens, (first or time.perf_counter()) - started
 
 
-async def clients(engine: Engine, asks: Sequence[tuple[str, int]], c: int) -> tuple[Run, dict[str, str]]:
+async def clients(
+    engine: Engine, asks: Sequence[tuple[str, int]], c: int, sampled: bool = False
+) -> tuple[Run, dict[str, str]]:
     """``c`` clients share ``asks`` (question, max_tokens): each sends its next one when its last one has ended."""
     run = Run()
     texts: dict[str, str] = {}
@@ -120,7 +128,7 @@ async def clients(engine: Engine, asks: Sequence[tuple[str, int]], c: int) -> tu
         first = True
         while queue:
             ask, max_tokens = queue.pop(0)
-            text, tokens, ttft = await one(engine, prompt_of(engine, ask), max_tokens)
+            text, tokens, ttft = await one(engine, prompt_of(engine, ask), max_tokens, sampled)
             run.tokens += tokens
             (run.burst if first and c > 1 else run.ttft).append(ttft)
             texts[ask] = text
@@ -182,6 +190,9 @@ async def bench(args: argparse.Namespace) -> None:
                 got, texts = await clients(engine, asks, c)
                 run.add(got)
                 result.texts.update(texts)
+            # Sampled requests at c=8 (their texts are draws: not compared).
+            asks = [(f"Sampled {round_}.{i}: {QUESTIONS[i % len(QUESTIONS)]}", args.tokens) for i in range(16)]
+            result.sampled.add((await clients(engine, asks, args.concurrency, sampled=True))[0])
             # Prefix reuse, at c=1. The system prompt is seen once first; a miss puts a new marker in front of
             # the same system prompt, so nothing is shared. A single engine never reuses: both are misses there.
             # Two tokens each, not one: the library registers a prompt's blocks for reuse only if the request is
@@ -234,6 +245,12 @@ def report(results: dict[str, Result], args: argparse.Namespace) -> None:
             f"| {spec} | {rate1:.1f} | {ms(r.c1.ttft)} | {rate8:.1f} | {ms(r.c8.ttft)} | {ms(r.c8.burst)} "
             f"| {rate8 / rate1:.2f}x | {pct(r.c8.ttft, 0.99) / p50:.2f}x ({pct(r.c8.burst, 0.99) / p50:.2f}x) |"
         )
+    print()
+    print(f"| engine | sampled at c={c}: tok/s | TTFT p50 / p99 ms (steady) |")
+    print("|---|---|---|")
+    for spec, r in results.items():
+        rate, ttft = r.sampled.tokens / r.sampled.seconds, r.sampled.ttft
+        print(f"| {spec} | {rate:.1f} | {pct(ttft, 0.5) * 1000:.0f} / {pct(ttft, 0.99) * 1000:.0f} |")
     print()
     print("| engine | long system prompt: reuse / miss TTFT p50 ms | reuse/miss | chat prompt again: p50 ms |")
     print("|---|---|---|---|")

@@ -243,6 +243,25 @@ async def test_batched_generations_count_towards_the_cuda_cache_janitor_and_it_e
     await settle(engine)
 
 
+async def test_sampled_requests_without_a_seed_share_the_batch_with_greedy_ones(
+    engine: BatchedEngine, reference: HFEngine
+) -> None:
+    engine.batch_log.clear()
+    sampled = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9)
+    results = await asyncio.gather(
+        collect(engine.stream(prompt_of(engine, QUESTION), SamplingParams(8))),
+        collect(engine.stream(prompt_of(engine, "Write a poem about the sea."), sampled)),
+        collect(engine.stream(prompt_of(engine, "Write a poem about the sea."), sampled)),
+    )
+    (greedy, greedy_end), *draws = results
+    assert outcome(greedy, greedy_end) == ("The capital of France is Paris.", "stop", 8)  # still the argmax
+    for text, finished in draws:
+        assert text and finished.usage.completion_tokens <= 16
+    assert draws[0][0] != draws[1][0]  # two draws of 16 tokens from one prompt (equal: a chance below 1e-6)
+    # One running batch: the three requests' first tokens came from one step.
+    assert len(engine.batch_log[0]) == 3
+
+
 async def test_sampled_requests_run_on_the_single_engine_with_their_own_seed(
     engine: BatchedEngine, reference: HFEngine
 ) -> None:
