@@ -348,36 +348,41 @@ def _selection() -> Any:
         ContinuousBatchingLogitsProcessorList,
     )
 
-    class Temperature(ContinuousBatchingLogitsProcessor):  # type: ignore[misc]
-        supported_kwargs: ClassVar[dict[str, type]] = {"temperature": float}
+    class PerRequest(ContinuousBatchingLogitsProcessor):  # type: ignore[misc]
+        """One float per request (``key`` of ``add_request``'s keyword arguments), one row of the batch's args."""
+
+        key: ClassVar[str]
+        default: ClassVar[float]
+        supported_kwargs: ClassVar[dict[str, type]] = {}
         ignored_kwargs: ClassVar[tuple[str, ...]] = ()
 
         def fill_defaults(self, int32_tensor: Any) -> None:
-            int32_tensor.copy_(torch.zeros_like(int32_tensor, dtype=torch.float32).view(dtype=torch.int32))
+            default = torch.full_like(int32_tensor, self.default, dtype=torch.float32)
+            int32_tensor.copy_(default.view(dtype=torch.int32))
 
         def prepare_tensor_args(self, requests_with_new_token: list[Any]) -> Any:
-            values = [r.state.logit_processor_kwargs.get("temperature", 0.0) for r in requests_with_new_token]
+            values = [r.state.logit_processor_kwargs.get(self.key, self.default) for r in requests_with_new_token]
             return torch.tensor(values, dtype=torch.float32).view(dtype=torch.int32)
 
+        def values(self, scores: Any, tensor_arg: Any) -> Any:
+            return tensor_arg[: scores.size(0)].view(dtype=torch.float32)
+
+    class Temperature(PerRequest):
+        key, default = "temperature", 0.0
+        supported_kwargs: ClassVar[dict[str, type]] = {"temperature": float}
+
         def __call__(self, scores: Any, tensor_arg: Any) -> Any:
-            temperature = tensor_arg[: scores.size(0)].view(dtype=torch.float32).unsqueeze(-1)  # [B, 1]
+            temperature = self.values(scores, tensor_arg).unsqueeze(-1)  # [B, 1]
             greedy = temperature == 0
             best = torch.full_like(scores, float("-inf")).scatter_(-1, scores.argmax(dim=-1, keepdim=True), 0.0)
             return torch.where(greedy, best, scores / torch.where(greedy, 1.0, temperature))
 
-    class TopP(ContinuousBatchingLogitsProcessor):  # type: ignore[misc]
+    class TopP(PerRequest):
+        key, default = "top_p", 1.0
         supported_kwargs: ClassVar[dict[str, type]] = {"top_p": float}
-        ignored_kwargs: ClassVar[tuple[str, ...]] = ()
-
-        def fill_defaults(self, int32_tensor: Any) -> None:
-            int32_tensor.copy_(torch.ones_like(int32_tensor, dtype=torch.float32).view(dtype=torch.int32))
-
-        def prepare_tensor_args(self, requests_with_new_token: list[Any]) -> Any:
-            values = [r.state.logit_processor_kwargs.get("top_p", 1.0) for r in requests_with_new_token]
-            return torch.tensor(values, dtype=torch.float32).view(dtype=torch.int32)
 
         def __call__(self, scores: Any, tensor_arg: Any) -> Any:
-            top_p = tensor_arg[: scores.size(0)].view(dtype=torch.float32)
+            top_p = self.values(scores, tensor_arg)
             rows = (top_p < 1.0).nonzero().squeeze(-1)
             if rows.numel() == 0:
                 return scores
