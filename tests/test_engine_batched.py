@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
+from tests.servers import eventually
 from ttft_sse.engine.base import ChatMessage, Finished, Piece, Prompt, SamplingParams
 from ttft_sse.engine.batched import BLOCK_TOKENS, BatchedEngine
 from ttft_sse.engine.hf import CacheJanitor, HFEngine
@@ -232,10 +233,8 @@ async def test_batched_generations_count_towards_the_cuda_cache_janitor_and_it_e
         async with aclosing(engine.stream(prompt_of(engine, LONG), SamplingParams(64))) as items:
             await anext(items)  # a client that leaves after its first piece counts too: the 2nd generation
         assert engine.janitor.generations == 2
-        for _ in range(500):  # the cache is emptied in a worker thread: wait for it (a condition, not a speed)
-            if calls:
-                break
-            await asyncio.sleep(0.01)
+        # The cache is emptied in a worker thread: wait for it (a condition, not a speed), off the event loop.
+        await asyncio.to_thread(eventually, lambda: bool(calls), 5)
         assert len(calls) == 1 and calls[0] != threading.current_thread().name
         assert engine.janitor.emptied == 1
     finally:
