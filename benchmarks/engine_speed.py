@@ -2,7 +2,7 @@
 
     python benchmarks/engine_speed.py                       # fp32 single vs batched, 3 rounds
     python benchmarks/engine_speed.py --engines single:bfloat16,batched:bfloat16
-    python benchmarks/engine_speed.py --engines single:float32:rowmajor,single:float32   # a before/after
+    python benchmarks/engine_speed.py --engines batched:float32:plain,batched:float32      # a before/after
 
 Engine level (no HTTP): what the engines themselves do with the same prompts. Every scenario runs once per engine
 per round, round after round, so that a change in the machine's load hits every engine alike; compare the ratios,
@@ -17,7 +17,8 @@ and read the load average printed with them. Prints:
 * sampled requests (temperature 1, top_p 0.95, no seed: the OpenAI default) at c=8: tokens/s and TTFT;
 * whether every greedy text is the same as the single-request engine's (``single:<dtype>``) for the same prompt.
 
-``:rowmajor`` after an fp32 spec stores the linear weights row-major again, as before the engine transposed them.
+Variants of an fp32 spec, for before/after runs: ``:plain`` without the pre-packed weights (``packed_weights`` off:
+column-major weights only), ``:rowmajor`` without either (the weights as loaded, as before the engine arranged them).
 """
 
 from __future__ import annotations
@@ -145,9 +146,12 @@ def pct(values: Sequence[float], q: float) -> float:
 
 def load(spec: str, args: argparse.Namespace) -> Engine:
     kind, dtype, variant = [*spec.split(":"), "", ""][:3]
+    if variant not in ("", "plain", "rowmajor"):
+        raise SystemExit(f"unknown variant {variant!r} in {spec!r} (known: plain, rowmajor)")
     settings = Settings(
         engine=kind,
         dtype=dtype or "float32",
+        packed_weights=not variant,
         threads=args.threads,
         max_concurrency=args.concurrency,
         log_level="warning",
@@ -155,14 +159,12 @@ def load(spec: str, args: argparse.Namespace) -> Engine:
     engine: BatchedEngine | HFEngine = BatchedEngine(settings) if kind == "batched" else HFEngine(settings)
     engine.load(StageClock())
     if variant == "rowmajor":
-        # The layout before the engine stored fp32 linear weights transposed (engine/hf.py): for the before/after.
+        # The layout before the engine stored fp32 linear weights transposed (engine/weights.py).
         import torch
 
         for module in engine.model.modules():
             if isinstance(module, torch.nn.Linear):
                 module.weight.data = module.weight.data.contiguous()
-    elif variant:
-        raise SystemExit(f"unknown variant {variant!r} in {spec!r} (known: rowmajor)")
     return engine
 
 
@@ -267,7 +269,7 @@ def report(results: dict[str, Result], args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
-        "--engines", default="single:float32,batched:float32", help="kind:dtype[:rowmajor], comma-separated"
+        "--engines", default="single:float32,batched:float32", help="kind:dtype[:plain|:rowmajor], comma-separated"
     )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=32, help="mean max_tokens of the requests")

@@ -43,8 +43,10 @@ def test_model_info(engine: HFEngine) -> None:
     assert info.context_length == 8192
 
 
-def test_linear_weights_are_stored_transposed_for_small_batch_gemms(engine: HFEngine) -> None:
+def test_linear_weights_are_stored_transposed_and_packed_for_small_batch_gemms(engine: HFEngine) -> None:
     import torch
+
+    from ttft_sse.engine.weights import packed_linear_class
 
     model = engine.model
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
@@ -53,6 +55,7 @@ def test_linear_weights_are_stored_transposed_for_small_batch_gemms(engine: HFEn
         out_features, in_features = linear.weight.shape
         assert (out_features, in_features) == (linear.out_features, linear.in_features)
         assert linear.weight.stride() == (1, out_features)  # column-major: weight.T is contiguous
+        assert type(linear) is packed_linear_class() and linear.packed_weight.is_mkldnn  # and pre-packed
     # The LM head is still tied to the embedding, which reads the same (transposed) storage.
     assert model.lm_head.weight is model.get_input_embeddings().weight
 

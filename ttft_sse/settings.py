@@ -45,6 +45,8 @@ class Settings:
     engine: str = "batched"
     device: str = "auto"
     dtype: str = "auto"
+    # fp32 on CPU: keep a oneDNN pre-packed copy of every linear weight for 2-32 rows (engine/weights.py).
+    packed_weights: bool = True
     threads: int = 0
     cache_dir: Path = field(default_factory=_default_cache_dir)
     warmup: bool = True

@@ -11,7 +11,7 @@ from typing import Any
 import structlog
 
 from ttft_sse.bridge import Emit, Workers
-from ttft_sse.engine import models
+from ttft_sse.engine import models, weights
 from ttft_sse.engine.base import (
     ChatMessage,
     Finished,
@@ -101,7 +101,8 @@ class HFEngine:
                     model = model.to(device)
                 model.eval()
                 if device == "cpu" and dtype == torch.float32:
-                    _transpose_linear_weights(model, torch)
+                    layout = weights.arrange(model, torch, packed=settings.packed_weights)
+                    log.info("weights_arranged", layout=layout)
         except OSError as exc:
             raise StartupError(f"cannot load model {settings.model!r}: {exc}") from exc
         self._model = model
@@ -325,32 +326,6 @@ class _PieceStreamer:
         if text:
             self._emit(Piece(index=self._index, text=text))
             self._index += 1
-
-
-def _transpose_linear_weights(model: Any, torch: Any) -> None:
-    """Store every linear layer's weight transposed in memory (same values, same shape, column-major strides).
-
-    ``Linear`` computes ``x @ weight.T``; with the weight row-major, torch hands the CPU GEMM a transposed operand,
-    and for a few rows (a decode step: one row per stream) that path is slow. Measured on this machine (fp32, one
-    thread, µs per call, row-major → column-major): 576x1536 with 8 rows 456 → 225, 1536x576 431 → 202, the
-    49152-token LM head 26 899 → 20 683; with one row 179 → 181. Whole model: 8 streams decode 15-20 % faster,
-    one stream as fast. bf16 goes through other kernels, which are slower this way (LM head, 8 rows: 4.4 → 5.8 ms),
-    so this is for fp32 on CPU only. A tied LM head and embedding share one parameter: both see the new layout.
-
-    The other tensors are copied too. Loaded tensors are views of the checkpoint's memory map, and the map, every
-    page of it read by the copies above, stays resident while any view lives: measured resident memory after load
-    1 396 MiB with only the linear weights copied, 883 MiB with everything copied (row-major and untouched: 401 MiB,
-    ~900 MiB once requests have read every page).
-    """
-    seen: set[int] = set()
-    for module in model.modules():
-        if isinstance(module, torch.nn.Linear) and id(module.weight) not in seen:
-            seen.add(id(module.weight))
-            module.weight.data = module.weight.data.t().contiguous().t()
-    for tensor in [*model.parameters(), *model.buffers()]:
-        if id(tensor) not in seen:
-            seen.add(id(tensor))
-            tensor.data = tensor.data.clone()
 
 
 def _cancel_criterion(torch: Any, cancelled: Any) -> Any:
