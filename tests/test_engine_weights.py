@@ -81,7 +81,9 @@ def test_a_tied_weight_is_transposed_once_and_stays_shared() -> None:
 def without_packing(reorder: Any) -> Any:
     """A ``torch`` whose oneDNN reorder is ``reorder``; everything else is torch's."""
     mkldnn = SimpleNamespace(_reorder_linear_weight=reorder, _linear_pointwise=torch.ops.mkldnn._linear_pointwise)
-    return SimpleNamespace(ops=SimpleNamespace(mkldnn=mkldnn), nn=torch.nn, randn=torch.randn, allclose=torch.allclose)
+    return SimpleNamespace(
+        ops=SimpleNamespace(mkldnn=mkldnn), nn=torch.nn, linspace=torch.linspace, allclose=torch.allclose
+    )
 
 
 def test_a_torch_that_cannot_pack_leaves_the_plain_layers_and_says_why() -> None:

@@ -74,7 +74,7 @@ def _pack(linears: list[Any], torch: Any) -> str | None:
     try:
         copies = [torch.ops.mkldnn._reorder_linear_weight(m.weight.data.contiguous(), PACK_HINT) for m in linears]
         probe = linears[0]
-        rows = torch.randn(PACK_HINT, probe.in_features, dtype=probe.weight.dtype)
+        rows = torch.linspace(-1.0, 1.0, PACK_HINT * probe.in_features).reshape(PACK_HINT, probe.in_features)
         want = torch.nn.functional.linear(rows, probe.weight, probe.bias)
         got = _packed_linear(torch, rows, copies[0], probe.bias)
     except (RuntimeError, AttributeError, IndexError) as exc:
