@@ -110,3 +110,12 @@ def test_a_packed_gemm_that_disagrees_with_the_plain_one_is_not_used() -> None:
     assert type(arranged[0]) is torch.nn.Linear
     reason = "the packed GEMM disagrees with the plain one"
     assert logs == [{"event": "weights_not_packed", "log_level": "warning", "reason": reason}]
+
+
+def test_a_model_without_linear_layers_only_has_its_tensors_copied() -> None:
+    norm = torch.nn.Sequential(torch.nn.LayerNorm(4))
+    before = norm[0].weight.data_ptr()
+    with capture_logs() as logs:
+        assert weights.arrange(norm, torch, packed=True) == "column-major"
+    assert logs == []
+    assert norm[0].weight.data_ptr() != before

@@ -14,9 +14,9 @@ rows   column-major oneDNN pre-packed
 64     22.7         27.7
 ====== ============ ==================
 
-One row is bound by memory (the weights at ~13 GB/s), any layout will do but pre-packed; from two rows on the
-plain GEMM repacks the weight on every call, which costs more than the arithmetic of a few rows; from ~64 rows the
-packed kernel loses to the plain one. So the weight is kept twice: column-major (:func:`arrange`, for one row and
+One row is bound by memory (the weights at ~13 GB/s): the plain GEMM is best. From two rows on it repacks the
+weight on every call, which costs more than the arithmetic of a few rows; from ~40 rows on (measured at 24-56) the
+packed kernel loses to it again. So the weight is kept twice: column-major (:func:`arrange`, for one row and
 for long prefills) and, unless ``packed`` is off, pre-packed by oneDNN for 2-32 rows (a decode step of 2-32
 streams, a short prompt). The LM head gains the most (8 rows: 18.1 → 10.7 ms). The price is memory: the packed
 copies are as large as the weights (SmolLM2-135M: resident memory after load 1 404 MiB, 882 MiB without).
@@ -71,13 +71,15 @@ def arrange(model: Any, torch: Any, *, packed: bool) -> str:
 def _pack(linears: list[Any], torch: Any) -> str | None:
     """Give every linear layer a oneDNN pre-packed copy of its weight (:class:`PackedLinear`); ``None`` if this
     build of torch cannot, or its packed GEMM does not agree with the plain one (then nothing is changed)."""
+    if not linears:
+        return None
     try:
         copies = [torch.ops.mkldnn._reorder_linear_weight(m.weight.data.contiguous(), PACK_HINT) for m in linears]
         probe = linears[0]
         rows = torch.linspace(-1.0, 1.0, PACK_HINT * probe.in_features).reshape(PACK_HINT, probe.in_features)
         want = torch.nn.functional.linear(rows, probe.weight, probe.bias)
         got = _packed_linear(torch, rows, copies[0], probe.bias)
-    except (RuntimeError, AttributeError, IndexError) as exc:
+    except (RuntimeError, AttributeError) as exc:
         log.warning("weights_not_packed", reason=repr(exc))
         return None
     if not torch.allclose(got, want, rtol=1e-4, atol=1e-4):
