@@ -190,8 +190,12 @@ async def bench(args: argparse.Namespace) -> None:
                 got, texts = await clients(engine, asks, c)
                 run.add(got)
                 result.texts.update(texts)
-            # Sampled requests at c=8 (their texts are draws: not compared).
-            asks = [(f"Sampled {round_}.{i}: {QUESTIONS[i % len(QUESTIONS)]}", args.tokens) for i in range(16)]
+            # Sampled requests at c=8 (their texts are draws: not compared), lengths varying as above: with one
+            # length for all, the first eight would end together and the next eight arrive as a second burst.
+            asks = [
+                (f"Sampled {round_}.{i}: {QUESTIONS[i % len(QUESTIONS)]}", args.tokens * (4 + i % 8) // 8)
+                for i in range(16)
+            ]
             result.sampled.add((await clients(engine, asks, args.concurrency, sampled=True))[0])
             # Prefix reuse, at c=1. The system prompt is seen once first; a miss puts a new marker in front of
             # the same system prompt, so nothing is shared. A single engine never reuses: both are misses there.
