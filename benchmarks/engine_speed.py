@@ -18,7 +18,9 @@ and read the load average printed with them. Prints:
 * whether every greedy text is the same as the single-request engine's (``single:<dtype>``) for the same prompt.
 
 Variants of an fp32 spec, for before/after runs: ``:plain`` without the pre-packed weights (``packed_weights`` off:
-column-major weights only), ``:rowmajor`` without either (the weights as loaded, as before the engine arranged them).
+column-major weights only), ``:rowmajor`` without either (the weights as loaded, as before the engine arranged them),
+``:gqa`` with transformers' SDPA attending grouped KV heads in place (``TRANSFORMERS_SDPA_FORCE_GQA=1``, as the
+Docker image sets it; transformers reads it at every call, so it is set while that engine runs, removed otherwise).
 """
 
 from __future__ import annotations
@@ -146,12 +148,12 @@ def pct(values: Sequence[float], q: float) -> float:
 
 def load(spec: str, args: argparse.Namespace) -> Engine:
     kind, dtype, variant = [*spec.split(":"), "", ""][:3]
-    if variant not in ("", "plain", "rowmajor"):
-        raise SystemExit(f"unknown variant {variant!r} in {spec!r} (known: plain, rowmajor)")
+    if variant not in ("", "plain", "rowmajor", "gqa"):
+        raise SystemExit(f"unknown variant {variant!r} in {spec!r} (known: plain, rowmajor, gqa)")
     settings = Settings(
         engine=kind,
         dtype=dtype or "float32",
-        packed_weights=not variant,
+        packed_weights=variant not in ("plain", "rowmajor"),
         threads=args.threads,
         max_concurrency=args.concurrency,
         log_level="warning",
@@ -168,15 +170,25 @@ def load(spec: str, args: argparse.Namespace) -> Engine:
     return engine
 
 
+def attention_for(spec: str) -> None:
+    """Set or remove ``TRANSFORMERS_SDPA_FORCE_GQA`` for the engine about to run (the ``:gqa`` variant)."""
+    if spec.endswith(":gqa"):
+        os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] = "1"
+    else:
+        os.environ.pop("TRANSFORMERS_SDPA_FORCE_GQA", None)
+
+
 async def bench(args: argparse.Namespace) -> None:
     specs = args.engines.split(",")
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}  (cpus: {os.cpu_count()})")
     engines = {spec: load(spec, args) for spec in specs}
     results = {spec: Result() for spec in specs}
-    for engine in engines.values():  # warm every path once (first calls allocate and compile kernels)
+    for spec, engine in engines.items():  # warm every path once (first calls allocate and compile kernels)
+        attention_for(spec)
         await clients(engine, [(q, 4) for q in QUESTIONS[:4]], 2)
     for round_ in range(args.rounds):
         for spec, engine in engines.items():
+            attention_for(spec)
             result = results[spec]
             for c, run, count in ((1, result.c1, len(QUESTIONS)), (args.concurrency, result.c8, 3 * args.concurrency)):
                 # A new conversation each time: only the chat template's default system prompt is shared (as it
@@ -273,7 +285,7 @@ def report(results: dict[str, Result], args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
-        "--engines", default="single:float32,batched:float32", help="kind:dtype[:plain|:rowmajor], comma-separated"
+        "--engines", default="single:float32,batched:float32", help="kind:dtype[:plain|:rowmajor|:gqa], comma-separated"
     )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=32, help="mean max_tokens of the requests")

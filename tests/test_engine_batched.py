@@ -77,9 +77,25 @@ async def settle(engine: BatchedEngine) -> None:
     await collect(engine.stream(prompt_of(engine, "Hi"), SamplingParams(max_tokens=1)))
 
 
+@pytest.mark.parametrize("sdpa_gqa", [False, True], ids=["default", "sdpa-gqa"])
 async def test_concurrent_greedy_requests_give_the_single_engines_text(
-    engine: BatchedEngine, reference: HFEngine
+    engine: BatchedEngine, reference: HFEngine, sdpa_gqa: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # sdpa-gqa: as in the Docker image, transformers' SDPA attends grouped KV heads in place (it reads the variable
+    # at every call, so the batching loop's thread sees it); the reference runs without it.
+    from transformers.integrations import sdpa_attention
+
+    if sdpa_gqa:
+        monkeypatch.setenv("TRANSFORMERS_SDPA_FORCE_GQA", "1")
+    decided: set[bool] = set()
+    real = sdpa_attention.use_gqa_in_sdpa
+
+    def spy(*args: Any, **kwargs: Any) -> bool:
+        gqa: bool = real(*args, **kwargs)
+        decided.add(gqa)
+        return gqa
+
+    monkeypatch.setattr(sdpa_attention, "use_gqa_in_sdpa", spy)
     asks = [
         (QUESTION, 32),
         ("Name three colors.", 24),
@@ -91,6 +107,9 @@ async def test_concurrent_greedy_requests_give_the_single_engines_text(
     got = await asyncio.gather(
         *(collect(engine.stream(prompt_of(engine, q), SamplingParams(max_tokens=n))) for q, n in asks)
     )
+    monkeypatch.delenv("TRANSFORMERS_SDPA_FORCE_GQA", raising=False)
+    monkeypatch.setattr(sdpa_attention, "use_gqa_in_sdpa", real)
+    assert decided == {sdpa_gqa}  # every attention call of the batch went the way asked
     for (question, max_tokens), (text, finished) in zip(asks, got, strict=True):
         want_text, want = await collect(reference.stream(prompt_of(reference, question), SamplingParams(max_tokens)))
         assert outcome(text, finished) == outcome(want_text, want), question
