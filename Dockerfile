@@ -19,7 +19,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     # On CUDA: let the caching allocator grow segments instead of fragmenting over many differently sized requests.
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
     # This image's torch is the CPU build: let transformers' SDPA attend grouped KV heads in place (no copy per query
-    # head). Batched decode at 8 streams +5.6 %, the same greedy text (docs/benchmarks.md). Not for a CUDA image:
+    # head). Batched decode at 8 streams +6-12 %, the same greedy text (docs/benchmarks.md). Not for a CUDA image:
     # there, SDPA with a mask and grouped heads falls back to its slowest kernel.
     TRANSFORMERS_SDPA_FORCE_GQA=1
 

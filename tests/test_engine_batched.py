@@ -87,6 +87,8 @@ async def test_concurrent_greedy_requests_give_the_single_engines_text(
 
     if sdpa_gqa:
         monkeypatch.setenv("TRANSFORMERS_SDPA_FORCE_GQA", "1")
+    else:
+        monkeypatch.delenv("TRANSFORMERS_SDPA_FORCE_GQA", raising=False)
     decided: set[bool] = set()
     real = sdpa_attention.use_gqa_in_sdpa
 
