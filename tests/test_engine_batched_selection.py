@@ -12,24 +12,25 @@ torch = pytest.importorskip("torch")
 INF = float("inf")
 
 
+def run(selection: Any, scores: list[list[float]], rows: list[list[float]]) -> Any:
+    """Run ``selection`` as the library's model runner does: one row of per-request values per processor."""
+    args = torch.stack([torch.tensor(row, dtype=torch.float32).view(dtype=torch.int32) for row in rows])
+    return selection(torch.zeros(len(scores), dtype=torch.long), torch.tensor(scores), args)
+
+
 def select(scores: list[list[float]], temperature: list[float], top_p: list[float]) -> Any:
-    """Run the selection as the library's model runner does: one row of per-request values per processor
-    (temperature, top-p, and the temperature again for the draw)."""
+    """The whole selection: temperature, top-p, and the temperature again for the draw."""
     selection = _selection()
     rows = [temperature, top_p, temperature]
     assert selection.tensors_required == len(rows)
-    args = torch.stack([torch.tensor(row, dtype=torch.float32).view(dtype=torch.int32) for row in rows])
-    logits = torch.tensor(scores)
-    return selection(torch.zeros(len(scores), dtype=torch.long), logits, args)
+    return run(selection, scores, rows)
 
 
 def scaled_and_cut(scores: list[list[float]], temperature: list[float], top_p: list[float]) -> Any:
     """The selection's first two processors alone: what the draw samples from."""
     selection = _selection()
     selection.logits_processor = selection.logits_processor[:2]
-    rows = [temperature, top_p]
-    args = torch.stack([torch.tensor(row, dtype=torch.float32).view(dtype=torch.int32) for row in rows])
-    return selection(torch.zeros(len(scores), dtype=torch.long), torch.tensor(scores), args)
+    return run(selection, scores, [temperature, top_p])
 
 
 def test_a_greedy_row_is_left_to_the_argmax_which_picks_the_first_of_a_tie() -> None:

@@ -409,9 +409,10 @@ def _selection() -> Any:
             rows = (self.values(scores, tensor_arg) > 0).nonzero().squeeze(-1)
             if rows.numel() == 0:
                 return scores
-            choice = torch.multinomial(torch.softmax(scores[rows], dim=-1), num_samples=1)
+            picked = scores[rows]
+            choice = torch.multinomial(torch.softmax(picked, dim=-1), num_samples=1)
             scores = scores.clone()
-            scores[rows] = torch.full_like(scores[rows], float("-inf")).scatter_(-1, choice, 0.0)
+            scores[rows] = torch.full_like(picked, float("-inf")).scatter_(-1, choice, 0.0)
             return scores
 
     processors = [Temperature(), TopP(), Draw()]
