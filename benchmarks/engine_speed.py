@@ -20,7 +20,9 @@ and read the load average printed with them. Prints:
 Variants of an fp32 spec, for before/after runs: ``:plain`` without the pre-packed weights (``packed_weights`` off:
 column-major weights only), ``:rowmajor`` without either (the weights as loaded, as before the engine arranged them),
 ``:gqa`` with transformers' SDPA attending grouped KV heads in place (``TRANSFORMERS_SDPA_FORCE_GQA=1``, as the
-Docker image sets it; transformers reads it at every call, so it is set while that engine runs, removed otherwise).
+Docker image sets it; transformers reads it at every call, so it is set while that engine runs, removed otherwise),
+``:int4`` with the GGUF's Q4 layers on torch's int4 kernel (``TTFT_INT4_WEIGHTS``; its greedy text is checked
+against ``single:<dtype>:int4``'s, since its answers are not the fp32 ones).
 """
 
 from __future__ import annotations
@@ -148,12 +150,13 @@ def pct(values: Sequence[float], q: float) -> float:
 
 def load(spec: str, args: argparse.Namespace) -> Engine:
     kind, dtype, variant = [*spec.split(":"), "", ""][:3]
-    if variant not in ("", "plain", "rowmajor", "gqa"):
-        raise SystemExit(f"unknown variant {variant!r} in {spec!r} (known: plain, rowmajor, gqa)")
+    if variant not in ("", "plain", "rowmajor", "gqa", "int4"):
+        raise SystemExit(f"unknown variant {variant!r} in {spec!r} (known: plain, rowmajor, gqa, int4)")
     settings = Settings(
         engine=kind,
         dtype=dtype or "float32",
         packed_weights=variant not in ("plain", "rowmajor"),
+        int4_weights=variant == "int4",
         threads=args.threads,
         max_concurrency=args.concurrency,
         log_level="warning",
@@ -220,10 +223,11 @@ async def bench(args: argparse.Namespace) -> None:
                 result.miss.append((await one(engine, prompt_of(engine, question, fresh), 2))[2])
                 result.chat.append((await one(engine, prompt_of(engine, CHAT), 2))[2])
         print(f"round {round_ + 1}/{args.rounds} done; load average {os.getloadavg()[0]:.2f}", flush=True)
-    # Greedy check: every engine's text against single:<dtype>'s for the same prompt.
+    # Greedy check: every engine's text against single:<dtype>'s (single:<dtype>:int4's for int4 weights, which
+    # answer differently) for the same prompt.
     for spec, result in results.items():
         dtype = [*spec.split(":"), ""][1]
-        reference = results.get(f"single:{dtype}")
+        reference = results.get(f"single:{dtype}:int4" if spec.endswith(":int4") else f"single:{dtype}")
         if reference is None or reference is result:
             continue
         for ask, text in result.texts.items():
@@ -285,7 +289,9 @@ def report(results: dict[str, Result], args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
-        "--engines", default="single:float32,batched:float32", help="kind:dtype[:plain|:rowmajor|:gqa], comma-separated"
+        "--engines",
+        default="single:float32,batched:float32",
+        help="kind:dtype[:plain|:rowmajor|:gqa|:int4], comma-separated",
     )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=32, help="mean max_tokens of the requests")

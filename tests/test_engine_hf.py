@@ -41,6 +41,7 @@ def test_model_info(engine: HFEngine) -> None:
     info = engine.info
     assert (info.name, info.device, info.dtype, info.threads) == ("SmolLM2-135M-Instruct", "cpu", "float32", 1)
     assert info.context_length == 8192
+    assert info.weights == "column-major+packed"
 
 
 def test_linear_weights_are_stored_transposed_and_packed_for_small_batch_gemms(engine: HFEngine) -> None:

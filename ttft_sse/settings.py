@@ -47,6 +47,9 @@ class Settings:
     dtype: str = "auto"
     # fp32 on CPU: keep a oneDNN pre-packed copy of every linear weight for 2-32 rows (engine/weights.py).
     packed_weights: bool = True
+    # fp32 on CPU, a GGUF model: layers stored as Q4_0/Q4_1 run on torch's int4 kernel from the file's blocks
+    # (engine/int4.py).
+    int4_weights: bool = False
     threads: int = 0
     cache_dir: Path = field(default_factory=_default_cache_dir)
     warmup: bool = True

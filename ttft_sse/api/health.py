@@ -33,6 +33,7 @@ async def readyz(request: Request) -> JSONResponse:
             "source": info.source,
             "device": info.device,
             "dtype": info.dtype,
+            "weights": info.weights,
             "context_length": info.context_length,
             "threads": info.threads,
             "startup": runtime.startup_report(),

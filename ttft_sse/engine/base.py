@@ -93,6 +93,9 @@ class ModelInfo:
     dtype: str
     context_length: int
     threads: int
+    # How the weights are laid out for the kernels: "as loaded", "column-major", "column-major+packed", and with
+    # int4 codes (engine/int4.py) "int4+..." .
+    weights: str = "as loaded"
 
 
 class Engine(Protocol):

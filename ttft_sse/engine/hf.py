@@ -11,7 +11,7 @@ from typing import Any
 import structlog
 
 from ttft_sse.bridge import Emit, Workers
-from ttft_sse.engine import models, weights
+from ttft_sse.engine import int4, models, weights
 from ttft_sse.engine.base import (
     ChatMessage,
     Finished,
@@ -100,9 +100,7 @@ class HFEngine:
                 if "device_map" not in kwargs:
                     model = model.to(device)
                 model.eval()
-                if device == "cpu" and dtype == torch.float32:
-                    layout = weights.arrange(model, torch, packed=settings.packed_weights)
-                    log.info("weights_arranged", layout=layout)
+                layout = self._arrange(model, torch, source, on_cpu_in_fp32=device == "cpu" and dtype == torch.float32)
         except OSError as exc:
             raise StartupError(f"cannot load model {settings.model!r}: {exc}") from exc
         self._model = model
@@ -122,7 +120,24 @@ class HFEngine:
             dtype=str(dtype).removeprefix("torch."),
             context_length=int(context),
             threads=threads,
+            weights=layout,
         )
+
+    def _arrange(self, model: Any, torch: Any, source: models.ModelSource, *, on_cpu_in_fp32: bool) -> str:
+        """Lay the weights out for the CPU kernels (engine/weights.py, engine/int4.py); returns the layout."""
+        settings = self._settings
+        if settings.int4_weights and not (on_cpu_in_fp32 and source.kind == "gguf"):
+            reason = "int4 codes are read from a GGUF file" if on_cpu_in_fp32 else "int4 codes are for fp32 on CPU"
+            log.warning("weights_not_int4", reason=reason)
+        if not on_cpu_in_fp32:
+            return "as loaded"
+        with_codes = 0
+        if settings.int4_weights and source.kind == "gguf":
+            with_codes = int4.apply(model, source.location, torch)
+            log.info("weights_int4", layers=with_codes)
+        layout = ("int4+" if with_codes else "") + weights.arrange(model, torch, packed=settings.packed_weights)
+        log.info("weights_arranged", layout=layout)
+        return layout
 
     def _pick_device(self, torch: Any) -> str:
         wanted = self._settings.device

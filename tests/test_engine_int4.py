@@ -1,0 +1,245 @@
+"""Int4 linear layers from a GGUF's own Q4_0/Q4_1 blocks (engine/int4.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from structlog.testing import capture_logs
+
+from tests.test_engine_batched import collect, prompt_of
+from ttft_sse.engine import int4
+from ttft_sse.engine.base import SamplingParams
+from ttft_sse.engine.batched import BatchedEngine
+from ttft_sse.engine.hf import HFEngine
+from ttft_sse.engine.models import ModelSource
+from ttft_sse.settings import Settings
+from ttft_sse.stages import StageClock
+
+torch = pytest.importorskip("torch")
+gguf = pytest.importorskip("gguf")
+
+needs_kernel = pytest.mark.skipif(
+    not torch.backends.cpu.get_cpu_capability().startswith("AVX512"),
+    reason="the engine uses torch's CPU int4 kernel only with AVX-512",
+)
+
+KINDS = {"Q4_0": gguf.GGMLQuantizationType.Q4_0, "Q4_1": gguf.GGMLQuantizationType.Q4_1}
+
+
+def quantised(shape: tuple[int, int], kind: str, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """A random ``shape`` weight quantised by gguf's own quantiser: (raw blocks, gguf's dequantisation)."""
+    data = np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+    blocks = gguf.quants.quantize(data, KINDS[kind])
+    return blocks, gguf.quants.dequantize(blocks, KINDS[kind]).astype(np.float32)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
+def test_codes_give_back_the_weights_ggufs_own_dequantisation_gives(kind: str) -> None:
+    blocks, want = quantised((48, 96), kind)
+    codes = int4.decode(blocks, int(KINDS[kind]), (48, 96))
+    assert codes.q.shape == (48, 96) and int(codes.q.max()) <= 15
+    assert codes.scale.shape == codes.zero.shape == (48, 3)
+    assert codes.dense().tobytes() == want.tobytes()  # every bit, the sign of zero too
+    assert not np.any(codes.zero) if kind == "Q4_0" else np.any(codes.zero)
+
+
+@pytest.mark.parametrize("column", [5, 100], ids=["hashed-column", "column-past-the-hash"])
+def test_a_weight_is_matched_in_any_row_order_and_only_when_every_bit_agrees(column: int) -> None:
+    blocks, dense = quantised((64, 128), "Q4_1")
+    codes = int4.decode(blocks, int(KINDS["Q4_1"]), (64, 128))
+    candidates = int4._index([codes])
+    assert int4.HASHED_COLUMNS == 64  # column 5 changes the row's hash, column 100 only the full comparison
+
+    order = np.random.default_rng(1).permutation(64)
+    found = int4._match(dense[order], candidates)
+    assert found is not None and found.dense().tobytes() == dense[order].tobytes()
+
+    changed = dense.copy()
+    changed[3, column] = np.nextafter(changed[3, column], np.float32(np.inf))  # one bit off
+    assert int4._match(changed, candidates) is None
+    assert int4._match(np.zeros((64, 128), np.float32), candidates) is None
+
+
+def linear_of(blocks: np.ndarray, dense: np.ndarray, bias: Any = None) -> Any:
+    out, inputs = dense.shape
+    layer = torch.nn.Linear(inputs, out, bias=bias is not None)
+    with torch.no_grad():
+        layer.weight.copy_(torch.from_numpy(dense))
+        if bias is not None:
+            layer.bias.copy_(bias)
+    int4._attach(layer, int4.decode(blocks, int(KINDS["Q4_1"]), (out, inputs)), torch)
+    return layer
+
+
+@needs_kernel
+@pytest.mark.parametrize("bias", [False, True])
+def test_up_to_32_rows_the_int4_layer_computes_the_dense_layer_to_bf16_rounding(bias: bool) -> None:
+    blocks, dense = quantised((96, 128), "Q4_1")
+    b = torch.linspace(-1, 1, 96) if bias else None
+    layer = linear_of(blocks, dense, b)
+    x = torch.randn(4, 8, 128)  # [batch, tokens, features], as the model calls it: 32 rows
+    with torch.no_grad():
+        got = layer(x)
+    want = torch.nn.functional.linear(x.to(torch.bfloat16).float(), torch.from_numpy(dense), b)
+    assert got.shape == (4, 8, 96) and got.dtype == torch.float32
+    assert float((got - want).abs().max()) <= 1e-2 * float(want.abs().max())
+    assert float((got - want).abs().max()) > 0  # bf16 rounding is there: the kernel, not a dense GEMM, ran
+
+
+@needs_kernel
+def test_more_than_32_rows_take_the_fp32_weight() -> None:
+    blocks, dense = quantised((96, 128), "Q4_1")
+    layer = linear_of(blocks, dense)
+    x = torch.randn(33, 128)
+    with torch.no_grad():
+        assert torch.equal(layer(x), torch.nn.functional.linear(x, torch.from_numpy(dense)))
+    assert list(int4.INT4_ROWS) == list(range(1, 33))
+
+
+@needs_kernel
+def test_each_row_of_the_result_is_the_same_bits_whatever_else_the_batch_holds() -> None:
+    blocks, dense = quantised((192, 576), "Q4_1")
+    layer = linear_of(blocks, dense)
+    x = torch.randn(32, 576)
+    with torch.no_grad():
+        alone = torch.cat([layer(x[i : i + 1]) for i in range(32)])
+        for rows in (2, 3, 8, 16, 32):
+            assert torch.equal(layer(x[:rows]), alone[:rows]), rows
+
+
+def write_gguf(path: Path, tensors: dict[str, tuple[np.ndarray, str]]) -> None:
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for name, (data, kind) in tensors.items():
+        if kind == "F32":
+            writer.add_tensor(name, data)
+        else:
+            writer.add_tensor(name, data, raw_dtype=KINDS[kind])  # the blocks: (out, bytes a row)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@needs_kernel
+def test_apply_replaces_exactly_the_layers_whose_weights_the_file_holds_as_q4(tmp_path: Path) -> None:
+    q4_1, dense_1 = quantised((96, 64), "Q4_1", seed=1)
+    q4_0, dense_0 = quantised((64, 96), "Q4_0", seed=2)
+    other = np.random.default_rng(3).standard_normal((32, 64)).astype(np.float32)
+    path = tmp_path / "tiny.gguf"
+    order = np.random.default_rng(4).permutation(96)  # as transformers' loader permutes q and k rows
+    write_gguf(
+        path,
+        {
+            "blk.0.up.weight": (q4_1, "Q4_1"),
+            "blk.0.down.weight": (q4_0, "Q4_0"),
+            "blk.0.other.weight": (other, "F32"),
+        },
+    )
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.Linear(96, 64), torch.nn.Linear(64, 32))
+    with torch.no_grad():
+        model[0].weight.copy_(torch.from_numpy(dense_1[order]))
+        model[1].weight.copy_(torch.from_numpy(dense_0))
+        model[2].weight.copy_(torch.from_numpy(other))
+    x = torch.randn(4, 64)
+    with torch.no_grad():
+        want = model(x.to(torch.bfloat16).float())
+
+    with capture_logs():
+        assert int4.apply(model, path, torch) == 2
+    kinds = [type(layer).__name__ for layer in model]
+    assert kinds == ["Int4Linear", "Int4Linear", "Linear"]
+    with torch.no_grad():
+        got = model(x)
+    assert float((got - want).abs().max()) <= 2e-2 * float(want.abs().max())
+
+
+def test_apply_changes_nothing_and_says_why_without_an_avx512_kernel(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96))
+    with capture_logs() as logs:
+        assert int4.apply(model, tmp_path / "unread.gguf", torch) == 0
+    assert type(model[0]) is torch.nn.Linear
+    assert logs == [
+        {
+            "event": "weights_not_int4",
+            "log_level": "warning",
+            "reason": "the int4 kernel is used on AVX-512 only; this CPU: AVX2",
+        }
+    ]
+
+
+@needs_kernel
+async def test_the_bundled_model_streams_from_int4_layers_when_asked(settings: Settings) -> None:
+    """Every decoder linear of the bundled Q4_1 file gets its codes; the LM head (Q8_0 in the file) does not; a
+    decode step (one row a stream) goes through the kernel, and the greedy answer is still right."""
+    engine = BatchedEngine(dataclasses.replace(settings, int4_weights=True))
+    with capture_logs() as logs:
+        engine.load(StageClock())
+    try:
+        model = engine.model
+        layers = [m for m in model.modules() if isinstance(m, int4.int4_linear_class())]
+        assert len(layers) == 7 * model.config.num_hidden_layers  # q, k, v, o, gate, up, down
+        assert type(model.lm_head).__name__ == "PackedLinear"
+        assert engine.info.weights == "int4+column-major+packed"
+        assert {"event": "weights_int4", "log_level": "info", "layers": len(layers)} in logs
+        rows: list[int] = []
+        width = layers[0].in_features
+        hook = layers[0].register_forward_hook(lambda _m, args, _out: rows.append(args[0].numel() // width))
+        text, finished = await collect(
+            engine.stream(prompt_of(engine, "What is the capital of France?"), SamplingParams(max_tokens=12))
+        )
+        hook.remove()
+    finally:
+        await engine.close()
+    assert "Paris" in text, text
+    assert finished.usage.completion_tokens >= 2
+    assert rows.count(1) == finished.usage.completion_tokens - 1  # every decode step after the prompt's
+
+
+@pytest.mark.parametrize(
+    ("kind", "on_cpu_in_fp32", "reason", "layout"),
+    [
+        ("directory", True, "int4 codes are read from a GGUF file", "column-major+packed"),
+        ("gguf", False, "int4 codes are for fp32 on CPU", "as loaded"),
+    ],
+)
+def test_asking_for_int4_where_it_cannot_apply_says_why_and_changes_nothing_else(
+    settings: Settings, kind: str, on_cpu_in_fp32: bool, reason: str, layout: str
+) -> None:
+    engine = HFEngine(dataclasses.replace(settings, int4_weights=True))
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96))
+    with capture_logs() as logs:
+        got = engine._arrange(model, torch, ModelSource(kind, "unread", "tiny"), on_cpu_in_fp32=on_cpu_in_fp32)  # type: ignore[arg-type]
+    assert got == layout
+    assert {"event": "weights_not_int4", "log_level": "warning", "reason": reason} in logs
+    assert not any(isinstance(m, int4.int4_linear_class()) for m in model.modules())
+
+
+@needs_kernel
+def test_a_kernel_that_disagrees_puts_every_layer_back_as_it_was(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    blocks, dense = quantised((96, 64), "Q4_1")
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, {"blk.0.up.weight": (blocks, "Q4_1")})
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96, bias=False))
+    with torch.no_grad():
+        model[0].weight.copy_(torch.from_numpy(dense))
+    real = int4._int4_mm
+    monkeypatch.setattr(int4, "_int4_mm", lambda *args: real(*args) * 1.1)
+    with capture_logs() as logs:
+        assert int4.apply(model, path, torch) == 0
+    assert type(model[0]) is torch.nn.Linear and not hasattr(model[0], "codes")
+    assert logs == [
+        {
+            "event": "weights_not_int4",
+            "log_level": "warning",
+            "reason": "the CPU int4 kernel disagrees with the fp32 GEMM on the same weights",
+        }
+    ]
