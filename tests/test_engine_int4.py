@@ -77,37 +77,35 @@ def linear_of(blocks: np.ndarray, dense: np.ndarray, bias: Any = None) -> Any:
 
 @needs_kernel
 @pytest.mark.parametrize("bias", [False, True])
-def test_up_to_32_rows_the_int4_layer_computes_the_dense_layer_to_bf16_rounding(bias: bool) -> None:
+@pytest.mark.parametrize(("shape", "int4_calls"), [((2, 4), 1), ((1, 1), 1), ((3, 3), 0), ((8, 40), 0)])
+def test_the_int4_kernel_takes_1_to_8_rows_the_bf16_copy_more_both_the_dense_layer_to_bf16_rounding(
+    monkeypatch: pytest.MonkeyPatch, bias: bool, shape: tuple[int, int], int4_calls: int
+) -> None:
     blocks, dense = quantised((96, 128), "Q4_1")
     b = torch.linspace(-1, 1, 96) if bias else None
     layer = linear_of(blocks, dense, b)
-    x = torch.randn(4, 8, 128)  # [batch, tokens, features], as the model calls it: 32 rows
+    calls: list[int] = []
+    real = int4._int4_mm
+    monkeypatch.setattr(int4, "_int4_mm", lambda *args: calls.append(args[1].shape[0]) or real(*args))
+    x = torch.randn(*shape, 128)  # [batch, tokens, features], as the model calls it
     with torch.no_grad():
         got = layer(x)
     want = torch.nn.functional.linear(x.to(torch.bfloat16).float(), torch.from_numpy(dense), b)
-    assert got.shape == (4, 8, 96) and got.dtype == torch.float32
+    assert got.shape == (*shape, 96) and got.dtype == torch.float32
     assert float((got - want).abs().max()) <= 1e-2 * float(want.abs().max())
-    assert float((got - want).abs().max()) > 0  # bf16 rounding is there: the kernel, not a dense GEMM, ran
+    assert float((got - want).abs().max()) > 0  # bf16 rounding is there: not the fp32 GEMM
+    assert calls == [shape[0] * shape[1]] * int4_calls
+    assert list(int4.INT4_ROWS) == list(range(1, 9))
 
 
 @needs_kernel
-def test_more_than_32_rows_take_the_fp32_weight() -> None:
-    blocks, dense = quantised((96, 128), "Q4_1")
-    layer = linear_of(blocks, dense)
-    x = torch.randn(33, 128)
-    with torch.no_grad():
-        assert torch.equal(layer(x), torch.nn.functional.linear(x, torch.from_numpy(dense)))
-    assert list(int4.INT4_ROWS) == list(range(1, 33))
-
-
-@needs_kernel
-def test_each_row_of_the_result_is_the_same_bits_whatever_else_the_batch_holds() -> None:
+def test_each_row_of_the_int4_result_is_the_same_bits_whatever_else_the_batch_holds() -> None:
     blocks, dense = quantised((192, 576), "Q4_1")
     layer = linear_of(blocks, dense)
-    x = torch.randn(32, 576)
+    x = torch.randn(8, 576)
     with torch.no_grad():
-        alone = torch.cat([layer(x[i : i + 1]) for i in range(32)])
-        for rows in (2, 3, 8, 16, 32):
+        alone = torch.cat([layer(x[i : i + 1]) for i in range(8)])
+        for rows in (2, 3, 5, 8):
             assert torch.equal(layer(x[:rows]), alone[:rows]), rows
 
 
@@ -148,10 +146,12 @@ def test_apply_replaces_exactly_the_layers_whose_weights_the_file_holds_as_q4(tm
     with torch.no_grad():
         want = model(x.to(torch.bfloat16).float())
 
-    with capture_logs():
+    with capture_logs() as logs:
         assert int4.apply(model, path, torch) == 2
-    kinds = [type(layer).__name__ for layer in model]
-    assert kinds == ["Int4Linear", "Int4Linear", "Linear"]
+    assert logs == [{"event": "weights_int4", "log_level": "info", "layers": 2, "bf16_only": 1}]
+    assert [type(layer).__name__ for layer in model] == ["Int4Linear"] * 3
+    assert [layer.codes is not None for layer in model] == [True, True, False]  # the F32 one: its bf16 copy only
+    assert [layer.weight.numel() for layer in model] == [0, 0, 32 * 64]  # fp32 weights with codes are dropped
     with torch.no_grad():
         got = model(x)
     assert float((got - want).abs().max()) <= 2e-2 * float(want.abs().max())
@@ -183,11 +183,11 @@ async def test_the_bundled_model_streams_from_int4_layers_when_asked(settings: S
         engine.load(StageClock())
     try:
         model = engine.model
-        layers = [m for m in model.modules() if isinstance(m, int4.int4_linear_class())]
+        layers = [m for m in model.modules() if isinstance(m, int4.int4_linear_class()) and m.codes is not None]
         assert len(layers) == 7 * model.config.num_hidden_layers  # q, k, v, o, gate, up, down
-        assert type(model.lm_head).__name__ == "PackedLinear"
-        assert engine.info.weights == "int4+column-major+packed"
-        assert {"event": "weights_int4", "log_level": "info", "layers": len(layers)} in logs
+        assert isinstance(model.lm_head, int4.int4_linear_class()) and model.lm_head.codes is None  # Q8_0
+        assert engine.info.weights == "int4+bf16-packed"
+        assert {"event": "weights_int4", "log_level": "info", "layers": len(layers), "bf16_only": 1} in logs
         rows: list[int] = []
         width = layers[0].in_features
         hook = layers[0].register_forward_hook(lambda _m, args, _out: rows.append(args[0].numel() // width))
@@ -235,11 +235,31 @@ def test_a_kernel_that_disagrees_puts_every_layer_back_as_it_was(
     monkeypatch.setattr(int4, "_int4_mm", lambda *args: real(*args) * 1.1)
     with capture_logs() as logs:
         assert int4.apply(model, path, torch) == 0
-    assert type(model[0]) is torch.nn.Linear and not hasattr(model[0], "codes")
+    assert type(model[0]) is torch.nn.Linear and not hasattr(model[0], "codes") and not hasattr(model[0], "wide")
     assert logs == [
         {
             "event": "weights_not_int4",
             "log_level": "warning",
-            "reason": "the CPU int4 kernel disagrees with the fp32 GEMM on the same weights",
+            "reason": "the CPU int4 or bf16 kernel disagrees with the fp32 GEMM at 8 rows",
+        }
+    ]
+
+
+@needs_kernel
+def test_a_file_without_q4_layers_changes_nothing_and_says_so(tmp_path: Path) -> None:
+    dense = np.random.default_rng(3).standard_normal((32, 64)).astype(np.float32)
+    path = tmp_path / "f32.gguf"
+    write_gguf(path, {"blk.0.up.weight": (dense, "F32")})
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32))
+    with torch.no_grad():
+        model[0].weight.copy_(torch.from_numpy(dense))
+    with capture_logs() as logs:
+        assert int4.apply(model, path, torch) == 0
+    assert type(model[0]) is torch.nn.Linear and not hasattr(model[0], "wide")
+    assert logs == [
+        {
+            "event": "weights_not_int4",
+            "log_level": "warning",
+            "reason": "no linear weight of the model is stored as Q4_0 or Q4_1 in the file",
         }
     ]

@@ -131,11 +131,13 @@ class HFEngine:
             log.warning("weights_not_int4", reason=reason)
         if not on_cpu_in_fp32:
             return "as loaded"
-        with_codes = 0
-        if settings.int4_weights and source.kind == "gguf":
-            with_codes = int4.apply(model, source.location, torch)
-            log.info("weights_int4", layers=with_codes)
-        layout = ("int4+" if with_codes else "") + weights.arrange(model, torch, packed=settings.packed_weights)
+        if settings.int4_weights and source.kind == "gguf" and int4.apply(model, source.location, torch):
+            # Every linear layer now runs on int4 codes or a bf16 copy; arrange still copies the other tensors
+            # out of the checkpoint's memory map.
+            weights.arrange(model, torch, packed=False)
+            layout = "int4+bf16-packed"
+        else:
+            layout = weights.arrange(model, torch, packed=settings.packed_weights)
         log.info("weights_arranged", layout=layout)
         return layout
 

@@ -1,36 +1,38 @@
-"""Int4 linear layers from a GGUF file's own Q4_0/Q4_1 blocks, on torch's CPU int4 kernel (``TTFT_INT4_WEIGHTS``).
+"""Linear layers on a GGUF file's own Q4_0/Q4_1 codes and bf16 copies, for CPU (``TTFT_INT4_WEIGHTS``, off by default).
 
 A GGUF quantised to Q4_0 or Q4_1 (the bundled SmolLM2 is Q4_1) stores each linear weight in blocks of 32 inputs: 4-bit
 codes ``q`` with one scale ``d`` (and, for Q4_1, one minimum ``m``) a block, ``w = d*q + m`` (Q4_0: ``w = d*(q-8)``).
 transformers loads the file by expanding every weight to fp32, and a decode step then streams those fp32 weights
 from memory. torch's CPU kernel for weight-only int4 (``_weight_int4pack_mm_for_cpu``, the one torchao's int4
 weight-only mode calls) multiplies by the codes directly, ``w = (q-8)*scale + zero`` a block of 32: the file's own
-formula with ``scale = d``, ``zero = m + 8d``. Measured on this machine (one thread, 30 weights of 576x1536, ms,
-fp32 input cast to bf16 and the output back; ``/tmp`` script, run once):
+formula with ``scale = d``, ``zero = m + 8d``. It is fastest for a few rows; for more, oneDNN's GEMM on a
+pre-packed bf16 copy of the weight (AMX on this CPU) is. Measured on this machine (one thread, 30 weights of
+576x1536, ms, fp32 input cast to bf16 and the output back; ``/tmp`` scripts, run once each):
 
-====== ============ ================= ==========
-rows   column-major oneDNN pre-packed int4 codes
-====== ============ ================= ==========
-1      8.7          10.8              2.2
-8      20.3         13.5              6.4
-16     22.0         15.5              11.7
-32     25.7         21.0              22.9
-48     22.8         25.6              33.4
-512    163.5        167.9             343.1
-====== ============ ================= ==========
+====== ===================== ================== =============== ==========
+rows   fp32, column-major    fp32, oneDNN packed bf16, oneDNN    int4 codes
+====== ===================== ================== =============== ==========
+1      8.7                   10.8               7.4             2.3
+8      20.3                  13.5               7.2             6.4
+16     22.0                  15.5               8.1             12.3
+32     25.7                  21.0               9.9             23.4
+512    163.5                 167.9              67.5            378.1
+====== ===================== ================== =============== ==========
 
-So a layer keeps its fp32 weight (column-major, engine/weights.py) and gains the codes: forwards of up to 32 rows
-(decode steps, short prompts) take the kernel, longer ones the fp32 GEMM. The kernel's activations are bf16 (its
-scales and zeros too, and its output): the weights are the file's, the rounding of what multiplies them is bf16's.
-That is why this is not the default: each row of the kernel's result depends on that row alone (checked bit for
-bit), but the rest of a batched step does not. A stream's row goes through the fp32 GEMM in a step with more than
-32 rows (a newcomer's prompt), and attention over a batch differs from attention alone by fp32 rounding, which
-rounding to bf16 turns into whole bf16 steps now and then. Greedy answers then depend on the batch (measured: 53
-of 64 differ from the single engine's), as with bf16.
+So every fp32 linear layer gets a bf16 copy packed by oneDNN, and the layers the file holds as Q4 also get their
+codes: forwards of up to 8 rows (decode steps of up to 8 streams) take the int4 kernel, longer ones (prompts,
+bigger batches) and layers without codes (the LM head: the bundled file's embedding is Q8_0) the bf16 copy. Both
+kernels take bf16 activations (and give a bf16 output): the int4 layers' weights are the file's (scales rounded to
+bf16), the rounding of what multiplies them is bf16's; the bf16 copies round the weights too.
+
+That is why this is not the default. Each row of the int4 kernel's result depends on that row alone (checked bit
+for bit), but a batched step does not: a stream's row takes the bf16 copy in a step with more than 8 rows, and
+attention over a batch differs from attention alone by fp32 rounding, which rounding to bf16 turns into whole bf16
+steps now and then. Greedy answers then depend on the batch, as with ``TTFT_DTYPE=bfloat16``.
 
 Only a layer whose blocks give back exactly the fp32 weight transformers loaded (allowing the row order
-transformers' loader permutes q and k into) gets codes; every other layer, and the LM head (the bundled file's
-embedding is Q8_0), stays fp32.
+transformers' loader permutes q and k into) gets codes, and then drops its fp32 weight, which nothing reads any
+more. Attention, norms and the rest stay fp32.
 """
 
 from __future__ import annotations
@@ -49,9 +51,12 @@ log = structlog.get_logger("ttft_sse.engine")
 BLOCK = 32
 """Inputs per GGUF block, and the group size the int4 kernel is given."""
 
-INT4_ROWS = range(1, 33)
-"""Row counts that take the int4 kernel (decode steps of up to 32 streams, short prompts); more take the fp32
-weight, which is faster from ~36 rows on."""
+INT4_ROWS = range(1, 9)
+"""Row counts that take the int4 kernel (decode steps of up to 8 streams); more take the bf16 copy, faster from
+~10 rows on."""
+
+PACK_HINT = 8
+"""The row count oneDNN tunes the bf16 copy's layout for (any count works)."""
 
 # GGML type ids (gguf.GGMLQuantizationType) and the bytes of one block: fp16 d (and fp16 m), 16 bytes of codes.
 Q4_0, Q4_1 = 2, 3
@@ -169,9 +174,10 @@ def _match(weight: npt.NDArray[np.float32], candidates: dict[tuple[int, int], li
 
 
 def apply(model: Any, gguf_path: str | Path, torch: Any) -> int:
-    """Give every linear layer of ``model`` whose fp32 weight the file's Q4 blocks give back exactly its codes
-    (it becomes an ``Int4Linear``); returns how many got them (0, logged with the reason, when this torch cannot
-    or its kernel disagrees on a probe).
+    """Make every fp32 linear layer of ``model`` an ``Int4Linear``: a bf16 oneDNN-packed copy of its weight, and,
+    where the file's Q4 blocks give back that weight exactly, its codes. Returns how many got codes (0, logged
+    with the reason, when this torch cannot, or its kernels disagree with the fp32 GEMM on a probe: then nothing
+    is changed).
 
     Layers are matched to the file's tensors by their rows' bits, not by name, so no table of each
     architecture's names is needed, and a row order changed by transformers' loader (q and k) is found too."""
@@ -185,34 +191,41 @@ def apply(model: Any, gguf_path: str | Path, torch: Any) -> int:
         log.warning("weights_not_int4", reason=f"the int4 kernel is used on AVX-512 only; this CPU: {capability}")
         return 0
     candidates = _index(read(gguf_path))
-    attached: list[Any] = []
+    layers = [m for m in model.modules() if type(m) is torch.nn.Linear and m.weight.dtype == torch.float32]
+    changed: list[Any] = []
     try:
-        for layer in list(model.modules()):
-            if type(layer) is torch.nn.Linear and layer.weight.dtype == torch.float32:
-                codes = _match(layer.weight.detach().numpy(), candidates)
-                if codes is not None:
-                    _attach(layer, codes, torch)
-                    attached.append(layer)
-        if attached:
-            _check(attached[0], torch)
+        for layer in layers:
+            _attach(layer, _match(layer.weight.detach().numpy(), candidates), torch)
+            changed.append(layer)
+        with_codes = [layer for layer in changed if layer.codes is not None]
+        if with_codes:
+            _check(with_codes[0], torch)
+            _check(next((layer for layer in changed if layer.codes is None), with_codes[0]), torch)
+            for layer in with_codes:
+                # Never read again, and not shared (a tied LM head has no codes): 424 MB for the bundled model.
+                layer.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+            log.info("weights_int4", layers=len(with_codes), bf16_only=len(changed) - len(with_codes))
+            return len(with_codes)
+        reason = "no linear weight of the model is stored as Q4_0 or Q4_1 in the file"
     except RuntimeError as exc:
-        for layer in attached:  # back to the plain fp32 layers they were
-            layer.__class__ = torch.nn.Linear
-            del layer.codes, layer.scales
-        log.warning("weights_not_int4", reason=str(exc))
-        return 0
-    return len(attached)
+        reason = str(exc)
+    for layer in changed:  # back to the plain fp32 layers they were
+        layer.__class__ = torch.nn.Linear
+        del layer.codes, layer.scales, layer.wide
+    log.warning("weights_not_int4", reason=reason)
+    return 0
 
 
 def _check(layer: Any, torch: Any) -> None:
-    """The kernel against the fp32 GEMM of the same bf16-rounded rows, on one layer."""
-    rows = torch.linspace(-1.0, 1.0, 8 * layer.in_features).reshape(8, layer.in_features)
-    with torch.no_grad():
-        want = torch.nn.functional.linear(rows.to(torch.bfloat16).float(), layer.weight, layer.bias)
-        got = layer(rows)
-    # bf16 keeps 8 bits: its rounding of the output alone is up to 1/256 of the largest value.
-    if float((got - want).abs().max()) > 2e-2 * float(want.abs().max()):
-        raise RuntimeError("the CPU int4 kernel disagrees with the fp32 GEMM on the same weights")
+    """The layer against the fp32 GEMM of the same bf16-rounded rows, at a row count for each of its kernels."""
+    for count in (max(INT4_ROWS), max(INT4_ROWS) + 1):
+        rows = torch.linspace(-1.0, 1.0, count * layer.in_features).reshape(count, layer.in_features)
+        with torch.no_grad():
+            want = torch.nn.functional.linear(rows.to(torch.bfloat16).float(), layer.weight, layer.bias)
+            got = layer(rows)
+        # bf16 keeps 8 bits: its rounding of the output alone is up to 1/256 of the largest value.
+        if float((got - want).abs().max()) > 2e-2 * float(want.abs().max()):
+            raise RuntimeError(f"the CPU int4 or bf16 kernel disagrees with the fp32 GEMM at {count} rows")
 
 
 def _int4_mm(torch: Any, rows: Any, codes: Any, scales: Any) -> Any:
@@ -221,30 +234,37 @@ def _int4_mm(torch: Any, rows: Any, codes: Any, scales: Any) -> Any:
 
 @functools.cache
 def int4_linear_class() -> type[Any]:
-    """``torch.nn.Linear`` with its weight's 4-bit codes beside it: up to :data:`INT4_ROWS` rows go through torch's
-    CPU int4 kernel (bf16 in, the input's dtype out), more through the fp32 weight."""
+    """``torch.nn.Linear`` with a bf16 oneDNN-packed copy of its weight and, if the file has them, its 4-bit codes:
+    up to :data:`INT4_ROWS` rows go through torch's CPU int4 kernel, others (and every row count, without codes)
+    through the bf16 copy. bf16 in, the input's dtype out."""
     import torch
 
     class Int4Linear(torch.nn.Linear):  # type: ignore[misc]
         codes: Any
         scales: Any
+        wide: Any
 
         def forward(self, x: Any) -> Any:
-            if x.numel() // x.shape[-1] not in INT4_ROWS:
-                return torch.nn.functional.linear(x, self.weight, self.bias)
             rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
-            y = _int4_mm(torch, rows, self.codes, self.scales).to(x.dtype)
-            y = y.reshape(*x.shape[:-1], self.out_features)
+            if self.codes is not None and rows.shape[0] in INT4_ROWS:
+                y = _int4_mm(torch, rows, self.codes, self.scales)
+            else:
+                y = torch.ops.mkldnn._linear_pointwise(rows, self.wide, None, "none", [None], "")
+            y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
             return y if self.bias is None else y + self.bias
 
     return Int4Linear
 
 
-def _attach(layer: Any, codes: Codes, torch: Any) -> None:
-    """Give ``layer`` (a ``torch.nn.Linear``) its codes in the kernel's layout and make it an ``Int4Linear``."""
-    q = torch.from_numpy(codes.q.astype(np.int32))
-    layer.codes = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
-    # (in // BLOCK, out, 2): a block's scale and zero for every output.
-    scales = np.stack([codes.scale.T, codes.zero.T], axis=-1)
-    layer.scales = torch.from_numpy(np.ascontiguousarray(scales)).to(torch.bfloat16)
+def _attach(layer: Any, codes: Codes | None, torch: Any) -> None:
+    """Make ``layer`` (a ``torch.nn.Linear``) an ``Int4Linear``: its bf16 copy, and its codes in the int4 kernel's
+    layout if it has them."""
+    layer.wide = torch.ops.mkldnn._reorder_linear_weight(layer.weight.data.contiguous().to(torch.bfloat16), PACK_HINT)
+    layer.codes = layer.scales = None
+    if codes is not None:
+        q = torch.from_numpy(codes.q.astype(np.int32))
+        layer.codes = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+        # (in // BLOCK, out, 2): a block's scale and zero for every output.
+        scales = np.stack([codes.scale.T, codes.zero.T], axis=-1)
+        layer.scales = torch.from_numpy(np.ascontiguousarray(scales)).to(torch.bfloat16)
     layer.__class__ = int4_linear_class()

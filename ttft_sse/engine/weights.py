@@ -55,8 +55,7 @@ def arrange(model: Any, torch: Any, *, packed: bool) -> str:
     linears = [module for module in model.modules() if isinstance(module, torch.nn.Linear)]
     layout = "column-major"
     if packed:
-        # Layers with int4 codes (engine/int4.py) have their own kernel for the rows packing is for.
-        layout = _pack([m for m in linears if type(m) is torch.nn.Linear], torch) or layout
+        layout = _pack(linears, torch) or layout
     seen: set[int] = set()
     for module in linears:
         if id(module.weight) not in seen:
