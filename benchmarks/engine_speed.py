@@ -21,8 +21,8 @@ Variants of an fp32 spec, for before/after runs: ``:plain`` without the pre-pack
 column-major weights only), ``:rowmajor`` without either (the weights as loaded, as before the engine arranged them),
 ``:gqa`` with transformers' SDPA attending grouped KV heads in place (``TRANSFORMERS_SDPA_FORCE_GQA=1``, as the
 Docker image sets it; transformers reads it at every call, so it is set while that engine runs, removed otherwise),
-``:int4`` with the GGUF's Q4 layers on torch's int4 kernel (``TTFT_INT4_WEIGHTS``; its greedy text is checked
-against ``single:<dtype>:int4``'s, since its answers are not the fp32 ones).
+``:int4`` with the GGUF's Q4 codes on torch's int4 kernel and bf16 copies of the weights (``TTFT_INT4_WEIGHTS``;
+its greedy text is checked against ``single:<dtype>:int4``'s, since its answers are not the fp32 ones).
 """
 
 from __future__ import annotations

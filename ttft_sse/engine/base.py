@@ -93,8 +93,8 @@ class ModelInfo:
     dtype: str
     context_length: int
     threads: int
-    # How the weights are laid out for the kernels: "as loaded", "column-major", "column-major+packed", and with
-    # int4 codes (engine/int4.py) "int4+..." .
+    # How the weights are laid out for the kernels (shown by /readyz): "as loaded", "column-major",
+    # "column-major+packed" (engine/weights.py), or "int4+bf16-packed" (engine/int4.py).
     weights: str = "as loaded"
 
 
