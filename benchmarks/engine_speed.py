@@ -22,7 +22,8 @@ column-major weights only), ``:rowmajor`` without either (the weights as loaded,
 ``:gqa`` with transformers' SDPA attending grouped KV heads in place (``TRANSFORMERS_SDPA_FORCE_GQA=1``, as the
 Docker image sets it; transformers reads it at every call, so it is set while that engine runs, removed otherwise),
 ``:int4`` with the GGUF's Q4 codes on torch's int4 kernel and bf16 copies of the weights (``TTFT_INT4_WEIGHTS``;
-its greedy text is checked against ``single:<dtype>:int4``'s, since its answers are not the fp32 ones).
+its greedy text is checked against ``single:<dtype>:int4``'s, since its answers are not the fp32 ones). Variants
+combine with ``+``: ``batched:float32:int4+gqa``.
 """
 
 from __future__ import annotations
@@ -148,22 +149,29 @@ def pct(values: Sequence[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered) + 0.5) - 1))]
 
 
+def variants_of(spec: str) -> set[str]:
+    """``batched:float32:int4+gqa`` → ``{"int4", "gqa"}``."""
+    variant = [*spec.split(":"), "", ""][2]
+    return set(variant.split("+")) - {""}
+
+
 def load(spec: str, args: argparse.Namespace) -> Engine:
-    kind, dtype, variant = [*spec.split(":"), "", ""][:3]
-    if variant not in ("", "plain", "rowmajor", "gqa", "int4"):
-        raise SystemExit(f"unknown variant {variant!r} in {spec!r} (known: plain, rowmajor, gqa, int4)")
+    kind, dtype, _ = [*spec.split(":"), "", ""][:3]
+    variants = variants_of(spec)
+    if variants - {"plain", "rowmajor", "gqa", "int4"}:
+        raise SystemExit(f"unknown variant in {spec!r} (known: plain, rowmajor, gqa, int4, joined by +)")
     settings = Settings(
         engine=kind,
         dtype=dtype or "float32",
-        packed_weights=variant not in ("plain", "rowmajor"),
-        int4_weights=variant == "int4",
+        packed_weights=not variants & {"plain", "rowmajor"},
+        int4_weights="int4" in variants,
         threads=args.threads,
         max_concurrency=args.concurrency,
         log_level="warning",
     )
     engine: BatchedEngine | HFEngine = BatchedEngine(settings) if kind == "batched" else HFEngine(settings)
     engine.load(StageClock())
-    if variant == "rowmajor":
+    if "rowmajor" in variants:
         # The layout before the engine stored fp32 linear weights transposed (engine/weights.py).
         import torch
 
@@ -175,7 +183,7 @@ def load(spec: str, args: argparse.Namespace) -> Engine:
 
 def attention_for(spec: str) -> None:
     """Set or remove ``TRANSFORMERS_SDPA_FORCE_GQA`` for the engine about to run (the ``:gqa`` variant)."""
-    if spec.endswith(":gqa"):
+    if "gqa" in variants_of(spec):
         os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] = "1"
     else:
         os.environ.pop("TRANSFORMERS_SDPA_FORCE_GQA", None)
@@ -227,7 +235,7 @@ async def bench(args: argparse.Namespace) -> None:
     # answer differently) for the same prompt.
     for spec, result in results.items():
         dtype = [*spec.split(":"), ""][1]
-        reference = results.get(f"single:{dtype}:int4" if spec.endswith(":int4") else f"single:{dtype}")
+        reference = results.get(f"single:{dtype}:int4" if "int4" in variants_of(spec) else f"single:{dtype}")
         if reference is None or reference is result:
             continue
         for ask, text in result.texts.items():
@@ -291,7 +299,7 @@ def main() -> None:
     parser.add_argument(
         "--engines",
         default="single:float32,batched:float32",
-        help="kind:dtype[:plain|:rowmajor|:gqa|:int4], comma-separated",
+        help="kind:dtype[:variant[+variant]] (plain, rowmajor, gqa, int4), comma-separated",
     )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=32, help="mean max_tokens of the requests")
