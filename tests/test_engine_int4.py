@@ -215,7 +215,8 @@ def test_asking_for_int4_where_it_cannot_apply_says_why_and_changes_nothing_else
     engine = HFEngine(dataclasses.replace(settings, int4_weights=True))
     model = torch.nn.Sequential(torch.nn.Linear(64, 96))
     with capture_logs() as logs:
-        got = engine._arrange(model, torch, ModelSource(kind, "unread", "tiny"), on_cpu_in_fp32=on_cpu_in_fp32)  # type: ignore[arg-type]
+        source = ModelSource(kind, "unread", "tiny")  # type: ignore[arg-type]
+        got = engine._arrange(model, torch, source, "unread", on_cpu_in_fp32=on_cpu_in_fp32)  # type: ignore[arg-type]
     assert got == layout
     assert {"event": "weights_not_int4", "log_level": "warning", "reason": reason} in logs
     assert not any(isinstance(m, int4.int4_linear_class()) for m in model.modules())
@@ -263,3 +264,72 @@ def test_a_file_without_q4_layers_changes_nothing_and_says_so(tmp_path: Path) ->
             "reason": "no linear weight of the model is stored as Q4_0 or Q4_1 in the file",
         }
     ]
+
+
+def tiny_q4_model(tmp_path: Path) -> tuple[Any, Path]:
+    blocks, dense = quantised((96, 64), "Q4_1")
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, {"blk.0.up.weight": (blocks, "Q4_1")})
+    torch.manual_seed(0)  # the second layer (no codes) the same in every copy
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96, bias=False), torch.nn.Linear(96, 8, bias=False))
+    with torch.no_grad():
+        model[0].weight.copy_(torch.from_numpy(dense[::-1].copy()))  # rows reordered
+    return model, path
+
+
+@needs_kernel
+def test_the_codes_are_kept_for_the_next_start_which_does_not_read_the_file_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first, path = tiny_q4_model(tmp_path)
+    cache = tmp_path / "converted" / int4.CACHE_FILE
+    cache.parent.mkdir()
+    x = torch.randn(3, 64)
+    assert int4.apply(first, path, torch, cache=cache) == 1
+    assert cache.is_file() and not list(cache.parent.glob("*.partial*"))
+
+    second, _ = tiny_q4_model(tmp_path)
+    monkeypatch.setattr(int4, "read", lambda _path: pytest.fail("the file was read again"))
+    assert int4.apply(second, path, torch, cache=cache) == 1
+    with torch.no_grad():
+        assert torch.equal(second(x), first(x))
+    assert torch.equal(second[0].codes, first[0].codes) and torch.equal(second[0].scales, first[0].scales)
+
+
+@needs_kernel
+def test_a_cache_that_no_longer_fits_the_weights_is_matched_again_and_rewritten(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model, path = tiny_q4_model(tmp_path)
+    cache = tmp_path / int4.CACHE_FILE
+    assert int4.apply(model, path, torch, cache=cache) == 1
+
+    def flipped() -> Any:  # as if the loader now gave another row order
+        other, _ = tiny_q4_model(tmp_path)
+        with torch.no_grad():
+            other[0].weight.copy_(other[0].weight.flip(0))
+        return other
+
+    changed = flipped()
+    weight = changed[0].weight.detach().clone()
+    with capture_logs():
+        assert int4.apply(changed, path, torch, cache=cache) == 1
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        want = torch.nn.functional.linear(x.to(torch.bfloat16).float(), weight)
+        assert float((changed[0](x) - want).abs().max()) <= 1e-2 * float(want.abs().max())
+
+    again = flipped()
+    monkeypatch.setattr(int4, "read", lambda _path: pytest.fail("the rewritten cache was not used"))
+    with capture_logs():
+        assert int4.apply(again, path, torch, cache=cache) == 1
+    with torch.no_grad():
+        assert torch.equal(again(x), changed(x))
+
+
+def test_an_unreadable_cache_is_ignored_with_a_warning(tmp_path: Path) -> None:
+    cache = tmp_path / int4.CACHE_FILE
+    cache.write_bytes(b"not a zip")
+    with capture_logs() as logs:
+        assert int4._load_cached(cache, {}) is None
+    assert [entry["event"] for entry in logs] == ["int4_cache_unreadable"]

@@ -6,6 +6,7 @@ import threading
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 from contextlib import aclosing
+from pathlib import Path
 from typing import Any
 
 import structlog
@@ -100,7 +101,8 @@ class HFEngine:
                 if "device_map" not in kwargs:
                     model = model.to(device)
                 model.eval()
-                layout = self._arrange(model, torch, source, on_cpu_in_fp32=device == "cpu" and dtype == torch.float32)
+                on_cpu_in_fp32 = device == "cpu" and dtype == torch.float32
+                layout = self._arrange(model, torch, source, location, on_cpu_in_fp32=on_cpu_in_fp32)
         except OSError as exc:
             raise StartupError(f"cannot load model {settings.model!r}: {exc}") from exc
         self._model = model
@@ -123,7 +125,9 @@ class HFEngine:
             weights=layout,
         )
 
-    def _arrange(self, model: Any, torch: Any, source: models.ModelSource, *, on_cpu_in_fp32: bool) -> str:
+    def _arrange(
+        self, model: Any, torch: Any, source: models.ModelSource, location: str, *, on_cpu_in_fp32: bool
+    ) -> str:
         """Lay the weights out for the CPU kernels (engine/weights.py, engine/int4.py); returns the layout."""
         settings = self._settings
         if settings.int4_weights and not (on_cpu_in_fp32 and source.kind == "gguf"):
@@ -131,7 +135,8 @@ class HFEngine:
             log.warning("weights_not_int4", reason=reason)
         if not on_cpu_in_fp32:
             return "as loaded"
-        if settings.int4_weights and source.kind == "gguf" and int4.apply(model, source.location, torch):
+        cache = Path(location) / int4.CACHE_FILE  # location: the GGUF's converted directory
+        if settings.int4_weights and source.kind == "gguf" and int4.apply(model, source.location, torch, cache=cache):
             # Every linear layer now runs on int4 codes or a bf16 copy; arrange still copies the other tensors
             # out of the checkpoint's memory map.
             weights.arrange(model, torch, packed=False)

@@ -38,6 +38,7 @@ more. Attention, norms and the rest stay fp32.
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -173,14 +174,76 @@ def _match(weight: npt.NDArray[np.float32], candidates: dict[tuple[int, int], li
     return None
 
 
-def apply(model: Any, gguf_path: str | Path, torch: Any) -> int:
+CACHE_FILE = "int4-codes.npz"
+"""Where :func:`apply` keeps the codes it matched, by layer name, in the model's converted directory."""
+
+
+def _load_cached(path: Path | None, layers: dict[str, Any]) -> dict[str, Codes] | None:
+    """The codes saved by an earlier start, if every one still gives back its layer's rows (checked on the
+    hashed columns: the converted directory is keyed by the file's contents, this guards against a changed loader)."""
+    if path is None or not path.is_file():
+        return None
+    try:
+        with np.load(path) as saved:
+            names = {key.rsplit(".", 1)[0] for key in saved.files}
+            found = {}
+            for name in names:
+                packed = saved[f"{name}.q"]
+                q = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(packed.shape[0], -1)
+                found[name] = Codes(q, saved[f"{name}.scale"], saved[f"{name}.zero"])
+    except (OSError, ValueError, KeyError) as exc:
+        log.warning("int4_cache_unreadable", path=str(path), reason=repr(exc))
+        return None
+    for name, codes in found.items():
+        layer = layers.get(name)
+        if layer is None or tuple(layer.weight.shape) != codes.q.shape:
+            return None
+        want = _row_hashes(layer.weight.detach().numpy())
+        if not np.array_equal(want, _row_hashes(codes.first(HASHED_COLUMNS).dense())):
+            return None
+    return found
+
+
+def _save_cached(path: Path | None, found: dict[str, Codes]) -> None:
+    if path is None:
+        return
+    arrays: dict[str, npt.NDArray[Any]] = {}
+    for name, codes in found.items():
+        arrays[f"{name}.q"] = codes.q[:, 0::2] | (codes.q[:, 1::2] << 4)  # two codes a byte
+        arrays[f"{name}.scale"], arrays[f"{name}.zero"] = codes.scale, codes.zero
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial.npz")
+    try:
+        np.savez(partial, **arrays)  # type: ignore[arg-type]  # numpy types the keywords as its own flags
+        partial.replace(path)
+    except OSError as exc:  # a read-only cache directory: matched again at the next start
+        log.warning("int4_cache_not_written", path=str(path), reason=repr(exc))
+        partial.unlink(missing_ok=True)
+
+
+def _codes_of(layers: dict[str, Any], gguf_path: str | Path, cache: Path | None) -> dict[str, Codes]:
+    """Each layer's codes, from the cache of an earlier start or else by matching the file's blocks."""
+    found = _load_cached(cache, layers)
+    if found is None:
+        candidates = _index(read(gguf_path))
+        found = {}
+        for name, layer in layers.items():
+            codes = _match(layer.weight.detach().numpy(), candidates)
+            if codes is not None:
+                found[name] = codes
+        _save_cached(cache, found)
+    return found
+
+
+def apply(model: Any, gguf_path: str | Path, torch: Any, *, cache: Path | None = None) -> int:
     """Make every fp32 linear layer of ``model`` an ``Int4Linear``: a bf16 oneDNN-packed copy of its weight, and,
     where the file's Q4 blocks give back that weight exactly, its codes. Returns how many got codes (0, logged
     with the reason, when this torch cannot, or its kernels disagree with the fp32 GEMM on a probe: then nothing
     is changed).
 
     Layers are matched to the file's tensors by their rows' bits, not by name, so no table of each
-    architecture's names is needed, and a row order changed by transformers' loader (q and k) is found too."""
+    architecture's names is needed, and a row order changed by transformers' loader (q and k) is found too.
+    Reading and matching the file takes seconds (most of it ``gguf``'s reading of the metadata), so the codes are
+    kept in ``cache`` (the model's converted directory) for the next start."""
     if not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
         log.warning("weights_not_int4", reason="this torch has no CPU int4 kernel")
         return 0
@@ -190,12 +253,14 @@ def apply(model: Any, gguf_path: str | Path, torch: Any) -> int:
         # slower than the fp32 GEMM at one row.
         log.warning("weights_not_int4", reason=f"the int4 kernel is used on AVX-512 only; this CPU: {capability}")
         return 0
-    candidates = _index(read(gguf_path))
-    layers = [m for m in model.modules() if type(m) is torch.nn.Linear and m.weight.dtype == torch.float32]
+    layers = {
+        name: m for name, m in model.named_modules() if type(m) is torch.nn.Linear and m.weight.dtype == torch.float32
+    }
+    found = _codes_of(layers, gguf_path, cache)
     changed: list[Any] = []
     try:
-        for layer in layers:
-            _attach(layer, _match(layer.weight.detach().numpy(), candidates), torch)
+        for name, layer in layers.items():
+            _attach(layer, found.get(name), torch)
             changed.append(layer)
         with_codes = [layer for layer in changed if layer.codes is not None]
         if with_codes:
