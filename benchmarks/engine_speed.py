@@ -149,15 +149,14 @@ def pct(values: Sequence[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered) + 0.5) - 1))]
 
 
-def variants_of(spec: str) -> set[str]:
-    """``batched:float32:int4+gqa`` → ``{"int4", "gqa"}``."""
-    variant = [*spec.split(":"), "", ""][2]
-    return set(variant.split("+")) - {""}
+def parse(spec: str) -> tuple[str, str, set[str]]:
+    """``batched:float32:int4+gqa`` → ``("batched", "float32", {"int4", "gqa"})``."""
+    kind, dtype, variant = [*spec.split(":"), "", ""][:3]
+    return kind, dtype, set(variant.split("+")) - {""}
 
 
 def load(spec: str, args: argparse.Namespace) -> Engine:
-    kind, dtype, _ = [*spec.split(":"), "", ""][:3]
-    variants = variants_of(spec)
+    kind, dtype, variants = parse(spec)
     if variants - {"plain", "rowmajor", "gqa", "int4"}:
         raise SystemExit(f"unknown variant in {spec!r} (known: plain, rowmajor, gqa, int4, joined by +)")
     settings = Settings(
@@ -183,7 +182,7 @@ def load(spec: str, args: argparse.Namespace) -> Engine:
 
 def attention_for(spec: str) -> None:
     """Set or remove ``TRANSFORMERS_SDPA_FORCE_GQA`` for the engine about to run (the ``:gqa`` variant)."""
-    if "gqa" in variants_of(spec):
+    if "gqa" in parse(spec)[2]:
         os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] = "1"
     else:
         os.environ.pop("TRANSFORMERS_SDPA_FORCE_GQA", None)
@@ -234,8 +233,8 @@ async def bench(args: argparse.Namespace) -> None:
     # Greedy check: every engine's text against single:<dtype>'s (single:<dtype>:int4's for int4 weights, which
     # answer differently) for the same prompt.
     for spec, result in results.items():
-        dtype = [*spec.split(":"), ""][1]
-        reference = results.get(f"single:{dtype}:int4" if "int4" in variants_of(spec) else f"single:{dtype}")
+        _, dtype, variants = parse(spec)
+        reference = results.get(f"single:{dtype}:int4" if "int4" in variants else f"single:{dtype}")
         if reference is None or reference is result:
             continue
         for ask, text in result.texts.items():

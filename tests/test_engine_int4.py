@@ -226,12 +226,7 @@ def test_asking_for_int4_where_it_cannot_apply_says_why_and_changes_nothing_else
 def test_a_kernel_that_disagrees_puts_every_layer_back_as_it_was(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    blocks, dense = quantised((96, 64), "Q4_1")
-    path = tmp_path / "tiny.gguf"
-    write_gguf(path, {"blk.0.up.weight": (blocks, "Q4_1")})
-    model = torch.nn.Sequential(torch.nn.Linear(64, 96, bias=False))
-    with torch.no_grad():
-        model[0].weight.copy_(torch.from_numpy(dense))
+    model, path = tiny_q4_model(tmp_path)
     real = int4._int4_mm
     monkeypatch.setattr(int4, "_int4_mm", lambda *args: real(*args) * 1.1)
     with capture_logs() as logs:

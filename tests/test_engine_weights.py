@@ -41,13 +41,13 @@ def test_the_packed_weight_is_taken_for_2_to_32_rows_and_the_column_major_one_ot
     weights.arrange(arranged, torch, packed=True)
     first = arranged[0]
     calls: list[int] = []
-    real = weights._packed_linear
+    real = weights.packed_linear
 
     def spy(torch_: Any, x: Any, packed_weight: Any, bias: Any) -> Any:
         calls.append(x.numel() // x.shape[-1])
         return real(torch_, x, packed_weight, bias)
 
-    monkeypatch.setattr(weights, "_packed_linear", spy)
+    monkeypatch.setattr(weights, "packed_linear", spy)
     for rows in (1, 2, 8, 32, 33, 64):
         first(torch.randn(rows, 64))
     assert calls == [2, 8, 32]

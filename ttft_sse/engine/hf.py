@@ -130,13 +130,14 @@ class HFEngine:
     ) -> str:
         """Lay the weights out for the CPU kernels (engine/weights.py, engine/int4.py); returns the layout."""
         settings = self._settings
-        if settings.int4_weights and not (on_cpu_in_fp32 and source.kind == "gguf"):
+        int4_applies = on_cpu_in_fp32 and source.kind == "gguf"
+        if settings.int4_weights and not int4_applies:
             reason = "int4 codes are read from a GGUF file" if on_cpu_in_fp32 else "int4 codes are for fp32 on CPU"
             log.warning("weights_not_int4", reason=reason)
         if not on_cpu_in_fp32:
             return "as loaded"
-        cache = Path(location) / int4.CACHE_FILE  # location: the GGUF's converted directory
-        if settings.int4_weights and source.kind == "gguf" and int4.apply(model, source.location, torch, cache=cache):
+        cache = Path(location) / int4.CACHE_FILE  # for a GGUF, location is its converted directory
+        if settings.int4_weights and int4_applies and int4.apply(model, source.location, torch, cache=cache):
             # Every linear layer now runs on int4 codes or a bf16 copy; arrange still copies the other tensors
             # out of the checkpoint's memory map.
             weights.arrange(model, torch, packed=False)

@@ -47,6 +47,8 @@ import numpy as np
 import numpy.typing as npt
 import structlog
 
+from ttft_sse.engine import weights
+
 log = structlog.get_logger("ttft_sse.engine")
 
 BLOCK = 32
@@ -55,9 +57,6 @@ BLOCK = 32
 INT4_ROWS = range(1, 9)
 """Row counts that take the int4 kernel (decode steps of up to 8 streams); more take the bf16 copy, faster from
 ~10 rows on."""
-
-PACK_HINT = 8
-"""The row count oneDNN tunes the bf16 copy's layout for (any count works)."""
 
 # GGML type ids (gguf.GGMLQuantizationType) and the bytes of one block: fp16 d (and fp16 m), 16 bytes of codes.
 Q4_0, Q4_1 = 2, 3
@@ -284,7 +283,7 @@ def apply(model: Any, gguf_path: str | Path, torch: Any, *, cache: Path | None =
 def _check(layer: Any, torch: Any) -> None:
     """The layer against the fp32 GEMM of the same bf16-rounded rows, at a row count for each of its kernels."""
     for count in (max(INT4_ROWS), max(INT4_ROWS) + 1):
-        rows = torch.linspace(-1.0, 1.0, count * layer.in_features).reshape(count, layer.in_features)
+        rows = weights.probe_rows(torch, count, layer.in_features)
         with torch.no_grad():
             want = torch.nn.functional.linear(rows.to(torch.bfloat16).float(), layer.weight, layer.bias)
             got = layer(rows)
@@ -314,7 +313,7 @@ def int4_linear_class() -> type[Any]:
             if self.codes is not None and rows.shape[0] in INT4_ROWS:
                 y = _int4_mm(torch, rows, self.codes, self.scales)
             else:
-                y = torch.ops.mkldnn._linear_pointwise(rows, self.wide, None, "none", [None], "")
+                y = weights.packed_linear(torch, rows, self.wide, None)
             y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
             return y if self.bias is None else y + self.bias
 
@@ -324,7 +323,7 @@ def int4_linear_class() -> type[Any]:
 def _attach(layer: Any, codes: Codes | None, torch: Any) -> None:
     """Make ``layer`` (a ``torch.nn.Linear``) an ``Int4Linear``: its bf16 copy, and its codes in the int4 kernel's
     layout if it has them."""
-    layer.wide = torch.ops.mkldnn._reorder_linear_weight(layer.weight.data.contiguous().to(torch.bfloat16), PACK_HINT)
+    layer.wide = weights.pack(layer.weight.data.to(torch.bfloat16), torch)
     layer.codes = layer.scales = None
     if codes is not None:
         q = torch.from_numpy(codes.q.astype(np.int32))

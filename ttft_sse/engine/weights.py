@@ -74,11 +74,11 @@ def _pack(linears: list[Any], torch: Any) -> str | None:
     if not linears:
         return None
     try:
-        copies = [torch.ops.mkldnn._reorder_linear_weight(m.weight.data.contiguous(), PACK_HINT) for m in linears]
+        copies = [pack(m.weight.data, torch) for m in linears]
         probe = linears[0]
-        rows = torch.linspace(-1.0, 1.0, PACK_HINT * probe.in_features).reshape(PACK_HINT, probe.in_features)
+        rows = probe_rows(torch, PACK_HINT, probe.in_features)
         want = torch.nn.functional.linear(rows, probe.weight, probe.bias)
-        got = _packed_linear(torch, rows, copies[0], probe.bias)
+        got = packed_linear(torch, rows, copies[0], probe.bias)
     except (RuntimeError, AttributeError) as exc:
         log.warning("weights_not_packed", reason=repr(exc))
         return None
@@ -92,8 +92,19 @@ def _pack(linears: list[Any], torch: Any) -> str | None:
     return "column-major+packed"
 
 
-def _packed_linear(torch: Any, x: Any, packed_weight: Any, bias: Any) -> Any:
+def pack(weight: Any, torch: Any) -> Any:
+    """``weight`` (out x in, any dtype oneDNN takes: fp32, bf16) pre-packed by oneDNN for :func:`packed_linear`."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_HINT)
+
+
+def packed_linear(torch: Any, x: Any, packed_weight: Any, bias: Any) -> Any:
+    """``x @ weight.T + bias`` on a weight from :func:`pack`; ``x`` in the weight's dtype."""
     return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [None], "")
+
+
+def probe_rows(torch: Any, rows: int, features: int) -> Any:
+    """Fixed fp32 input rows for checking a kernel against the plain GEMM at load."""
+    return torch.linspace(-1.0, 1.0, rows * features).reshape(rows, features)
 
 
 @functools.cache
@@ -106,7 +117,7 @@ def packed_linear_class() -> type[Any]:
 
         def forward(self, x: Any) -> Any:
             if x.numel() // x.shape[-1] in PACKED_ROWS:
-                return _packed_linear(torch, x, self.packed_weight, self.bias)
+                return packed_linear(torch, x, self.packed_weight, self.bias)
             return torch.nn.functional.linear(x, self.weight, self.bias)
 
     return PackedLinear
