@@ -42,15 +42,6 @@ def sdpa_calls() -> None:
     import torch
     from transformers.integrations.sdpa_attention import repeat_kv
 
-    def step(rows: int, kv: int, requests: int) -> tuple[Any, ...]:
-        """Query, key, value (9 query heads, 3 KV heads, SmolLM2's) and a mask: ``requests`` side by side."""
-        query, key, value = torch.randn(1, 9, rows, 64), torch.randn(1, 3, kv, 64), torch.randn(1, 3, kv, 64)
-        mask = torch.full((rows, kv), torch.finfo(torch.float32).min)
-        for row in range(rows):
-            own = row * requests // rows
-            mask[row, own * kv // requests : (own + 1) * kv // requests] = 0
-        return query, key, value, mask[None, None]
-
     def micros(call: Callable[[], Any]) -> float:
         for _ in range(10):
             call()
@@ -62,14 +53,15 @@ def sdpa_calls() -> None:
     sdpa = torch.nn.functional.scaled_dot_product_attention
     print("| one SDPA call | heads copied, µs | heads in place, µs |")
     print("|---|---|---|")
+    streams = [(1, 80)] * 8  # a decode step: 8 streams, one new row each, 80 tokens of KV
     shapes = [
-        ("decode step, 8 streams of 80 tokens", 8, 640, 8),
-        ("decode step, 8 streams of 200 tokens", 8, 1600, 8),
-        ("a 37-token prompt beside 7 streams of 80", 37, 597, 8),
-        ("a 37-token prompt alone", 37, 37, 1),
+        ("decode step, 8 streams of 80 tokens", streams),
+        ("decode step, 8 streams of 200 tokens", [(1, 200)] * 8),
+        ("a 37-token prompt beside 7 streams of 80", [(37, 37), *streams[1:]]),
+        ("a 37-token prompt alone", [(37, 37)]),
     ]
-    for name, rows, kv, requests in shapes:
-        q, k, v, m = step(rows, kv, requests)
+    for name, requests in shapes:
+        q, k, v, m = attention.masked_step(torch, 9, 3, 64, requests)  # SmolLM2's heads
         copied = micros(lambda: sdpa(q, repeat_kv(k, 3), repeat_kv(v, 3), attn_mask=m))  # noqa: B023
         grouped = micros(lambda: sdpa(q, k, v, attn_mask=m, enable_gqa=True))  # noqa: B023
         print(f"| {name} | {copied:.0f} | {grouped:.0f} |")

@@ -46,16 +46,8 @@ def sdpa_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, bool]]:
 
 
 def step(kv_heads: int) -> tuple[Any, Any, Any, Any]:
-    """A batched step: two requests of 4 and 3 rows side by side, each seeing its own earlier rows only."""
-    generator = torch.Generator().manual_seed(1)
-    query = torch.randn(1, HEADS, 7, DIM, generator=generator)
-    key = torch.randn(1, kv_heads, 7, DIM, generator=generator)
-    value = torch.randn(1, kv_heads, 7, DIM, generator=generator)
-    allowed = torch.zeros(7, 7, dtype=torch.bool)
-    allowed[:4, :4] = torch.ones(4, 4, dtype=torch.bool).tril()
-    allowed[4:, 4:] = torch.ones(3, 3, dtype=torch.bool).tril()
-    mask = torch.zeros(7, 7).masked_fill(~allowed, torch.finfo(torch.float32).min)[None, None]
-    return query, key, value, mask
+    """A batched step: a prompt of 4 rows, and a stream's next row after 2 tokens, side by side."""
+    return attention.masked_step(torch, HEADS, kv_heads, DIM, [(4, 4), (1, 3)], seed=1)
 
 
 def test_group_marks_every_attention_module_and_becomes_transformers_sdpa() -> None:
@@ -77,14 +69,18 @@ def test_a_masked_step_reads_the_grouped_heads_in_place_and_gives_the_repeated_h
     setattr(module, attention.MARK, True)
     got, _ = attention.grouped_sdpa(module, *inputs, scaling=module.scaling)
     assert sdpa_calls[1:] == [(2, True)]
-    assert got.shape == (1, 7, HEADS, DIM)
+    assert got.shape == (1, 5, HEADS, DIM)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    # The second request's rows are its own attention alone: the mask kept the first one out.
+    # Each request's rows are its own attention alone: the mask kept the other one out.
     query, key, value, _ = inputs
-    alone, _ = attention.grouped_sdpa(
-        module, query[:, :, 4:], key[:, :, 4:], value[:, :, 4:], None, scaling=module.scaling, is_causal=True
+    first, _ = attention.grouped_sdpa(
+        module, query[:, :, :4], key[:, :, :4], value[:, :, :4], None, scaling=module.scaling, is_causal=True
     )
-    torch.testing.assert_close(got[:, 4:], alone, rtol=1e-5, atol=1e-6)
+    second, _ = attention.grouped_sdpa(
+        module, query[:, :, 4:], key[:, :, 4:], value[:, :, 4:], None, scaling=module.scaling
+    )
+    torch.testing.assert_close(got[:, :4], first, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got[:, 4:], second, rtol=1e-5, atol=1e-6)
 
 
 def test_the_calls_it_does_not_take_are_transformers_own(sdpa_calls: list[tuple[int, bool]]) -> None:

@@ -32,7 +32,7 @@ process, and it hands every call it does not take to the function it replaced.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import structlog
@@ -52,9 +52,12 @@ def group(model: Any, torch: Any) -> int:
     library = _install()
     probe = modules[0]
     try:
-        want = library(probe, *_probe_inputs(torch, probe), scaling=probe.scaling)[0]
+        groups, dim = probe.num_key_value_groups, probe.head_dim
+        kv_heads = probe.config.num_key_value_heads
+        step = masked_step(torch, kv_heads * groups, kv_heads, dim, [(3, 3), (1, 4), (2, 5)])
+        want = library(probe, *step, scaling=probe.scaling)[0]
         setattr(probe, MARK, True)
-        got = grouped_sdpa(probe, *_probe_inputs(torch, probe), scaling=probe.scaling)[0]
+        got = grouped_sdpa(probe, *step, scaling=probe.scaling)[0]
         agree = bool(torch.allclose(got, want, rtol=1e-4, atol=1e-5))
         reason = "SDPA over grouped heads disagrees with repeated heads"
     except (AttributeError, RuntimeError, TypeError) as exc:  # an attention module unlike Llama's, an old torch
@@ -70,20 +73,24 @@ def group(model: Any, torch: Any) -> int:
     return len(modules)
 
 
-def _probe_inputs(torch: Any, module: Any) -> tuple[Any, Any, Any, Any]:
-    """Query, key, value and mask of a step: two requests of 3 and 2 rows, each seeing its own rows only."""
-    groups = module.num_key_value_groups
-    dim = module.head_dim
-    kv_heads = module.config.num_key_value_heads
-    generator = torch.Generator().manual_seed(0)
-    query = torch.randn(1, kv_heads * groups, 5, dim, generator=generator)
-    key = torch.randn(1, kv_heads, 5, dim, generator=generator)
-    value = torch.randn(1, kv_heads, 5, dim, generator=generator)
-    allowed = torch.zeros(5, 5, dtype=torch.bool)
-    allowed[:3, :3] = torch.ones(3, 3, dtype=torch.bool).tril()
-    allowed[3:, 3:] = torch.ones(2, 2, dtype=torch.bool).tril()
-    mask = torch.zeros(5, 5).masked_fill(~allowed, torch.finfo(torch.float32).min)[None, None]
-    return query, key, value, mask
+def masked_step(
+    torch: Any, query_heads: int, kv_heads: int, dim: int, requests: Sequence[tuple[int, int]], seed: int = 0
+) -> tuple[Any, Any, Any, Any]:
+    """Random query, key and value of one batched step, and its mask, as continuous batching lays them out: the
+    ``requests`` side by side, each ``(new rows, KV length)``, each row seeing its own request's KV up to its own
+    position. For the probe at load, the tests and the benchmark."""
+    rows, length = sum(r for r, _ in requests), sum(k for _, k in requests)
+    generator = torch.Generator().manual_seed(seed)
+    query = torch.randn(1, query_heads, rows, dim, generator=generator)
+    key = torch.randn(1, kv_heads, length, dim, generator=generator)
+    value = torch.randn(1, kv_heads, length, dim, generator=generator)
+    allowed = torch.zeros(rows, length, dtype=torch.bool)
+    row = column = 0
+    for new, kv in requests:
+        allowed[row : row + new, column : column + kv] = torch.ones(new, kv, dtype=torch.bool).tril(kv - new)
+        row, column = row + new, column + kv
+    mask = torch.zeros(rows, length).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    return query, key, value, mask[None, None]
 
 
 def grouped_sdpa(
