@@ -5,18 +5,19 @@ takes them as they are (``enable_gqa=True``), but transformers' SDPA function us
 mask. A step of the batched engine always has one (the batch's requests, side by side in one sequence, must not see
 each other), so for every layer of every step transformers first copies each KV head once per query head of its
 group (``repeat_kv``), and SDPA then reads three times the KV. Measured on this machine (one thread, one SDPA call
-with the engine's mask, µs; ``/tmp`` script, run once):
+with the engine's mask, µs; ``benchmarks/grouped_attention.py``):
 
 =========================================== ============= ============
 call                                        heads copied  heads in place
 =========================================== ============= ============
-decode step, 8 streams of 80 tokens         568           171
-decode step, 8 streams of 200 tokens        1192          489
-a 37-token prompt beside 7 streams          993           619
-a 37-token prompt alone                     109           81
+decode step, 8 streams of 80 tokens         564           180
+decode step, 8 streams of 200 tokens        1170          468
+a 37-token prompt beside 7 streams of 80    1068          718
+a 37-token prompt alone                     117           88
 =========================================== ============= ============
 
-A decode step of 8 streams of 80 tokens calls it once a layer: 30 layers, 17 → 5 ms of a ~120 ms step.
+A decode step of 8 streams of 80 tokens calls it once a layer: 30 layers, 17 → 5 ms of a ~120 ms step; the
+engine's tokens/s at 8 streams, measured with the marks off and on: +5–9 %.
 
 :func:`group` marks a model's attention modules so that their masked calls of more than one query row go to SDPA
 with the grouped heads in place; every other call (one query row, no mask, a module not marked) is transformers'
