@@ -17,7 +17,7 @@ a 37-token prompt alone                     117           88
 =========================================== ============= ============
 
 A decode step of 8 streams of 80 tokens calls it once a layer: 30 layers, 17 → 5 ms of a ~120 ms step; the
-engine's tokens/s at 8 streams, measured with the marks off and on: +5–9 %.
+engine's tokens/s at 8 streams, measured with the marks off and on: +5-9 %.
 
 :func:`group` marks a model's attention modules so that their masked calls of more than one query row go to SDPA
 with the grouped heads in place; every other call (one query row, no mask, a module not marked) is transformers'
