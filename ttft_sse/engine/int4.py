@@ -138,6 +138,11 @@ def _row_hashes(matrix: npt.NDArray[np.float32]) -> npt.NDArray[np.uint64]:
     return hashes
 
 
+def _code_hashes(codes: Codes) -> npt.NDArray[np.uint64]:
+    """:func:`_row_hashes` of the weight ``codes`` give back, from the hashed columns' blocks only."""
+    return _row_hashes(codes.first(HASHED_COLUMNS).dense())
+
+
 @dataclass(frozen=True)
 class _Candidate:
     codes: Codes
@@ -153,7 +158,7 @@ def _index(stored: list[Codes]) -> dict[tuple[int, int], list[_Candidate]]:
     """The file's matrices by the fingerprint of their rows."""
     candidates: dict[tuple[int, int], list[_Candidate]] = {}
     for codes in stored:
-        candidate = _Candidate(codes, _row_hashes(codes.first(HASHED_COLUMNS).dense()))
+        candidate = _Candidate(codes, _code_hashes(codes))
         candidates.setdefault(_fingerprint(candidate.hashes), []).append(candidate)
     return candidates
 
@@ -198,7 +203,7 @@ def _load_cached(path: Path | None, layers: dict[str, Any]) -> dict[str, Codes] 
         if layer is None or tuple(layer.weight.shape) != codes.q.shape:
             return None
         want = _row_hashes(layer.weight.detach().numpy())
-        if not np.array_equal(want, _row_hashes(codes.first(HASHED_COLUMNS).dense())):
+        if not np.array_equal(want, _code_hashes(codes)):
             return None
     return found
 
@@ -263,8 +268,10 @@ def apply(model: Any, gguf_path: str | Path, torch: Any, *, cache: Path | None =
             changed.append(layer)
         with_codes = [layer for layer in changed if layer.codes is not None]
         if with_codes:
-            _check(with_codes[0], torch)
-            _check(next((layer for layer in changed if layer.codes is None), with_codes[0]), torch)
+            _check(with_codes[0], torch)  # both kernels: 8 rows take the codes, 9 the bf16 copy
+            without_codes = next((layer for layer in changed if layer.codes is None), None)
+            if without_codes is not None:  # a bf16 copy alone (the LM head)
+                _check(without_codes, torch)
             for layer in with_codes:
                 # Never read again, and not shared (a tied LM head has no codes): 424 MB for the bundled model.
                 layer.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
