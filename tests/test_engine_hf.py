@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from contextlib import aclosing
 from typing import Any
@@ -41,14 +42,17 @@ def test_model_info(engine: HFEngine) -> None:
     info = engine.info
     assert (info.name, info.device, info.dtype, info.threads) == ("SmolLM2-135M-Instruct", "cpu", "float32", 1)
     assert info.context_length == 8192
-    assert info.weights == "column-major+packed"
+    assert info.weights == "gguf-blocks"  # every linear layer on the block kernel (tests/test_engine_kernel.py)
 
 
-def test_linear_weights_are_stored_transposed_and_packed_for_small_batch_gemms(engine: HFEngine) -> None:
+def test_without_the_block_kernel_linear_weights_are_stored_transposed_and_packed(settings: Settings) -> None:
     import torch
 
     from ttft_sse.engine.weights import packed_linear_class
 
+    engine = HFEngine(dataclasses.replace(settings, gguf_kernel=False))
+    engine.load(StageClock())
+    assert engine.info.weights == "column-major+packed"
     model = engine.model
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     assert len(linears) == 30 * 7 + 1  # q, k, v, o, gate, up, down per layer, and the LM head

@@ -11,7 +11,8 @@ import pytest
 from structlog.testing import capture_logs
 
 from tests.test_engine_batched import collect, prompt_of
-from ttft_sse.engine import int4
+from tests.test_engine_codes import KINDS, quantised, write_gguf
+from ttft_sse.engine import codes, int4
 from ttft_sse.engine.base import SamplingParams
 from ttft_sse.engine.batched import BatchedEngine
 from ttft_sse.engine.hf import HFEngine
@@ -27,42 +28,6 @@ needs_kernel = pytest.mark.skipif(
     reason="the engine uses torch's CPU int4 kernel only with AVX-512",
 )
 
-KINDS = {"Q4_0": gguf.GGMLQuantizationType.Q4_0, "Q4_1": gguf.GGMLQuantizationType.Q4_1}
-
-
-def quantised(shape: tuple[int, int], kind: str, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """A random ``shape`` weight quantised by gguf's own quantiser: (raw blocks, gguf's dequantisation)."""
-    data = np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
-    blocks = gguf.quants.quantize(data, KINDS[kind])
-    return blocks, gguf.quants.dequantize(blocks, KINDS[kind]).astype(np.float32)
-
-
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
-def test_codes_give_back_the_weights_ggufs_own_dequantisation_gives(kind: str) -> None:
-    blocks, want = quantised((48, 96), kind)
-    codes = int4.decode(blocks, int(KINDS[kind]), (48, 96))
-    assert codes.q.shape == (48, 96) and int(codes.q.max()) <= 15
-    assert codes.scale.shape == codes.zero.shape == (48, 3)
-    assert codes.dense().tobytes() == want.tobytes()  # every bit, the sign of zero too
-    assert not np.any(codes.zero) if kind == "Q4_0" else np.any(codes.zero)
-
-
-@pytest.mark.parametrize("column", [5, 100], ids=["hashed-column", "column-past-the-hash"])
-def test_a_weight_is_matched_in_any_row_order_and_only_when_every_bit_agrees(column: int) -> None:
-    blocks, dense = quantised((64, 128), "Q4_1")
-    codes = int4.decode(blocks, int(KINDS["Q4_1"]), (64, 128))
-    candidates = int4._index([codes])
-    assert int4.HASHED_COLUMNS == 64  # column 5 changes the row's hash, column 100 only the full comparison
-
-    order = np.random.default_rng(1).permutation(64)
-    found = int4._match(dense[order], candidates)
-    assert found is not None and found.dense().tobytes() == dense[order].tobytes()
-
-    changed = dense.copy()
-    changed[3, column] = np.nextafter(changed[3, column], np.float32(np.inf))  # one bit off
-    assert int4._match(changed, candidates) is None
-    assert int4._match(np.zeros((64, 128), np.float32), candidates) is None
-
 
 def linear_of(blocks: np.ndarray, dense: np.ndarray, bias: Any = None) -> Any:
     out, inputs = dense.shape
@@ -71,7 +36,7 @@ def linear_of(blocks: np.ndarray, dense: np.ndarray, bias: Any = None) -> Any:
         layer.weight.copy_(torch.from_numpy(dense))
         if bias is not None:
             layer.bias.copy_(bias)
-    int4._attach(layer, int4.decode(blocks, int(KINDS["Q4_1"]), (out, inputs)), torch)
+    int4._attach(layer, codes.decode(blocks, int(KINDS["Q4_1"]), (out, inputs)), torch)
     return layer
 
 
@@ -107,19 +72,6 @@ def test_each_row_of_the_int4_result_is_the_same_bits_whatever_else_the_batch_ho
         alone = torch.cat([layer(x[i : i + 1]) for i in range(8)])
         for rows in (2, 3, 5, 8):
             assert torch.equal(layer(x[:rows]), alone[:rows]), rows
-
-
-def write_gguf(path: Path, tensors: dict[str, tuple[np.ndarray, str]]) -> None:
-    writer = gguf.GGUFWriter(str(path), "llama")
-    for name, (data, kind) in tensors.items():
-        if kind == "F32":
-            writer.add_tensor(name, data)
-        else:
-            writer.add_tensor(name, data, raw_dtype=KINDS[kind])  # the blocks: (out, bytes a row)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
 
 
 @needs_kernel
@@ -270,61 +222,3 @@ def tiny_q4_model(tmp_path: Path) -> tuple[Any, Path]:
     with torch.no_grad():
         model[0].weight.copy_(torch.from_numpy(dense[::-1].copy()))  # rows reordered
     return model, path
-
-
-@needs_kernel
-def test_the_codes_are_kept_for_the_next_start_which_does_not_read_the_file_again(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    first, path = tiny_q4_model(tmp_path)
-    cache = tmp_path / "converted" / int4.CACHE_FILE
-    cache.parent.mkdir()
-    x = torch.randn(3, 64)
-    assert int4.apply(first, path, torch, cache=cache) == 1
-    assert cache.is_file() and not list(cache.parent.glob("*.partial*"))
-
-    second, _ = tiny_q4_model(tmp_path)
-    monkeypatch.setattr(int4, "read", lambda _path: pytest.fail("the file was read again"))
-    assert int4.apply(second, path, torch, cache=cache) == 1
-    with torch.no_grad():
-        assert torch.equal(second(x), first(x))
-    assert torch.equal(second[0].codes, first[0].codes) and torch.equal(second[0].scales, first[0].scales)
-
-
-@needs_kernel
-def test_a_cache_that_no_longer_fits_the_weights_is_matched_again_and_rewritten(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    model, path = tiny_q4_model(tmp_path)
-    cache = tmp_path / int4.CACHE_FILE
-    assert int4.apply(model, path, torch, cache=cache) == 1
-
-    def flipped() -> Any:  # as if the loader now gave another row order
-        other, _ = tiny_q4_model(tmp_path)
-        with torch.no_grad():
-            other[0].weight.copy_(other[0].weight.flip(0))
-        return other
-
-    changed = flipped()
-    weight = changed[0].weight.detach().clone()
-    with capture_logs():
-        assert int4.apply(changed, path, torch, cache=cache) == 1
-    x = torch.randn(3, 64)
-    with torch.no_grad():
-        want = torch.nn.functional.linear(x.to(torch.bfloat16).float(), weight)
-        assert float((changed[0](x) - want).abs().max()) <= 1e-2 * float(want.abs().max())
-
-    again = flipped()
-    monkeypatch.setattr(int4, "read", lambda _path: pytest.fail("the rewritten cache was not used"))
-    with capture_logs():
-        assert int4.apply(again, path, torch, cache=cache) == 1
-    with torch.no_grad():
-        assert torch.equal(again(x), changed(x))
-
-
-def test_an_unreadable_cache_is_ignored_with_a_warning(tmp_path: Path) -> None:
-    cache = tmp_path / int4.CACHE_FILE
-    cache.write_bytes(b"not a zip")
-    with capture_logs() as logs:
-        assert int4._load_cached(cache, {}) is None
-    assert [entry["event"] for entry in logs] == ["int4_cache_unreadable"]

@@ -17,6 +17,7 @@ def test_environment_values_are_parsed_by_type() -> None:
         "TTFT_REDIS_URL": "",
         "TTFT_INT4_WEIGHTS": "true",
         "TTFT_GROUPED_ATTENTION": "off",
+        "TTFT_GGUF_KERNEL": "0",
     }
     s = Settings.from_env(env)
     assert (s.port, s.model, s.warmup, s.queue_timeout_seconds) == (9001, "/models/x.gguf", False, 2.5)
@@ -24,6 +25,7 @@ def test_environment_values_are_parsed_by_type() -> None:
     assert s.redis_url is None
     assert s.int4_weights is True and Settings().int4_weights is False
     assert s.grouped_attention is False and Settings().grouped_attention is True
+    assert s.gguf_kernel is False and Settings().gguf_kernel is True
 
 
 def test_cli_overrides_win_over_the_environment_and_none_means_not_given() -> None:

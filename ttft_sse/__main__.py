@@ -92,7 +92,14 @@ def _prepare(settings: Settings) -> int:
     from ttft_sse.stages import StageClock
 
     clock = StageClock()
-    location = models.materialize(models.resolve(settings.model), settings.cache_dir, clock)
+    source = models.resolve(settings.model)
+    location = models.materialize(source, settings.cache_dir, clock)
+    if source.kind == "gguf":
+        from ttft_sse.engine.hf import HFEngine
+
+        # Loaded once here too: on CPU that finds the file's blocks behind the layers and builds the block kernel
+        # (engine/codes.py, engine/kernel.py), both kept in the cache directory for the server's start.
+        HFEngine(settings).load(clock)
     structlog.get_logger("ttft_sse.prepare").info("prepared", model=settings.model, path=location, **clock.as_dict())
     print(location)
     return 0

@@ -47,8 +47,11 @@ class Settings:
     dtype: str = "auto"
     # fp32 on CPU: keep a oneDNN pre-packed copy of every linear weight for 2-32 rows (engine/weights.py).
     packed_weights: bool = True
-    # fp32 on CPU, a GGUF model: layers stored as Q4_0/Q4_1 run on torch's int4 kernel from the file's blocks
-    # (engine/int4.py).
+    # fp32 on CPU, a GGUF model: layers stored as Q4_0/Q4_1/Q8_0 run on the block kernel from the file's own
+    # blocks, in fp32 (engine/kernel.py).
+    gguf_kernel: bool = True
+    # fp32 on CPU, a GGUF model: layers stored as Q4_0/Q4_1 run on torch's int4 kernel from the file's blocks, in
+    # bf16 (engine/int4.py); before the block kernel when both are on.
     int4_weights: bool = False
     # On CPU: masked attention (the batched engine's steps) reads grouped KV heads in place (engine/attention.py).
     grouped_attention: bool = True

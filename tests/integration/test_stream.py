@@ -24,7 +24,7 @@ def test_readyz_reports_model_and_every_startup_stage(hf_server: str, client: ht
     body = client.get(f"{hf_server}/readyz").json()
     assert body["status"] == "ready"
     assert (body["model"], body["device"], body["dtype"]) == ("SmolLM2-135M-Instruct", "cpu", "float32")
-    assert body["weights"] == "column-major+packed"
+    assert body["weights"] == "gguf-blocks"
     startup = body["startup"]
     assert {"imports_ms", "tokenizer_ms", "model_ms", "warmup_ms", "total_ms"} <= set(startup)
     assert startup["warmup_ms"] > 0

@@ -94,7 +94,8 @@ class ModelInfo:
     context_length: int
     threads: int
     # How the weights are laid out for the kernels (shown by /readyz): "as loaded", "column-major",
-    # "column-major+packed" (engine/weights.py), or "int4+bf16-packed" (engine/int4.py).
+    # "column-major+packed" (engine/weights.py), "gguf-blocks" (engine/kernel.py; "gguf-blocks+column-major+packed"
+    # when some layers are not stored as blocks), or "int4+bf16-packed" (engine/int4.py).
     weights: str = "as loaded"
 
 

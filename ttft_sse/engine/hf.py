@@ -12,7 +12,7 @@ from typing import Any
 import structlog
 
 from ttft_sse.bridge import Emit, Workers
-from ttft_sse.engine import attention, int4, models, weights
+from ttft_sse.engine import attention, codes, int4, kernel, models, weights
 from ttft_sse.engine.base import (
     ChatMessage,
     Finished,
@@ -28,6 +28,9 @@ from ttft_sse.settings import Settings
 from ttft_sse.stages import StageClock
 
 log = structlog.get_logger("ttft_sse.engine")
+
+KERNEL_DIR = "kernels"
+"""Where in the cache directory the block kernel is built (engine/kernel.py)."""
 
 Item = Piece | Finished
 
@@ -130,22 +133,32 @@ class HFEngine:
     def _arrange(
         self, model: Any, torch: Any, source: models.ModelSource, location: str, *, on_cpu_in_fp32: bool
     ) -> str:
-        """Lay the weights out for the CPU kernels (engine/weights.py, engine/int4.py); returns the layout."""
+        """Lay the weights out for the CPU kernels (engine/kernel.py, engine/int4.py, engine/weights.py); returns
+        the layout."""
         settings = self._settings
-        int4_applies = on_cpu_in_fp32 and source.kind == "gguf"
-        if settings.int4_weights and not int4_applies:
+        codes_apply = on_cpu_in_fp32 and source.kind == "gguf"
+        if settings.int4_weights and not codes_apply:
             reason = "int4 codes are read from a GGUF file" if on_cpu_in_fp32 else "int4 codes are for fp32 on CPU"
             log.warning("weights_not_int4", reason=reason)
         if not on_cpu_in_fp32:
             return "as loaded"
-        cache = Path(location) / int4.CACHE_FILE  # for a GGUF, location is its converted directory
-        if settings.int4_weights and int4_applies and int4.apply(model, source.location, torch, cache=cache):
+        cache = Path(location) / codes.CACHE_FILE  # for a GGUF, location is its converted directory
+        if settings.int4_weights and codes_apply and int4.apply(model, source.location, torch, cache=cache):
             # Every linear layer now runs on int4 codes or a bf16 copy; arrange still copies the other tensors
             # out of the checkpoint's memory map.
             weights.arrange(model, torch, packed=False)
             layout = "int4+bf16-packed"
         else:
+            blocks = (
+                settings.gguf_kernel
+                and codes_apply
+                and kernel.apply(model, source.location, torch, directory=settings.cache_dir / KERNEL_DIR, cache=cache)
+            )
+            # The layers left (none of the bundled model's with the block kernel) get the fp32 layouts.
             layout = weights.arrange(model, torch, packed=settings.packed_weights)
+            if blocks:
+                plain = any(type(m) is torch.nn.Linear for m in model.modules())
+                layout = f"gguf-blocks+{layout}" if plain else "gguf-blocks"
         log.info("weights_arranged", layout=layout)
         return layout
 

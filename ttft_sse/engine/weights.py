@@ -52,7 +52,8 @@ def arrange(model: Any, torch: Any, *, packed: bool) -> str:
     1 396 MiB with only the linear weights copied, 883 MiB with everything copied (row-major and untouched: 401 MiB,
     ~900 MiB once requests have read every page).
     """
-    linears = [module for module in model.modules() if isinstance(module, torch.nn.Linear)]
+    # Plain linear layers only: a layer on codes (engine/kernel.py, engine/int4.py) reads no fp32 weight.
+    linears = [module for module in model.modules() if type(module) is torch.nn.Linear]
     layout = "column-major"
     if packed:
         layout = _pack(linears, torch) or layout

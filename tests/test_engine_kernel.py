@@ -1,0 +1,239 @@
+"""The block kernel: fp32 rows times a GGUF file's own blocks (engine/kernel.py, engine/kernel.c)."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from structlog.testing import capture_logs
+
+from tests.conftest import CACHE_DIR
+from tests.test_engine_batched import collect, prompt_of
+from tests.test_engine_codes import KINDS, quantised, write_gguf
+from ttft_sse.engine import codes, kernel
+from ttft_sse.engine.base import SamplingParams
+from ttft_sse.engine.batched import BatchedEngine
+from ttft_sse.engine.hf import KERNEL_DIR
+from ttft_sse.settings import Settings
+from ttft_sse.stages import StageClock
+
+torch = pytest.importorskip("torch")
+gguf = pytest.importorskip("gguf")
+
+DIRECTORY = CACHE_DIR / KERNEL_DIR  # the one the engine builds in: built once for the whole run
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Any:
+    """The kernel is applied only with one torch thread (as the suite's engines run)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def block_layer(kind: str, shape: tuple[int, int], seed: int = 0) -> tuple[Any, np.ndarray]:
+    """A linear layer on the kernel with a random ``shape`` weight quantised as ``kind``; and its fp32 weight."""
+    blocks, dense = quantised(shape, kind, seed)
+    layer = torch.nn.Linear(shape[1], shape[0], bias=False)
+    kernel._attach(
+        layer, codes.decode(blocks, int(KINDS[kind]), shape), kernel.function(kernel.build(DIRECTORY)), torch
+    )
+    return layer, dense
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 13])
+def test_the_kernel_gives_the_fp32_product_of_the_files_weights(kind: str, rows: int) -> None:
+    layer, dense = block_layer(kind, (38, 96))  # 38 outputs: tiles of 4 and two left over
+    x = torch.randn(rows, 96, dtype=torch.float64)
+    with torch.no_grad():
+        got = layer(x.float())
+    want = x @ torch.from_numpy(dense).double().T  # in fp64: the kernel's own rounding is all that differs
+    assert got.dtype == torch.float32 and got.shape == (rows, 38)
+    assert float((got.double() - want).abs().max()) <= 1e-5 * float(want.abs().max())
+
+
+def test_a_layer_keeps_its_input_shape_and_adds_its_bias() -> None:
+    layer, dense = block_layer("Q4_1", (40, 64))
+    layer.bias = torch.nn.Parameter(torch.linspace(-1, 1, 40), requires_grad=False)
+    x = torch.randn(2, 3, 64)  # [batch, tokens, features], as the model calls it
+    with torch.no_grad():
+        got = layer(x)
+    want = torch.nn.functional.linear(x, torch.from_numpy(dense), layer.bias)
+    assert got.shape == (2, 3, 40)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+def test_each_row_is_the_same_bits_whatever_else_the_call_holds(kind: str) -> None:
+    layer, _ = block_layer(kind, (70, 576))
+    x = torch.randn(20, 576)
+    with torch.no_grad():
+        alone = torch.cat([layer(x[i : i + 1]) for i in range(20)])
+        for count in range(2, 21):
+            assert torch.equal(layer(x[:count]), alone[:count]), count
+            assert torch.equal(layer(x[count - 2 : count]), alone[count - 2 : count]), count
+
+
+def tiny_model(tmp_path: Path, *, tied: bool = False) -> tuple[Any, Path]:
+    """Layers stored as Q4_1, Q8_0 and F32 in a file (the Q4_1 rows reordered, as transformers' loader does to
+    q and k); with ``tied``, an embedding sharing the Q8_0 layer's weight, as a tied LM head does."""
+    q4, dense_4 = quantised((96, 64), "Q4_1", seed=1)
+    q8, dense_8 = quantised((32, 96), "Q8_0", seed=2)
+    other = np.random.default_rng(3).standard_normal((16, 32)).astype(np.float32)
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, {"up": (q4, "Q4_1"), "head": (q8, "Q8_0"), "other": (other, "F32")})
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.Linear(96, 32), torch.nn.Linear(32, 16))
+    with torch.no_grad():
+        model[0].weight.copy_(torch.from_numpy(dense_4[::-1].copy()))
+        model[1].weight.copy_(torch.from_numpy(dense_8))
+        model[2].weight.copy_(torch.from_numpy(other))
+    if tied:
+        model.append(torch.nn.Embedding(32, 96))
+        model[3].weight = model[1].weight
+    return model, path
+
+
+def test_apply_puts_exactly_the_layers_the_file_holds_as_blocks_on_the_kernel(tmp_path: Path) -> None:
+    model, path = tiny_model(tmp_path)
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        want = model(x)
+    with capture_logs() as logs:
+        assert kernel.apply(model, path, torch, directory=DIRECTORY) == 2
+    assert {"event": "weights_blocks", "log_level": "info", "layers": 2, "q4": 1, "q8": 1} in logs
+    assert [type(layer).__name__ for layer in model] == ["BlockLinear", "BlockLinear", "Linear"]
+    assert [layer.weight.numel() for layer in model] == [0, 0, 16 * 32]  # fp32 weights on codes are dropped
+    with torch.no_grad():
+        got = model(x)
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_a_weight_another_module_shares_is_kept(tmp_path: Path) -> None:
+    model, path = tiny_model(tmp_path, tied=True)
+    with capture_logs():
+        assert kernel.apply(model, path, torch, directory=DIRECTORY) == 2
+    assert type(model[1]).__name__ == "BlockLinear"
+    assert model[1].weight is model[3].weight and model[3].weight.shape == (32, 96)  # the embedding still reads it
+    assert model[0].weight.numel() == 0
+
+
+def test_a_kernel_that_disagrees_puts_every_layer_back_as_it_was(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model, path = tiny_model(tmp_path)
+    real = kernel.function(kernel.build(DIRECTORY))
+    wrong = lambda x, m, k, c, bits, scale, zero, n, y: real(x, m, k, c, bits, scale, scale, n, y)  # noqa: E731
+    monkeypatch.setattr(kernel, "function", lambda _path: wrong)  # the scales taken for the zeros
+    with capture_logs() as logs:
+        assert kernel.apply(model, path, torch, directory=DIRECTORY) == 0
+    assert [type(layer) for layer in model] == [torch.nn.Linear] * 3
+    assert not hasattr(model[0], "codes") and model[0].weight.shape == (96, 64)
+    assert logs == [
+        {
+            "event": "weights_not_blocks",
+            "log_level": "warning",
+            "reason": "the block kernel disagrees with the fp32 GEMM at 1 rows",
+        }
+    ]
+
+
+def test_without_a_compiler_nothing_changes_and_the_log_says_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model, path = tiny_model(tmp_path)
+    monkeypatch.setattr(kernel.shutil, "which", lambda _name: None)
+    with capture_logs() as logs:
+        assert kernel.apply(model, path, torch, directory=tmp_path / "kernels") == 0
+    assert [type(layer) for layer in model] == [torch.nn.Linear] * 3
+    assert logs == [
+        {
+            "event": "weights_not_blocks",
+            "log_level": "warning",
+            "reason": "the kernel was not built: no C compiler (cc or gcc) on PATH",
+        }
+    ]
+
+
+def test_with_more_than_one_torch_thread_nothing_changes_and_the_log_says_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model, path = tiny_model(tmp_path)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
+    with capture_logs() as logs:
+        assert kernel.apply(model, path, torch, directory=DIRECTORY) == 0
+    assert [type(layer) for layer in model] == [torch.nn.Linear] * 3
+    assert logs == [
+        {
+            "event": "weights_not_blocks",
+            "log_level": "warning",
+            "reason": "the block kernel runs on one thread; torch has 4",
+        }
+    ]
+
+
+def test_a_source_that_does_not_compile_is_reported_with_the_compilers_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    source = tmp_path / "kernel.c"
+    source.write_text('#error "no such CPU"\n')
+    monkeypatch.setattr(kernel, "SOURCE", source)
+    with pytest.raises(RuntimeError, match=r"failed: .*error: #error \"no such CPU\""):
+        kernel.build(tmp_path / "kernels")
+    assert list((tmp_path / "kernels").iterdir()) == []  # no partial file left
+
+
+def test_the_kernel_is_built_once_for_a_source_and_cpu_then_loaded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    directory = tmp_path / "kernels"
+    with capture_logs() as logs:
+        built = kernel.build(directory)
+    assert built.parent == directory and built.name.startswith("blocks-") and built.suffix == ".so"
+    assert [entry["event"] for entry in logs] == ["kernel_built"]
+
+    def compile_again(*_args: Any, **_kwargs: Any) -> subprocess.CompletedProcess[str]:
+        raise AssertionError("compiled again")
+
+    monkeypatch.setattr(kernel.subprocess, "run", compile_again)
+    assert kernel.build(directory) == built
+    monkeypatch.setattr(kernel, "_cpu", lambda: b"flags : another cpu")
+    with pytest.raises(AssertionError, match="compiled again"):  # another CPU gets its own build
+        kernel.build(directory)
+
+
+async def test_the_bundled_model_runs_every_linear_layer_on_the_kernel(settings: Settings) -> None:
+    """The decoders' layers (Q4_1) and the LM head (Q8_0, tied to the embedding) all take the kernel; the answer
+    is right and each decode step goes through it."""
+    engine = BatchedEngine(settings)
+    with capture_logs() as logs:
+        engine.load(StageClock())
+    try:
+        model = engine.model
+        on_kernel = [m for m in model.modules() if isinstance(m, kernel.block_linear_class())]
+        assert len(on_kernel) == 7 * model.config.num_hidden_layers + 1  # q, k, v, o, gate, up, down; LM head
+        assert model.lm_head.bits == 8 and model.lm_head.weight is model.get_input_embeddings().weight
+        assert engine.info.weights == "gguf-blocks"
+        assert {"event": "weights_blocks", "log_level": "info", "layers": len(on_kernel), "q4": 210, "q8": 1} in logs
+        rows: list[int] = []
+        head: list[int] = []
+        q_proj = model.model.layers[0].self_attn.q_proj
+        hooks = [
+            q_proj.register_forward_hook(lambda _m, args, _out: rows.append(args[0].numel() // 576)),
+            model.lm_head.register_forward_hook(lambda _m, args, _out: head.append(args[0].numel() // 576)),
+        ]
+        text, finished = await collect(
+            engine.stream(prompt_of(engine, "What is the capital of France?"), SamplingParams(max_tokens=12))
+        )
+        for hook in hooks:
+            hook.remove()
+    finally:
+        await engine.close()
+    assert text == "The capital of France is Paris.", text
+    steps = finished.usage.completion_tokens
+    assert rows.count(1) == steps - 1 and len(rows) == steps  # the prompt's step, then one row a decode step
+    assert head == [1] * steps  # the LM head sees the last position of each step only

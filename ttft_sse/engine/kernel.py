@@ -1,0 +1,210 @@
+"""The block kernel: fp32 rows times linear weights kept in a GGUF file's own blocks, on CPU (``TTFT_GGUF_KERNEL``).
+
+transformers expands a GGUF's Q4_0/Q4_1/Q8_0 weights to fp32, and a decode step then reads 32 bits an input from
+memory. ``kernel.c`` multiplies fp32 rows by the file's codes instead (engine/codes.py: 4.5 to 8.5 bits an input).
+It expands each weight row, in a buffer that stays in the first-level cache, to exactly the fp32 values
+transformers' loader gives, and multiplies in fp32 with fused multiply-adds. Measured on this machine (one thread,
+AVX-512, ms for 30 weights of 576x1536 as many as a forward pass streams through, ``/tmp`` script, best of 5):
+
+====== ============ ================== ============
+rows   column-major oneDNN pre-packed  block kernel
+====== ============ ================== ============
+1      7.0          9.9                2.9
+8      18.9         12.5               5.4
+16     21.7         15.8               8.0
+37     23.9         23.2               16.2
+64     26.1         30.0               27.5
+====== ============ ================== ============
+
+The answers are the fp32 model's: the same weights and fp32 arithmetic, summed in another order than oneDNN's.
+And each row's result is the same bits whatever else the call holds (checked at load): a stream's answer does not
+depend on the batch it shares steps with, which oneDNN's GEMMs, whose blocking depends on the row count, do not
+promise.
+
+The kernel is C, built at the first start by the system's C compiler for this CPU (``-march=native``: AVX-512 or
+AVX2 with FMA) into the cache directory, named by a hash of the source, the flags, the compiler and the CPU's
+flags, and loaded with ctypes (which lets go of the GIL during a call). Without a compiler, on another CPU family,
+or if the kernel disagrees with the fp32 GEMM on a probe, the engine says why (``weights_not_blocks``) and keeps
+the fp32 layers. So it does with more than one torch thread (``TTFT_THREADS``): the kernel runs on one thread, and
+on several oneDNN's fp32 GEMMs compute a long prompt faster (a decode step, bound by the bytes it reads, would
+still gain).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import structlog
+
+from ttft_sse.engine import codes as gguf_codes
+from ttft_sse.engine import weights
+
+log = structlog.get_logger("ttft_sse.engine")
+
+SOURCE = Path(__file__).with_name("kernel.c")
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-std=c11", "-shared", "-fPIC")
+BUILD_SECONDS = 120
+PROBE_ROWS = (1, 7)
+"""Row counts the load probe checks: one, and one more than a tile of six."""
+
+
+def build(directory: Path) -> Path:
+    """The kernel compiled for this CPU in ``directory``, compiled now if it is not there yet. Raises ``OSError``
+    (``RuntimeError`` for a failed compile) with the reason."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise RuntimeError("no C compiler (cc or gcc) on PATH")
+    key = hashlib.sha256(
+        b"\0".join([SOURCE.read_bytes(), " ".join(FLAGS).encode(), os.path.realpath(compiler).encode(), _cpu()])
+    ).hexdigest()[:16]
+    target = directory / f"blocks-{key}.so"
+    if target.is_file():
+        return target
+    directory.mkdir(parents=True, exist_ok=True)
+    partial = directory / f".{target.name}.{os.getpid()}.partial"
+    try:
+        done = subprocess.run(
+            [compiler, *FLAGS, "-o", str(partial), str(SOURCE)], capture_output=True, text=True, timeout=BUILD_SECONDS
+        )
+        if done.returncode != 0:
+            lines = [line for line in done.stderr.splitlines() if "error" in line] or done.stderr.splitlines()
+            raise RuntimeError(f"{Path(compiler).name} failed: {lines[0] if lines else done.returncode}")
+        partial.replace(target)
+    except subprocess.TimeoutExpired as exc:
+        raise RuntimeError(f"{Path(compiler).name} took more than {BUILD_SECONDS} s") from exc
+    finally:
+        partial.unlink(missing_ok=True)
+    log.info("kernel_built", path=str(target))
+    return target
+
+
+def _cpu() -> bytes:
+    """The CPU's feature flags (a build for one CPU must not be loaded on another)."""
+    try:
+        with open("/proc/cpuinfo", "rb") as info:
+            return next((line for line in info if line.startswith(b"flags")), b"")
+    except OSError:
+        return os.uname().machine.encode()
+
+
+@functools.cache
+def function(path: Path) -> Any:
+    """``ttft_blocks_linear`` of the library at ``path``."""
+    fn = ctypes.CDLL(str(path)).ttft_blocks_linear
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    fn.argtypes = [ptr, i64, i64, ptr, ctypes.c_int, ptr, ptr, i64, ptr]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def apply(model: Any, gguf_path: str | Path, torch: Any, *, directory: Path, cache: Path | None = None) -> int:
+    """Make every fp32 linear layer of ``model`` whose weight the GGUF file at ``gguf_path`` holds as Q4_0, Q4_1 or
+    Q8_0 a ``BlockLinear`` on those codes, with the kernel built in ``directory``; the codes are kept in ``cache``
+    for the next start (engine/codes.py). Returns how many layers changed: 0, logged with the reason, when the
+    kernel cannot be built or disagrees with the fp32 GEMM on a probe (then nothing is changed).
+
+    A changed layer drops its fp32 weight unless another module shares it (a tied LM head's is the embedding's).
+    Nothing changes either when torch runs on more than one thread: the kernel runs on one, and oneDNN's fp32
+    GEMMs on all of them are faster for prompts."""
+    threads = torch.get_num_threads()
+    if threads > 1:
+        log.warning("weights_not_blocks", reason=f"the block kernel runs on one thread; torch has {threads}")
+        return 0
+    try:
+        kernel = function(build(directory))
+    except (OSError, RuntimeError) as exc:
+        log.warning("weights_not_blocks", reason=f"the kernel was not built: {exc}")
+        return 0
+    layers = {
+        name: m
+        for name, m in model.named_modules()
+        if type(m) is torch.nn.Linear and m.weight.dtype == torch.float32 and m.in_features % gguf_codes.BLOCK == 0
+    }
+    found = gguf_codes.of_layers(layers, gguf_path, cache)
+    if not found:
+        log.warning("weights_not_blocks", reason="no linear weight of the model is stored as Q4_0, Q4_1 or Q8_0")
+        return 0
+    changed = [layers[name] for name in found]
+    for name, layer in zip(found, changed, strict=True):
+        _attach(layer, found[name], kernel, torch)
+    try:
+        for bits in sorted({codes.bits for codes in found.values()}):
+            _check(next(layer for layer in changed if layer.bits == bits), torch)
+    except RuntimeError as exc:
+        for layer in changed:  # back to the plain fp32 layers they were
+            layer.__class__ = torch.nn.Linear
+            del layer.codes, layer.scales, layer.zeros, layer.bits, layer.kernel
+        log.warning("weights_not_blocks", reason=str(exc))
+        return 0
+    shared = {id(p) for m in model.modules() if type(m) is not type(changed[0]) for p in m.parameters(recurse=False)}
+    for layer in changed:
+        if id(layer.weight) not in shared:  # never read again: 424 MB for the bundled model
+            layer.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+    counts = {bits: sum(codes.bits == bits for codes in found.values()) for bits in (4, 8)}
+    log.info("weights_blocks", layers=len(changed), q4=counts[4], q8=counts[8])
+    return len(changed)
+
+
+def _check(layer: Any, torch: Any) -> None:
+    """The layer against the fp32 GEMM, and each row of a call against the same row alone (bit for bit)."""
+    for count in PROBE_ROWS:
+        rows = weights.probe_rows(torch, count, layer.in_features)
+        with torch.no_grad():
+            want = torch.nn.functional.linear(rows, layer.weight, layer.bias)
+            got = layer(rows)
+            alone = torch.cat([layer(rows[i : i + 1]) for i in range(count)])
+        if float((got - want).abs().max()) > 1e-4 * max(1.0, float(want.abs().max())):
+            raise RuntimeError(f"the block kernel disagrees with the fp32 GEMM at {count} rows")
+        if not torch.equal(got, alone):
+            raise RuntimeError(f"the block kernel's rows depend on the other rows at {count} rows")
+
+
+def _attach(layer: Any, codes: gguf_codes.Codes, kernel: Any, torch: Any) -> None:
+    layer.codes = torch.from_numpy(np.ascontiguousarray(codes.packed()))
+    layer.scales = torch.from_numpy(np.ascontiguousarray(codes.scale, dtype=np.float32))
+    layer.zeros = torch.from_numpy(np.ascontiguousarray(codes.zero, dtype=np.float32))
+    layer.bits = codes.bits
+    layer.kernel = kernel
+    layer.__class__ = block_linear_class()
+
+
+@functools.cache
+def block_linear_class() -> type[Any]:
+    """``torch.nn.Linear`` computed by the block kernel from its codes (fp32 in, fp32 out)."""
+    import torch
+
+    class BlockLinear(torch.nn.Linear):  # type: ignore[misc]
+        codes: Any
+        scales: Any
+        zeros: Any
+        bits: int
+        kernel: Any
+
+        def forward(self, x: Any) -> Any:
+            rows = x.reshape(-1, self.in_features).to(torch.float32).contiguous()
+            y = torch.empty(rows.shape[0], self.out_features)
+            status = self.kernel(
+                rows.data_ptr(),
+                rows.shape[0],
+                self.in_features,
+                self.codes.data_ptr(),
+                self.bits,
+                self.scales.data_ptr(),
+                self.zeros.data_ptr(),
+                self.out_features,
+                y.data_ptr(),
+            )
+            if status != 0:
+                raise MemoryError("the block kernel could not allocate its buffer")
+            y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+            return y if self.bias is None else y + self.bias
+
+    return BlockLinear
