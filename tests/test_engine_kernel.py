@@ -35,20 +35,31 @@ def one_thread() -> Any:
     torch.set_num_threads(before)
 
 
-def block_layer(kind: str, shape: tuple[int, int], seed: int = 0) -> tuple[Any, np.ndarray]:
-    """A linear layer on the kernel with a random ``shape`` weight quantised as ``kind``; and its fp32 weight."""
-    blocks, dense = quantised(shape, kind, seed)
+def block_layer(kind: str, shape: tuple[int, int], library: Path | None = None) -> tuple[Any, np.ndarray]:
+    """A linear layer on the kernel (``library``, else this CPU's build) with a random ``shape`` weight quantised as
+    ``kind``; and its fp32 weight."""
+    blocks, dense = quantised(shape, kind)
     layer = torch.nn.Linear(shape[1], shape[0], bias=False)
-    kernel._attach(
-        layer, codes.decode(blocks, int(KINDS[kind]), shape), kernel.function(kernel.build(DIRECTORY)), torch
-    )
+    built = kernel.function(library or kernel.build(DIRECTORY))
+    kernel._attach(layer, codes.decode(blocks, int(KINDS[kind]), shape), built, torch)
     return layer, dense
 
 
+@pytest.fixture(scope="module")
+def avx2_build(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The kernel's AVX2 side, built without AVX-512 (what a CPU without it gets)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(kernel, "FLAGS", (*kernel.FLAGS, "-mno-avx512f"))
+        return kernel.build(tmp_path_factory.mktemp("avx2"))
+
+
+@pytest.mark.parametrize("build", ["native", "avx2"])
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
 @pytest.mark.parametrize("rows", [1, 5, 6, 7, 13])
-def test_the_kernel_gives_the_fp32_product_of_the_files_weights(kind: str, rows: int) -> None:
-    layer, dense = block_layer(kind, (38, 96))  # 38 outputs: tiles of 4 and two left over
+def test_the_kernel_gives_the_fp32_product_of_the_files_weights(
+    kind: str, rows: int, build: str, avx2_build: Path
+) -> None:
+    layer, dense = block_layer(kind, (38, 96), avx2_build if build == "avx2" else None)  # 38 outputs: 9 x 4 + 2
     x = torch.randn(rows, 96, dtype=torch.float64)
     with torch.no_grad():
         got = layer(x.float())
@@ -68,9 +79,10 @@ def test_a_layer_keeps_its_input_shape_and_adds_its_bias() -> None:
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("build", ["native", "avx2"])
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
-def test_each_row_is_the_same_bits_whatever_else_the_call_holds(kind: str) -> None:
-    layer, _ = block_layer(kind, (70, 576))
+def test_each_row_is_the_same_bits_whatever_else_the_call_holds(kind: str, build: str, avx2_build: Path) -> None:
+    layer, _ = block_layer(kind, (70, 576), avx2_build if build == "avx2" else None)
     x = torch.randn(20, 576)
     with torch.no_grad():
         alone = torch.cat([layer(x[i : i + 1]) for i in range(20)])
@@ -122,58 +134,40 @@ def test_a_weight_another_module_shares_is_kept(tmp_path: Path) -> None:
     assert model[0].weight.numel() == 0
 
 
-def test_a_kernel_that_disagrees_puts_every_layer_back_as_it_was(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    model, path = tiny_model(tmp_path)
+def wrong_zeros(monkeypatch: pytest.MonkeyPatch) -> None:
     real = kernel.function(kernel.build(DIRECTORY))
     wrong = lambda x, m, k, c, bits, scale, zero, n, y: real(x, m, k, c, bits, scale, scale, n, y)  # noqa: E731
     monkeypatch.setattr(kernel, "function", lambda _path: wrong)  # the scales taken for the zeros
+
+
+def no_compiler(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kernel.shutil, "which", lambda _name: None)
+    monkeypatch.setattr(kernel.Path, "is_file", lambda _path: False)  # not even a build from an earlier run
+
+
+def four_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
+
+
+@pytest.mark.parametrize(
+    ("cause", "reason"),
+    [
+        (wrong_zeros, "the block kernel disagrees with the fp32 GEMM at 1 rows"),
+        (no_compiler, "the kernel was not built: no C compiler (cc or gcc) on PATH"),
+        (four_threads, "the block kernel runs on one thread; torch has 4"),
+    ],
+    ids=["kernel-disagrees", "no-compiler", "four-threads"],
+)
+def test_where_the_kernel_cannot_serve_every_layer_stays_as_it_was_and_the_log_says_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cause: Any, reason: str
+) -> None:
+    model, path = tiny_model(tmp_path)
+    cause(monkeypatch)
     with capture_logs() as logs:
         assert kernel.apply(model, path, torch, directory=DIRECTORY) == 0
     assert [type(layer) for layer in model] == [torch.nn.Linear] * 3
     assert not hasattr(model[0], "codes") and model[0].weight.shape == (96, 64)
-    assert logs == [
-        {
-            "event": "weights_not_blocks",
-            "log_level": "warning",
-            "reason": "the block kernel disagrees with the fp32 GEMM at 1 rows",
-        }
-    ]
-
-
-def test_without_a_compiler_nothing_changes_and_the_log_says_why(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    model, path = tiny_model(tmp_path)
-    monkeypatch.setattr(kernel.shutil, "which", lambda _name: None)
-    with capture_logs() as logs:
-        assert kernel.apply(model, path, torch, directory=tmp_path / "kernels") == 0
-    assert [type(layer) for layer in model] == [torch.nn.Linear] * 3
-    assert logs == [
-        {
-            "event": "weights_not_blocks",
-            "log_level": "warning",
-            "reason": "the kernel was not built: no C compiler (cc or gcc) on PATH",
-        }
-    ]
-
-
-def test_with_more_than_one_torch_thread_nothing_changes_and_the_log_says_why(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    model, path = tiny_model(tmp_path)
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
-    with capture_logs() as logs:
-        assert kernel.apply(model, path, torch, directory=DIRECTORY) == 0
-    assert [type(layer) for layer in model] == [torch.nn.Linear] * 3
-    assert logs == [
-        {
-            "event": "weights_not_blocks",
-            "log_level": "warning",
-            "reason": "the block kernel runs on one thread; torch has 4",
-        }
-    ]
+    assert logs == [{"event": "weights_not_blocks", "log_level": "warning", "reason": reason}]
 
 
 def test_a_source_that_does_not_compile_is_reported_with_the_compilers_error(

@@ -15,6 +15,12 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+/* The sum of 4 lanes, in a fixed order. */
+static inline float sum4(__m128 s) {
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
+}
+
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
 #define WIDTH 16
 typedef __m512 vec;
@@ -23,9 +29,7 @@ typedef __m512 vec;
 #define ZERO _mm512_setzero_ps
 static inline float lanes_sum(vec v) {
     __m256 half = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
+    return sum4(_mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1)));
 }
 /* 16 signed codes to (q * scale) + zero. */
 static inline void store16(float *out, __m128i q, float scale, float zero) {
@@ -39,9 +43,7 @@ typedef __m256 vec;
 #define FMA _mm256_fmadd_ps
 #define ZERO _mm256_setzero_ps
 static inline float lanes_sum(vec v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
+    return sum4(_mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1)));
 }
 static inline void store8(float *out, __m128i q, __m256 scale, __m256 zero) {
     __m256 w = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), scale);

@@ -4,17 +4,20 @@ transformers expands a GGUF's Q4_0/Q4_1/Q8_0 weights to fp32, and a decode step 
 memory. ``kernel.c`` multiplies fp32 rows by the file's codes instead (engine/codes.py: 4.5 to 8.5 bits an input).
 It expands each weight row, in a buffer that stays in the first-level cache, to exactly the fp32 values
 transformers' loader gives, and multiplies in fp32 with fused multiply-adds. Measured on this machine (one thread,
-AVX-512, ms for 30 weights of 576x1536 as many as a forward pass streams through, ``/tmp`` script, best of 5):
+AVX-512, ms for 30 weights of 576x1536 as many as a forward pass streams through, ``/tmp`` script, best of 7;
+oneDNN: the pre-packed copy for 2-32 rows, column-major otherwise, as engine/weights.py lays them out):
 
-====== ============ ================== ============
-rows   column-major oneDNN pre-packed  block kernel
-====== ============ ================== ============
-1      7.0          9.9                2.9
-8      18.9         12.5               5.4
-16     21.7         15.8               8.0
-37     23.9         23.2               16.2
-64     26.1         30.0               27.5
-====== ============ ================== ============
+====== ================ ============
+rows   oneDNN, fp32     block kernel
+====== ================ ============
+1      6.5              2.8
+8      13.0             4.7
+32     20.0             14.7
+128    47.5             52.4
+400    142.1            183.6
+====== ================ ============
+
+Decode steps and short prompts gain; long prompts lose up to ~30 %, where both are near the core's fp32 peak.
 
 The answers are the fp32 model's: the same weights and fp32 arithmetic, summed in another order than oneDNN's.
 And each row's result is the same bits whatever else the call holds (checked at load): a stream's answer does not
