@@ -74,8 +74,8 @@ class Codes:
             return cls(packed.view(np.int8), scale, zero, bits)
         out = packed.shape[0]
         halves = packed.reshape(out, -1, 1, BLOCK // 2)
-        q = np.concatenate([halves & 0x0F, halves >> 4], axis=2).reshape(out, -1).astype(np.int8) - 8
-        return cls(q.astype(np.int8), scale, zero, bits)
+        q = np.concatenate([halves & 0x0F, halves >> 4], axis=2).reshape(out, -1).astype(np.int8) - np.int8(8)
+        return cls(q, scale, zero, bits)
 
     def rows(self, order: npt.NDArray[np.intp]) -> Codes:
         return Codes(self.q[order], self.scale[order], self.zero[order], self.bits)
@@ -102,8 +102,8 @@ def decode(blocks: npt.NDArray[np.uint8], kind: int, shape: tuple[int, int]) -> 
     else:
         packed = raw[..., 2:]
     # Low nibbles hold a block's first 16 inputs, high nibbles its last 16.
-    q = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).reshape(out, inputs).astype(np.int8) - 8
-    return Codes(q.astype(np.int8), d, zero, 4)
+    q = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).reshape(out, inputs).astype(np.int8) - np.int8(8)
+    return Codes(q, d, zero, 4)
 
 
 def read(path: str | Path) -> list[Codes]:

@@ -56,7 +56,7 @@ SOURCE = Path(__file__).with_name("kernel.c")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-std=c11", "-shared", "-fPIC")
 BUILD_SECONDS = 120
 PROBE_ROWS = (1, 7)
-"""Row counts the load probe checks: one, and one more than a tile of six."""
+"""Row counts the load probe checks: one, and seven (two tiles of rows in kernel.c: 4 + 3)."""
 
 
 def build(directory: Path) -> Path:
@@ -147,7 +147,8 @@ def apply(model: Any, gguf_path: str | Path, torch: Any, *, directory: Path, cac
             del layer.codes, layer.scales, layer.zeros, layer.bits, layer.kernel
         log.warning("weights_not_blocks", reason=str(exc))
         return 0
-    shared = {id(p) for m in model.modules() if type(m) is not type(changed[0]) for p in m.parameters(recurse=False)}
+    others = (m for m in model.modules() if not isinstance(m, block_linear_class()))
+    shared = {id(p) for m in others for p in m.parameters(recurse=False)}
     for layer in changed:
         if id(layer.weight) not in shared:  # never read again: 424 MB for the bundled model
             layer.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
