@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import structlog
 
 from ttft_sse.engine import codes as gguf_codes
@@ -55,8 +56,9 @@ log = structlog.get_logger("ttft_sse.engine")
 SOURCE = Path(__file__).with_name("kernel.c")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-std=c11", "-shared", "-fPIC")
 BUILD_SECONDS = 120
-PROBE_ROWS = (1, 7)
-"""Row counts the load probe checks: one, and seven (two tiles of rows in kernel.c: 4 + 3)."""
+PROBE_ROWS = (1, 9)
+"""Row counts the load probe checks: one (codes expanded in registers) and nine (expanded panels reused by tiles
+of rows)."""
 
 
 def build(directory: Path) -> Path:
@@ -171,10 +173,36 @@ def _check(layer: Any, torch: Any) -> None:
             raise RuntimeError(f"the block kernel's rows depend on the other rows at {count} rows")
 
 
+PANEL = 16
+"""Outputs a panel of kernel.c's layout."""
+
+
+def panels(codes: gguf_codes.Codes) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.float32], npt.NDArray[np.float32]]:
+    """``codes`` in kernel.c's layout: panels of :data:`PANEL` outputs (the last one padded with zero weights), the
+    codes of each input's 16 outputs side by side (4-bit ones two inputs a byte, plus 8), and a block's 16 scales
+    and zeros likewise."""
+    out, inputs = codes.q.shape
+    padded = -(-out // PANEL) * PANEL
+    q = np.zeros((padded, inputs), np.int8)
+    q[:out] = codes.q
+    q = q.reshape(padded // PANEL, PANEL, inputs).transpose(0, 2, 1)  # panels x inputs x 16
+    if codes.bits == 4:
+        unsigned = (q.astype(np.int16) + 8).astype(np.uint8)
+        packed = unsigned[:, 0::2] | (unsigned[:, 1::2] << 4)
+    else:
+        packed = q.view(np.uint8)
+
+    def by_panel(per_block: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
+        full = np.zeros((padded, per_block.shape[1]), np.float32)
+        full[:out] = per_block
+        return np.ascontiguousarray(full.reshape(padded // PANEL, PANEL, -1).transpose(0, 2, 1))
+
+    return np.ascontiguousarray(packed), by_panel(codes.scale), by_panel(codes.zero)
+
+
 def _attach(layer: Any, codes: gguf_codes.Codes, kernel: Any, torch: Any) -> None:
-    layer.codes = torch.from_numpy(np.ascontiguousarray(codes.packed()))
-    layer.scales = torch.from_numpy(np.ascontiguousarray(codes.scale, dtype=np.float32))
-    layer.zeros = torch.from_numpy(np.ascontiguousarray(codes.zero, dtype=np.float32))
+    packed, scales, zeros = panels(codes)
+    layer.codes, layer.scales, layer.zeros = (torch.from_numpy(a) for a in (packed, scales, zeros))
     layer.bits = codes.bits
     layer.kernel = kernel
     layer.__class__ = block_linear_class()
