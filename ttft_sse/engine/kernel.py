@@ -1,23 +1,25 @@
 """The block kernel: fp32 rows times linear weights kept in a GGUF file's own blocks, on CPU (``TTFT_GGUF_KERNEL``).
 
 transformers expands a GGUF's Q4_0/Q4_1/Q8_0 weights to fp32, and a decode step then reads 32 bits an input from
-memory. ``kernel.c`` multiplies fp32 rows by the file's codes instead (engine/codes.py: 4.5 to 8.5 bits an input).
-It expands each weight row, in a buffer that stays in the first-level cache, to exactly the fp32 values
-transformers' loader gives, and multiplies in fp32 with fused multiply-adds. Measured on this machine (one thread,
-AVX-512, ms for 30 weights of 576x1536 as many as a forward pass streams through, ``/tmp`` script, best of 7;
-oneDNN: the pre-packed copy for 2-32 rows, column-major otherwise, as engine/weights.py lays them out):
+memory. ``kernel.c`` multiplies fp32 rows by the file's codes instead (engine/codes.py: 4.5 to 8.5 bits an input),
+laid out by :func:`panels` in panels of 16 outputs. For each input it expands a panel's 16 codes to exactly the
+fp32 weights transformers' loader gives and multiplies them into 16 outputs with one fused multiply-add, input
+after input. Measured on this machine (one thread, AVX-512, ms for 30 weights of 576x1536 as many as a forward
+pass streams through, ``/tmp`` script, best of 3x7; oneDNN: the pre-packed copy for 2-32 rows, column-major
+otherwise, as engine/weights.py lays them out; the first version of the kernel summed each output across vector
+lanes):
 
-====== ================ ============
-rows   oneDNN, fp32     block kernel
-====== ================ ============
-1      6.5              2.8
-8      13.0             4.7
-32     20.0             14.7
-128    47.5             52.4
-400    142.1            183.6
-====== ================ ============
+====== ================ ============= ============
+rows   oneDNN, fp32     first version block kernel
+====== ================ ============= ============
+1      5.7              2.6           2.1
+8      9.7              4.6           3.9
+32     19.9             14.6          14.2
+128    55.0             60.2          56.8
+400    193.4            232.8         214.1
+====== ================ ============= ============
 
-Decode steps and short prompts gain; long prompts lose up to ~30 %, where both are near the core's fp32 peak.
+Decode steps and short prompts gain; long prompts lose up to ~10 %, where both are near the core's fp32 peak.
 
 The answers are the fp32 model's: the same weights and fp32 arithmetic, summed in another order than oneDNN's.
 And each row's result is the same bits whatever else the call holds (checked at load): a stream's answer does not
