@@ -10,19 +10,19 @@
    Each input's 16 weights of a panel are expanded to fp32 (the values transformers' loader gives: q * scale, then
    + zero) and multiplied into 16 outputs at once: out[n] = fma(x[k], w[k][n], out[n]) for k = 0, 1, ..., K-1, from
    zero. That chain is the same whatever M is and wherever a row falls, so a row's result does not depend on the
-   other rows of the call (a stream's answer does not depend on its batch). A tile of rows (up to 8 x 48 outputs with
-   AVX-512, 4 x 16 with AVX2) expands the codes in registers for all its rows at once, up to 16 rows in all; more
-   rows reuse expanded panels from a buffer. Both give the same bits. Built with
-   -ffp-contract=off: only the written fused multiply-adds fuse. */
+   other rows of the call (a stream's answer does not depend on its batch). A tile of rows (up to 8 rows x 48
+   outputs with AVX-512, 4 x 16 with AVX2) expands the codes in registers for all its rows at once, in calls of up
+   to FUSED_ROWS rows; longer calls expand the panels into a buffer once and reuse them for every tile. Both give the
+   same bits. Built with -ffp-contract=off: only the written fused multiply-adds fuse. */
 
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#define P 16     /* outputs a panel */
-#define FUSED_ROWS 16 /* up to this many rows, every tile expands the codes in registers (measured best) */
-#define BLOCK 32 /* inputs a block */
+#define P 16          /* outputs a panel */
+#define BLOCK 32      /* inputs a block */
+#define FUSED_ROWS 16 /* calls of up to this many rows expand the codes in registers in every tile (measured) */
 
 #if defined(__AVX512F__)
 /* 16 outputs in one register; tiles of up to 8 rows x 3 panels: 24 accumulators. */
