@@ -16,8 +16,10 @@ How a job survives its worker (Celery semantics first, our record second):
   (written every lease/4 s while a job runs) is stale, so the new worker takes it over. Until then a reader
   sees a stale job as ``queued``, with a note, not as ``running``.
 * every state change is a compare-and-set in Lua; writes from an attempt are fenced by its attempt number, so a
-  superseded attempt can change nothing (and stops itself at its next heartbeat). A restored duplicate of a job
-  whose heartbeat is fresh is dropped: the live attempt still holds the original message.
+  superseded attempt can change nothing (and stops itself at its next heartbeat). A restored message whose job's
+  heartbeat is still fresh is not dropped but retried a lease later, again until the job ends or is taken over: the
+  attempt may be alive (and hold the original message), or its worker may have died less than a lease ago, which
+  happens when it dies more than one lease after taking the message (the visibility timeout runs from delivery).
 * a job whose worker is lost ``TTFT_JOB_ATTEMPTS`` times ends ``failed`` with that reason, instead of killing
   workers forever.
 """
@@ -487,7 +489,13 @@ def run_worker(settings: Settings, *, concurrency: int) -> int:
     def run_job(task: Any, job_id: str) -> str:
         if _runner is None:
             raise RuntimeError("this worker process has no model; see the start-up error above")
-        return _runner.run(job_id)
+        outcome = _runner.run(job_id)
+        if outcome == "busy":
+            # A job whose heartbeat is fresh. Its attempt may be alive, or it may have just died with this
+            # (restored) message the only one left: look again once the lease has run out, until the job ends or
+            # is taken over. Dropping it lost the job of a worker killed 1-2 leases after taking the message.
+            raise task.retry(countdown=settings.job_lease_seconds, max_retries=None)
+        return outcome
 
     app.task(name=TASK, bind=True, Request=_make_request_class(), ignore_result=True)(run_job)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -29,7 +30,7 @@ from tests.processes import Proc, redis_server, start_worker, wait_until, wait_w
 from tests.servers import running
 from ttft_sse.app import create_app
 from ttft_sse.engine.fake import FakeEngine
-from ttft_sse.redis_jobs import key_of
+from ttft_sse.redis_jobs import QUEUE, TASK, celery_app, key_of
 from ttft_sse.settings import Settings
 
 LEASE = 3  # seconds without a heartbeat before a running job counts as abandoned (visibility timeout: 6 s)
@@ -44,6 +45,7 @@ class Cluster:
     two: str
     workers: list[Proc]
     redis: redis.Redis
+    url: str
 
     def submit(self) -> str:
         response = httpx.post(f"{self.one}/jobs", json=BODY)
@@ -87,7 +89,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             ):
                 for worker in workers:
                     wait_worker_ready(worker)
-                yield Cluster(one, two, workers, client)
+                yield Cluster(one, two, workers, client, url)
         finally:
             for worker in workers:
                 worker.stop()
@@ -145,3 +147,34 @@ def test_a_job_whose_whole_worker_is_killed_is_taken_over_by_another_worker(
     assert "queued" in seen  # while abandoned, readers were told it waits for a worker
     survivor = next(w for w in cluster.workers if w is not owner)
     assert survivor.alive()
+
+
+def test_a_message_that_finds_its_job_running_with_a_fresh_heartbeat_is_looked_at_again_not_dropped(
+    cluster: Cluster, reference: dict[str, Any]
+) -> None:
+    """The only message left of a job whose attempt died less than a lease ago: what a worker killed between one
+    and two leases after taking the message leaves (the broker restores the message two leases after delivery).
+    The worker that gets it finds the heartbeat fresh; it must look again, and run the job once the heartbeat is
+    stale, not drop the message (the job was lost that way, once in CI)."""
+    job_id = cluster.submit()
+    cluster.until(job_id, "the job to end", lambda v: v["status"] in FINAL)
+    key = key_of(job_id)
+    # As the record of an attempt that died a moment ago looks: running, a fresh heartbeat, no message left.
+    cluster.redis.hdel(key, "result", "finished", "note")
+    beat = str(time.time())
+    cluster.redis.hset(
+        key, mapping={"status": "running", "attempts": 1, "heartbeat": beat, "worker": "gone", "tokens": 0}
+    )
+    celery_app(Settings(redis_url=cluster.url, job_lease_seconds=LEASE)).send_task(TASK, args=[job_id], queue=QUEUE)
+
+    done = cluster.until(job_id, "the job to be run again", lambda v: v["status"] in FINAL, timeout=60)
+    assert (done["status"], done["attempts"]) == ("done", 2)
+    assert done["note"] == "attempt 1 stopped sending heartbeats; it was run again"
+    assert done["text"] == reference["text"]
+    skipped = [
+        line
+        for worker in cluster.workers
+        for line in worker.log().splitlines()
+        if '"job_skipped"' in line and job_id in line
+    ]
+    assert skipped and all('"outcome": "busy"' in line for line in skipped), skipped  # found busy first, then retried
