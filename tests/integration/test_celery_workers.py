@@ -14,6 +14,7 @@ What a killed worker leads to, asserted below:
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -171,10 +172,7 @@ def test_a_message_that_finds_its_job_running_with_a_fresh_heartbeat_is_looked_a
     assert (done["status"], done["attempts"]) == ("done", 2)
     assert done["note"] == "attempt 1 stopped sending heartbeats; it was run again"
     assert done["text"] == reference["text"]
-    skipped = [
-        line
-        for worker in cluster.workers
-        for line in worker.log().splitlines()
-        if '"job_skipped"' in line and job_id in line
-    ]
-    assert skipped and all('"outcome": "busy"' in line for line in skipped), skipped  # found busy first, then retried
+    skipped = [line for worker in cluster.workers for line in worker.log().splitlines() if '"job_skipped"' in line]
+    outcomes = {json.loads(line)["outcome"] for line in skipped if json.loads(line)["job_id"] == job_id}
+    # Found busy first, then looked at again; a copy arriving after the end finds it final.
+    assert "busy" in outcomes and outcomes <= {"busy", "final"}, outcomes
