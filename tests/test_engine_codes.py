@@ -84,14 +84,16 @@ def test_a_weight_is_matched_in_any_row_order_and_only_when_every_bit_agrees(col
 
 
 def layers_of(tmp_path: Path) -> tuple[dict[str, Any], Path]:
-    """A Q4_1, a Q8_0 and an F32 weight in a file; linear layers holding them (the Q4_1 rows reordered)."""
+    """A Q4_1, a Q8_0 and an F32 weight in a file; linear layers holding them, in an order that chains (64 → 96 →
+    32 → 16 features: tests/test_engine_kernel.py runs them as a model), the Q4_1 rows reordered as transformers'
+    loader does to q and k."""
     q4, dense_4 = quantised((96, 64), "Q4_1", seed=1)
     q8, dense_8 = quantised((32, 96), "Q8_0", seed=2)
-    other = np.random.default_rng(3).standard_normal((32, 64)).astype(np.float32)
+    other = np.random.default_rng(3).standard_normal((16, 32)).astype(np.float32)
     path = tmp_path / "tiny.gguf"
     if not path.exists():
         write_gguf(path, {"up": (q4, "Q4_1"), "down": (q8, "Q8_0"), "other": (other, "F32")})
-    layers = {"up": torch.nn.Linear(64, 96), "down": torch.nn.Linear(96, 32), "other": torch.nn.Linear(64, 32)}
+    layers = {"up": torch.nn.Linear(64, 96), "down": torch.nn.Linear(96, 32), "other": torch.nn.Linear(32, 16)}
     with torch.no_grad():
         layers["up"].weight.copy_(torch.from_numpy(dense_4[::-1].copy()))
         layers["down"].weight.copy_(torch.from_numpy(dense_8))

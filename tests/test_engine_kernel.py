@@ -12,7 +12,7 @@ from structlog.testing import capture_logs
 
 from tests.conftest import CACHE_DIR
 from tests.test_engine_batched import collect, prompt_of
-from tests.test_engine_codes import KINDS, quantised, write_gguf
+from tests.test_engine_codes import KINDS, layers_of, quantised
 from ttft_sse.engine import codes, kernel
 from ttft_sse.engine.base import SamplingParams
 from ttft_sse.engine.batched import BatchedEngine
@@ -92,18 +92,10 @@ def test_each_row_is_the_same_bits_whatever_else_the_call_holds(kind: str, build
 
 
 def tiny_model(tmp_path: Path, *, tied: bool = False) -> tuple[Any, Path]:
-    """Layers stored as Q4_1, Q8_0 and F32 in a file (the Q4_1 rows reordered, as transformers' loader does to
-    q and k); with ``tied``, an embedding sharing the Q8_0 layer's weight, as a tied LM head does."""
-    q4, dense_4 = quantised((96, 64), "Q4_1", seed=1)
-    q8, dense_8 = quantised((32, 96), "Q8_0", seed=2)
-    other = np.random.default_rng(3).standard_normal((16, 32)).astype(np.float32)
-    path = tmp_path / "tiny.gguf"
-    write_gguf(path, {"up": (q4, "Q4_1"), "head": (q8, "Q8_0"), "other": (other, "F32")})
-    model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.Linear(96, 32), torch.nn.Linear(32, 16))
-    with torch.no_grad():
-        model[0].weight.copy_(torch.from_numpy(dense_4[::-1].copy()))
-        model[1].weight.copy_(torch.from_numpy(dense_8))
-        model[2].weight.copy_(torch.from_numpy(other))
+    """The layers of tests/test_engine_codes.py (stored as Q4_1, Q8_0 and F32) as a model; with ``tied``, an
+    embedding sharing the Q8_0 layer's weight, as a tied LM head does."""
+    layers, path = layers_of(tmp_path)
+    model = torch.nn.Sequential(*layers.values())
     if tied:
         model.append(torch.nn.Embedding(32, 96))
         model[3].weight = model[1].weight
