@@ -147,6 +147,12 @@ async def clients(
     return run, texts
 
 
+def asks(label: str, count: int, tokens: int) -> list[tuple[str, int]]:
+    """``count`` new questions, each marked ``label`` and its number, asking for 1/2 to 11/8 of ``tokens`` (the mean
+    is ``tokens``), so that at c=8 requests end, and new ones start, at different steps."""
+    return [(f"{label}{i}: {QUESTIONS[i % len(QUESTIONS)]}", tokens * (4 + i % 8) // 8) for i in range(count)]
+
+
 def pct(values: Sequence[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered) + 0.5) - 1))]
@@ -196,31 +202,21 @@ async def bench(args: argparse.Namespace) -> None:
     # the packed copies take), and that cache is the process's, so the engine that met a row count first paid for
     # the others.
     for engine in engines.values():
-        warm = [(f"Warm-up {i}: {QUESTIONS[i % len(QUESTIONS)]}", args.tokens * (4 + i % 8) // 8) for i in range(16)]
-        await clients(engine, warm, args.concurrency)
+        await clients(engine, asks("Warm-up ", 16, args.tokens), args.concurrency)
     for round_ in range(args.rounds):
         # Each round starts with the next engine, so that whatever the first one pays falls on each in turn.
         for spec in specs[round_ % len(specs) :] + specs[: round_ % len(specs)]:
             engine, result = engines[spec], results[spec]
             for c, run, count in ((1, result.c1, len(QUESTIONS)), (args.concurrency, result.c8, 3 * args.concurrency)):
                 # A new conversation each time: only the chat template's default system prompt is shared (as it
-                # is by every chat request), not a whole prompt seen before. Lengths vary from 1/2 to 11/8 of
-                # --tokens (the mean is --tokens), so that at c=8 requests end, and new ones start, at different
-                # steps.
-                asks = [
-                    (f"Request {round_}.{c}.{i}: {QUESTIONS[i % len(QUESTIONS)]}", args.tokens * (4 + i % 8) // 8)
-                    for i in range(count)
-                ]
-                got, texts = await clients(engine, asks, c)
+                # is by every chat request), not a whole prompt seen before.
+                got, texts = await clients(engine, asks(f"Request {round_}.{c}.", count, args.tokens), c)
                 run.add(got)
                 result.texts.update(texts)
             # Sampled requests at c=8 (their texts are draws: not compared), lengths varying as above: with one
             # length for all, the first eight would end together and the next eight arrive as a second burst.
-            asks = [
-                (f"Sampled {round_}.{i}: {QUESTIONS[i % len(QUESTIONS)]}", args.tokens * (4 + i % 8) // 8)
-                for i in range(16)
-            ]
-            result.sampled.add((await clients(engine, asks, args.concurrency, sampled=True))[0])
+            sampled = asks(f"Sampled {round_}.", 16, args.tokens)
+            result.sampled.add((await clients(engine, sampled, args.concurrency, sampled=True))[0])
             # Prefix reuse, at c=1. The system prompt is seen once first; a miss puts a new marker in front of
             # the same system prompt, so nothing is shared. A single engine never reuses: both are misses there.
             # Two tokens each, not one: the library registers a prompt's blocks for reuse only if the request is
