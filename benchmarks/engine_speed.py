@@ -19,7 +19,9 @@ engine alike; compare the ratios, and read the load average printed with them. P
 * whether every greedy text is the same as the single-request engine's for the same prompt: the single engine's
   with the same variants if it ran (``single:float32:dense`` for ``batched:float32:dense``), else ``single:<dtype>``.
 
-Variants of an fp32 spec, for before/after runs: ``:dense`` without the block kernel (``gguf_kernel`` off: fp32
+Variants of an fp32 spec, for before/after runs: ``:int8rows`` with the block kernel's rows quantised to int8
+(``gguf_activations=int8``; its greedy text is checked against ``single:<dtype>:int8rows`` only), ``:dense`` without
+the block kernel (``gguf_kernel`` off: fp32
 weights, column-major and pre-packed), ``:plain`` without the pre-packed weights either (column-major only),
 ``:rowmajor`` without either (the weights as loaded, as before the engine arranged them), ``:repeat`` with the
 batched steps' attention as transformers does it, copying grouped KV heads for every query head
@@ -166,12 +168,14 @@ def parse(spec: str) -> tuple[str, str, set[str]]:
 
 def load(spec: str, args: argparse.Namespace) -> Engine:
     kind, dtype, variants = parse(spec)
-    if variants - {"dense", "plain", "rowmajor", "repeat", "int4"}:
-        raise SystemExit(f"unknown variant in {spec!r} (known: dense, plain, rowmajor, repeat, int4, joined by +)")
+    known = ("int8rows", "dense", "plain", "rowmajor", "repeat", "int4")
+    if variants - set(known):
+        raise SystemExit(f"unknown variant in {spec!r} (known: {', '.join(known)}, joined by +)")
     settings = Settings(
         engine=kind,
         dtype=dtype or "float32",
         gguf_kernel=not variants & {"dense", "plain", "rowmajor"},
+        gguf_activations="int8" if "int8rows" in variants else "fp32",
         packed_weights=not variants & {"plain", "rowmajor"},
         int4_weights="int4" in variants,
         grouped_attention="repeat" not in variants,
@@ -229,11 +233,13 @@ async def bench(args: argparse.Namespace) -> None:
                 result.chat.append((await one(engine, prompt_of(engine, CHAT), 2))[2])
         print(f"round {round_ + 1}/{args.rounds} done; load average {os.getloadavg()[0]:.2f}", flush=True)
     # Greedy check: every engine's text against the single engine's with the same variants if one ran, else
-    # single:<dtype>'s (single:<dtype>:int4's for int4 weights, which answer differently) for the same prompt.
+    # single:<dtype>'s (single:<dtype>:int4's for int4 weights, :int8rows' for int8 rows: they answer differently)
+    # for the same prompt.
     for spec, result in results.items():
         _, dtype, variants = parse(spec)
         same = results.get(f"single:{dtype}:{'+'.join(sorted(variants))}")
-        reference = same or results.get(f"single:{dtype}:int4" if "int4" in variants else f"single:{dtype}")
+        others = variants & {"int4", "int8rows"}  # they answer differently: only their own single engine compares
+        reference = same or results.get(f"single:{dtype}:{'+'.join(sorted(others))}" if others else f"single:{dtype}")
         if reference is None or reference is result:
             continue
         for ask, text in result.texts.items():
@@ -297,7 +303,7 @@ def main() -> None:
     parser.add_argument(
         "--engines",
         default="single:float32,batched:float32",
-        help="kind:dtype[:variant[+variant]] (dense, plain, rowmajor, repeat, int4), comma-separated",
+        help="kind:dtype[:variant[+variant]] (int8rows, dense, plain, rowmajor, repeat, int4), comma-separated",
     )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=32, help="mean max_tokens of the requests")

@@ -1,4 +1,5 @@
-"""The block kernel: fp32 rows times a GGUF file's own blocks (engine/kernel.py, engine/kernel.c)."""
+"""The block kernel: fp32 rows, or rows quantised to int8, times a GGUF file's own blocks (engine/kernel.py,
+engine/kernel.c)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from tests.test_engine_codes import KINDS, layers_of, quantised
 from ttft_sse.engine import codes, kernel
 from ttft_sse.engine.base import SamplingParams
 from ttft_sse.engine.batched import BatchedEngine
-from ttft_sse.engine.hf import KERNEL_DIR
+from ttft_sse.engine.hf import KERNEL_DIR, HFEngine
 from ttft_sse.settings import Settings
 from ttft_sse.stages import StageClock
 
@@ -35,14 +36,27 @@ def one_thread() -> Any:
     torch.set_num_threads(before)
 
 
-def block_layer(kind: str, shape: tuple[int, int], library: Path | None = None) -> tuple[Any, np.ndarray]:
+def block_layer(
+    kind: str, shape: tuple[int, int], library: Path | None = None, activations: str = "fp32"
+) -> tuple[Any, np.ndarray]:
     """A linear layer on the kernel (``library``, else this CPU's build) with a random ``shape`` weight quantised as
     ``kind``; and its fp32 weight."""
     blocks, dense = quantised(shape, kind)
     layer = torch.nn.Linear(shape[1], shape[0], bias=False)
-    built = kernel.function(library or kernel.build(DIRECTORY))
-    kernel._attach(layer, codes.decode(blocks, int(KINDS[kind]), shape), built, torch)
+    built = kernel.function(library or kernel.build(DIRECTORY), kernel.INT8 if activations == "int8" else kernel.FP32)
+    kernel._attach(layer, codes.decode(blocks, int(KINDS[kind]), shape), built, activations, torch)
     return layer, dense
+
+
+def rows_as_int8(x: np.ndarray) -> np.ndarray:
+    """What the int8 kernel multiplies, in fp64: each block of 32 inputs in steps of max|x| / 127, rounded (halves
+    to even) from x * (127 / max|x|) in fp32, as llama.cpp's Q8_0 quantises."""
+    blocks = x.astype(np.float32).reshape(x.shape[0], -1, 32)
+    largest = np.abs(blocks).max(axis=-1, keepdims=True)
+    inverse = np.divide(np.float32(127), largest, out=np.zeros_like(largest), where=largest > 0)
+    steps = np.rint(blocks * inverse)
+    assert np.abs(steps).max() <= 127
+    return (steps.astype(np.float64) * (largest / np.float32(127)).astype(np.float64)).reshape(x.shape)
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +82,22 @@ def test_the_kernel_gives_the_fp32_product_of_the_files_weights(
     assert float((got.double() - want).abs().max()) <= 1e-5 * float(want.abs().max())
 
 
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 9, 13])
+def test_int8_rows_give_the_product_of_the_weights_and_the_rows_quantised_per_block(kind: str, rows: int) -> None:
+    layer, dense = block_layer(kind, (38, 96), activations="int8")  # 38 outputs: 2 panels and a padded one
+    x = np.random.default_rng(rows).standard_normal((rows, 96)).astype(np.float32)
+    x[0, :32] *= 50  # a block with an outlier gets its own, coarser steps
+    x[-1, 32:64] = 0  # a block of zeros
+    with torch.no_grad():
+        got = layer(torch.from_numpy(x)).double().numpy()
+    want = rows_as_int8(x) @ dense.astype(np.float64).T
+    assert got.shape == (rows, 38)
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()  # only the kernel's fp32 sums differ
+    fp32 = x.astype(np.float64) @ dense.astype(np.float64).T
+    assert np.abs(got - fp32).max() > 1e-4 * np.abs(fp32).max()  # the rows really were quantised
+
+
 def test_a_layer_keeps_its_input_shape_and_adds_its_bias() -> None:
     layer, dense = block_layer("Q4_1", (40, 64))
     layer.bias = torch.nn.Parameter(torch.linspace(-1, 1, 40), requires_grad=False)
@@ -79,10 +109,11 @@ def test_a_layer_keeps_its_input_shape_and_adds_its_bias() -> None:
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("build", ["native", "avx2"])
+@pytest.mark.parametrize("build", ["native", "avx2", "int8"])
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
 def test_each_row_is_the_same_bits_whatever_else_the_call_holds(kind: str, build: str, avx2_build: Path) -> None:
-    layer, _ = block_layer(kind, (70, 576), avx2_build if build == "avx2" else None)
+    activations = "int8" if build == "int8" else "fp32"
+    layer, _ = block_layer(kind, (70, 576), avx2_build if build == "avx2" else None, activations)
     x = torch.randn(20, 576)
     with torch.no_grad():
         alone = torch.cat([layer(x[i : i + 1]) for i in range(20)])
@@ -102,25 +133,50 @@ def tiny_model(tmp_path: Path, *, tied: bool = False) -> tuple[Any, Path]:
     return model, path
 
 
-def test_apply_puts_exactly_the_layers_the_file_holds_as_blocks_on_the_kernel(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("activations", "least", "most"), [("fp32", 0.0, 1e-5), ("int8", 1e-5, 0.05)])
+def test_apply_puts_exactly_the_layers_the_file_holds_as_blocks_on_the_kernel(
+    tmp_path: Path, activations: str, least: float, most: float
+) -> None:
     model, path = tiny_model(tmp_path)
     x = torch.randn(3, 64)
     with torch.no_grad():
         want = model(x)
     with capture_logs() as logs:
-        assert kernel.apply(model, path, torch, directory=DIRECTORY) == 2
-    assert {"event": "weights_blocks", "log_level": "info", "layers": 2, "q4": 1, "q8": 1} in logs
+        assert kernel.apply(model, path, torch, directory=DIRECTORY, activations=activations) == activations
+    blocks = {"event": "weights_blocks", "log_level": "info", "layers": 2, "q4": 1, "q8": 1}
+    assert {**blocks, "activations": activations} in logs
     assert [type(layer).__name__ for layer in model] == ["BlockLinear", "BlockLinear", "Linear"]
+    assert [getattr(layer, "activations", None) for layer in model] == [activations, activations, None]
     assert [layer.weight.numel() for layer in model] == [0, 0, 16 * 32]  # fp32 weights on codes are dropped
     with torch.no_grad():
         got = model(x)
-    assert torch.allclose(got, want, rtol=1e-4, atol=1e-5)
+    # Against the largest value (an output near zero after sums of values near 1e3 keeps their rounding). Int8
+    # rows add their steps' error: more than fp32 sums, far less than the values.
+    error = float((got - want).abs().max() / want.abs().max())
+    assert least <= error <= most, error
+
+
+def test_on_a_cpu_without_avx512_vnni_int8_rows_fall_back_to_fp32_and_the_log_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model, path = tiny_model(tmp_path)
+    monkeypatch.setattr(kernel, "FLAGS", (*kernel.FLAGS, "-mno-avx512vnni"))
+    with capture_logs() as logs:
+        got = kernel.apply(model, path, torch, directory=tmp_path / "kernels", activations="int8")
+    assert got == "fp32"
+    assert [entry["event"] for entry in logs] == ["kernel_built", "activations_not_int8", "weights_blocks"]
+    assert logs[1] == {
+        "event": "activations_not_int8",
+        "log_level": "warning",
+        "reason": "the CPU has no AVX-512 VNNI: the rows stay fp32",
+    }
+    assert [getattr(layer, "activations", None) for layer in model] == ["fp32", "fp32", None]
 
 
 def test_a_weight_another_module_shares_is_kept(tmp_path: Path) -> None:
     model, path = tiny_model(tmp_path, tied=True)
     with capture_logs():
-        assert kernel.apply(model, path, torch, directory=DIRECTORY) == 2
+        assert kernel.apply(model, path, torch, directory=DIRECTORY) == "fp32"
     assert type(model[1]).__name__ == "BlockLinear"
     assert model[1].weight is model[3].weight and model[3].weight.shape == (32, 96)  # the embedding still reads it
     assert model[0].weight.numel() == 0
@@ -129,7 +185,7 @@ def test_a_weight_another_module_shares_is_kept(tmp_path: Path) -> None:
 def wrong_zeros(monkeypatch: pytest.MonkeyPatch) -> None:
     real = kernel.function(kernel.build(DIRECTORY))
     wrong = lambda x, m, k, c, bits, scale, zero, n, y: real(x, m, k, c, bits, scale, scale, n, y)  # noqa: E731
-    monkeypatch.setattr(kernel, "function", lambda _path: wrong)  # the scales taken for the zeros
+    monkeypatch.setattr(kernel, "function", lambda _path, _name: wrong)  # the scales taken for the zeros
 
 
 def no_compiler(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -144,7 +200,7 @@ def four_threads(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize(
     ("cause", "reason"),
     [
-        (wrong_zeros, "the block kernel disagrees with the fp32 GEMM at 1 rows"),
+        (wrong_zeros, "the block kernel disagrees with its fp64 reference at 1 rows"),
         (no_compiler, "the kernel was not built: no C compiler (cc or gcc) on PATH"),
         (four_threads, "the block kernel runs on one thread; torch has 4"),
     ],
@@ -156,9 +212,9 @@ def test_where_the_kernel_cannot_serve_every_layer_stays_as_it_was_and_the_log_s
     model, path = tiny_model(tmp_path)
     cause(monkeypatch)
     with capture_logs() as logs:
-        assert kernel.apply(model, path, torch, directory=DIRECTORY) == 0
+        assert kernel.apply(model, path, torch, directory=DIRECTORY) is None
     assert [type(layer) for layer in model] == [torch.nn.Linear] * 3
-    assert not hasattr(model[0], "codes") and model[0].weight.shape == (96, 64)
+    assert not hasattr(model[0], "arrays") and model[0].weight.shape == (96, 64)
     assert logs == [{"event": "weights_not_blocks", "log_level": "warning", "reason": reason}]
 
 
@@ -204,7 +260,8 @@ async def test_the_bundled_model_runs_every_linear_layer_on_the_kernel(settings:
         assert len(on_kernel) == 7 * model.config.num_hidden_layers + 1  # q, k, v, o, gate, up, down; LM head
         assert model.lm_head.bits == 8 and model.lm_head.weight is model.get_input_embeddings().weight
         assert engine.info.weights == "gguf-blocks"
-        assert {"event": "weights_blocks", "log_level": "info", "layers": len(on_kernel), "q4": 210, "q8": 1} in logs
+        blocks = {"event": "weights_blocks", "log_level": "info", "layers": len(on_kernel), "q4": 210, "q8": 1}
+        assert {**blocks, "activations": "fp32"} in logs
         rows: list[int] = []
         head: list[int] = []
         q_proj = model.model.layers[0].self_attn.q_proj
@@ -223,3 +280,31 @@ async def test_the_bundled_model_runs_every_linear_layer_on_the_kernel(settings:
     steps = finished.usage.completion_tokens
     assert rows.count(1) == steps - 1 and len(rows) == steps  # the prompt's step, then one row a decode step
     assert head == [1] * steps  # the LM head sees the last position of each step only
+
+
+PASSAGE = (
+    "The city of Paris is the capital of France. It lies on the river Seine, in the north of the country, and is "
+    "known for its museums, its cafes and the Eiffel Tower, which was built for the world fair of 1889. Every year "
+    "millions of visitors walk along its boulevards, climb the hill of Montmartre and cross its many bridges."
+)
+
+
+def test_with_int8_rows_the_bundled_model_predicts_nearly_what_it_predicts_in_fp32(settings: Settings) -> None:
+    """Int8 rows change the answers (and make them depend on the batch, as bf16 does), not what the model knows:
+    teacher-forced on a passage, the next-token choice agrees with fp32 rows' at nearly every position."""
+    logits = {}
+    for activations in ("fp32", "int8"):
+        engine = HFEngine(settings.replace(gguf_activations=activations))
+        with capture_logs():
+            engine.load(StageClock())
+        suffix = "-int8" if activations == "int8" else ""
+        assert engine.info.weights == f"gguf-blocks{suffix}"
+        ids = engine.tokenizer(PASSAGE, return_tensors="pt").input_ids
+        with torch.inference_mode():
+            logits[activations] = engine.model(ids).logits[0].double()
+    fp32, int8 = logits["fp32"], logits["int8"]
+    agreement = float((fp32.argmax(-1) == int8.argmax(-1)).double().mean())
+    p, q = fp32.log_softmax(-1), int8.log_softmax(-1)
+    divergence = float((p.exp() * (p - q)).sum(-1).mean())
+    assert agreement >= 0.9 and divergence <= 0.01, (agreement, divergence)
+    assert not torch.equal(fp32, int8)  # the rows really were quantised

@@ -18,6 +18,7 @@ def test_environment_values_are_parsed_by_type() -> None:
         "TTFT_INT4_WEIGHTS": "true",
         "TTFT_GROUPED_ATTENTION": "off",
         "TTFT_GGUF_KERNEL": "0",
+        "TTFT_GGUF_ACTIVATIONS": "int8",
     }
     s = Settings.from_env(env)
     assert (s.port, s.model, s.warmup, s.queue_timeout_seconds) == (9001, "/models/x.gguf", False, 2.5)
@@ -26,6 +27,7 @@ def test_environment_values_are_parsed_by_type() -> None:
     assert s.int4_weights is True and Settings().int4_weights is False
     assert s.grouped_attention is False and Settings().grouped_attention is True
     assert s.gguf_kernel is False and Settings().gguf_kernel is True
+    assert s.gguf_activations == "int8" and Settings().gguf_activations == "fp32"
 
 
 def test_cli_overrides_win_over_the_environment_and_none_means_not_given() -> None:
@@ -41,6 +43,7 @@ def test_cli_overrides_win_over_the_environment_and_none_means_not_given() -> No
         ({"TTFT_MAX_CONCURRENCY": "0"}, "max_concurrency must be at least 1"),
         ({"TTFT_DEVICE": "tpu"}, "device must be auto, cpu"),
         ({"TTFT_ENGINE": "vllm"}, "engine must be single or batched"),
+        ({"TTFT_GGUF_ACTIVATIONS": "int4"}, "gguf_activations must be int8 or fp32, got 'int4'"),
         ({"TTFT_KV_CACHE_TOKENS": "0"}, "kv_cache_tokens must be at least 1"),
         ({"TTFT_MAX_TOKEN": "5"}, "unknown setting(s) TTFT_MAX_TOKEN"),
         ({"TTFT_DEFAULT_MAX_TOKENS": "9000"}, "default_max_tokens (9000) is above max_tokens_cap"),

@@ -50,6 +50,9 @@ class Settings:
     # fp32 on CPU, a GGUF model: layers stored as Q4_0/Q4_1/Q8_0 run on the block kernel from the file's own
     # blocks, in fp32 (engine/kernel.py).
     gguf_kernel: bool = True
+    # The block kernel's rows: "fp32", the fp32 model's arithmetic; "int8", quantised per block of 32 inputs as
+    # llama.cpp does (AVX-512 VNNI): faster, other answers.
+    gguf_activations: str = "fp32"
     # fp32 on CPU, a GGUF model: layers stored as Q4_0/Q4_1 run on torch's int4 kernel from the file's blocks, in
     # bf16 (engine/int4.py); before the block kernel when both are on.
     int4_weights: bool = False
@@ -124,6 +127,8 @@ class Settings:
             )
         if self.engine not in ("single", "batched"):
             raise SettingsError(f"engine must be single or batched, got {self.engine!r}")
+        if self.gguf_activations not in ("int8", "fp32"):
+            raise SettingsError(f"gguf_activations must be int8 or fp32, got {self.gguf_activations!r}")
         if self.device not in ("auto", "cpu", "cuda", "mps") and not self.device.startswith("cuda:"):
             raise SettingsError(f"device must be auto, cpu, cuda, cuda:N or mps, got {self.device!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

@@ -149,16 +149,22 @@ class HFEngine:
             weights.arrange(model, torch, packed=False)
             layout = "int4+bf16-packed"
         else:
-            blocks = (
-                settings.gguf_kernel
-                and codes_apply
-                and kernel.apply(model, source.location, torch, directory=settings.cache_dir / KERNEL_DIR, cache=cache)
-            )
+            activations = None
+            if settings.gguf_kernel and codes_apply:
+                activations = kernel.apply(
+                    model,
+                    source.location,
+                    torch,
+                    directory=settings.cache_dir / KERNEL_DIR,
+                    cache=cache,
+                    activations=settings.gguf_activations,
+                )
             # The layers left (none of the bundled model's with the block kernel) get the fp32 layouts.
             layout = weights.arrange(model, torch, packed=settings.packed_weights)
-            if blocks:
+            if activations is not None:
+                blocks = "gguf-blocks-int8" if activations == "int8" else "gguf-blocks"
                 plain = any(type(m) is torch.nn.Linear for m in model.modules())
-                layout = f"gguf-blocks+{layout}" if plain else "gguf-blocks"
+                layout = f"{blocks}+{layout}" if plain else blocks
         log.info("weights_arranged", layout=layout)
         return layout
 

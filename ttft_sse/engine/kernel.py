@@ -26,10 +26,19 @@ And each row's result is the same bits whatever else the call holds (checked at 
 depend on the batch it shares steps with, which oneDNN's GEMMs, whose blocking depends on the row count, do not
 promise.
 
+``TTFT_GGUF_ACTIVATIONS=int8`` (off by default) quantises each row first, per block of 32 inputs, to int8 steps of
+max|x| / 127, as llama.cpp does for these formats, and multiplies by the codes in integers (AVX-512 VNNI, laid out
+by :func:`records`). The bundled model's 211 layers, one thread, ms a pass, fp32 rows against int8 rows (best of
+5, alternated, ``/tmp`` script): 1 row 15.9 against 9.1, 8 rows 26.2 against 13.7, 37 rows 71.7 against 36.1, 128
+rows 219.5 against 113.1. Each row's result is still independent of the others in the call, but not of rounding:
+an activation that moves by an fp32 rounding can cross a step and move by 1/127 of its block. So the answers
+change, and they change with the batch (attention's sums depend on it by fp32 roundings, which fp32 rows absorb):
+as with bf16, off by default (docs/benchmarks.md).
+
 The kernel is C, built at the first start by the system's C compiler for this CPU (``-march=native``: AVX-512 or
 AVX2 with FMA) into the cache directory, named by a hash of the source, the flags, the compiler and the CPU's
 flags, and loaded with ctypes (which lets go of the GIL during a call). Without a compiler, on another CPU family,
-or if the kernel disagrees with the fp32 GEMM on a probe, the engine says why (``weights_not_blocks``) and keeps
+or if the kernel disagrees with its fp64 reference on a probe, the engine says why (``weights_not_blocks``) and keeps
 the fp32 layers. So it does with more than one torch thread (``TTFT_THREADS``): the kernel runs on one thread, and
 on several oneDNN's fp32 GEMMs compute a long prompt faster (a decode step, bound by the bytes it reads, would
 still gain).
@@ -43,6 +52,7 @@ import hashlib
 import os
 import shutil
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -102,34 +112,56 @@ def _cpu() -> bytes:
         return os.uname().machine.encode()
 
 
+FP32, INT8 = "ttft_blocks_linear", "ttft_q8_linear"
+"""The kernel's two functions: fp32 rows (:func:`panels`), and rows quantised to int8 (:func:`records`)."""
+_I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+_ARGUMENTS = {
+    FP32: [_PTR, _I64, _I64, _PTR, _INT, _PTR, _PTR, _I64, _PTR],  # x, M, K, codes, bits, scales, zeros, N, y
+    INT8: [_PTR, _I64, _I64, _PTR, _INT, _I64, _PTR],  # x, M, K, records, bits, N, y
+}
+
+
 @functools.cache
-def function(path: Path) -> Any:
-    """``ttft_blocks_linear`` of the library at ``path``."""
-    fn = ctypes.CDLL(str(path)).ttft_blocks_linear
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, i64, i64, ptr, ctypes.c_int, ptr, ptr, i64, ptr]
+def function(path: Path, name: str = FP32) -> Any:
+    """The function ``name`` (:data:`FP32` or :data:`INT8`) of the library at ``path``."""
+    fn = getattr(ctypes.CDLL(str(path)), name)
+    fn.argtypes = _ARGUMENTS[name]
     fn.restype = ctypes.c_int
     return fn
 
 
-def apply(model: Any, gguf_path: str | Path, torch: Any, *, directory: Path, cache: Path | None = None) -> int:
+def apply(
+    model: Any,
+    gguf_path: str | Path,
+    torch: Any,
+    *,
+    directory: Path,
+    cache: Path | None = None,
+    activations: str = "fp32",
+) -> str | None:
     """Make every fp32 linear layer of ``model`` whose weight the GGUF file at ``gguf_path`` holds as Q4_0, Q4_1 or
     Q8_0 a ``BlockLinear`` on those codes, with the kernel built in ``directory``; the codes are kept in ``cache``
-    for the next start (engine/codes.py). Returns how many layers changed: 0, logged with the reason, when the
-    kernel cannot be built or disagrees with the fp32 GEMM on a probe (then nothing is changed).
+    for the next start (engine/codes.py). ``activations``: ``"int8"`` quantises each row per block of 32 inputs
+    first, as llama.cpp does (on a CPU without AVX-512 VNNI the log says so and the rows stay fp32); ``"fp32"``
+    keeps the fp32 model's arithmetic.
 
-    A changed layer drops its fp32 weight unless another module shares it (a tied LM head's is the embedding's).
-    Nothing changes either when torch runs on more than one thread: the kernel runs on one, and oneDNN's fp32
-    GEMMs on all of them are faster for prompts."""
+    Returns the activations the layers use, or None when nothing changed: logged with the reason when the kernel
+    cannot be built or disagrees with its reference on a probe. A changed layer drops its fp32 weight unless
+    another module shares it (a tied LM head's is the embedding's). Nothing changes either when torch runs on more
+    than one thread: the kernel runs on one, and oneDNN's fp32 GEMMs on all of them are faster for prompts."""
     threads = torch.get_num_threads()
     if threads > 1:
         log.warning("weights_not_blocks", reason=f"the block kernel runs on one thread; torch has {threads}")
-        return 0
+        return None
     try:
-        kernel = function(build(directory))
+        library = build(directory)
     except (OSError, RuntimeError) as exc:
         log.warning("weights_not_blocks", reason=f"the kernel was not built: {exc}")
-        return 0
+        return None
+    if activations == "int8" and function(library, INT8)(None, 0, gguf_codes.BLOCK, None, 4, 0, None) != 0:
+        log.warning("activations_not_int8", reason="the CPU has no AVX-512 VNNI: the rows stay fp32")
+        activations = "fp32"
+    kernel = function(library, INT8 if activations == "int8" else FP32)
     layers = {
         name: m
         for name, m in model.named_modules()
@@ -138,41 +170,54 @@ def apply(model: Any, gguf_path: str | Path, torch: Any, *, directory: Path, cac
     found = gguf_codes.of_layers(layers, gguf_path, cache)
     if not found:
         log.warning("weights_not_blocks", reason="no linear weight of the model is stored as Q4_0, Q4_1 or Q8_0")
-        return 0
+        return None
     changed = [layers[name] for name in found]
     for name, layer in zip(found, changed, strict=True):
-        _attach(layer, found[name], kernel, torch)
+        _attach(layer, found[name], kernel, activations, torch)
     try:
         for bits in sorted({codes.bits for codes in found.values()}):
             _check(next(layer for layer in changed if layer.bits == bits), torch)
     except RuntimeError as exc:
         for layer in changed:  # back to the plain fp32 layers they were
             layer.__class__ = torch.nn.Linear
-            del layer.codes, layer.scales, layer.zeros, layer.bits, layer.kernel
+            del layer.arrays, layer.multiply, layer.bits, layer.activations
         log.warning("weights_not_blocks", reason=str(exc))
-        return 0
+        return None
     others = (m for m in model.modules() if not isinstance(m, block_linear_class()))
     shared = {id(p) for m in others for p in m.parameters(recurse=False)}
     for layer in changed:
         if id(layer.weight) not in shared:  # never read again: 424 MB for the bundled model
             layer.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
     counts = {bits: sum(codes.bits == bits for codes in found.values()) for bits in (4, 8)}
-    log.info("weights_blocks", layers=len(changed), q4=counts[4], q8=counts[8])
-    return len(changed)
+    log.info("weights_blocks", layers=len(changed), q4=counts[4], q8=counts[8], activations=activations)
+    return activations
 
 
 def _check(layer: Any, torch: Any) -> None:
-    """The layer against the fp32 GEMM, and each row of a call against the same row alone (bit for bit)."""
+    """The layer against its reference in fp64 (the fp32 weights times the rows, quantised first for int8
+    activations), and each row of a call against the same row alone (bit for bit)."""
     for count in PROBE_ROWS:
         rows = weights.probe_rows(torch, count, layer.in_features)
         with torch.no_grad():
-            want = torch.nn.functional.linear(rows, layer.weight, layer.bias)
+            seen = quantised_rows(rows, torch) if layer.activations == "int8" else rows.double()
+            bias = None if layer.bias is None else layer.bias.double()
+            want = torch.nn.functional.linear(seen, layer.weight.double(), bias)
             got = layer(rows)
             alone = torch.cat([layer(rows[i : i + 1]) for i in range(count)])
         if float((got - want).abs().max()) > 1e-4 * max(1.0, float(want.abs().max())):
-            raise RuntimeError(f"the block kernel disagrees with the fp32 GEMM at {count} rows")
+            raise RuntimeError(f"the block kernel disagrees with its fp64 reference at {count} rows")
         if not torch.equal(got, alone):
             raise RuntimeError(f"the block kernel's rows depend on the other rows at {count} rows")
+
+
+def quantised_rows(rows: Any, torch: Any) -> Any:
+    """``rows`` (fp32) as the int8 kernel sees them, in fp64: each block of 32 inputs rounded to multiples of
+    d = max|x| / 127 (llama.cpp's Q8_0, halves to even)."""
+    blocks = rows.reshape(rows.shape[0], -1, gguf_codes.BLOCK)
+    largest = blocks.abs().amax(dim=-1, keepdim=True)
+    inverse = torch.where(largest > 0, 127.0 / largest, torch.zeros_like(largest))
+    steps = torch.round(blocks * inverse)
+    return (steps.double() * (largest / 127.0).double()).reshape(rows.shape)
 
 
 PANEL = 16
@@ -202,11 +247,43 @@ def panels(codes: gguf_codes.Codes) -> tuple[npt.NDArray[np.uint8], npt.NDArray[
     return np.ascontiguousarray(packed), by_panel(codes.scale), by_panel(codes.zero)
 
 
-def _attach(layer: Any, codes: gguf_codes.Codes, kernel: Any, torch: Any) -> None:
-    packed, scales, zeros = panels(codes)
-    layer.codes, layer.scales, layer.zeros = (torch.from_numpy(a) for a in (packed, scales, zeros))
-    layer.bits = codes.bits
-    layer.kernel = kernel
+def records(codes: gguf_codes.Codes) -> npt.NDArray[np.uint8]:
+    """``codes`` in the int8 kernel's layout (kernel.c): panels of :data:`PANEL` outputs (the last one padded with
+    zero weights), each a record a block of 32 inputs: the unsigned codes four inputs a lane (4-bit ones: inputs
+    8g..8g+3 in the low nibbles, 8g+4..8g+7 in the high ones), then the 16 scales and the 16 offsets in fp16
+    (w = scale * code + offset; both are the file's own fp16 values)."""
+    out, inputs = codes.q.shape
+    padded, blocks = -(-out // PANEL) * PANEL, inputs // gguf_codes.BLOCK
+    unsigned = np.zeros((padded, inputs), np.uint8)
+    shift = 8 if codes.bits == 4 else 128
+    unsigned[:out] = (codes.q.astype(np.int16) + shift).astype(np.uint8)
+    if codes.bits == 4:
+        pairs = unsigned.reshape(padded // PANEL, PANEL, inputs // 8, 2, 4)  # panel, output, group, half, input
+        lanes = (pairs[:, :, :, 0] | (pairs[:, :, :, 1] << 4)).transpose(0, 2, 1, 3)  # panel, group, output, input
+    else:
+        lanes = unsigned.reshape(padded // PANEL, PANEL, inputs // 4, 4).transpose(0, 2, 1, 3)
+    lanes = np.ascontiguousarray(lanes).reshape(padded // PANEL, blocks, -1)
+
+    def by_panel(per_block: npt.NDArray[np.float32]) -> npt.NDArray[np.uint8]:
+        full = np.zeros((padded, blocks), np.float16)
+        full[:out] = per_block
+        return np.ascontiguousarray(full.reshape(padded // PANEL, PANEL, blocks).transpose(0, 2, 1)).view(np.uint8)
+
+    offset = codes.zero - shift * codes.scale
+    return np.ascontiguousarray(np.concatenate([lanes, by_panel(codes.scale), by_panel(offset)], axis=2))
+
+
+def _attach(layer: Any, codes: gguf_codes.Codes, kernel: Any, activations: str, torch: Any) -> None:
+    arrays = (records(codes),) if activations == "int8" else panels(codes)
+    layer.arrays = tuple(torch.from_numpy(a) for a in arrays)
+    pointers = [a.data_ptr() for a in layer.arrays]
+    inputs, outputs, bits = layer.in_features, layer.out_features, codes.bits
+    if activations == "int8":
+        layer.multiply = lambda x, m, y: kernel(x, m, inputs, pointers[0], bits, outputs, y)
+    else:
+        layer.multiply = lambda x, m, y: kernel(x, m, inputs, pointers[0], bits, pointers[1], pointers[2], outputs, y)
+    layer.bits = bits
+    layer.activations = activations
     layer.__class__ = block_linear_class()
 
 
@@ -216,27 +293,15 @@ def block_linear_class() -> type[Any]:
     import torch
 
     class BlockLinear(torch.nn.Linear):  # type: ignore[misc]
-        codes: Any
-        scales: Any
-        zeros: Any
+        arrays: tuple[Any, ...]  # the codes in the kernel's layout (kept alive: multiply holds their addresses)
+        multiply: Callable[[int, int, int], int]  # (rows' address, row count, output's address) -> status
         bits: int
-        kernel: Any
+        activations: str
 
         def forward(self, x: Any) -> Any:
             rows = x.reshape(-1, self.in_features).to(torch.float32).contiguous()
             y = torch.empty(rows.shape[0], self.out_features)
-            status = self.kernel(
-                rows.data_ptr(),
-                rows.shape[0],
-                self.in_features,
-                self.codes.data_ptr(),
-                self.bits,
-                self.scales.data_ptr(),
-                self.zeros.data_ptr(),
-                self.out_features,
-                y.data_ptr(),
-            )
-            if status != 0:
+            if self.multiply(rows.data_ptr(), rows.shape[0], y.data_ptr()) != 0:
                 raise MemoryError("the block kernel could not allocate its buffer")
             y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
             return y if self.bias is None else y + self.bias
