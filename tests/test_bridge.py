@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from contextlib import aclosing
@@ -67,8 +68,6 @@ async def test_cancel_all_stops_every_running_producer() -> None:
         cancelled.wait(10)
 
     stream = workers.stream(produce)
-    import asyncio
-
     task = asyncio.create_task(anext(stream))
     while not started.is_set():
         await asyncio.sleep(0.01)
@@ -78,6 +77,40 @@ async def test_cancel_all_stops_every_running_producer() -> None:
         await asyncio.wait_for(task, 2)
     await stream.aclose()
     assert workers.active == 0
+
+
+async def test_a_consumer_cancelled_while_its_thread_ends_leaves_cancel_all_waiting_for_that_thread() -> None:
+    """Shutdown cancels a job's task (``task.cancel()``) wherever it is: here in the stream's close, waiting for
+    a thread that is finishing a step. That must neither cut the wait short for ``cancel_all`` nor make
+    ``cancel_all`` raise (it raised CancelledError, failing the server's shutdown, when the cancel hit there)."""
+    workers: Workers[int] = Workers(name="t")
+    in_step, finish_step = threading.Event(), threading.Event()
+
+    def produce(emit: Emit[int], cancelled: threading.Event) -> None:
+        emit(1)
+        in_step.set()
+        finish_step.wait(10)  # a step in flight: the thread sees `cancelled` only after it
+
+    async def consume() -> None:
+        async with aclosing(workers.stream(produce)) as items:
+            async for _ in items:
+                break  # closing: the stream now waits for the thread
+
+    consumer = asyncio.create_task(consume())
+    while not in_step.is_set():
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.05)
+    consumer.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await consumer
+    assert workers.active == 1  # its thread is still running
+    closing = asyncio.create_task(workers.cancel_all())
+    await asyncio.sleep(0.05)
+    assert not closing.done()  # waits for the thread...
+    finish_step.set()
+    await asyncio.wait_for(closing, 5)  # ...and returns once it ends
+    assert workers.active == 0
+    assert not [t for t in threading.enumerate() if t.name.startswith("t-")]
 
 
 async def test_mailboxes_deliver_per_key_in_order_and_drop_what_nobody_reads() -> None:

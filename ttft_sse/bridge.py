@@ -75,6 +75,7 @@ class Workers(Generic[T]):
                 loop.call_soon_threadsafe(queue.put_nowait, item)
 
         def mark_ended() -> None:
+            self._running.pop(key, None)
             if not ended.done():
                 ended.set_result(None)
 
@@ -105,11 +106,13 @@ class Workers(Generic[T]):
             # Shielded: this runs while the consumer is being cancelled (a client went away), and the wait is
             # what guarantees that the thread is gone when the request is. Bounded, so a wedged producer cannot
             # hold the request forever; the producer checks `cancelled` once per decode step.
+            # Shielded from asyncio too: a task.cancel() (a server closing its jobs) would otherwise cancel
+            # `ended`, and cancel_all, which waits on it as well, would then raise instead of waiting. The entry in
+            # _running goes when the thread ends (mark_ended), not when its consumer stops waiting.
             with anyio.CancelScope(shield=True), anyio.move_on_after(self._join_timeout):
-                await ended
+                await asyncio.shield(ended)
                 while thread.is_alive():  # `ended` is posted from the thread's last lines; let it return
                     await asyncio.sleep(0.001)
-            self._running.pop(key, None)
 
     async def cancel_all(self) -> None:
         """Cancel every running producer and wait (bounded) until their threads have ended."""
@@ -118,7 +121,7 @@ class Workers(Generic[T]):
             cancelled.set()
         if running:
             with anyio.move_on_after(self._join_timeout):
-                await asyncio.gather(*(ended for _, ended in running))
+                await asyncio.wait([ended for _, ended in running])  # never cancels them, whatever happens here
 
 
 class Resident:
