@@ -21,14 +21,13 @@ engine alike; compare the ratios, and read the load average printed with them. P
 
 Variants of an fp32 spec, for before/after runs: ``:int8rows`` with the block kernel's rows quantised to int8
 (``gguf_activations=int8``; its greedy text is checked against ``single:<dtype>:int8rows`` only), ``:dense`` without
-the block kernel (``gguf_kernel`` off: fp32
-weights, column-major and pre-packed), ``:plain`` without the pre-packed weights either (column-major only),
-``:rowmajor`` without either (the weights as loaded, as before the engine arranged them), ``:repeat`` with the
-batched steps' attention as transformers does it, copying grouped KV heads for every query head
-(``grouped_attention`` off; until that setting, ``:gqa`` asked for the grouped heads instead), ``:int4`` with the
-GGUF's Q4 codes on torch's int4 kernel and bf16 copies of the weights (``TTFT_INT4_WEIGHTS``; without a
-``single:<dtype>:int4`` its greedy text is not checked against ``single:<dtype>``'s, since its answers are not the
-fp32 ones). Variants combine with ``+``: ``batched:float32:int4+repeat``.
+the block kernel (``gguf_kernel`` off: fp32 weights, column-major and pre-packed), ``:plain`` without the pre-packed
+weights either (column-major only), ``:rowmajor`` without either (the weights as loaded, as before the engine
+arranged them), ``:repeat`` with the batched steps' attention as transformers does it, copying grouped KV heads for
+every query head (``grouped_attention`` off; until that setting, ``:gqa`` asked for the grouped heads instead),
+``:int4`` with the GGUF's Q4 codes on torch's int4 kernel and bf16 copies of the weights (``TTFT_INT4_WEIGHTS``;
+without a ``single:<dtype>:int4`` its greedy text is not checked against ``single:<dtype>``'s, since its answers are
+not the fp32 ones). Variants combine with ``+``: ``batched:float32:int4+repeat``.
 """
 
 from __future__ import annotations
