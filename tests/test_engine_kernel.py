@@ -82,6 +82,22 @@ def test_the_kernel_gives_the_fp32_product_of_the_files_weights(
     assert float((got.double() - want).abs().max()) <= 1e-5 * float(want.abs().max())
 
 
+@pytest.mark.parametrize("build", ["native", "avx2"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+def test_the_kernels_weights_are_the_files_dequantised_weights_bit_for_bit(
+    kind: str, build: str, avx2_build: Path
+) -> None:
+    """Rows of the identity read the weights back: fma(1, w, 0) is w, and fma(0, w, acc) leaves acc. In calls of
+    8 rows (codes expanded in registers) and of all 96 (expanded into the buffer)."""
+    layer, dense = block_layer(kind, (38, 96), avx2_build if build == "avx2" else None)
+    eye = torch.eye(96)
+    with torch.no_grad():
+        tiles = torch.cat([layer(eye[i : i + 8]) for i in range(0, 96, 8)])
+        whole = layer(eye)
+    want = torch.from_numpy(dense).T  # gguf's own dequantisation, which transformers' loader uses
+    assert torch.equal(tiles, want) and torch.equal(whole, want)
+
+
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 9, 13])
 def test_int8_rows_give_the_product_of_the_weights_and_the_rows_quantised_per_block(kind: str, rows: int) -> None:

@@ -33,9 +33,11 @@ static inline pv pv_zero(void) { return _mm512_setzero_ps(); }
 static inline pv pv_load(const float *p) { return _mm512_loadu_ps(p); }
 static inline void pv_store(float *p, pv v) { _mm512_storeu_ps(p, v); }
 static inline pv pv_fma(float x, pv w, pv acc) { return _mm512_fmadd_ps(_mm512_set1_ps(x), w, acc); }
-/* 16 signed codes to q * scale + zero. */
+/* 16 signed codes to q * scale + zero in one fused multiply-add: q * scale is exact (at most 8 bits times an fp16
+   scale's 11), so the one rounding is that of the sum, as in transformers' q * scale, then + zero (a test checks
+   the weights bit for bit). A multiply and an add cost 5-13 % more from 4 to 16 rows (measured). */
 static inline pv pv_codes(__m128i q, pv scale, pv zero) {
-    return _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), scale), zero);
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), scale, zero);
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 /* 16 outputs in two registers; tiles of up to 4 rows x 1 panel. */
@@ -55,7 +57,7 @@ static inline pv pv_fma(float x, pv w, pv acc) {
     return (pv){_mm256_fmadd_ps(b, w.lo, acc.lo), _mm256_fmadd_ps(b, w.hi, acc.hi)};
 }
 static inline __m256 codes8(__m128i q, __m256 scale, __m256 zero) {
-    return _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), scale), zero);
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), scale, zero);
 }
 static inline pv pv_codes(__m128i q, pv scale, pv zero) {
     return (pv){codes8(q, scale.lo, zero.lo), codes8(_mm_srli_si128(q, 8), scale.hi, zero.hi)};
