@@ -51,7 +51,7 @@ class Workers(Generic[T]):
         self._name = name
         self._join_timeout = join_timeout
         self._serial = 0
-        self._running: dict[int, tuple[threading.Event, asyncio.Future[None]]] = {}
+        self._running: dict[int, tuple[threading.Event, asyncio.Future[None], threading.Thread]] = {}
 
     @property
     def active(self) -> int:
@@ -91,7 +91,7 @@ class Workers(Generic[T]):
                     loop.call_soon_threadsafe(mark_ended)
 
         thread = threading.Thread(target=run, name=f"{self._name}-{key}", daemon=True)
-        self._running[key] = (cancelled, ended)
+        self._running[key] = (cancelled, ended, thread)
         thread.start()
         try:
             while True:
@@ -103,25 +103,29 @@ class Workers(Generic[T]):
                 yield item
         finally:
             cancelled.set()
-            # Shielded: this runs while the consumer is being cancelled (a client went away), and the wait is
-            # what guarantees that the thread is gone when the request is. Bounded, so a wedged producer cannot
-            # hold the request forever; the producer checks `cancelled` once per decode step.
-            # Shielded from asyncio too: a task.cancel() (a server closing its jobs) would otherwise cancel
-            # `ended`, and cancel_all, which waits on it as well, would then raise instead of waiting. The entry in
-            # _running goes when the thread ends (mark_ended), not when its consumer stops waiting.
+            # Shielded: this runs while the consumer is being cancelled (a client went away, a server closes its
+            # jobs), and the wait is what guarantees that the thread is gone when the request is. Bounded, so a
+            # wedged producer cannot hold the request forever; the producer checks `cancelled` once per decode
+            # step. The entry in _running goes when the thread ends (mark_ended), not when this wait does.
             with anyio.CancelScope(shield=True), anyio.move_on_after(self._join_timeout):
-                await asyncio.shield(ended)
-                while thread.is_alive():  # `ended` is posted from the thread's last lines; let it return
-                    await asyncio.sleep(0.001)
+                await _ended(ended, thread)
 
     async def cancel_all(self) -> None:
         """Cancel every running producer and wait (bounded) until their threads have ended."""
         running = list(self._running.values())
-        for cancelled, _ in running:
+        for cancelled, _, _ in running:
             cancelled.set()
-        if running:
-            with anyio.move_on_after(self._join_timeout):
-                await asyncio.wait([ended for _, ended in running])  # never cancels them, whatever happens here
+        with anyio.move_on_after(self._join_timeout):
+            for _, ended, thread in running:
+                await _ended(ended, thread)
+
+
+async def _ended(ended: asyncio.Future[None], thread: threading.Thread) -> None:
+    """Until ``thread`` has ended. ``ended`` is posted from its last lines; then let it return. The future is
+    shielded: a ``task.cancel()`` of the task waiting here must not cancel it for the others waiting on it."""
+    await asyncio.shield(ended)
+    while thread.is_alive():
+        await asyncio.sleep(0.001)
 
 
 class Resident:
