@@ -35,7 +35,8 @@ static inline void pv_store(float *p, pv v) { _mm512_storeu_ps(p, v); }
 static inline pv pv_fma(float x, pv w, pv acc) { return _mm512_fmadd_ps(_mm512_set1_ps(x), w, acc); }
 /* 16 signed codes to q * scale + zero in one fused multiply-add: q * scale is exact (at most 8 bits times an fp16
    scale's 11), so the one rounding is that of the sum, as in transformers' q * scale, then + zero (a test checks
-   the weights bit for bit). A multiply and an add cost 5-13 % more from 4 to 16 rows (measured). */
+   the weights bit for bit). A multiply and an add: 5-14 % slower from 4 to 16 rows in the kernel alone, no
+   difference measured in the engine (docs/benchmarks.md). */
 static inline pv pv_codes(__m128i q, pv scale, pv zero) {
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), scale, zero);
 }
