@@ -269,9 +269,9 @@ static inline __attribute__((always_inline)) void q_tile(int rows, int panels, c
                                                          int64_t panel_bytes, int bits, const int8_t *xq,
                                                          const float *d, const float *ds, int64_t K, float *y,
                                                          int64_t N, int64_t outputs) {
-    __m512 acc[Q_ROWS][Q_PANELS];
+    pv acc[ROWS][PANELS]; /* pv is __m512 here; the fp32 tiles' shape, so that put() stores it (Q_ROWS <= ROWS) */
     for (int r = 0; r < rows; r++)
-        for (int g = 0; g < panels; g++) acc[r][g] = _mm512_setzero_ps();
+        for (int g = 0; g < panels; g++) acc[r][g] = pv_zero();
     int64_t blocks = K / BLOCK, record = RECORD(bits);
     const __m512i low = _mm512_set1_epi8(0x0F);
     for (int64_t b = 0; b < blocks; b++) {
@@ -322,22 +322,8 @@ static inline __attribute__((always_inline)) void q_tile(int rows, int panels, c
             }
         }
     }
-    for (int r = 0; r < rows; r++)
-        for (int g = 0; g < panels; g++) {
-            int64_t left = outputs - (int64_t)g * P;
-            if (left >= P)
-                _mm512_storeu_ps(y + r * N + g * P, acc[r][g]);
-            else if (left > 0)
-                _mm512_mask_storeu_ps(y + r * N + g * P, (__mmask16)((1u << left) - 1), acc[r][g]);
-        }
+    put(rows, panels, acc, y, N, outputs);
 }
-
-#define Q_BY_PANELS(R)                                                                                                 \
-    switch (panels) {                                                                                                  \
-    case 3: Q_TILE(R, 3); break;                                                                                       \
-    case 2: Q_TILE(R, 2); break;                                                                                       \
-    default: Q_TILE(R, 1); break;                                                                                      \
-    }
 
 /* Returns 0; -1 if K is not whole blocks, bits is neither 4 nor 8, or the row buffer cannot be allocated. */
 int ttft_q8_linear(const float *x, int64_t M, int64_t K, const uint8_t *records, int bits, int64_t N, float *y) {
@@ -363,13 +349,9 @@ int ttft_q8_linear(const float *x, int64_t M, int64_t K, const uint8_t *records,
         for (int64_t t = 0; t < tiles; t++) {
             int64_t rows = (M - r) / (tiles - t);
 #define Q_TILE(R, G)                                                                                                   \
+    if (R <= Q_ROWS && G <= Q_PANELS)                                                                                  \
     q_tile(R, G, c, panel_bytes, bits, xq + r * K, d + r * blocks, ds + r * blocks, K, y + r * N + p * P, N, N - p * P)
-            switch (rows) {
-            case 4: Q_BY_PANELS(4) break;
-            case 3: Q_BY_PANELS(3) break;
-            case 2: Q_BY_PANELS(2) break;
-            default: Q_BY_PANELS(1) break;
-            }
+            BY_ROWS(Q_TILE, rows)
             r += rows;
         }
     }
