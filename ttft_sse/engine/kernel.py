@@ -229,22 +229,17 @@ def panels(codes: gguf_codes.Codes) -> tuple[npt.NDArray[np.uint8], npt.NDArray[
     codes of each input's 16 outputs side by side (4-bit ones two inputs a byte, plus 8), and a block's 16 scales
     and zeros likewise."""
     out, inputs = codes.q.shape
-    padded = -(-out // PANEL) * PANEL
+    padded = _padded(out)
     q = np.zeros((padded, inputs), np.int8)
     q[:out] = codes.q
-    q = q.reshape(padded // PANEL, PANEL, inputs).transpose(0, 2, 1)  # panels x inputs x 16
+    by_input = q.reshape(padded // PANEL, PANEL, inputs).transpose(0, 2, 1)  # panels x inputs x 16
     if codes.bits == 4:
-        unsigned = (q.astype(np.int16) + 8).astype(np.uint8)
+        unsigned = (by_input.astype(np.int16) + 8).astype(np.uint8)
         packed = unsigned[:, 0::2] | (unsigned[:, 1::2] << 4)
     else:
-        packed = q.view(np.uint8)
-
-    def by_panel(per_block: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
-        full = np.zeros((padded, per_block.shape[1]), np.float32)
-        full[:out] = per_block
-        return np.ascontiguousarray(full.reshape(padded // PANEL, PANEL, -1).transpose(0, 2, 1))
-
-    return np.ascontiguousarray(packed), by_panel(codes.scale), by_panel(codes.zero)
+        packed = by_input.view(np.uint8)
+    scales, zeros = (_by_panel(values, np.float32) for values in (codes.scale, codes.zero))
+    return np.ascontiguousarray(packed), scales, zeros
 
 
 def records(codes: gguf_codes.Codes) -> npt.NDArray[np.uint8]:
@@ -253,24 +248,34 @@ def records(codes: gguf_codes.Codes) -> npt.NDArray[np.uint8]:
     8g..8g+3 in the low nibbles, 8g+4..8g+7 in the high ones), then the 16 scales and the 16 offsets in fp16
     (w = scale * code + offset; both are the file's own fp16 values)."""
     out, inputs = codes.q.shape
-    padded, blocks = -(-out // PANEL) * PANEL, inputs // gguf_codes.BLOCK
+    padded, blocks = _padded(out), inputs // gguf_codes.BLOCK
     unsigned = np.zeros((padded, inputs), np.uint8)
     shift = 8 if codes.bits == 4 else 128
     unsigned[:out] = (codes.q.astype(np.int16) + shift).astype(np.uint8)
+    lanes: npt.NDArray[np.integer[Any]]  # uint8 (numpy types the shifted nibbles as signed)
     if codes.bits == 4:
         pairs = unsigned.reshape(padded // PANEL, PANEL, inputs // 8, 2, 4)  # panel, output, group, half, input
         lanes = (pairs[:, :, :, 0] | (pairs[:, :, :, 1] << 4)).transpose(0, 2, 1, 3)  # panel, group, output, input
     else:
         lanes = unsigned.reshape(padded // PANEL, PANEL, inputs // 4, 4).transpose(0, 2, 1, 3)
-    lanes = np.ascontiguousarray(lanes).reshape(padded // PANEL, blocks, -1)
-
-    def by_panel(per_block: npt.NDArray[np.float32]) -> npt.NDArray[np.uint8]:
-        full = np.zeros((padded, blocks), np.float16)
-        full[:out] = per_block
-        return np.ascontiguousarray(full.reshape(padded // PANEL, PANEL, blocks).transpose(0, 2, 1)).view(np.uint8)
-
+    by_block = np.ascontiguousarray(lanes).reshape(padded // PANEL, blocks, -1)
     offset = codes.zero - shift * codes.scale
-    return np.ascontiguousarray(np.concatenate([lanes, by_panel(codes.scale), by_panel(offset)], axis=2))
+    scales, offsets = (_by_panel(values, np.float16).view(np.uint8) for values in (codes.scale, offset))
+    return np.ascontiguousarray(np.concatenate([by_block, scales, offsets], axis=2))
+
+
+def _padded(outputs: int) -> int:
+    """``outputs`` rounded up to whole panels."""
+    return -(-outputs // PANEL) * PANEL
+
+
+def _by_panel(per_block: npt.NDArray[np.float32], dtype: type[np.floating[Any]]) -> npt.NDArray[Any]:
+    """A value per output and block (outputs x blocks) as ``dtype``, panel by panel: panels x blocks x 16, the
+    padding outputs zero."""
+    out, blocks = per_block.shape
+    full = np.zeros((_padded(out), blocks), dtype)
+    full[:out] = per_block
+    return np.ascontiguousarray(full.reshape(-1, PANEL, blocks).transpose(0, 2, 1))
 
 
 def _attach(layer: Any, codes: gguf_codes.Codes, kernel: Any, activations: str, torch: Any) -> None:
