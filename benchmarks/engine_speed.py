@@ -159,6 +159,10 @@ def pct(values: Sequence[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered) + 0.5) - 1))]
 
 
+VARIANTS = ("int8rows", "dense", "plain", "rowmajor", "repeat", "int4")
+"""The variants ``load`` knows (see the module's docstring)."""
+
+
 def parse(spec: str) -> tuple[str, str, set[str]]:
     """``batched:float32:int4+repeat`` → ``("batched", "float32", {"int4", "repeat"})``."""
     kind, dtype, variant = [*spec.split(":"), "", ""][:3]
@@ -167,9 +171,8 @@ def parse(spec: str) -> tuple[str, str, set[str]]:
 
 def load(spec: str, args: argparse.Namespace) -> Engine:
     kind, dtype, variants = parse(spec)
-    known = ("int8rows", "dense", "plain", "rowmajor", "repeat", "int4")
-    if variants - set(known):
-        raise SystemExit(f"unknown variant in {spec!r} (known: {', '.join(known)}, joined by +)")
+    if variants - set(VARIANTS):
+        raise SystemExit(f"unknown variant in {spec!r} (known: {', '.join(VARIANTS)}, joined by +)")
     settings = Settings(
         engine=kind,
         dtype=dtype or "float32",
@@ -302,7 +305,7 @@ def main() -> None:
     parser.add_argument(
         "--engines",
         default="single:float32,batched:float32",
-        help="kind:dtype[:variant[+variant]] (int8rows, dense, plain, rowmajor, repeat, int4), comma-separated",
+        help=f"kind:dtype[:variant[+variant]] ({', '.join(VARIANTS)}), comma-separated",
     )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=32, help="mean max_tokens of the requests")
