@@ -25,6 +25,8 @@ the block kernel (``gguf_kernel`` off: fp32 weights, column-major and pre-packed
 weights either (column-major only), ``:rowmajor`` without either (the weights as loaded, as before the engine
 arranged them), ``:repeat`` with the batched steps' attention as transformers does it, copying grouped KV heads for
 every query head (``grouped_attention`` off; until that setting, ``:gqa`` asked for the grouped heads instead),
+``:masked`` with the batched steps' attention as one masked SDPA over the step's gathered keys (``paged_attention``
+off: before the request-by-request attention over the cache in place),
 ``:int4`` with the GGUF's Q4 codes on torch's int4 kernel and bf16 copies of the weights (``TTFT_INT4_WEIGHTS``;
 without a ``single:<dtype>:int4`` its greedy text is not checked against ``single:<dtype>``'s, since its answers are
 not the fp32 ones). Variants combine with ``+``: ``batched:float32:int4+repeat``.
@@ -159,7 +161,7 @@ def pct(values: Sequence[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered) + 0.5) - 1))]
 
 
-VARIANTS = ("int8rows", "dense", "plain", "rowmajor", "repeat", "int4")
+VARIANTS = ("int8rows", "dense", "plain", "rowmajor", "repeat", "masked", "int4")
 """The variants ``load`` knows (see the module's docstring)."""
 
 
@@ -181,6 +183,7 @@ def load(spec: str, args: argparse.Namespace) -> Engine:
         packed_weights=not variants & {"plain", "rowmajor"},
         int4_weights="int4" in variants,
         grouped_attention="repeat" not in variants,
+        paged_attention="masked" not in variants,
         threads=args.threads,
         max_concurrency=args.concurrency,
         log_level="warning",

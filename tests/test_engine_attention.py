@@ -1,4 +1,6 @@
-"""Grouped KV heads in SDPA (engine/attention.py): transformers' attention without the copies, where it takes."""
+"""Attention on CPU (engine/attention.py): grouped KV heads in SDPA, transformers' attention without the copies, where
+it takes; and each request's rows against its own keys read from the paged cache in place (attention.c), against
+SDPA for each request alone."""
 
 from __future__ import annotations
 
@@ -123,11 +125,146 @@ def test_nothing_is_marked_when_grouped_heads_disagree_with_repeated_ones_on_the
     ]
 
 
-@pytest.mark.parametrize("grouped", [True, False], ids=["on", "off"])
-def test_the_engine_groups_the_bundled_models_attention_on_cpu_unless_told_not_to(
-    settings: Settings, grouped: bool
-) -> None:
-    engine = HFEngine(settings.replace(grouped_attention=grouped))
+@pytest.mark.parametrize("on", [True, False], ids=["on", "off"])
+def test_the_engine_marks_the_bundled_models_attention_on_cpu_unless_told_not_to(settings: Settings, on: bool) -> None:
+    engine = HFEngine(settings.replace(grouped_attention=on, paged_attention=on))
     engine.load(StageClock())
-    marked = [m for m in engine.model.modules() if getattr(m, attention.MARK, False)]
-    assert len(marked) == (30 if grouped else 0)  # SmolLM2-135M: 30 layers, 3 KV heads for 9 query heads
+    grouped = [m for m in engine.model.modules() if getattr(m, attention.MARK, False)]
+    paged = [m for m in engine.model.modules() if getattr(m, attention.PAGED, None) is not None]
+    # SmolLM2-135M: 30 layers, 3 KV heads for 9 query heads
+    assert (len(grouped), len(paged), attention.paged(engine.model)) == ((30, 30, True) if on else (0, 0, False))
+
+
+# -- request by request over the paged cache (attention.c) ---------------------------------------------------------
+
+
+def one_by_one(query: Any, key: Any, value: Any, requests: list[tuple[int, int]], scale: float) -> Any:
+    """The oracle: SDPA for each request alone, its rows seeing its own past and its new rows up to themselves."""
+    out, row, column = [], 0, 0
+    for rows, keys in requests:
+        allowed = torch.ones(rows, keys, dtype=torch.bool).tril(keys - rows)
+        out.append(
+            torch.nn.functional.scaled_dot_product_attention(
+                query[:, :, row : row + rows],
+                key[:, :, column : column + keys],
+                value[:, :, column : column + keys],
+                attn_mask=allowed,
+                scale=scale,
+                enable_gqa=True,
+            )
+        )
+        row, column = row + rows, column + keys
+    return torch.cat(out, dim=2).transpose(1, 2)
+
+
+def as_cache(key: Any, value: Any, slots: int, seed: int = 0) -> tuple[Any, Any, Any]:
+    """The step's keys and values scattered over ``slots`` cache rows of random other content, and the index."""
+    generator = torch.Generator().manual_seed(seed)
+    index = torch.randperm(slots, generator=generator)[: key.shape[2]]
+    rows = [torch.randn(slots, key.shape[1], key.shape[3], generator=generator) for _ in range(2)]
+    for target, source in zip(rows, (key, value), strict=True):
+        target[index] = source[0].transpose(0, 1)
+    return rows[0], rows[1], index
+
+
+def cumulative(counts: list[int]) -> Any:
+    return torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32)
+
+
+@pytest.fixture(scope="module")
+def paged_module(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """An attention module marked for the C attention, built once."""
+    model = tiny(kv_heads=2)
+    assert attention.page(model, torch, tmp_path_factory.mktemp("kernels")) == 2
+    return model.model.layers[0].self_attn
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim"),
+    [(9, 3, 64), (6, 6, 16), (16, 2, 32), (10, 5, 128), (12, 1, 16)],
+    ids=["smollm2", "no-groups", "8-a-kv-head", "dim-128", "one-kv-head"],
+)
+def test_each_request_attends_to_its_own_keys_read_through_the_index(
+    paged_module: Any, sdpa_calls: list[tuple[int, bool]], heads: int, kv_heads: int, dim: int
+) -> None:
+    # Decoding streams (one row), prompts beside them (with and without a past: a shared prefix), and one prompt
+    # longer than LONG_ROWS, which goes to SDPA.
+    long = attention.LONG_ROWS + 6
+    requests = [(1, 40), (5, 5), (1, 1), (3, 20), (long, long + 9), (2, 2)]
+    query, key, value, _ = attention.masked_step(torch, heads, kv_heads, dim, requests, seed=3)
+    want = one_by_one(query, key, value, requests, dim**-0.5)
+    sdpa_calls.clear()
+    kv = as_cache(key, value, slots=500)
+    cu_q, cu_k = cumulative([r for r, _ in requests]), cumulative([k for _, k in requests])
+    got = attention.paged_attention(paged_module, query, kv, cu_q, cu_k, long, dim**-0.5)
+    assert got.shape == (1, sum(r for r, _ in requests), heads, dim)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=2e-6)
+    assert sdpa_calls == [(kv_heads, True)]  # the long prompt alone, over its gathered keys
+
+
+def test_a_step_of_new_prompts_alone_reads_the_rows_just_written(paged_module: Any) -> None:
+    # With nothing to read from the cache, the index is the step's write index: key j is the row written for j.
+    requests = [(4, 4), (7, 7)]
+    query, key, value, _ = attention.masked_step(torch, HEADS, 2, DIM, requests, seed=4)
+    keys, values, index = as_cache(key, value, slots=64, seed=5)
+    got = attention.paged_attention(
+        paged_module, query, (keys, values, index), cumulative([4, 7]), cumulative([4, 7]), 7, 0.25
+    )
+    torch.testing.assert_close(got, one_by_one(query, key, value, requests, 0.25), rtol=1e-4, atol=2e-6)
+
+
+def test_the_attention_function_takes_paged_steps_for_marked_modules_and_gathers_for_the_others(
+    paged_module: Any, sdpa_calls: list[tuple[int, bool]]
+) -> None:
+    requests = [(1, 6), (2, 3)]
+    query, key, value, mask = attention.masked_step(torch, HEADS, 2, DIM, requests, seed=6)
+    keys, values, index = as_cache(key, value, slots=32, seed=7)
+    step = {"cu_seq_lens_q": cumulative([1, 2]), "cu_seq_lens_k": cumulative([6, 3]), "max_length_q": 2}
+    kv = {attention.KV: (keys, values, index)}
+    want = one_by_one(query, key, value, requests, 0.25)
+    sdpa_calls.clear()
+    paged, _ = attention.grouped_sdpa(paged_module, query, keys, values, mask, scaling=0.25, **step, **kv)
+    assert sdpa_calls == []
+    torch.testing.assert_close(paged, want, rtol=1e-4, atol=2e-6)
+    # Not marked: the rows the library would have gathered, then SDPA with the step's mask.
+    plain = tiny(kv_heads=2).model.layers[0].self_attn
+    gathered, _ = attention.grouped_sdpa(plain, query, keys, values, mask, scaling=0.25, **step, **kv)
+    assert len(sdpa_calls) == 1
+    torch.testing.assert_close(gathered, want, rtol=1e-4, atol=2e-6)
+
+
+def test_page_marks_every_attention_module_after_its_probe(tmp_path: Any) -> None:
+    model = tiny(kv_heads=2)
+    with capture_logs() as logs:
+        assert attention.page(model, torch, tmp_path) == 2
+    assert [callable(getattr(layer.self_attn, attention.PAGED, None)) for layer in model.model.layers] == [True, True]
+    assert transformers.AttentionInterface()["sdpa"] is attention.grouped_sdpa
+    assert [entry["event"] for entry in logs if entry["log_level"] == "info"][-1:] == ["attention_paged"]
+
+
+def test_a_head_size_the_c_attention_cannot_take_leaves_the_model_as_it_was(tmp_path: Any) -> None:
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=48, intermediate_size=64, num_hidden_layers=1, num_attention_heads=6,
+        num_key_value_heads=2,
+    )  # fmt: skip
+    config._attn_implementation = "sdpa"
+    model = transformers.LlamaForCausalLM(config).eval()  # heads of 8 floats: the C attention takes multiples of 16
+    with capture_logs() as logs:
+        assert attention.page(model, torch, tmp_path) == 0
+    assert not any(hasattr(m, attention.PAGED) for m in model.modules())
+    assert logs[-1] == {"event": "attention_not_paged", "log_level": "warning", "reason": "paged attention failed (-1)"}
+
+
+def test_a_model_whose_attention_is_not_sdpa_is_left_alone(tmp_path: Any) -> None:
+    model = tiny(kv_heads=2)
+    model.config._attn_implementation = "eager"  # continuous batching would call transformers' paged eager
+    with capture_logs() as logs:
+        assert attention.page(model, torch, tmp_path) == 0
+    assert not any(hasattr(m, attention.PAGED) for m in model.modules())
+    assert logs == [
+        {
+            "event": "attention_not_paged",
+            "log_level": "warning",
+            "reason": "the model's attention is 'eager', not 'sdpa'",
+        }
+    ]

@@ -78,21 +78,25 @@ async def settle(engine: BatchedEngine) -> None:
     await collect(engine.stream(prompt_of(engine, "Hi"), SamplingParams(max_tokens=1)))
 
 
-@pytest.mark.parametrize("grouped", [True, False], ids=["grouped-kv", "repeated-kv"])
+@pytest.mark.parametrize("way", ["paged", "grouped-kv", "repeated-kv"])
 async def test_concurrent_greedy_requests_give_the_single_engines_text(
-    engine: BatchedEngine, reference: HFEngine, grouped: bool, monkeypatch: pytest.MonkeyPatch
+    engine: BatchedEngine, reference: HFEngine, way: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # grouped-kv (the default on CPU): the batch's masked attention reads grouped KV heads in place
-    # (engine/attention.py); repeated-kv: as transformers does it, each KV head copied for its 3 query heads.
+    # paged (the default on CPU): each request's rows attend to its own keys, read from the KV cache in place
+    # (engine/attention.c); grouped-kv: the batch's one masked SDPA over the gathered keys, grouped KV heads read in
+    # place (engine/attention.py); repeated-kv: as transformers does it, each KV head copied for its 3 query heads.
     import torch
 
-    marked = [m for m in engine.model.modules() if getattr(m, attention.MARK, False)]
-    assert len(marked) == 30
-    if not grouped:
-        for module in marked:
-            monkeypatch.delattr(module, attention.MARK)
+    paged = [m for m in engine.model.modules() if getattr(m, attention.PAGED, None) is not None]
+    grouped = [m for m in engine.model.modules() if getattr(m, attention.MARK, False)]
+    assert len(paged) == len(grouped) == 30
+    for module in paged if way != "paged" else []:
+        monkeypatch.delattr(module, attention.PAGED)
+    for module in grouped if way == "repeated-kv" else []:
+        monkeypatch.delattr(module, attention.MARK)
     heads: set[int] = set()  # KV heads SDPA is given in the batch's steps of more than one row
-    real = torch.nn.functional.scaled_dot_product_attention
+    gathers = 0  # the library's gathers of a step's keys and values from the cache (torch.index_select)
+    real, real_gather = torch.nn.functional.scaled_dot_product_attention, torch.index_select
 
     def spy(query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> Any:
         # A step of one row has its 9 query heads folded into 3 rows per KV head (transformers' own way either way).
@@ -100,7 +104,13 @@ async def test_concurrent_greedy_requests_give_the_single_engines_text(
             heads.add(key.shape[1])
         return real(query, key, value, *args, **kwargs)
 
+    def gather(*args: Any, **kwargs: Any) -> Any:
+        nonlocal gathers
+        gathers += 1
+        return real_gather(*args, **kwargs)
+
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(torch, "index_select", gather)
     asks = [
         (QUESTION, 32),
         ("Name three colors.", 24),
@@ -113,7 +123,12 @@ async def test_concurrent_greedy_requests_give_the_single_engines_text(
         *(collect(engine.stream(prompt_of(engine, q), SamplingParams(max_tokens=n))) for q, n in asks)
     )
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", real)
-    assert heads == ({3} if grouped else {9})  # every attention call of the batch went the way asked
+    monkeypatch.setattr(torch, "index_select", real_gather)
+    # Every attention call of the batch went the way asked; paged, the library gathered nothing (and no prompt is
+    # long enough for SDPA). The other ways gather in engine/attention.py: the engine's cache reads in place.
+    assert heads == {"paged": set(), "grouped-kv": {3}, "repeated-kv": {9}}[way]
+    if way == "paged":
+        assert gathers == 0
     for (question, max_tokens), (text, finished) in zip(asks, got, strict=True):
         want_text, want = await collect(reference.stream(prompt_of(reference, question), SamplingParams(max_tokens)))
         assert outcome(text, finished) == outcome(want_text, want), question
@@ -307,6 +322,34 @@ async def test_a_request_too_long_for_the_shared_cache_runs_on_the_single_engine
         assert text == "The capital of France is Paris." and small.stats().steps == 8
     finally:
         await small.close()
+
+
+async def test_with_paged_attention_off_the_library_gathers_the_keys_and_the_text_is_the_same(
+    settings: Settings, reference: HFEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch
+
+    own = BatchedEngine(settings.replace(paged_attention=False))
+    own.load(StageClock())
+    try:
+        assert not any(hasattr(m, attention.PAGED) for m in own.model.modules())
+        gathers = 0
+        real = torch.index_select
+
+        def gather(*args: Any, **kwargs: Any) -> Any:
+            nonlocal gathers
+            gathers += 1
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(torch, "index_select", gather)
+        got = await collect(own.stream(prompt_of(own, QUESTION), SamplingParams(max_tokens=12)))
+        monkeypatch.setattr(torch, "index_select", real)
+        # Keys and values, in every layer, in every step after the prompt's (a new engine: nothing to read then).
+        assert gathers == 2 * 30 * (got[1].usage.completion_tokens - 1)
+        want = await collect(reference.stream(prompt_of(reference, QUESTION), SamplingParams(max_tokens=12)))
+        assert outcome(*got) == outcome(*want)
+    finally:
+        await own.close()
 
 
 async def test_close_ends_running_generations_and_stops_the_loops_thread(settings: Settings) -> None:

@@ -234,14 +234,11 @@ def test_where_the_kernel_cannot_serve_every_layer_stays_as_it_was_and_the_log_s
     assert logs == [{"event": "weights_not_blocks", "log_level": "warning", "reason": reason}]
 
 
-def test_a_source_that_does_not_compile_is_reported_with_the_compilers_error(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_source_that_does_not_compile_is_reported_with_the_compilers_error(tmp_path: Path) -> None:
     source = tmp_path / "kernel.c"
     source.write_text('#error "no such CPU"\n')
-    monkeypatch.setattr(kernel, "SOURCE", source)
     with pytest.raises(RuntimeError, match=r"failed: .*error: #error \"no such CPU\""):
-        kernel.build(tmp_path / "kernels")
+        kernel.build(tmp_path / "kernels", source)
     assert list((tmp_path / "kernels").iterdir()) == []  # no partial file left
 
 

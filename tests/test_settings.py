@@ -17,6 +17,7 @@ def test_environment_values_are_parsed_by_type() -> None:
         "TTFT_REDIS_URL": "",
         "TTFT_INT4_WEIGHTS": "true",
         "TTFT_GROUPED_ATTENTION": "off",
+        "TTFT_PAGED_ATTENTION": "no",
         "TTFT_GGUF_KERNEL": "0",
         "TTFT_GGUF_ACTIVATIONS": "int8",
     }
@@ -26,6 +27,7 @@ def test_environment_values_are_parsed_by_type() -> None:
     assert s.redis_url is None
     assert s.int4_weights is True and Settings().int4_weights is False
     assert s.grouped_attention is False and Settings().grouped_attention is True
+    assert s.paged_attention is False and Settings().paged_attention is True
     assert s.gguf_kernel is False and Settings().gguf_kernel is True
     assert s.gguf_activations == "int8" and Settings().gguf_activations == "fp32"
 

@@ -58,6 +58,9 @@ class Settings:
     int4_weights: bool = False
     # On CPU: masked attention (the batched engine's steps) reads grouped KV heads in place (engine/attention.py).
     grouped_attention: bool = True
+    # On CPU, fp32: the batched engine's steps attend request by request, reading the paged KV cache in place
+    # (engine/attention.py), instead of one masked attention over the whole step's gathered keys.
+    paged_attention: bool = True
     threads: int = 0
     cache_dir: Path = field(default_factory=_default_cache_dir)
     warmup: bool = True

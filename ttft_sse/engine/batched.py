@@ -22,6 +22,10 @@ The library does the batching, the paged cache and the prefix sharing. Written h
 * **prefix-hit counting**: a FIFO scheduler subclass, registered in the library's scheduler table, counts prompt
   tokens served from shared blocks (:meth:`BatchedEngine.stats`).
 
+* **attention request by request, in place** (engine/attention.py, on CPU in fp32): the library gathers a step's
+  keys and values out of its paged cache in every layer and attends every query row to every key of the step under
+  a mask; the engine's cache writes only, and each request's rows attend to its own keys, read in place;
+
 * **per-request token selection** (:func:`_selection`): the library's own warpers sort the whole vocabulary of
   every row every step (measured: 43 ms a step for 8 rows, a quarter of a decode step), and its draw runs over
   every row, whether a row samples or not. Ours leaves greedy rows to the library's argmax and sorts and draws
@@ -47,6 +51,7 @@ from typing import Any, ClassVar
 import structlog
 
 from ttft_sse.bridge import Mailboxes, Resident
+from ttft_sse.engine import attention
 from ttft_sse.engine.base import ChatMessage, Finished, ModelInfo, Piece, Prompt, SamplingParams, Usage
 from ttft_sse.engine.hf import CacheJanitor, HFEngine
 from ttft_sse.engine.text import TokenText
@@ -130,7 +135,7 @@ class BatchedEngine:
     def load(self, clock: StageClock) -> None:
         self._single.load(clock)
         with clock.stage("batching"):
-            self._manager = self._create_manager()
+            self._manager = self._create_manager(paged=attention.paged(self.model))
             self._loop = Resident(
                 name="ttft-batch",
                 start=self._start_manager,
@@ -139,7 +144,7 @@ class BatchedEngine:
             )
             self._loop.start()
 
-    def _create_manager(self) -> Any:
+    def _create_manager(self, *, paged: bool) -> Any:
         import math
 
         import transformers
@@ -148,7 +153,7 @@ class BatchedEngine:
         blocks = math.ceil(settings.kv_cache_tokens / BLOCK_TOKENS)
         self._capacity = blocks * BLOCK_TOKENS
         eos = sorted(self._single.eos)
-        self._scheduler = _register_scheduler(self._counters)
+        self._scheduler = _register_scheduler(self._counters, paged=paged)
         generation = transformers.GenerationConfig(
             do_sample=False,  # an argmax per row; sampled rows are drawn before it (see _selection)
             eos_token_id=eos or -1,
@@ -449,8 +454,11 @@ class _PrefixCounters:
     hit_tokens: int = 0
 
 
-def _register_scheduler(counters: _PrefixCounters) -> str:
+def _register_scheduler(counters: _PrefixCounters, *, paged: bool) -> str:
     """Register with the library a FIFO scheduler that counts into ``counters``, and return the name to ask for.
+    With ``paged``, it also makes the cache it is given hand the attention its rows in place
+    (:func:`~ttft_sse.engine.attention.read_in_place`): the scheduler is the one object of the engine's that the
+    library gives its cache to, once per loop.
 
     The library builds its scheduler from a name in its ``SCHEDULER_MAPPING``, with fixed arguments; a class per
     engine is how the counts reach the engine that asked. ``_unregister_scheduler`` removes it again.
@@ -460,6 +468,11 @@ def _register_scheduler(counters: _PrefixCounters) -> str:
 
     class CountingScheduler(schedulers.FIFOScheduler):  # type: ignore[misc]
         """FIFO (decoding requests first, then new ones in arrival order), counting what prefix sharing saved."""
+
+        def __init__(self, cache: Any, *args: Any, **kwargs: Any) -> None:
+            super().__init__(cache, *args, **kwargs)
+            if paged:
+                attention.read_in_place(cache)
 
         def _infer_request_tokens(self, state: Any, removed: set[str]) -> Any:
             # A prefix match moves a pending request to PREFILLING here, once.
