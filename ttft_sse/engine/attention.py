@@ -122,7 +122,7 @@ def page(model: Any, torch: Any, directory: Path) -> int:
         function = _function(kernel.build(directory, SOURCE, "attention"))
         heads, dim = probe.config.num_attention_heads, probe.head_dim
         kv_heads = probe.config.num_key_value_heads
-        requests = [(3, 7), (1, 4), (2, 5), (LONG_ROWS + 1, LONG_ROWS + 3)]
+        requests = [(3, 7), (1, 4), (2, 5), (LONG_ROWS + 1, LONG_ROWS + 3), (LONG_ROWS + 2, LONG_ROWS + 2)]
         query, key, value, mask = masked_step(torch, heads, kv_heads, dim, requests)
         want = torch.nn.functional.scaled_dot_product_attention(
             query, key, value, attn_mask=mask, scale=probe.scaling, enable_gqa=True
@@ -193,11 +193,13 @@ def paged_attention(
             q0, q1, k0, k1 = starts_q[s], starts_q[s + 1], starts_k[s], starts_k[s + 1]
             if q1 - q0 <= LONG_ROWS:
                 continue
-            picked = index[k0:k1]
-            k, v = (x.index_select(0, picked).transpose(0, 1)[None] for x in (keys, values))
-            mask = torch.ones(q1 - q0, k1 - k0, dtype=torch.bool).tril(k1 - k0 - (q1 - q0))
+            k, v = (x.index_select(0, index[k0:k1]).transpose(0, 1)[None] for x in (keys, values))
+            # A prompt without a past is causal as SDPA aligns it (no mask: it skips the blocks above the diagonal);
+            # one behind a shared prefix sees the prefix too.
+            past = (k1 - k0) - (q1 - q0)
+            mask = torch.ones(q1 - q0, k1 - k0, dtype=torch.bool).tril(past) if past else None
             part = torch.nn.functional.scaled_dot_product_attention(
-                query[:, :, q0:q1], k, v, attn_mask=mask, scale=scaling, enable_gqa=True
+                query[:, :, q0:q1], k, v, attn_mask=mask, is_causal=not past, scale=scaling, enable_gqa=True
             )
             out[q0:q1] = part[0].transpose(0, 1)
     return out[None]
