@@ -20,8 +20,9 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 
 WORKDIR /app
-# A C compiler: the engine builds its block kernel for the CPU it runs on (engine/kernel.py), at build time by
-# `ttft-sse prepare` below and again at the first start on a CPU with other features.
+# A C compiler: the engine builds its block kernel and its attention for the CPU it runs on (engine/kernel.py,
+# engine/attention.py), at build time by `ttft-sse prepare` below and again at the first start on a CPU with other
+# features.
 RUN apt-get update \
  && apt-get install -y --no-install-recommends gcc libc6-dev \
  && rm -rf /var/lib/apt/lists/*

@@ -98,7 +98,8 @@ def _prepare(settings: Settings) -> int:
         from ttft_sse.engine.hf import HFEngine
 
         # Loaded once here too: on CPU that finds the file's blocks behind the layers and builds the block kernel
-        # (engine/codes.py, engine/kernel.py), both kept in the cache directory for the server's start.
+        # and the attention (engine/codes.py, engine/kernel.py, engine/attention.py), kept in the cache directory
+        # for the server's start.
         HFEngine(settings).load(clock)
     structlog.get_logger("ttft_sse.prepare").info("prepared", model=settings.model, path=location, **clock.as_dict())
     print(location)

@@ -93,15 +93,7 @@ def group(model: Any, torch: Any) -> int:
         reason = "SDPA over grouped heads disagrees with repeated heads"
     except (AttributeError, RuntimeError, TypeError) as exc:  # an attention module unlike Llama's, an old torch
         agree, reason = False, repr(exc)
-    if not agree:
-        if hasattr(probe, MARK):
-            delattr(probe, MARK)
-        log.warning("attention_not_grouped", reason=reason)
-        return 0
-    for module in modules:
-        setattr(module, MARK, True)
-    log.info("attention_grouped", modules=len(modules))
-    return len(modules)
+    return _settle(modules, MARK, True, "grouped", None if agree else reason)
 
 
 def page(model: Any, torch: Any, directory: Path) -> int:
@@ -139,14 +131,21 @@ def page(model: Any, torch: Any, directory: Path) -> int:
         reason = "request-by-request attention disagrees with SDPA over the gathered keys"
     except (OSError, RuntimeError, AttributeError, TypeError) as exc:
         agree, reason = False, str(exc)
-    if not agree:
-        if hasattr(probe, PAGED):
-            delattr(probe, PAGED)
-        log.warning("attention_not_paged", reason=reason)
+    return _settle(modules, PAGED, function if agree else None, "paged", None if agree else reason)
+
+
+def _settle(modules: list[Any], attribute: str, value: Any, name: str, refusal: str | None) -> int:
+    """After a probe on ``modules[0]``: set ``attribute`` to ``value`` on every module and log ``attention_<name>``,
+    or, with a ``refusal``, take the probe's attribute off again and log ``attention_not_<name>`` with it. Returns
+    how many modules were marked."""
+    if refusal is not None:
+        if hasattr(modules[0], attribute):
+            delattr(modules[0], attribute)
+        log.warning(f"attention_not_{name}", reason=refusal)
         return 0
     for module in modules:
-        setattr(module, PAGED, function)
-    log.info("attention_paged", modules=len(modules))
+        setattr(module, attribute, value)
+    log.info(f"attention_{name}", modules=len(modules))
     return len(modules)
 
 
