@@ -209,7 +209,6 @@ def read_in_place(cache: Any) -> bool:
     step's keys and values into new tensors: it hands the attention function (:func:`grouped_sdpa`, for modules
     :func:`page` marked) the layer's cache rows and the step's key index instead (keyword :data:`KV`). Only for
     caches of full-attention layers (sliding windows are left as they are: returns False)."""
-    import torch
     from transformers.generation.continuous_batching.cache_allocators.full_attention import (
         FullAttentionCacheAllocator,
     )
@@ -218,22 +217,27 @@ def read_in_place(cache: Any) -> bool:
         log.warning("attention_not_paged", reason="the model has other than full-attention layers")
         return False
     library: Callable[..., tuple[Any, Any]] = cache.update
+    # Each layer's key and value rows, as the library's indices count them: its page views, flattened. They cover
+    # every row an index reaches (the value rows' length, the shorter view).
+    rows = {
+        layer: tuple(x.flatten(0, 1) for x in allocator.get_cache_for_block_table(layer))
+        for layer, allocator in cache.layer_to_allocator.items()
+    }
 
     def update(key_states: Any, value_states: Any, layer_idx: int, kwargs: dict[str, Any]) -> tuple[Any, Any]:
         if kwargs.get("block_table") is not None:  # the library's decode path for flash kernels (CUDA)
             return library(key_states, value_states, layer_idx, kwargs)
-        allocator = cache.layer_to_allocator[layer_idx]
+        group = cache.layer_to_allocator[layer_idx].index
         reads = kwargs["read_index"]
-        index = reads[allocator.index]
+        index = reads[group]
         if index.numel() == 0:  # a step of new prompts only: the keys are the rows written now, in order
-            index = kwargs["write_index"][allocator.index]
-        kwargs["read_index"] = [torch.empty(0, dtype=i.dtype) for i in reads]  # the library then only writes
+            index = kwargs["write_index"][group]
+        kwargs["read_index"] = [i[:0] for i in reads]  # nothing to read: the library only writes
         try:
             states = library(key_states, value_states, layer_idx, kwargs)
         finally:
             kwargs["read_index"] = reads
-        keys, values = (x.flatten(0, 1) for x in allocator.get_cache_for_block_table(layer_idx))
-        kwargs[KV] = (keys, values, index)
+        kwargs[KV] = (*rows[layer_idx], index)
         return states
 
     cache.update = update
