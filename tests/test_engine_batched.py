@@ -49,6 +49,23 @@ def reference(settings: Settings) -> HFEngine:
     return engine
 
 
+@pytest.fixture
+def gathers(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """One entry for every ``torch.index_select`` call while the test runs: the library's gathers of a step's keys
+    and values out of its paged cache."""
+    import torch
+
+    calls: list[int] = []
+    real = torch.index_select
+
+    def gather(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "index_select", gather)
+    return calls
+
+
 async def collect(items: AsyncGenerator[Piece | Finished, None]) -> tuple[str, Finished]:
     pieces: list[Piece] = []
     finished: list[Finished] = []
@@ -80,7 +97,7 @@ async def settle(engine: BatchedEngine) -> None:
 
 @pytest.mark.parametrize("way", ["paged", "grouped-kv", "repeated-kv"])
 async def test_concurrent_greedy_requests_give_the_single_engines_text(
-    engine: BatchedEngine, reference: HFEngine, way: str, monkeypatch: pytest.MonkeyPatch
+    engine: BatchedEngine, reference: HFEngine, way: str, monkeypatch: pytest.MonkeyPatch, gathers: list[int]
 ) -> None:
     # paged (the default on CPU): each request's rows attend to its own keys, read from the KV cache in place
     # (engine/attention.c); grouped-kv: the batch's one masked SDPA over the gathered keys, grouped KV heads read in
@@ -95,8 +112,7 @@ async def test_concurrent_greedy_requests_give_the_single_engines_text(
     for module in grouped if way == "repeated-kv" else []:
         monkeypatch.delattr(module, attention.MARK)
     heads: set[int] = set()  # KV heads SDPA is given in the batch's steps of more than one row
-    gathers = 0  # the library's gathers of a step's keys and values from the cache (torch.index_select)
-    real, real_gather = torch.nn.functional.scaled_dot_product_attention, torch.index_select
+    real = torch.nn.functional.scaled_dot_product_attention
 
     def spy(query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> Any:
         # A step of one row has its 9 query heads folded into 3 rows per KV head (transformers' own way either way).
@@ -104,13 +120,7 @@ async def test_concurrent_greedy_requests_give_the_single_engines_text(
             heads.add(key.shape[1])
         return real(query, key, value, *args, **kwargs)
 
-    def gather(*args: Any, **kwargs: Any) -> Any:
-        nonlocal gathers
-        gathers += 1
-        return real_gather(*args, **kwargs)
-
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
-    monkeypatch.setattr(torch, "index_select", gather)
     asks = [
         (QUESTION, 32),
         ("Name three colors.", 24),
@@ -123,12 +133,11 @@ async def test_concurrent_greedy_requests_give_the_single_engines_text(
         *(collect(engine.stream(prompt_of(engine, q), SamplingParams(max_tokens=n))) for q, n in asks)
     )
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", real)
-    monkeypatch.setattr(torch, "index_select", real_gather)
     # Every attention call of the batch went the way asked; paged, the library gathered nothing (and no prompt is
     # long enough for SDPA). The other ways gather in engine/attention.py: the engine's cache reads in place.
     assert heads == {"paged": set(), "grouped-kv": {3}, "repeated-kv": {9}}[way]
     if way == "paged":
-        assert gathers == 0
+        assert gathers == []
     for (question, max_tokens), (text, finished) in zip(asks, got, strict=True):
         want_text, want = await collect(reference.stream(prompt_of(reference, question), SamplingParams(max_tokens)))
         assert outcome(text, finished) == outcome(want_text, want), question
@@ -325,27 +334,16 @@ async def test_a_request_too_long_for_the_shared_cache_runs_on_the_single_engine
 
 
 async def test_with_paged_attention_off_the_library_gathers_the_keys_and_the_text_is_the_same(
-    settings: Settings, reference: HFEngine, monkeypatch: pytest.MonkeyPatch
+    settings: Settings, reference: HFEngine, gathers: list[int]
 ) -> None:
-    import torch
-
     own = BatchedEngine(settings.replace(paged_attention=False))
     own.load(StageClock())
     try:
         assert not any(hasattr(m, attention.PAGED) for m in own.model.modules())
-        gathers = 0
-        real = torch.index_select
-
-        def gather(*args: Any, **kwargs: Any) -> Any:
-            nonlocal gathers
-            gathers += 1
-            return real(*args, **kwargs)
-
-        monkeypatch.setattr(torch, "index_select", gather)
+        gathers.clear()
         got = await collect(own.stream(prompt_of(own, QUESTION), SamplingParams(max_tokens=12)))
-        monkeypatch.setattr(torch, "index_select", real)
         # Keys and values, in every layer, in every step after the prompt's (a new engine: nothing to read then).
-        assert gathers == 2 * 30 * (got[1].usage.completion_tokens - 1)
+        assert len(gathers) == 2 * 30 * (got[1].usage.completion_tokens - 1)
         want = await collect(reference.stream(prompt_of(reference, QUESTION), SamplingParams(max_tokens=12)))
         assert outcome(*got) == outcome(*want)
     finally:
