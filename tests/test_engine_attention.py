@@ -11,7 +11,7 @@ import torch
 import transformers
 from structlog.testing import capture_logs
 
-from ttft_sse.engine import attention
+from ttft_sse.engine import attention, kernel
 from ttft_sse.engine.hf import HFEngine
 from ttft_sse.settings import Settings
 from ttft_sse.stages import StageClock
@@ -290,3 +290,16 @@ def test_a_cache_with_sliding_window_layers_is_left_to_gather_as_the_library_doe
             "reason": "the model has other than full-attention layers",
         }
     ]
+
+
+def test_without_avx512_the_c_attention_refuses_and_nothing_is_marked(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(kernel, "FLAGS", (*kernel.FLAGS, "-mno-avx512f"))  # what a CPU without it gets built
+    with pytest.raises(RuntimeError, match="the CPU has no AVX-512"):
+        attention._function(kernel.build(tmp_path, attention.SOURCE, "attention"))
+    model = tiny(kv_heads=2)
+    with capture_logs() as logs:
+        assert attention.page(model, torch, tmp_path) == 0
+    assert not attention.paged(model)
+    assert logs[-1] == {"event": "attention_not_paged", "log_level": "warning", "reason": "the CPU has no AVX-512"}
