@@ -63,6 +63,7 @@ def calls(model: Any) -> None:
     shapes = [
         ("decode step, 8 streams of 80 tokens", streams),
         ("decode step, 8 streams of 200 tokens", [(1, 200)] * 8),
+        ("decode step, 8 streams of 1000 tokens (long conversations)", [(1, 1000)] * 8),
         ("a 37-token prompt beside 7 streams of 80", [(37, 37), *streams[1:]]),
         ("a 37-token prompt alone", [(37, 37)]),
     ]
