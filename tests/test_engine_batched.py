@@ -350,6 +350,27 @@ async def test_with_paged_attention_off_the_library_gathers_the_keys_and_the_tex
         await own.close()
 
 
+@pytest.mark.parametrize("activations", ["fp32", "int8"])
+async def test_a_requests_text_does_not_depend_on_what_else_is_in_its_batch(
+    settings: Settings, activations: str
+) -> None:
+    # Every layer computes a request's rows from its own rows alone: the block kernel's linear layers, and attention
+    # request by request. So even int8 rows, whose steps of max|x| / 127 turn fp32 roundings into other tokens, give
+    # a request the same text alone and among others (with the masked attention, 3 of 11 prompts kept theirs).
+    own = BatchedEngine(settings.replace(gguf_activations=activations))
+    own.load(StageClock())
+    try:
+        if own.info.weights != ("gguf-blocks-int8" if activations == "int8" else "gguf-blocks"):
+            pytest.skip(f"the block kernel with {activations} rows does not run on this CPU")
+        asks = [QUESTION, "Name three colors.", "Why is the sky blue?", "Write a haiku about the sea.", "What is 2+2?"]
+        params = SamplingParams(max_tokens=24)
+        alone = [await collect(own.stream(prompt_of(own, ask), params)) for ask in asks]
+        together = await asyncio.gather(*(collect(own.stream(prompt_of(own, ask), params)) for ask in asks))
+        assert [outcome(*got) for got in together] == [outcome(*got) for got in alone]
+    finally:
+        await own.close()
+
+
 async def test_close_ends_running_generations_and_stops_the_loops_thread(settings: Settings) -> None:
     before = set(_loop_threads())
     own = BatchedEngine(settings)
