@@ -187,19 +187,24 @@ def paged_module(tmp_path_factory: pytest.TempPathFactory) -> Any:
 def test_each_request_attends_to_its_own_keys_read_through_the_index(
     paged_module: Any, sdpa_calls: list[tuple[int, bool]], heads: int, kv_heads: int, dim: int
 ) -> None:
-    # Decoding streams (one row), prompts beside them (with and without a past: a shared prefix), and one prompt
-    # longer than LONG_ROWS, which goes to SDPA.
-    long = attention.LONG_ROWS + 6
-    requests = [(1, 40), (5, 5), (1, 1), (3, 20), (long, long + 9), (2, 2)]
+    # Decoding streams (one row), prompts beside them (with and without a past: a shared prefix), and two prompts
+    # longer than long_rows (512 in the engine), which go to SDPA: one with a past, one without.
+    long = 16
+    requests = [(1, 40), (5, 5), (1, 1), (3, 20), (long + 1, long + 9), (2, 2), (long + 3, long + 3)]
     query, key, value, _ = attention.masked_step(torch, heads, kv_heads, dim, requests, seed=3)
     want = one_by_one(query, key, value, requests, dim**-0.5)
     sdpa_calls.clear()
     kv = as_cache(key, value, slots=500)
     cu_q, cu_k = cumulative([r for r, _ in requests]), cumulative([k for _, k in requests])
-    got = attention.paged_attention(paged_module, query, kv, cu_q, cu_k, long, dim**-0.5)
+    got = attention.paged_attention(paged_module, query, kv, cu_q, cu_k, long + 3, dim**-0.5, long_rows=long)
     assert got.shape == (1, sum(r for r, _ in requests), heads, dim)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=2e-6)
-    assert sdpa_calls == [(kv_heads, True)]  # the long prompt alone, over its gathered keys
+    assert sdpa_calls == [(kv_heads, True)] * 2  # the long prompts alone, over their gathered keys
+    # With the engine's long_rows, every one of these requests takes C.
+    sdpa_calls.clear()
+    again = attention.paged_attention(paged_module, query, kv, cu_q, cu_k, long + 3, dim**-0.5)
+    torch.testing.assert_close(again, want, rtol=1e-4, atol=2e-6)
+    assert sdpa_calls == []
 
 
 def test_a_step_of_new_prompts_alone_reads_the_rows_just_written(paged_module: Any) -> None:
@@ -231,6 +236,30 @@ def test_the_attention_function_takes_paged_steps_for_marked_modules_and_gathers
     gathered, _ = attention.grouped_sdpa(plain, query, keys, values, mask, scaling=0.25, **step, **kv)
     assert len(sdpa_calls) == 1
     torch.testing.assert_close(gathered, want, rtol=1e-4, atol=2e-6)
+
+
+def test_the_single_engines_calls_take_the_same_c_function_over_its_dense_cache(
+    paged_module: Any, sdpa_calls: list[tuple[int, bool]]
+) -> None:
+    # transformers' cache of one sequence: [1, kv heads, keys, dim], no mask (causal when more than one row).
+    for rows, keys in ((7, 7), (1, 12)):
+        query, key, value, _ = attention.masked_step(torch, HEADS, 2, DIM, [(rows, keys)], seed=8)
+        want = one_by_one(query, key, value, [(rows, keys)], 0.25)
+        sdpa_calls.clear()
+        got, _ = attention.grouped_sdpa(paged_module, query, key, value, None, scaling=0.25)
+        assert sdpa_calls == []
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=2e-6)
+        # Bit for bit the batched engine's result for the same request, its keys read from a paged cache.
+        cache = as_cache(key, value, slots=64, seed=9)
+        paged = attention.paged_attention(
+            paged_module, query, cache, cumulative([rows]), cumulative([keys]), rows, 0.25
+        )
+        assert torch.equal(got, paged)
+    # With a mask, the library's own function.
+    query, key, value, mask = attention.masked_step(torch, HEADS, 2, DIM, [(3, 3), (1, 4)], seed=10)
+    sdpa_calls.clear()
+    attention.grouped_sdpa(paged_module, query, key, value, mask, scaling=0.25)
+    assert len(sdpa_calls) == 1
 
 
 def test_page_marks_every_attention_module_after_its_probe(tmp_path: Any) -> None:

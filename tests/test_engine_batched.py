@@ -351,12 +351,14 @@ async def test_with_paged_attention_off_the_library_gathers_the_keys_and_the_tex
 
 
 @pytest.mark.parametrize("activations", ["fp32", "int8"])
-async def test_a_requests_text_does_not_depend_on_what_else_is_in_its_batch(
+async def test_a_requests_text_depends_neither_on_its_batch_nor_on_the_engine(
     settings: Settings, activations: str
 ) -> None:
-    # Every layer computes a request's rows from its own rows alone: the block kernel's linear layers, and attention
-    # request by request. So even int8 rows, whose steps of max|x| / 127 turn fp32 roundings into other tokens, give
-    # a request the same text alone and among others (with the masked attention, 3 of 11 prompts kept theirs).
+    # Every layer computes a request's rows from its own rows alone (the block kernel's linear layers, attention
+    # request by request), and the single-request engine attends with the same C function. So even int8 rows, whose
+    # steps of max|x| / 127 turn fp32 roundings into other tokens, give a request the same text alone, among others
+    # and on the single engine (with the masked attention, 3 of 11 prompts kept theirs among others, 5 of 11 on
+    # the single engine).
     own = BatchedEngine(settings.replace(gguf_activations=activations))
     own.load(StageClock())
     try:
@@ -366,7 +368,10 @@ async def test_a_requests_text_does_not_depend_on_what_else_is_in_its_batch(
         params = SamplingParams(max_tokens=24)
         alone = [await collect(own.stream(prompt_of(own, ask), params)) for ask in asks]
         together = await asyncio.gather(*(collect(own.stream(prompt_of(own, ask), params)) for ask in asks))
-        assert [outcome(*got) for got in together] == [outcome(*got) for got in alone]
+        single = [await collect(own._single.stream(prompt_of(own, ask), params)) for ask in asks]
+        want = [outcome(*got) for got in alone]
+        assert [outcome(*got) for got in together] == want
+        assert [outcome(*got) for got in single] == want
     finally:
         await own.close()
 

@@ -3,9 +3,11 @@
 
    A step of continuous batching holds several requests side by side: request s has query rows cu_q[s] ..
    cu_q[s+1]-1 and keys cu_k[s] .. cu_k[s+1]-1, and its row i (of lq rows, lk keys) sees its own keys 0 .. lk-lq+i
-   (its past, then its new rows up to itself). Key j's vectors are row index[j] of k and v, each row holding the KV
-   heads side by side ([rows, kv_heads, dim], the cache's layout), so nothing is gathered first. Query heads
-   h*groups .. h*groups+groups-1 share KV head h. q and out are [rows, heads, dim].
+   (its past, then its new rows up to itself). Key j of KV head g is dim floats at k + index[j] * key_stride +
+   g * head_stride (likewise in v): in the paged cache's layout ([rows, kv_heads, dim]: key_stride kv_heads * dim,
+   head_stride dim) nothing is gathered first; a dense cache ([kv_heads, keys, dim], the single-request engine's)
+   is read the same way with its own strides. Query heads h*groups .. h*groups+groups-1 share KV head h. q and out
+   are [rows, heads, dim].
 
    Requests with more than max_rows query rows (long prompts) are left out, for the caller (a GEMM-based attention
    is faster there). The rest cost one dot product and one multiply-add of dim floats per query head and visible key,
@@ -136,10 +138,11 @@ static void attend(int heads, int64_t dim, const float *q, const float *k, const
 }
 
 int ttft_paged_attention(const float *q, int64_t heads, int64_t kv_heads, int64_t dim, const float *k,
-                         const float *v, const int64_t *index, const int32_t *cu_q, const int32_t *cu_k,
-                         int64_t requests, int64_t max_rows, float scale, float *out) {
+                         const float *v, int64_t key_stride, int64_t head_stride, const int64_t *index,
+                         const int32_t *cu_q, const int32_t *cu_k, int64_t requests, int64_t max_rows, float scale,
+                         float *out) {
     if (dim % 16 || dim > MAX_DIM || kv_heads <= 0 || heads % kv_heads) return -1;
-    int64_t groups = heads / kv_heads, stride = kv_heads * dim, longest = 0;
+    int64_t groups = heads / kv_heads, longest = 0;
     for (int64_t s = 0; s < requests; s++)
         if (cu_k[s + 1] - cu_k[s] > longest) longest = cu_k[s + 1] - cu_k[s];
     float *p = malloc((size_t)GROUP * (size_t)(longest + 16) * sizeof(float));
@@ -153,8 +156,8 @@ int ttft_paged_attention(const float *q, int64_t heads, int64_t kv_heads, int64_
             for (int64_t h = 0; h < heads;) {
                 int64_t left = groups - h % groups; /* query heads of this KV head from h on */
                 int n = (int)(left < GROUP ? left : GROUP);
-                int64_t at = ((q0 + i) * heads + h) * dim, kv = (h / groups) * dim;
-                attend(n, dim, q + at, k + kv, v + kv, key, count, stride, scale, p, out + at);
+                int64_t at = ((q0 + i) * heads + h) * dim, kv = (h / groups) * head_stride;
+                attend(n, dim, q + at, k + kv, v + kv, key, count, key_stride, scale, p, out + at);
                 h += n;
             }
         }
@@ -164,8 +167,11 @@ int ttft_paged_attention(const float *q, int64_t heads, int64_t kv_heads, int64_
 }
 #else
 int ttft_paged_attention(const float *q, int64_t heads, int64_t kv_heads, int64_t dim, const float *k,
-                         const float *v, const int64_t *index, const int32_t *cu_q, const int32_t *cu_k,
-                         int64_t requests, int64_t max_rows, float scale, float *out) {
-    return -2;
+                         const float *v, int64_t key_stride, int64_t head_stride, const int64_t *index,
+                         const int32_t *cu_q, const int32_t *cu_k, int64_t requests, int64_t max_rows, float scale,
+                         float *out) {
+    (void)q, (void)heads, (void)kv_heads, (void)dim, (void)k, (void)v, (void)key_stride, (void)head_stride;
+    (void)index, (void)cu_q, (void)cu_k, (void)requests, (void)max_rows, (void)scale, (void)out;
+    return -2; /* built without AVX-512 */
 }
 #endif

@@ -69,8 +69,12 @@ KV = "ttft_kv"
 """The keyword argument by which a cache that reads in place (:func:`read_in_place`) hands a layer's KV rows and
 the step's key index to the attention function."""
 SOURCE = Path(__file__).with_name("attention.c")
-LONG_ROWS = 64
-"""Requests with more query rows than this in a step (long prompts) take SDPA: its blocked products are faster."""
+LONG_ROWS = 512
+"""Requests with more query rows than this in a step take SDPA: from ~1000 rows on its blocked products are faster
+(one 9-head layer, µs: 65 rows 123 against SDPA's 205, 512 rows 5229 against 7059, 1024 rows 18932 against 16806).
+512 is the batched engine's default step (``TTFT_BATCH_TOKENS``): with it, every request of a step takes C."""
+PROBE_LONG = 5
+"""The load probe's ``long_rows``: its small requests take both paths."""
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 
 
@@ -114,7 +118,8 @@ def page(model: Any, torch: Any, directory: Path) -> int:
         function = _function(kernel.build(directory, SOURCE, "attention"))
         heads, dim = probe.config.num_attention_heads, probe.head_dim
         kv_heads = probe.config.num_key_value_heads
-        requests = [(3, 7), (1, 4), (2, 5), (LONG_ROWS + 1, LONG_ROWS + 3), (LONG_ROWS + 2, LONG_ROWS + 2)]
+        # Past and new rows; the last two, longer than the probe's long_rows, take SDPA (with a past, then without).
+        requests = [(3, 7), (1, 4), (2, 5), (PROBE_LONG + 1, PROBE_LONG + 3), (PROBE_LONG + 2, PROBE_LONG + 2)]
         query, key, value, mask = masked_step(torch, heads, kv_heads, dim, requests)
         want = torch.nn.functional.scaled_dot_product_attention(
             query, key, value, attn_mask=mask, scale=probe.scaling, enable_gqa=True
@@ -126,7 +131,8 @@ def page(model: Any, torch: Any, directory: Path) -> int:
             target[order] = source[0].transpose(0, 1)
         cu_q, cu_k = (torch.tensor([0, *itertools.accumulate(n[i] for n in requests)]) for i in (0, 1))
         setattr(probe, PAGED, function)
-        got = paged_attention(probe, query, (*rows, order), cu_q, cu_k, max(n for n, _ in requests), probe.scaling)
+        longest = max(n for n, _ in requests)
+        got = paged_attention(probe, query, (*rows, order), cu_q, cu_k, longest, probe.scaling, long_rows=PROBE_LONG)
         agree = bool(torch.allclose(got, want, rtol=1e-4, atol=1e-5))
         reason = "request-by-request attention disagrees with SDPA over the gathered keys"
     except (OSError, RuntimeError, AttributeError, TypeError) as exc:
@@ -157,23 +163,50 @@ def paged(model: Any) -> bool:
 @functools.cache
 def _function(path: Path) -> Any:
     function = ctypes.CDLL(str(path)).ttft_paged_attention
-    function.argtypes = [_PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, ctypes.c_float, _PTR]
+    # q, heads, kv_heads, dim, k, v, key_stride, head_stride, index, cu_q, cu_k, requests, max_rows, scale, out
+    function.argtypes = [
+        _PTR,
+        _I64,
+        _I64,
+        _I64,
+        _PTR,
+        _PTR,
+        _I64,
+        _I64,
+        _PTR,
+        _PTR,
+        _PTR,
+        _I64,
+        _I64,
+        ctypes.c_float,
+        _PTR,
+    ]
     function.restype = ctypes.c_int
-    if function(None, 1, 1, 16, None, None, None, None, None, 0, 0, 1.0, None) == -2:
+    if function(None, 1, 1, 16, None, None, 0, 0, None, None, None, 0, 0, 1.0, None) == -2:
         raise RuntimeError("the CPU has no AVX-512")
     return function
 
 
 def paged_attention(
-    module: Any, query: Any, kv: tuple[Any, Any, Any], cu_q: Any, cu_k: Any, longest: int, scaling: float
+    module: Any,
+    query: Any,
+    kv: tuple[Any, Any, Any],
+    cu_q: Any,
+    cu_k: Any,
+    longest: int,
+    scaling: float,
+    long_rows: int = LONG_ROWS,
 ) -> Any:
     """A batched step's attention, request by request: ``query`` is ``[1, heads, rows, dim]``; ``kv`` the layer's
-    key and value rows (``[slots, kv_heads, dim]``) and the step's key index into them; ``cu_q``, ``cu_k`` where
-    each request's rows and keys start; ``longest`` the most query rows of a request. Returns ``[1, rows, heads,
-    dim]``. Requests of more than :data:`LONG_ROWS` rows take SDPA over their gathered keys."""
+    key and value rows (``[slots, kv_heads, dim]``, a view with any strides but a last one of 1, the same for both)
+    and the step's key index into them; ``cu_q``, ``cu_k`` where each request's rows and keys start; ``longest``
+    the most query rows of a request. Returns ``[1, rows, heads, dim]``. Requests of more than ``long_rows`` rows
+    take SDPA over their gathered keys."""
     import torch
 
     keys, values, index = kv
+    if keys.stride() != values.stride() or keys.stride(2) != 1:
+        raise RuntimeError("paged attention needs keys and values laid out alike, each vector contiguous")
     q = query[0].transpose(0, 1).contiguous()
     _, heads, dim = q.shape
     out = torch.empty_like(q)
@@ -181,16 +214,16 @@ def paged_attention(
     index = index.to(torch.int64)
     requests = cu_q.numel() - 1
     done = module.ttft_paged_attention(
-        q.data_ptr(), heads, keys.shape[1], dim, keys.data_ptr(), values.data_ptr(), index.data_ptr(),
-        cu_q.data_ptr(), cu_k.data_ptr(), requests, LONG_ROWS, scaling, out.data_ptr(),
+        q.data_ptr(), heads, keys.shape[1], dim, keys.data_ptr(), values.data_ptr(), keys.stride(0), keys.stride(1),
+        index.data_ptr(), cu_q.data_ptr(), cu_k.data_ptr(), requests, long_rows, scaling, out.data_ptr(),
     )  # fmt: skip
     if done != 0:
         raise RuntimeError(f"paged attention failed ({done})")
-    if longest > LONG_ROWS:
+    if longest > long_rows:
         starts_q, starts_k = cu_q.tolist(), cu_k.tolist()
         for s in range(requests):
             q0, q1, k0, k1 = starts_q[s], starts_q[s + 1], starts_k[s], starts_k[s + 1]
-            if q1 - q0 <= LONG_ROWS:
+            if q1 - q0 <= long_rows:
                 continue
             k, v = (x.index_select(0, index[k0:k1]).transpose(0, 1)[None] for x in (keys, values))
             # A prompt without a past is causal as SDPA aligns it (no mask: it skips the blocks above the diagonal);
@@ -279,14 +312,24 @@ def grouped_sdpa(
     calls of more than one query row (the only calls where transformers repeats them on CPU), and request by
     request over the KV cache in place for the batched steps of a module :func:`page` marked."""
     kv = kwargs.pop(KV, None)
+    paged = getattr(module, PAGED, None) is not None
+    scale = module.scaling if scaling is None else scaling
     if kv is not None:
-        if getattr(module, PAGED, None) is not None:
+        if paged:
             cu_q, cu_k, longest = kwargs["cu_seq_lens_q"], kwargs["cu_seq_lens_k"], int(kwargs["max_length_q"])
-            scale = module.scaling if scaling is None else scaling
             return paged_attention(module, query, kv, cu_q, cu_k, longest, scale), None
         # A module not marked (the tests unmark them): the keys and values the library would have gathered.
         rows, index = kv[:2], kv[2]
         key, value = (x.index_select(0, index).transpose(0, 1)[None] for x in rows)
+    elif paged and _one_sequence(query, key, value, attention_mask, dropout, is_causal, kwargs):
+        # The single-request engine's calls: its cache is dense, [1, kv_heads, keys, dim]. The same C function as
+        # the batched engine's, so that a request's rows come out the same in both engines (not only close).
+        import torch
+
+        rows, keys = query.shape[2], key.shape[2]
+        bounds = (torch.tensor([0, rows], dtype=torch.int32), torch.tensor([0, keys], dtype=torch.int32))
+        dense = (key[0].transpose(0, 1), value[0].transpose(0, 1), torch.arange(keys))
+        return paged_attention(module, query, dense, *bounds, rows, scale), None
     plain = (
         not getattr(module, MARK, False)
         or attention_mask is None
@@ -306,6 +349,27 @@ def grouped_sdpa(
         query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, enable_gqa=True
     )
     return out.transpose(1, 2).contiguous(), None
+
+
+def _one_sequence(
+    query: Any, key: Any, value: Any, attention_mask: Any, dropout: float, is_causal: bool | None, kwargs: Any
+) -> bool:
+    """A call the C function computes as transformers' SDPA function would: one sequence, no mask (so causal when
+    it has more than one row: its rows are all its keys, or it is one row), at most :data:`LONG_ROWS` rows (longer
+    prompts take SDPA, in the batched engine too), keys and values laid out alike."""
+    rows, keys = query.shape[2], key.shape[2]
+    return (
+        attention_mask is None
+        and dropout == 0.0
+        and is_causal is not False
+        and query.shape[0] == 1
+        and (rows == keys or rows == 1)
+        and rows <= LONG_ROWS
+        and str(query.dtype) == "torch.float32"
+        and key.stride() == value.stride()
+        and key.stride(3) == 1
+        and not any(kwargs.get(name) for name in ("position_bias", "softcap", "output_attentions"))
+    )
 
 
 @functools.cache
