@@ -262,6 +262,22 @@ def test_the_single_engines_calls_take_the_same_c_function_over_its_dense_cache(
     assert len(sdpa_calls) == 1
 
 
+def test_calls_with_more_than_the_c_function_computes_go_to_the_library(
+    paged_module: Any, sdpa_calls: list[tuple[int, bool]]
+) -> None:
+    requests = [(1, 6), (2, 3)]
+    query, key, value, mask = attention.masked_step(torch, HEADS, 2, DIM, requests, seed=11)
+    step = {"cu_seq_lens_q": cumulative([1, 2]), "cu_seq_lens_k": cumulative([6, 3]), "max_length_q": 2}
+    kv = {attention.KV: as_cache(key, value, slots=32, seed=12)}
+    with pytest.raises(ValueError, match="softcap"):  # transformers' own refusal: the call reached it
+        attention.grouped_sdpa(paged_module, query, key, value, mask, scaling=0.25, softcap=30.0, **step, **kv)
+    # The single engine's call with a sliding window (Mistral's kind): SDPA, as the library does it.
+    query, key, value, _ = attention.masked_step(torch, HEADS, 2, DIM, [(1, 9)], seed=13)
+    sdpa_calls.clear()
+    attention.grouped_sdpa(paged_module, query, key, value, None, scaling=0.25, sliding_window=4)
+    assert len(sdpa_calls) == 1
+
+
 def test_page_marks_every_attention_module_after_its_probe(tmp_path: Any) -> None:
     model = tiny(kv_heads=2)
     with capture_logs() as logs:

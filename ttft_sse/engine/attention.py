@@ -7,10 +7,12 @@ requests side by side. transformers gathers every key and value of the step out 
 apart, so each query row is multiplied with every key of the step, its own request's or not: 8 streams of 100
 tokens cost 8 x 800 dot products a head instead of 8 x 100. :func:`read_in_place` makes the cache only write the
 new keys and values and hand over the layer's cache rows and the step's key index; ``attention.c`` then attends
-each request's rows to its own keys, read through the index, in fp32 (requests of more than :data:`LONG_ROWS` rows,
-long prompts, take SDPA over their own gathered keys). Measured on the bundled model (one thread, the engine's
-timeline of forward passes, ``/tmp`` script): a decode step of 8 streams 51.4 → 46.1 ms, a step of 7 streams and a
-15-token prompt 85 → 75 ms, one stream's 32.4 → 32.0 ms; the engine's figures: docs/benchmarks.md.
+each request's rows to its own keys, read through the index, in fp32 (requests of more than :data:`LONG_ROWS` rows
+take SDPA over their own gathered keys). The single-request engine's calls take the same function over its dense
+cache, so that a request's rows come out of both engines bit for bit alike. Measured on the bundled model (one
+thread, the engine's timeline of forward passes, ``/tmp`` script): a decode step of 8 streams 51.4 → 46.1 ms, a
+step of 7 streams and a 15-token prompt 85 → 75 ms, one stream's 32.4 → 32.0 ms; the engine's figures:
+docs/benchmarks.md.
 
 **Grouped KV heads** (:func:`group`, ``TTFT_GROUPED_ATTENTION``), for the masked SDPA calls left (paged attention
 off, another dtype, long prompts):
@@ -312,16 +314,17 @@ def grouped_sdpa(
     calls of more than one query row (the only calls where transformers repeats them on CPU), and request by
     request over the KV cache in place for the batched steps of a module :func:`page` marked."""
     kv = kwargs.pop(KV, None)
-    paged = getattr(module, PAGED, None) is not None
+    paged = getattr(module, PAGED, None) is not None and _plain(kwargs)
     scale = module.scaling if scaling is None else scaling
     if kv is not None:
         if paged:
             cu_q, cu_k, longest = kwargs["cu_seq_lens_q"], kwargs["cu_seq_lens_k"], int(kwargs["max_length_q"])
             return paged_attention(module, query, kv, cu_q, cu_k, longest, scale), None
-        # A module not marked (the tests unmark them): the keys and values the library would have gathered.
+        # A module not marked (the tests unmark them), or a call with more than the C function computes (a
+        # softcap, a sliding window, sinks): the keys and values the library would have gathered.
         rows, index = kv[:2], kv[2]
         key, value = (x.index_select(0, index).transpose(0, 1)[None] for x in rows)
-    elif paged and _one_sequence(query, key, value, attention_mask, dropout, is_causal, kwargs):
+    elif paged and _one_sequence(query, key, value, attention_mask, dropout, is_causal):
         # The single-request engine's calls: its cache is dense, [1, kv_heads, keys, dim]. The same C function as
         # the batched engine's, so that a request's rows come out the same in both engines (not only close).
         import torch
@@ -352,7 +355,7 @@ def grouped_sdpa(
 
 
 def _one_sequence(
-    query: Any, key: Any, value: Any, attention_mask: Any, dropout: float, is_causal: bool | None, kwargs: Any
+    query: Any, key: Any, value: Any, attention_mask: Any, dropout: float, is_causal: bool | None
 ) -> bool:
     """A call the C function computes as transformers' SDPA function would: one sequence, no mask (so causal when
     it has more than one row: its rows are all its keys, or it is one row), at most :data:`LONG_ROWS` rows (longer
@@ -368,8 +371,20 @@ def _one_sequence(
         and str(query.dtype) == "torch.float32"
         and key.stride() == value.stride()
         and key.stride(3) == 1
-        and not any(kwargs.get(name) for name in ("position_bias", "softcap", "output_attentions"))
     )
+
+
+PLAIN = frozenset(
+    {"position_ids", "use_cache", "cache_position", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"}
+    | {"logits_indices", "logits_processor_args", "read_index", "write_index", "block_table"}
+)
+"""Keyword arguments of transformers' attention calls that do not change what attention computes (continuous
+batching's bookkeeping among them). Any other one set (a softcap, a sliding window, sinks, a position bias, asking
+for the attention weights) sends the call to the library's function."""
+
+
+def _plain(kwargs: dict[str, Any]) -> bool:
+    return all(name in PLAIN or value is None or value is False for name, value in kwargs.items())
 
 
 @functools.cache
