@@ -1,5 +1,5 @@
-/* Attention of a batched step, request by request, over keys and values read in place from the paged KV cache
-   (ttft_sse/engine/attention.py builds it and calls it).
+/* Attention of a batched step, request by request, over keys and values read in place from the paged KV cache; and
+   of the single-request engine's calls, over its dense cache (ttft_sse/engine/attention.py builds it and calls it).
 
    A step of continuous batching holds several requests side by side: request s has query rows cu_q[s] ..
    cu_q[s+1]-1 and keys cu_k[s] .. cu_k[s+1]-1, and its row i (of lq rows, lk keys) sees its own keys 0 .. lk-lq+i
@@ -9,9 +9,9 @@
    is read the same way with its own strides. Query heads h*groups .. h*groups+groups-1 share KV head h. q and out
    are [rows, heads, dim].
 
-   Requests with more than max_rows query rows (long prompts) are left out, for the caller (a GEMM-based attention
-   is faster there). The rest cost one dot product and one multiply-add of dim floats per query head and visible key,
-   where one masked attention over the whole step costs them for every key of every request.
+   Requests with more than max_rows query rows (long prompts) are left out, for the caller's SDPA (from ~1000 rows
+   on, its blocked products are faster). The rest cost one dot product and one multiply-add of dim floats per query
+   head and visible key, where one masked attention over the whole step costs them for every key of every request.
 
    Per row and head: scores s_j = q.k_j * scale, m = max s_j, p_j = exp(s_j - m) (a polynomial, as Cephes' expf),
    out = sum p_j v_j / sum p_j, in fp32. AVX-512 only (returns -2 without it: the caller keeps the library's path);
@@ -26,7 +26,7 @@
 #define MAX_DIM 256
 
 static inline __m512 exp_ps(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f)); /* exp(-87) is below fp32's normal range: a weight of zero */
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f)); /* exp(-87) ~ 1.6e-38, near fp32's smallest normal: adds nothing */
     __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x); /* x - n ln 2, in two parts */
