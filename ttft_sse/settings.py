@@ -59,7 +59,8 @@ class Settings:
     # On CPU: masked attention (the batched engine's steps) reads grouped KV heads in place (engine/attention.py).
     grouped_attention: bool = True
     # On CPU, fp32: the batched engine's steps attend request by request, reading the paged KV cache in place
-    # (engine/attention.py), instead of one masked attention over the whole step's gathered keys.
+    # (engine/attention.py), instead of one masked attention over the whole step's gathered keys; the single engine
+    # attends with the same C function, so both give a request the same text.
     paged_attention: bool = True
     threads: int = 0
     cache_dir: Path = field(default_factory=_default_cache_dir)

@@ -108,7 +108,7 @@ class HFEngine:
                 layout = self._arrange(model, torch, source, location, on_cpu_in_fp32=on_cpu_in_fp32)
                 if device == "cpu" and settings.grouped_attention:
                     attention.group(model, torch)
-                if on_cpu_in_fp32 and settings.paged_attention:  # for the batched engine's steps
+                if on_cpu_in_fp32 and settings.paged_attention:  # both engines' attention, request by request
                     attention.page(model, torch, settings.cache_dir / KERNEL_DIR)
         except OSError as exc:
             raise StartupError(f"cannot load model {settings.model!r}: {exc}") from exc
