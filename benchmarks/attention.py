@@ -42,7 +42,6 @@ MODES = ("request by request, in place", "masked, grouped in place", "masked, co
 
 
 def calls(model: Any) -> None:
-    import itertools
 
     import torch
     from transformers.integrations.sdpa_attention import repeat_kv
@@ -69,15 +68,12 @@ def calls(model: Any) -> None:
     ]
     for name, requests in shapes:
         q, k, v, m = attention.masked_step(torch, 9, 3, 64, requests)  # SmolLM2's heads
-        index = torch.randperm(8192)[: k.shape[2]]
-        rows = [torch.randn(8192, 3, 64) for _ in range(2)]
-        for target, source in zip(rows, (k, v), strict=True):
-            target[index] = source[0].transpose(0, 1)
-        cu_q, cu_k = (torch.tensor([0, *itertools.accumulate(r[i] for r in requests)]) for i in (0, 1))
+        kv = attention.in_cache(torch, k, v, slots=8192)
+        cu_q, cu_k = attention.starts(torch, requests)
         longest = max(r for r, _ in requests)
         copied = micros(lambda: sdpa(q, repeat_kv(k, 3), repeat_kv(v, 3), attn_mask=m))  # noqa: B023
         grouped = micros(lambda: sdpa(q, k, v, attn_mask=m, enable_gqa=True))  # noqa: B023
-        paged = micros(lambda: attention.paged_attention(module, q, (*rows, index), cu_q, cu_k, longest, 0.125))  # noqa: B023
+        paged = micros(lambda: attention.paged_attention(module, q, kv, cu_q, cu_k, longest, 0.125))  # noqa: B023
         print(f"| {name} | {copied:.0f} | {grouped:.0f} | {paged:.0f} |")
     print()
 

@@ -157,18 +157,10 @@ def one_by_one(query: Any, key: Any, value: Any, requests: list[tuple[int, int]]
     return torch.cat(out, dim=2).transpose(1, 2)
 
 
-def as_cache(key: Any, value: Any, slots: int, seed: int = 0) -> tuple[Any, Any, Any]:
-    """The step's keys and values scattered over ``slots`` cache rows of random other content, and the index."""
-    generator = torch.Generator().manual_seed(seed)
-    index = torch.randperm(slots, generator=generator)[: key.shape[2]]
-    rows = [torch.randn(slots, key.shape[1], key.shape[3], generator=generator) for _ in range(2)]
-    for target, source in zip(rows, (key, value), strict=True):
-        target[index] = source[0].transpose(0, 1)
-    return rows[0], rows[1], index
-
-
-def cumulative(counts: list[int]) -> Any:
-    return torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32)
+def bookkeeping(requests: list[tuple[int, int]]) -> dict[str, Any]:
+    """What continuous batching passes the attention function about a step of ``requests`` (new rows, keys)."""
+    cu_q, cu_k = attention.starts(torch, requests)
+    return {"cu_seq_lens_q": cu_q, "cu_seq_lens_k": cu_k, "max_length_q": max(rows for rows, _ in requests)}
 
 
 @pytest.fixture(scope="module")
@@ -194,8 +186,8 @@ def test_each_request_attends_to_its_own_keys_read_through_the_index(
     query, key, value, _ = attention.masked_step(torch, heads, kv_heads, dim, requests, seed=3)
     want = one_by_one(query, key, value, requests, dim**-0.5)
     sdpa_calls.clear()
-    kv = as_cache(key, value, slots=500)
-    cu_q, cu_k = cumulative([r for r, _ in requests]), cumulative([k for _, k in requests])
+    kv = attention.in_cache(torch, key, value, slots=500)
+    cu_q, cu_k = attention.starts(torch, requests)
     got = attention.paged_attention(paged_module, query, kv, cu_q, cu_k, long + 3, dim**-0.5, long_rows=long)
     assert got.shape == (1, sum(r for r, _ in requests), heads, dim)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=2e-6)
@@ -211,9 +203,9 @@ def test_a_step_of_new_prompts_alone_reads_the_rows_just_written(paged_module: A
     # With nothing to read from the cache, the index is the step's write index: key j is the row written for j.
     requests = [(4, 4), (7, 7)]
     query, key, value, _ = attention.masked_step(torch, HEADS, 2, DIM, requests, seed=4)
-    keys, values, index = as_cache(key, value, slots=64, seed=5)
+    keys, values, index = attention.in_cache(torch, key, value, slots=64, seed=5)
     got = attention.paged_attention(
-        paged_module, query, (keys, values, index), cumulative([4, 7]), cumulative([4, 7]), 7, 0.25
+        paged_module, query, (keys, values, index), *attention.starts(torch, requests), 7, 0.25
     )
     torch.testing.assert_close(got, one_by_one(query, key, value, requests, 0.25), rtol=1e-4, atol=2e-6)
 
@@ -223,8 +215,8 @@ def test_the_attention_function_takes_paged_steps_for_marked_modules_and_gathers
 ) -> None:
     requests = [(1, 6), (2, 3)]
     query, key, value, mask = attention.masked_step(torch, HEADS, 2, DIM, requests, seed=6)
-    keys, values, index = as_cache(key, value, slots=32, seed=7)
-    step = {"cu_seq_lens_q": cumulative([1, 2]), "cu_seq_lens_k": cumulative([6, 3]), "max_length_q": 2}
+    keys, values, index = attention.in_cache(torch, key, value, slots=32, seed=7)
+    step = bookkeeping(requests)
     kv = {attention.KV: (keys, values, index)}
     want = one_by_one(query, key, value, requests, 0.25)
     sdpa_calls.clear()
@@ -250,9 +242,9 @@ def test_the_single_engines_calls_take_the_same_c_function_over_its_dense_cache(
         assert sdpa_calls == []
         torch.testing.assert_close(got, want, rtol=1e-4, atol=2e-6)
         # Bit for bit the batched engine's result for the same request, its keys read from a paged cache.
-        cache = as_cache(key, value, slots=64, seed=9)
+        cache = attention.in_cache(torch, key, value, slots=64, seed=9)
         paged = attention.paged_attention(
-            paged_module, query, cache, cumulative([rows]), cumulative([keys]), rows, 0.25
+            paged_module, query, cache, *attention.starts(torch, [(rows, keys)]), rows, 0.25
         )
         assert torch.equal(got, paged)
     # With a mask, the library's own function.
@@ -267,8 +259,8 @@ def test_calls_with_more_than_the_c_function_computes_go_to_the_library(
 ) -> None:
     requests = [(1, 6), (2, 3)]
     query, key, value, mask = attention.masked_step(torch, HEADS, 2, DIM, requests, seed=11)
-    step = {"cu_seq_lens_q": cumulative([1, 2]), "cu_seq_lens_k": cumulative([6, 3]), "max_length_q": 2}
-    kv = {attention.KV: as_cache(key, value, slots=32, seed=12)}
+    step = bookkeeping(requests)
+    kv = {attention.KV: attention.in_cache(torch, key, value, slots=32, seed=12)}
     with pytest.raises(ValueError, match="softcap"):  # transformers' own refusal: the call reached it
         attention.grouped_sdpa(paged_module, query, key, value, mask, scaling=0.25, softcap=30.0, **step, **kv)
     # The single engine's call with a sliding window (Mistral's kind): SDPA, as the library does it.

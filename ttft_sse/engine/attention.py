@@ -126,15 +126,10 @@ def page(model: Any, torch: Any, directory: Path) -> int:
         want = torch.nn.functional.scaled_dot_product_attention(
             query, key, value, attn_mask=mask, scale=probe.scaling, enable_gqa=True
         ).transpose(1, 2)
-        # The probe's keys as cache rows, in another order: row order[j] holds key j.
-        order = torch.randperm(key.shape[2], generator=torch.Generator().manual_seed(0))
-        rows = [torch.empty(key.shape[2], kv_heads, dim) for _ in range(2)]
-        for target, source in zip(rows, (key, value), strict=True):
-            target[order] = source[0].transpose(0, 1)
-        cu_q, cu_k = (torch.tensor([0, *itertools.accumulate(n[i] for n in requests)]) for i in (0, 1))
+        kv = in_cache(torch, key, value, slots=2 * key.shape[2])  # the keys scattered among other rows
         setattr(probe, PAGED, function)
         longest = max(n for n, _ in requests)
-        got = paged_attention(probe, query, (*rows, order), cu_q, cu_k, longest, probe.scaling, long_rows=PROBE_LONG)
+        got = paged_attention(probe, query, kv, *starts(torch, requests), longest, probe.scaling, long_rows=PROBE_LONG)
         agree = bool(torch.allclose(got, want, rtol=1e-4, atol=1e-5))
         reason = "request-by-request attention disagrees with SDPA over the gathered keys"
     except (OSError, RuntimeError, AttributeError, TypeError) as exc:
@@ -162,28 +157,12 @@ def paged(model: Any) -> bool:
     return any(getattr(m, PAGED, None) is not None for m in model.modules())
 
 
-@functools.cache
+# q, heads, kv_heads, dim, k, v, key_stride, head_stride, index, cu_q, cu_k, requests, max_rows, scale, out
+_ARGUMENTS = (_PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, ctypes.c_float, _PTR)
+
+
 def _function(path: Path) -> Any:
-    function = ctypes.CDLL(str(path)).ttft_paged_attention
-    # q, heads, kv_heads, dim, k, v, key_stride, head_stride, index, cu_q, cu_k, requests, max_rows, scale, out
-    function.argtypes = [
-        _PTR,
-        _I64,
-        _I64,
-        _I64,
-        _PTR,
-        _PTR,
-        _I64,
-        _I64,
-        _PTR,
-        _PTR,
-        _PTR,
-        _I64,
-        _I64,
-        ctypes.c_float,
-        _PTR,
-    ]
-    function.restype = ctypes.c_int
+    function = kernel.load(path, "ttft_paged_attention", _ARGUMENTS)
     if function(None, 1, 1, 16, None, None, 0, 0, None, None, None, 0, 0, 1.0, None) == -2:
         raise RuntimeError("the CPU has no AVX-512")
     return function
@@ -297,6 +276,27 @@ def masked_step(
         row, column = row + new, column + kv
     mask = torch.zeros(rows, length).masked_fill(~allowed, torch.finfo(torch.float32).min)
     return query, key, value, mask[None, None]
+
+
+def in_cache(torch: Any, key: Any, value: Any, slots: int, seed: int = 0) -> tuple[Any, Any, Any]:
+    """A step's keys and values (``[1, kv_heads, keys, dim]``, as :func:`masked_step` gives them) written at random
+    rows of a cache of ``slots`` rows of other random values (``[slots, kv_heads, dim]``), and the index that reads
+    them back: the paged cache as :func:`paged_attention` reads it. For the probe at load, the tests and the
+    benchmark."""
+    generator = torch.Generator().manual_seed(seed)
+    index = torch.randperm(slots, generator=generator)[: key.shape[2]]
+    rows = [torch.randn(slots, key.shape[1], key.shape[3], generator=generator) for _ in range(2)]
+    for target, source in zip(rows, (key, value), strict=True):
+        target[index] = source[0].transpose(0, 1)
+    return rows[0], rows[1], index
+
+
+def starts(torch: Any, requests: Sequence[tuple[int, int]]) -> tuple[Any, Any]:
+    """Where each of ``requests`` (new rows, keys) starts, rows then keys, with the total last (``cu_seq_lens_q``
+    and ``cu_seq_lens_k``, as continuous batching passes them)."""
+    return tuple(
+        torch.tensor([0, *itertools.accumulate(request[i] for request in requests)], dtype=torch.int32) for i in (0, 1)
+    )
 
 
 def grouped_sdpa(

@@ -122,11 +122,17 @@ _ARGUMENTS = {
 }
 
 
-@functools.cache
 def function(path: Path, name: str = FP32) -> Any:
     """The function ``name`` (:data:`FP32` or :data:`INT8`) of the library at ``path``."""
+    return load(path, name, tuple(_ARGUMENTS[name]))
+
+
+@functools.cache
+def load(path: Path, name: str, arguments: tuple[Any, ...]) -> Any:
+    """The function ``name`` of a library :func:`build` made (at ``path``), taking ``arguments`` (ctypes types) and
+    returning an ``int`` status; loaded once."""
     fn = getattr(ctypes.CDLL(str(path)), name)
-    fn.argtypes = _ARGUMENTS[name]
+    fn.argtypes = list(arguments)
     fn.restype = ctypes.c_int
     return fn
 
