@@ -31,9 +31,10 @@ max|x| / 127, as llama.cpp does for these formats, and multiplies by the codes i
 by :func:`records`). The bundled model's 211 layers, one thread, ms a pass, fp32 rows against int8 rows (best of
 5, alternated, ``/tmp`` script): 1 row 15.9 against 9.1, 8 rows 26.2 against 13.7, 37 rows 71.7 against 36.1, 128
 rows 219.5 against 113.1. Each row's result is still independent of the others in the call, but not of rounding:
-an activation that moves by an fp32 rounding can cross a step and move by 1/127 of its block. So the answers
-change, and they change with the batch (attention's sums depend on it by fp32 roundings, which fp32 rows absorb):
-as with bf16, off by default (docs/benchmarks.md).
+an activation that moves by an fp32 rounding can cross a step and move by 1/127 of its block. So the answers are
+the int8 model's, not the fp32 model's: off by default (docs/benchmarks.md). With the masked attention they also
+changed with the batch (its sums depend on the batch by fp32 roundings, which fp32 rows absorb); with attention
+request by request (engine/attention.py, the default) they no longer do.
 
 The kernel is C, built at the first start by the system's C compiler for this CPU (``-march=native``: AVX-512 or
 AVX2 with FMA) into the cache directory, named by a hash of the source, the flags, the compiler and the CPU's
