@@ -27,6 +27,7 @@ arranged them), ``:repeat`` with the batched steps' attention as transformers do
 every query head (``grouped_attention`` off; until that setting, ``:gqa`` asked for the grouped heads instead),
 ``:masked`` with the batched steps' attention as one masked SDPA over the step's gathered keys (``paged_attention``
 off: before the request-by-request attention over the cache in place),
+``:noprefill`` without the prefill process (``prefill_process`` off: every first token from the batch),
 ``:int4`` with the GGUF's Q4 codes on torch's int4 kernel and bf16 copies of the weights (``TTFT_INT4_WEIGHTS``;
 without a ``single:<dtype>:int4`` its greedy text is not checked against ``single:<dtype>``'s, since its answers are
 not the fp32 ones). Variants combine with ``+``: ``batched:float32:int4+repeat``.
@@ -81,12 +82,14 @@ class Run:
     seconds: float = 0.0
     ttft: list[float] = field(default_factory=list)  # steady state
     burst: list[float] = field(default_factory=list)  # the first request of each client, all at once
+    second: list[float] = field(default_factory=list)  # steady state: seconds to the second piece of text
 
     def add(self, other: Run) -> None:
         self.tokens += other.tokens
         self.seconds += other.seconds
         self.ttft += other.ttft
         self.burst += other.burst
+        self.second += other.second
 
 
 @dataclass
@@ -100,6 +103,7 @@ class Result:
     texts: dict[str, str] = field(default_factory=dict)  # the question asked -> the answer
     mismatches: list[str] = field(default_factory=list)
     checked: int = 0
+    side_first: int = 0  # first tokens that came from the prefill process (warm-up included)
 
 
 def prompt_of(engine: Engine, question: str, system: str | None = None) -> Prompt:
@@ -109,21 +113,25 @@ def prompt_of(engine: Engine, question: str, system: str | None = None) -> Promp
     return engine.prepare(prompt=None, messages=messages, raw=False)
 
 
-async def one(engine: Engine, prompt: Prompt, max_tokens: int, sampled: bool = False) -> tuple[str, int, float]:
-    """Text, completion tokens, seconds to the first piece. Greedy unless ``sampled`` (temperature 1, top_p 0.95,
-    no seed: the OpenAI default)."""
+async def one(engine: Engine, prompt: Prompt, max_tokens: int, sampled: bool = False) -> tuple[str, int, float, float]:
+    """Text, completion tokens, seconds to the first piece and to the second (to the end if there is none). Greedy
+    unless ``sampled`` (temperature 1, top_p 0.95, no seed: the OpenAI default)."""
     started = time.perf_counter()
     first: float | None = None
+    second: float | None = None
     pieces: list[str] = []
     tokens = 0
     params = SamplingParams(max_tokens, temperature=1.0, top_p=0.95) if sampled else SamplingParams(max_tokens)
     async for item in engine.stream(prompt, params):
         if isinstance(item, Piece):
+            if first is not None and second is None:
+                second = time.perf_counter()
             first = first or time.perf_counter()
             pieces.append(item.text)
         elif isinstance(item, Finished):
             tokens = item.usage.completion_tokens
-    return "".join(pieces), tokens, (first or time.perf_counter()) - started
+    ended = time.perf_counter()
+    return "".join(pieces), tokens, (first or ended) - started, (second or ended) - started
 
 
 async def clients(
@@ -138,9 +146,11 @@ async def clients(
         first = True
         while queue:
             ask, max_tokens = queue.pop(0)
-            text, tokens, ttft = await one(engine, prompt_of(engine, ask), max_tokens, sampled)
+            text, tokens, ttft, second = await one(engine, prompt_of(engine, ask), max_tokens, sampled)
             run.tokens += tokens
             (run.burst if first and c > 1 else run.ttft).append(ttft)
+            if not first or c == 1:
+                run.second.append(second)
             texts[ask] = text
             first = False
 
@@ -161,7 +171,7 @@ def pct(values: Sequence[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered) + 0.5) - 1))]
 
 
-VARIANTS = ("int8rows", "dense", "plain", "rowmajor", "repeat", "masked", "int4")
+VARIANTS = ("int8rows", "dense", "plain", "rowmajor", "repeat", "masked", "int4", "noprefill")
 """The variants ``load`` knows (see the module's docstring)."""
 
 
@@ -184,6 +194,7 @@ def load(spec: str, args: argparse.Namespace) -> Engine:
         int4_weights="int4" in variants,
         grouped_attention="repeat" not in variants,
         paged_attention="masked" not in variants,
+        prefill_process="noprefill" not in variants,
         threads=args.threads,
         max_concurrency=args.concurrency,
         log_level="warning",
@@ -204,6 +215,9 @@ async def bench(args: argparse.Namespace) -> None:
     specs = args.engines.split(",")
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}  (cpus: {os.cpu_count()})")
     engines = {spec: load(spec, args) for spec in specs}
+    for engine in engines.values():  # the batched engines' prefill processes load beside them
+        while isinstance(engine, BatchedEngine) and engine.stats().prefill == "loading":
+            await asyncio.sleep(0.1)
     results = {spec: Result() for spec in specs}
     # Warm every engine with the c=8 scenario itself, then start each round with the next engine. Without either,
     # of two identical engines the first one's c=8 tok/s was 8-11 % lower in the first round, in three runs. One
@@ -252,6 +266,9 @@ async def bench(args: argparse.Namespace) -> None:
             want = reference.texts.get(ask)
             if text != want:
                 result.mismatches.append(f"{spec} {ask!r}: {text!r} != {want!r}")
+    for spec, engine in engines.items():
+        if isinstance(engine, BatchedEngine):
+            results[spec].side_first = engine.stats().side_first_tokens
     report(results, args)
     for engine in engines.values():
         await engine.close()
@@ -271,17 +288,24 @@ def report(results: dict[str, Result], args: argparse.Namespace) -> None:
         f"TTFT p50 / p99 ms | c={c}/c=1 tok/s | c={c} TTFT p99 / c=1 p50 (burst) |"
     )
     print("|---|---|---|---|---|---|---|---|")
+
+    def ms(values: list[float]) -> str:
+        return f"{pct(values, 0.5) * 1000:.0f} / {pct(values, 0.99) * 1000:.0f}"
+
     for spec, r in results.items():
         rate1, rate8 = r.c1.tokens / r.c1.seconds, r.c8.tokens / r.c8.seconds
         p50 = pct(r.c1.ttft, 0.5)
-
-        def ms(values: list[float]) -> str:
-            return f"{pct(values, 0.5) * 1000:.0f} / {pct(values, 0.99) * 1000:.0f}"
-
         print(
             f"| {spec} | {rate1:.1f} | {ms(r.c1.ttft)} | {rate8:.1f} | {ms(r.c8.ttft)} | {ms(r.c8.burst)} "
             f"| {rate8 / rate1:.2f}x | {pct(r.c8.ttft, 0.99) / p50:.2f}x ({pct(r.c8.burst, 0.99) / p50:.2f}x) |"
         )
+    print()
+    print(
+        f"| engine | c=1 / c={c} (steady) time to the 2nd piece p50 / p99 ms | first tokens from the prefill process |"
+    )
+    print("|---|---|---|")
+    for spec, r in results.items():
+        print(f"| {spec} | {ms(r.c1.second)} / {ms(r.c8.second)} | {r.side_first} |")
     print()
     print(f"| engine | sampled at c={c}: tok/s | TTFT p50 / p99 ms (steady) |")
     print("|---|---|---|")

@@ -14,7 +14,9 @@ CACHE_DIR = Path(Settings.from_env().cache_dir)
 
 @pytest.fixture(scope="session")
 def settings() -> Settings:
-    return Settings(cache_dir=CACHE_DIR, threads=1, log_format="console")
+    # No prefill process (a second copy of the model, engine/prefill.py) unless a test asks for one: the suite's
+    # engines and servers would each start one.
+    return Settings(cache_dir=CACHE_DIR, threads=1, log_format="console", prefill_process=False)
 
 
 @pytest.fixture(scope="session")

@@ -99,9 +99,11 @@ def wait_until(check: Callable[[], object], *, timeout: float, what: str, every:
 
 
 def env_for(settings: Mapping[str, str]) -> dict[str, str]:
-    """The test process's environment less any TTFT_ setting, plus ``settings``: one thread, quiet, JSON logs."""
+    """The test process's environment less any TTFT_ setting, plus ``settings``: one thread, quiet, JSON logs, no
+    prefill process (unless ``settings`` ask for one)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("TTFT_")}
     env.update({"TTFT_THREADS": "1", "TTFT_LOG_FORMAT": "json", "PYTHONUNBUFFERED": "1"})
+    env["TTFT_PREFILL_PROCESS"] = "false"
     env.update(settings)
     return env
 

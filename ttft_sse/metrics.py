@@ -339,6 +339,12 @@ def _batch_metrics(engine: object) -> Iterator[Metric]:
         "Forward passes of the batching loop that produced tokens; one step serves every request in the batch.",
         value=stats.steps,
     )
+    yield CounterMetricFamily(
+        "ttft_sse_prefill_process_first_tokens",
+        "First tokens of greedy requests that the prefill process (a second process, on another core) gave "
+        "before the batch did.",
+        value=stats.side_first_tokens,
+    )
     yield GaugeMetricFamily(
         "ttft_sse_kv_cache_usage_ratio",
         "Fraction of the batched engine's KV cache held by running requests, 0-1 "

@@ -9,7 +9,8 @@ tokens cost 8 x 800 dot products a head instead of 8 x 100. :func:`read_in_place
 new keys and values and hand over the layer's cache rows and the step's key index; ``attention.c`` then attends
 each request's rows to its own keys, read through the index, in fp32 (requests of more than :data:`LONG_ROWS` rows
 take SDPA over their own gathered keys). The single-request engine's calls take the same function over its dense
-cache, so that a request's rows come out of both engines bit for bit alike. Measured on the bundled model (one
+cache, and so do the prefill process's (engine/prefill.py: prompts behind a cached prefix, several side by side),
+so that a request's rows come out of every engine bit for bit alike. Measured on the bundled model (one
 thread, the engine's timeline of forward passes, ``/tmp`` script): a decode step of 8 streams 51.4 → 46.1 ms, a
 step of 7 streams and a 15-token prompt 85 → 75 ms, one stream's 32.4 → 32.0 ms; the engine's figures:
 docs/benchmarks.md.
@@ -52,6 +53,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import itertools
+import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -324,15 +326,30 @@ def grouped_sdpa(
         # softcap, a sliding window, sinks): the keys and values the library would have gathered.
         rows, index = kv[:2], kv[2]
         key, value = (x.index_select(0, index).transpose(0, 1)[None] for x in rows)
-    elif paged and _one_sequence(query, key, value, attention_mask, dropout, is_causal):
-        # The single-request engine's calls: its cache is dense, [1, kv_heads, keys, dim]. The same C function as
-        # the batched engine's, so that a request's rows come out the same in both engines (not only close).
+    elif paged and _dense(query, key, value, attention_mask, dropout, is_causal):
+        # The single-request engine's calls, and the prefill process's: a dense cache, [sequences, kv_heads, keys,
+        # dim]. The same C function as the batched engine's, so that a request's rows come out the same in every
+        # engine (not only close).
         import torch
 
-        rows, keys = query.shape[2], key.shape[2]
-        bounds = (torch.tensor([0, rows], dtype=torch.int32), torch.tensor([0, keys], dtype=torch.int32))
-        dense = (key[0].transpose(0, 1), value[0].transpose(0, 1), torch.arange(keys))
-        return paged_attention(module, query, dense, *bounds, rows, scale), None
+        sequences, heads, rows, dim = query.shape
+        kv_heads, keys = key.shape[1], key.shape[2]
+        bounds = (
+            torch.arange(0, (sequences + 1) * rows, rows, dtype=torch.int32),
+            torch.arange(0, (sequences + 1) * keys, keys, dtype=torch.int32),
+        )
+        if sequences == 1:
+            dense = (key[0].transpose(0, 1), value[0].transpose(0, 1), torch.arange(keys))
+        else:
+            # Key j of sequence b is row b * kv_heads * keys + j of the keys seen as [slots, kv_heads, dim] rows of
+            # dim floats (a head keys * dim floats further on): as many slots as reach the last sequence's keys.
+            slots = (sequences - 1) * kv_heads * keys + keys
+            shape, strides = (slots, kv_heads, dim), (dim, keys * dim, 1)
+            index = (torch.arange(sequences)[:, None] * (kv_heads * keys) + torch.arange(keys)).flatten()
+            dense = (key.as_strided(shape, strides), value.as_strided(shape, strides), index)
+            query = query.transpose(0, 1).reshape(1, heads, sequences * rows, dim)
+        out = paged_attention(module, query, dense, *bounds, rows, scale)
+        return out.view(sequences, rows, heads, dim), None
     plain = (
         not getattr(module, MARK, False)
         or attention_mask is None
@@ -354,24 +371,49 @@ def grouped_sdpa(
     return out.transpose(1, 2).contiguous(), None
 
 
-def _one_sequence(
-    query: Any, key: Any, value: Any, attention_mask: Any, dropout: float, is_causal: bool | None
-) -> bool:
-    """A call the C function computes as transformers' SDPA function would: one sequence, no mask (so causal when
-    it has more than one row: its rows are all its keys, or it is one row), at most :data:`LONG_ROWS` rows (longer
-    prompts take SDPA, in the batched engine too), keys and values laid out alike."""
-    rows, keys = query.shape[2], key.shape[2]
+def _dense(query: Any, key: Any, value: Any, attention_mask: Any, dropout: float, is_causal: bool | None) -> bool:
+    """A call the C function computes as transformers' SDPA function would: causal (no mask, its rows being all its
+    keys or one; or the mask of new rows behind a cached prefix, :func:`_causal`), at most :data:`LONG_ROWS` rows
+    (longer prompts take SDPA, in the batched engine too), keys and values laid out alike; one sequence, or several
+    of as many rows and keys each, keys and values contiguous (the prefill process's groups of prompts)."""
+    sequences, rows, keys = query.shape[0], query.shape[2], key.shape[2]
+    if attention_mask is None:
+        causal = is_causal is not False and (rows == keys or rows == 1)
+    else:
+        causal = _causal(attention_mask, rows, keys)
     return (
-        attention_mask is None
+        causal
         and dropout == 0.0
-        and is_causal is not False
-        and query.shape[0] == 1
-        and (rows == keys or rows == 1)
+        and (sequences == 1 or (key.is_contiguous() and value.is_contiguous()))
         and rows <= LONG_ROWS
         and str(query.dtype) == "torch.float32"
         and key.stride() == value.stride()
         and key.stride(3) == 1
     )
+
+
+_checked: tuple[Any, bool] = (None, False)
+"""The last mask :func:`_causal` looked at (a weak reference) and its answer: a forward pass hands every layer the
+same mask."""
+
+
+def _causal(mask: Any, rows: int, keys: int) -> bool:
+    """Whether ``mask`` (``[sequences or 1, 1, rows, keys]``, booleans) lets each of ``rows`` new rows see the keys up
+    to its own position and no further: the last ``rows`` of ``keys`` positions, causal, in every sequence.
+    transformers builds that mask for sequences behind a cached prefix (the prefill process's, engine/prefill.py)."""
+    global _checked
+    seen, answer = _checked
+    if seen is not None and seen() is mask:
+        return answer
+    import torch
+
+    answer = (
+        mask.dtype == torch.bool
+        and tuple(mask.shape[1:]) == (1, rows, keys)
+        and bool(torch.equal(mask, torch.ones(rows, keys, dtype=torch.bool).tril(keys - rows).expand_as(mask)))
+    )
+    _checked = (weakref.ref(mask), answer)
+    return answer
 
 
 PLAIN = frozenset(

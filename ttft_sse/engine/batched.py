@@ -26,6 +26,12 @@ The library does the batching, the paged cache and the prefix sharing. Written h
   keys and values out of its paged cache in every layer and attends every query row to every key of the step under
   a mask; the engine's cache writes only, and each request's rows attend to its own keys, read in place;
 
+* **first tokens beside the batch** (engine/prefill.py, on CPU with the block kernel and that attention): a greedy
+  request that arrives while the batch is busy is also sent to a second process, with its own copy of the model,
+  on the other core; its first token goes out if it comes before the batch's, which is then skipped (the same
+  token: every row is computed from its own inputs alone in both). The batch otherwise runs as without it: a
+  newcomer's TTFT is no longer the step in flight plus its own, and no step waits for anything;
+
 * **per-request token selection** (:func:`_selection`): the library's own warpers sort the whole vocabulary of
   every row every step (measured: 43 ms a step for 8 rows, a quarter of a decode step), and its draw runs over
   every row, whether a row samples or not. Ours leaves greedy rows to the library's argmax and sorts and draws
@@ -41,6 +47,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import time
 from collections import deque
 from collections.abc import AsyncGenerator, Sequence
@@ -54,6 +61,7 @@ from ttft_sse.bridge import Mailboxes, Resident
 from ttft_sse.engine import attention
 from ttft_sse.engine.base import ChatMessage, Finished, ModelInfo, Piece, Prompt, SamplingParams, Usage
 from ttft_sse.engine.hf import CacheJanitor, HFEngine
+from ttft_sse.engine.prefill import PrefillProcess
 from ttft_sse.engine.text import TokenText
 from ttft_sse.errors import EngineError
 from ttft_sse.settings import Settings
@@ -88,6 +96,8 @@ class BatchStats:
     kv_tokens_in_use: int  # KV capacity held by live requests
     kv_tokens_cached: int  # KV capacity held only for reuse (evicted when the cache runs short)
     kv_tokens_capacity: int
+    prefill: str = "off"  # the prefill process (engine/prefill.py): off, loading, ready or failed
+    side_first_tokens: int = 0  # first tokens the prefill process gave before the batch did
 
 
 class BatchedEngine:
@@ -108,6 +118,9 @@ class BatchedEngine:
         self.batch_log: deque[tuple[str, ...]] = deque(maxlen=BATCH_LOG_STEPS)
         """The request ids that received a token, step by step (the most recent ``BATCH_LOG_STEPS`` steps)."""
         self._steps = 0
+        self._prefill: PrefillProcess | None = None
+        self._side_tasks: set[asyncio.Task[None]] = set()
+        self._side_first = 0
 
     @property
     def info(self) -> ModelInfo:
@@ -130,6 +143,11 @@ class BatchedEngine:
     def tokenizer(self) -> Any:
         return self._single.tokenizer
 
+    @property
+    def prefill_process(self) -> PrefillProcess | None:
+        """The prefill process, if the engine started one (engine/prefill.py)."""
+        return self._prefill
+
     # -- loading -----------------------------------------------------------------------------------------------
 
     def load(self, clock: StageClock) -> None:
@@ -143,6 +161,23 @@ class BatchedEngine:
                 alive=lambda: bool(self._manager.is_running()),
             )
             self._loop.start()
+        if self._settings.prefill_process:
+            self._start_prefill()
+
+    def _start_prefill(self) -> None:
+        """The prefill process (engine/prefill.py), where it can help: on CPU, with a core of its own."""
+        if (os.cpu_count() or 1) < 2:
+            reason = "one core only"
+        elif not attention.paged(self.model) or not self.info.weights.startswith("gguf-blocks"):
+            # Its first token must be the batch's, bit for bit: each row computed from its own inputs alone.
+            reason = "it needs the block kernel and the C attention (a GGUF model, on CPU, in fp32)"
+        else:
+            self._prefill = PrefillProcess(self._settings)
+            self._prefill.start()
+            return
+        log.info("prefill_process_off", reason=reason)
+        self._prefill = PrefillProcess(self._settings)
+        self._prefill.start()
 
     def _create_manager(self, *, paged: bool) -> Any:
         import math
@@ -209,6 +244,8 @@ class BatchedEngine:
         tokenizer = self._single.tokenizer
         text = TokenText(lambda ids: tokenizer.decode(ids, skip_special_tokens=True), params.stop, self._single.eos)
         inbox = self._mailboxes.open(request_id)
+        race = _Race()
+        side_token: int | None = None
         started = time.perf_counter()
         first_at: float | None = None
         index = 0
@@ -226,13 +263,33 @@ class BatchedEngine:
             if added is None:
                 raise EngineError("generation failed: the batching loop is not accepting requests")
             in_library = True
+            if params.greedy and self._prefill is not None and self._mailboxes.count > 1:
+                self._race(request_id, prompt, race)
             seen = 0
             async for output in inbox:
+                if isinstance(output, _FirstToken):
+                    # The prefill process's first token, before the batch's (the batch's, alike, is skipped).
+                    if race.settle():
+                        self._side_first += 1
+                        side_token = output.token
+                        first_at = time.perf_counter()
+                        piece = text.push(side_token)
+                        if piece:
+                            yield Piece(index=index, text=piece)
+                            index += 1
+                        if text.stopped:
+                            break
+                    continue
+                race.settle()
                 if output.error is not None:
                     in_library = False
                     log.error("generation_failed", error=output.error, request_id=request_id)
                     raise EngineError("generation failed: the batched forward pass raised an error")
                 tokens = output.generated_tokens
+                if side_token is not None and seen == 0 and tokens:
+                    seen = 1
+                    if tokens[0] != side_token:  # not expected: both compute the same row alike (engine/prefill.py)
+                        log.error("first_token_mismatch", request_id=request_id, side=side_token, batch=tokens[0])
                 for token in tokens[seen:]:
                     if first_at is None:
                         first_at = time.perf_counter()
@@ -265,6 +322,7 @@ class BatchedEngine:
                 },
             )
         finally:
+            race.settle()
             inbox.close()
             if self.janitor.count():
                 # On CUDA, every N generations: empty the allocator's cache in a worker thread (it synchronises
@@ -277,6 +335,22 @@ class BatchedEngine:
                 self._manager.cancel_request(request_id)
                 if not text.stopped:
                     log.info("generation_cancelled", completion_tokens=text.count, max_tokens=params.max_tokens)
+
+    def _race(self, request_id: str, prompt: Prompt, race: _Race) -> None:
+        """Ask the prefill process for the request's first token too; it goes to the request's inbox if it comes
+        before the batch's."""
+        assert self._prefill is not None
+        prefill = self._prefill
+
+        async def ask() -> None:
+            token = await prefill.first_token(prompt.token_ids, race.open)
+            if token is not None and race.open():
+                self._mailboxes.deliver([(request_id, _FirstToken(token))])
+
+        # The task is never cancelled (see PrefillProcess.first_token); a strong reference keeps it until it ends.
+        task = asyncio.get_running_loop().create_task(ask(), name=f"ttft-prefill-{request_id}")
+        self._side_tasks.add(task)
+        task.add_done_callback(self._side_tasks.discard)
 
     def _down(self) -> bool:
         """The loop has ended, or is ending after a failure (it refuses new requests then)."""
@@ -292,6 +366,9 @@ class BatchedEngine:
         if self._loop is not None and self._loop.alive:
             await self._loop.stop()
         _unregister_scheduler(self._scheduler)
+        if self._prefill is not None:
+            await asyncio.to_thread(self._prefill.stop)  # the waits in flight end: the child is gone
+            await asyncio.gather(*self._side_tasks, return_exceptions=True)
         await self._single.close()
 
     # -- state -------------------------------------------------------------------------------------------------
@@ -317,6 +394,8 @@ class BatchedEngine:
             kv_tokens_in_use=in_use,
             kv_tokens_cached=cached,
             kv_tokens_capacity=self._capacity,
+            prefill=self._prefill.state if self._prefill is not None else "off",
+            side_first_tokens=self._side_first,
         )
 
     # -- called from the loop's thread -------------------------------------------------------------------------
@@ -333,6 +412,28 @@ class BatchedEngine:
 
     def _dead(self) -> BaseException:
         return EngineError("generation failed: the batching loop stopped")
+
+
+class _Race:
+    """Who gives a request its first token: the batch or the prefill process. Settled once."""
+
+    def __init__(self) -> None:
+        self._settled = False
+
+    def open(self) -> bool:
+        return not self._settled
+
+    def settle(self) -> bool:
+        """Settle it; True for the first caller."""
+        first, self._settled = not self._settled, True
+        return first
+
+
+@dataclass(frozen=True)
+class _FirstToken:
+    """The prefill process's first token for a request, in the request's inbox beside the library's outputs."""
+
+    token: int
 
 
 def _selection() -> Any:

@@ -1,0 +1,66 @@
+"""A server with the prefill process, as a user starts it (``ttft-sse serve``, its default): requests that arrive at
+a busy batch are answered with the text they get alone, the metrics say how many first tokens the process gave, and
+the process ends with the server."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.processes import serve, wait_until
+from tests.scrape import scrape
+from tests.servers import stream_events
+
+QUESTIONS = [
+    "Name a fruit.",
+    "Write a poem about the ocean.",
+    "Explain how photosynthesis works.",
+    "Describe the history of the bicycle.",
+    "What is Python?",
+    "Write a letter to a friend.",
+    "How does a steam engine work?",
+    "Describe your ideal city.",
+]
+
+
+def child_pid(log: str) -> int | None:
+    for line in log.splitlines():
+        if '"prefill_process_started"' in line:
+            return int(json.loads(line)["pid"])
+    return None
+
+
+def test_a_server_answers_a_busy_batch_from_the_prefill_process_and_stops_it(tmp_path: Path) -> None:
+    with serve(tmp_path, {"TTFT_PREFILL_PROCESS": "true"}) as (base, proc):
+        wait_until(lambda: '"prefill_process_ready"' in proc.log(), timeout=180, what="the prefill process")
+        pid = child_pid(proc.log())
+        assert pid is not None
+        os.kill(pid, 0)  # running
+
+        def ask(question: str) -> str:
+            with httpx.Client(timeout=120) as client:
+                events = stream_events(client, "POST", f"{base}/stream", json={"prompt": question, "max_tokens": 10})
+            assert events[-1].event == "done", events[-1]
+            return "".join(e.data["text"] for e in events if e.event == "token")
+
+        with ThreadPoolExecutor(len(QUESTIONS)) as pool:
+            together = list(pool.map(ask, QUESTIONS))
+        with httpx.Client(timeout=120) as client:
+            metrics = scrape(client, base)
+            alone = [
+                client.post(f"{base}/complete", json={"prompt": q, "max_tokens": 10}).json()["text"] for q in QUESTIONS
+            ]
+        assert together == alone
+        assert metrics.value("ttft_sse_prefill_process_first_tokens_total") > 0
+
+        os.kill(proc.pid, signal.SIGTERM)  # the server alone: it stops its child itself
+        proc.popen.wait(60)
+    assert '"prefill_process_failed"' not in proc.log()
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)

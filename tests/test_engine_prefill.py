@@ -1,0 +1,271 @@
+"""The prefill process (engine/prefill.py): the first tokens it gives are the single engine's, the batched engine
+races it against its own step without repeating or losing a token, and a child that dies or is stopped leaves
+every request answered.
+
+Which of the two gives a request its first token depends on timing; the texts must not. The tests read which one
+won from ``stats()`` and assert the texts against the single-request engine's either way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from structlog.testing import capture_logs
+
+from tests.servers import eventually
+from tests.test_engine_batched import collect
+from ttft_sse.engine.base import Prompt, SamplingParams
+from ttft_sse.engine.batched import BatchedEngine
+from ttft_sse.engine.hf import HFEngine
+from ttft_sse.engine.prefill import PrefillProcess, Prefixes
+from ttft_sse.settings import Settings
+from ttft_sse.stages import StageClock
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a poem about the ocean.",
+    "Explain how photosynthesis works, step by step.",
+    "Describe the history of the bicycle.",
+    "What is Python?",
+    "Write a letter to a friend about your summer holidays.",
+    "Explain in detail how a steam engine works.",
+    "Describe your ideal city in detail.",
+]
+
+
+class FakeCache:
+    """Counts the tokens a cache would hold; ``crop`` takes a negative count, as transformers' DynamicCache."""
+
+    def __init__(self, tokens: int) -> None:
+        self.tokens = tokens
+
+    def crop(self, count: int) -> None:
+        assert count < 0
+        self.tokens += count
+
+
+def fresh() -> FakeCache:
+    return FakeCache(0)
+
+
+def test_prefixes_reuse_the_longest_shared_prefix_short_of_the_last_token() -> None:
+    prefixes = Prefixes()
+    cache, shared = prefixes.take((1, 2, 3), fresh)
+    assert (shared, cache.tokens) == (0, 0)
+    prefixes.keep((1, 2, 3, 4, 5), FakeCache(5))
+    prefixes.keep((1, 2, 9), FakeCache(3))
+    cache, shared = prefixes.take((1, 2, 3, 4, 6), fresh)
+    assert (shared, cache.tokens) == (4, 4)
+    # The same prompt again: all but its last token (whose logits give the first token).
+    cache, shared = prefixes.take((1, 2, 3, 4, 5), fresh)
+    assert (shared, cache.tokens) == (4, 4)
+    # Taking copied: the kept cache still holds its 5 tokens.
+    cache, shared = prefixes.take((1, 2, 3, 4, 5, 6), fresh)
+    assert (shared, cache.tokens) == (5, 5)
+    cache, shared = prefixes.take((7, 1, 2), fresh)
+    assert (shared, cache.tokens) == (0, 0)
+
+
+def test_prefixes_are_bounded_by_entries_and_tokens_least_recently_used_first() -> None:
+    prefixes = Prefixes(entries=2, tokens=100)
+    prefixes.keep((1, 2, 3), FakeCache(3))
+    prefixes.keep((4, 5, 6), FakeCache(3))
+    prefixes.take((1, 2, 3, 9), fresh)  # (1, 2, 3) is now the most recently used
+    prefixes.keep((7, 8), FakeCache(2))
+    assert len(prefixes) == 2
+    assert prefixes.take((4, 5, 6, 9), fresh)[1] == 0
+    assert prefixes.take((1, 2, 3, 9), fresh)[1] == 3
+
+    by_tokens = Prefixes(entries=10, tokens=5)
+    by_tokens.keep((1, 2, 3), FakeCache(3))
+    by_tokens.keep((4, 5, 6), FakeCache(3))
+    assert len(by_tokens) == 1
+    assert by_tokens.take((1, 2, 3, 9), fresh)[1] == 0
+    assert by_tokens.take((4, 5, 6, 9), fresh)[1] == 3
+
+
+@pytest.fixture(scope="module")
+def reference(settings: Settings) -> HFEngine:
+    engine = HFEngine(settings)
+    engine.load(StageClock())
+    return engine
+
+
+def first_token(engine: HFEngine, prompt: Prompt) -> int:
+    import torch
+
+    with torch.inference_mode():
+        logits = engine.model(input_ids=torch.tensor([list(prompt.token_ids)])).logits
+    return int(logits[0, -1].argmax())
+
+
+def prompts(engine: HFEngine | BatchedEngine, label: str = "") -> list[Prompt]:
+    """The questions, each after ``label``: a test's own prompts, which the batch has no prefix of yet."""
+    return [engine.prepare(prompt=f"{label}{q}", messages=None, raw=False) for q in QUESTIONS]
+
+
+def test_rows_behind_a_cached_prefix_and_side_by_side_come_out_as_a_whole_prompt_does(reference: HFEngine) -> None:
+    """The child's forward passes (a prompt's new rows behind a cached prefix, several prompts side by side, padded)
+    give each prompt's last row the same logits, bit for bit, as the prompt computed whole: every call takes the C
+    attention (a mask of new rows behind a prefix is recognised as causal) and each row depends on its own inputs
+    alone. Were any of them SDPA's, the sums would be ordered otherwise and the bits would differ."""
+    import torch
+    import transformers
+
+    model = reference.model
+    a, b = (p.token_ids for p in prompts(reference)[:2])
+    shared = next(i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)
+    assert shared > 4
+
+    def last_logits(ids: list[list[int]], cache: Any, last: list[int]) -> Any:
+        with torch.inference_mode():
+            hidden = model.base_model(input_ids=torch.tensor(ids), cache=cache, use_cache=True).last_hidden_state
+            return model.get_output_embeddings()(hidden[torch.arange(len(ids)), torch.tensor(last)])
+
+    def prefix() -> Any:
+        cache = transformers.DynamicCache(config=model.config)
+        last_logits([list(a[:shared])], cache, [shared - 1])
+        return cache
+
+    whole = [last_logits([list(p)], None, [len(p) - 1])[0] for p in (a, b)]
+    behind = last_logits([list(a[shared:])], prefix(), [len(a) - shared - 1])[0]
+    assert torch.equal(behind, whole[0])
+    cache = prefix()
+    cache.batch_repeat_interleave(2)
+    longest = max(len(a), len(b))
+    padded = [[*p[shared:], *[p[-1]] * (longest - len(p))] for p in (a, b)]
+    together = last_logits(padded, cache, [len(p) - shared - 1 for p in (a, b)])
+    assert torch.equal(together[0], whole[0]) and torch.equal(together[1], whole[1])
+
+
+@pytest.fixture(scope="module")
+def child(settings: Settings) -> Iterator[PrefillProcess]:
+    process = PrefillProcess(settings.replace(prefill_process=True))
+    process.start()
+    eventually(lambda: process.state != "loading", timeout=180)
+    yield process
+    process.stop()
+
+
+async def test_first_tokens_are_the_single_engines_with_and_without_a_shared_prefix(
+    child: PrefillProcess, reference: HFEngine
+) -> None:
+    assert child.state == "ready"
+    served = child.served
+    # Twice: the second time every prompt is known to the child (all but its last token reused); the first time
+    # only the chat template's start is.
+    for prompt in prompts(reference) * 2:
+        assert await child.first_token(prompt.token_ids, lambda: True) == first_token(reference, prompt)
+    assert child.served == served + 2 * len(QUESTIONS)
+
+
+async def test_a_prompt_nobody_wants_any_more_is_not_computed(child: PrefillProcess, reference: HFEngine) -> None:
+    served = child.served
+    assert await child.first_token(prompts(reference)[0].token_ids, lambda: False) is None
+    assert child.served == served
+
+
+@pytest.fixture(scope="module")
+def engine(settings: Settings) -> Iterator[BatchedEngine]:
+    engine = BatchedEngine(settings.replace(prefill_process=True))
+    engine.load(StageClock())
+    eventually(lambda: engine.stats().prefill != "loading", timeout=180)
+    yield engine
+    asyncio.run(engine.close())
+
+
+async def test_requests_arriving_at_a_busy_batch_get_the_same_text_whoever_gives_the_first_token(
+    engine: BatchedEngine, reference: HFEngine
+) -> None:
+    assert engine.stats().prefill == "ready"
+    before = engine.stats().side_first_tokens
+    params = SamplingParams(max_tokens=12)
+    want = [await collect(reference.stream(p, params)) for p in prompts(reference)]
+    with capture_logs() as logs:
+        got = await asyncio.gather(*(collect(engine.stream(p, params)) for p in prompts(engine)))
+    assert [text for text, _ in got] == [text for text, _ in want]
+    assert [f.usage for _, f in got] == [f.usage for _, f in want]
+    assert [f.finish_reason for _, f in got] == [f.finish_reason for _, f in want]
+    # Eight prompts at once: the batch prefills them in one step of ~300 rows, the child one prompt at a time
+    # (~16 new rows each, behind the template's start it knows): it wins the first few.
+    assert engine.stats().side_first_tokens > before
+    assert not [e for e in logs if e["event"] == "first_token_mismatch"]
+
+
+async def test_a_one_token_answer_from_the_prefill_process_ends_the_request(
+    engine: BatchedEngine, reference: HFEngine
+) -> None:
+    before = engine.stats().side_first_tokens
+    params = SamplingParams(max_tokens=1)
+    want = [await collect(reference.stream(p, params)) for p in prompts(reference, "Briefly: ")]
+    got = await asyncio.gather(*(collect(engine.stream(p, params)) for p in prompts(engine, "Briefly: ")))
+    assert [text for text, _ in got] == [text for text, _ in want]
+    assert {(f.finish_reason, f.usage.completion_tokens) for _, f in got} == {("length", 1)}
+    assert engine.stats().side_first_tokens > before
+    await eventually_idle(engine)
+
+
+async def eventually_idle(engine: BatchedEngine) -> None:
+    for _ in range(200):
+        if engine.stats().requests == 0:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"the batch still holds {engine.stats().requests} requests")
+
+
+async def test_sampled_requests_do_not_ask_the_prefill_process(engine: BatchedEngine) -> None:
+    before = engine.stats().side_first_tokens
+    params = SamplingParams(max_tokens=4, temperature=1.0, top_p=0.95)
+    got = await asyncio.gather(*(collect(engine.stream(p, params)) for p in prompts(engine, "Sampled: ")))
+    assert {f.usage.completion_tokens for _, f in got} == {4}
+    assert engine.stats().side_first_tokens == before
+
+
+async def test_a_dead_child_leaves_every_request_answered_and_close_stops_it(
+    settings: Settings, reference: HFEngine
+) -> None:
+    own = BatchedEngine(settings.replace(prefill_process=True))
+    own.load(StageClock())
+    process = own.prefill_process
+    assert process is not None and process.pid is not None
+    pid = process.pid
+    eventually(lambda: own.stats().prefill != "loading", timeout=180)
+    params = SamplingParams(max_tokens=8)
+    want = [(await collect(reference.stream(p, params)))[0] for p in prompts(reference)]
+    os.kill(pid, signal.SIGKILL)
+    with capture_logs() as logs:
+        got = await asyncio.gather(*(collect(own.stream(p, params)) for p in prompts(own)))
+    assert [text for text, _ in got] == want
+    assert own.stats().prefill == "failed"
+    assert [e["reason"] for e in logs if e["event"] == "prefill_process_failed"] != []
+    # Failed for good: the next requests do not ask it, and are answered.
+    got = await asyncio.gather(*(collect(own.stream(p, params)) for p in prompts(own)))
+    assert [text for text, _ in got] == want
+    await own.close()
+    assert own.stats().prefill == "stopped"
+    with pytest.raises(ProcessLookupError):  # reaped: its PID is gone
+        os.kill(pid, 0)
+
+
+async def test_close_stops_a_running_child(settings: Settings) -> None:
+    own = BatchedEngine(settings.replace(prefill_process=True))
+    own.load(StageClock())
+    process = own.prefill_process
+    assert process is not None and process.pid is not None
+    eventually(lambda: own.stats().prefill != "loading", timeout=180)
+    assert own.stats().prefill == "ready"
+    await own.close()
+    assert own.stats().prefill == "stopped"
+    with pytest.raises(ProcessLookupError):
+        os.kill(process.pid, 0)
+
+
+def test_no_prefill_process_when_it_is_off(settings: Settings) -> None:
+    off = BatchedEngine(settings)  # the suite's settings: prefill_process=False
+    assert off.prefill_process is None
+    assert off.stats().prefill == "off"

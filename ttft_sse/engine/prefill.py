@@ -1,0 +1,324 @@
+"""The prefill process: first tokens on another core while the batch decodes.
+
+In the batched engine a request that arrives while others decode waits for the step in flight, then shares its own
+prefill step with them: about two steps, where an idle server answers in one (docs/benchmarks.md, "Why TTFT at 8
+streams stays near 2x"). This process computes such a request's first token beside the batch instead: a second
+copy of the model, in a process of its own (threads of one process would share the GIL with the batching loop:
+measured, a prefill thread beside 8 streams cost them 15-26 % of their tokens/s and ran at 0.75x its speed; a
+process cost them nothing). It keeps the KV of its recent prompts, so a prompt behind a known prefix (the chat
+template's system prompt, a conversation's earlier turns) computes its new tokens only.
+
+The batch still prefills the request as before and goes on from there: whichever gives the first token first wins,
+the other's is dropped (:class:`~ttft_sse.engine.batched.BatchedEngine`). Only greedy requests come here: their
+first token is the argmax, which both compute alike, row for row (the block kernel's linear layers and the C
+attention compute each row from its own inputs alone, so the batch's first token is this one, bit for bit). A
+sampled token would be a second draw.
+
+Parent and child speak pickles over the child's stdin and stdout (:class:`multiprocessing.connection.Connection`):
+the child's first message is ``("ready", seconds)`` (or ``("failed", reason)``), then one reply ``("tokens", ids)``
+per group of prompts, in order. One group is in flight at a time. The child ends at the end of its stdin: when the
+parent closes it, or dies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import os
+import subprocess
+import sys
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from multiprocessing.connection import Connection
+from typing import Any
+
+import structlog
+
+from ttft_sse.settings import Settings
+
+log = structlog.get_logger("ttft_sse.engine")
+
+REPLY_SECONDS = 60.0
+"""How long the parent waits for a group's first tokens before it counts the child as wedged and stops it."""
+PROMPT_TOKENS = 2048
+"""The longest prompt the child takes (~13 s of prefill on 2 cores, when it knows no prefix of it): for a longer one
+the batch, which prefills in steps beside the others, is no slower, and the child would be busy for long."""
+PREFIX_TOKENS = 16384
+"""The prompt tokens whose KV the child keeps for reuse (~46 KB a token for the bundled model: 750 MB at most)."""
+PREFIX_ENTRIES = 16
+"""The prompts whose KV the child keeps for reuse."""
+GROUP = 4
+"""The most prompts the child computes together."""
+GROUP_TOKENS = 256
+"""The longest prompt the child computes with others (a longer one goes alone)."""
+CHUNK_ROWS = 512
+"""The most new rows of a forward pass in the child: the C attention's limit (``attention.LONG_ROWS``), as in the
+batch's steps, so that every row is computed as the batch computes it."""
+
+
+class PrefillProcess:
+    """The parent's side: starts the child, asks it for first tokens, stops it. Methods other than :meth:`start`
+    and :meth:`stop` are for the event loop."""
+
+    def __init__(self, settings: Settings) -> None:
+        self._settings = settings
+        self._process: subprocess.Popen[bytes] | None = None
+        self._send_to: Connection | None = None
+        self._receive: Connection | None = None
+        self._ready = False
+        self._broken = False
+        self._stopping = False
+        self._waiting: list[tuple[tuple[int, ...], Callable[[], bool], asyncio.Future[int | None]]] = []
+        self._sender: asyncio.Task[None] | None = None
+        self.served = 0
+        """First tokens the child computed."""
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
+    def start(self) -> None:
+        """Start the child (it loads and warms its model while the parent goes on)."""
+        process = subprocess.Popen(
+            [sys.executable, "-m", "ttft_sse.engine.prefill"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+        )
+        assert process.stdin is not None and process.stdout is not None
+        self._process = process
+        self._send_to = Connection(os.dup(process.stdin.fileno()), readable=False)
+        self._receive = Connection(os.dup(process.stdout.fileno()), writable=False)
+        process.stdin.close()
+        process.stdout.close()
+        self._send_to.send(self._settings)
+        log.info("prefill_process_started", pid=process.pid)
+
+    @property
+    def state(self) -> str:
+        """loading, ready, failed, or stopped."""
+        if self._stopping:
+            return "stopped"
+        return "failed" if self._broken else "ready" if self.ready else "loading"
+
+    @property
+    def ready(self) -> bool:
+        """The child has loaded its model and takes prompts (checked without waiting)."""
+        if self._ready or self._broken or self._receive is None:
+            return self._ready
+        try:
+            if not self._receive.poll(0):
+                return False
+            kind, detail = self._receive.recv()
+        except (EOFError, OSError) as exc:
+            self._fail(f"it ended before it was ready ({type(exc).__name__})")
+            return False
+        if kind != "ready":
+            self._fail(f"it could not load the model: {detail}")
+            return False
+        self._ready = True  # the child logged prefill_process_ready itself, when it was
+        return True
+
+    async def first_token(self, token_ids: Sequence[int], wanted: Callable[[], bool]) -> int | None:
+        """The greedy first token after ``token_ids``, or None: the prompt is longer than :data:`PROMPT_TOKENS`, the
+        child is not ready or has failed, or nobody ``wanted`` it any more by the time the child was free.
+
+        Prompts wait here while the child computes others, and go to it together (up to :data:`GROUP` of them, of
+        at most :data:`GROUP_TOKENS` tokens each), in arrival order: prompts that arrive in the same instant (the
+        requests of clients whose answers ended in the same step) cost the child one forward pass, not one each.
+        """
+        if len(token_ids) > PROMPT_TOKENS:
+            return None
+        loop = asyncio.get_running_loop()
+        answer: asyncio.Future[int | None] = loop.create_future()
+        self._waiting.append((tuple(token_ids), wanted, answer))
+        if self._sender is None or self._sender.done() or self._sender.get_loop() is not loop:
+            self._sender = loop.create_task(self._send(), name="ttft-prefill-sender")
+        return await asyncio.shield(answer)
+
+    async def _send(self) -> None:
+        """Hand the waiting prompts to the child, a group at a time, one group in flight, until none wait."""
+        loop = asyncio.get_running_loop()
+        while self._waiting:
+            await asyncio.sleep(0)  # prompts added in this same instant join the group
+            waiting, self._waiting = self._waiting, []
+            group: list[tuple[tuple[int, ...], asyncio.Future[int | None]]] = []
+            for token_ids, wanted, answer in waiting:
+                if not wanted() or not self.ready:
+                    answer.set_result(None)
+                elif not group or (len(group) < GROUP and max(len(token_ids), len(group[0][0])) <= GROUP_TOKENS):
+                    group.append((token_ids, answer))
+                else:
+                    self._waiting.append((token_ids, wanted, answer))
+            if not group:
+                continue
+            tokens: list[int | None] = [None] * len(group)
+            try:
+                tokens[:] = await loop.run_in_executor(None, self._ask, [token_ids for token_ids, _ in group])
+            except Exception as exc:
+                self._fail(f"{type(exc).__name__}: {exc}")
+            else:
+                self.served += len(group)
+            for (_, answer), token in zip(group, tokens, strict=True):
+                answer.set_result(token)
+
+    def _ask(self, prompts: list[tuple[int, ...]]) -> list[int]:
+        assert self._send_to is not None and self._receive is not None
+        self._send_to.send(prompts)
+        if not self._receive.poll(REPLY_SECONDS):
+            raise TimeoutError(f"no first token within {REPLY_SECONDS:.0f} s")
+        kind, detail = self._receive.recv()
+        if kind != "tokens":
+            raise RuntimeError(f"the child failed: {detail}")
+        return [int(token) for token in detail]
+
+    def _fail(self, reason: str) -> None:
+        """Stop using the child (for good: requests go on without it), and kill it. Without waiting: this runs on
+        the event loop; :meth:`stop` reaps it."""
+        if self._broken or self._stopping:
+            return
+        self._broken, self._ready = True, False
+        log.error("prefill_process_failed", pid=self.pid, reason=reason)
+        if self._process is not None and self._process.poll() is None:
+            self._process.kill()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Close the child's stdin (it exits at the end of it) and wait for it; kill it (its PID) if it does not.
+        Blocks: call it off the event loop."""
+        self._stopping, self._ready = True, False
+        if self._send_to is not None:
+            self._send_to.close()
+            self._send_to = None
+        process = self._process
+        if process is None:
+            return
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        if self._receive is not None:
+            self._receive.close()
+            self._receive = None
+
+
+class Prefixes:
+    """The child's recent prompts and their KV caches: a prompt reuses the longest prefix it shares with one of
+    them, short of its last token, and is kept in turn. Bounded by :data:`PREFIX_ENTRIES` prompts and
+    :data:`PREFIX_TOKENS` tokens; the least recently used go first."""
+
+    def __init__(self, entries: int = PREFIX_ENTRIES, tokens: int = PREFIX_TOKENS) -> None:
+        self._entries = entries
+        self._tokens = tokens
+        self._kept: OrderedDict[tuple[int, ...], Any] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def take(self, token_ids: tuple[int, ...], fresh: Callable[[], Any], limit: int | None = None) -> tuple[Any, int]:
+        """A cache holding the KV of the first ``n`` of ``token_ids`` (a copy: the kept one stays as it is), and
+        ``n``, at most ``limit`` (by default all but the last token); a ``fresh()`` cache and 0 when nothing is
+        shared."""
+        best, shared = None, 0
+        for kept in self._kept:
+            n = _common(kept, token_ids)
+            if n > shared:
+                best, shared = kept, n
+        shared = min(shared, len(token_ids) - 1 if limit is None else limit)
+        if best is None or shared < 1:
+            return fresh(), 0
+        self._kept.move_to_end(best)
+        cache = copy.deepcopy(self._kept[best])
+        if len(best) > shared:
+            cache.crop(shared - len(best))  # a negative count: drop that many tokens from the end
+        return cache, shared
+
+    def keep(self, token_ids: tuple[int, ...], cache: Any) -> None:
+        self._kept[token_ids] = cache
+        self._kept.move_to_end(token_ids)
+        while len(self._kept) > self._entries or sum(map(len, self._kept)) > self._tokens:
+            self._kept.popitem(last=False)
+
+
+def _common(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def first_tokens(model: Any, torch: Any, prefixes: Prefixes, prompts: Sequence[tuple[int, ...]]) -> list[int]:
+    """The greedy token after each of ``prompts``, computed together: behind the longest prefix ``prefixes`` knows
+    that they all share, their new tokens side by side (the shorter ones padded at the end, which no real row sees:
+    attention is causal), in chunks of at most :data:`CHUNK_ROWS` rows. Each prompt is kept in ``prefixes``."""
+    import transformers
+
+    def fresh() -> Any:
+        return transformers.DynamicCache(config=model.config)
+
+    shortest = min(map(len, prompts))
+    together = min((_common(prompts[0], other) for other in prompts[1:]), default=shortest)
+    cache, start = prefixes.take(prompts[0], fresh, limit=min(together, shortest - 1))
+    if start and len(prompts) > 1:
+        cache.batch_repeat_interleave(len(prompts))
+    longest = max(map(len, prompts))
+    ids = torch.tensor([[*p[start:], *[p[-1]] * (longest - len(p))] for p in prompts], dtype=torch.long)
+    with torch.inference_mode():
+        for begin in range(0, longest - start, CHUNK_ROWS):
+            out = model.base_model(input_ids=ids[:, begin : begin + CHUNK_ROWS], cache=cache, use_cache=True)
+        # Each prompt's last row (all in the last chunk: the shortest is at most CHUNK_ROWS rows behind).
+        last = torch.tensor([len(p) - 1 - start for p in prompts]) - begin
+        hidden = out.last_hidden_state[torch.arange(len(prompts)), last]
+        tokens = model.get_output_embeddings()(hidden).argmax(-1).tolist()
+    for i, prompt in enumerate(prompts):
+        own = cache
+        if len(prompts) > 1:
+            own = copy.deepcopy(cache)
+            own.batch_select_indices(torch.tensor([i]))
+            if len(prompt) < longest:
+                own.crop(len(prompt) - longest)
+        prefixes.keep(prompt, own)
+    return [int(t) for t in tokens]
+
+
+def main() -> None:
+    """The child: settings from the parent, then a first token for each prompt until the end of stdin."""
+    from ttft_sse import log as logs
+    from ttft_sse.engine.hf import HFEngine
+    from ttft_sse.stages import StageClock
+
+    # Replies go out on a private copy of stdout; whatever prints (a library's warning) goes to stderr instead.
+    replies = Connection(os.dup(1), readable=False)
+    os.dup2(2, 1)
+    prompts = Connection(os.dup(0), writable=False)
+    settings: Settings = prompts.recv()
+    logs.configure(level=settings.log_level, fmt=settings.log_format)
+    began = time.perf_counter()
+    engine = HFEngine(settings.replace(engine="single"))
+    try:
+        engine.load(StageClock())
+        import torch
+
+        prefixes = Prefixes()
+        hello = engine.prepare(prompt="Hello", messages=None, raw=False).token_ids
+        first_tokens(engine.model, torch, prefixes, [hello, hello])  # one prompt after a known prefix, two together
+    except Exception as exc:
+        replies.send(("failed", f"{type(exc).__name__}: {exc}"))
+        return
+    seconds = time.perf_counter() - began
+    replies.send(("ready", seconds))
+    log.info("prefill_process_ready", pid=os.getpid(), seconds=round(seconds, 2))
+    while True:
+        try:
+            group = prompts.recv()
+        except EOFError:
+            return
+        try:
+            replies.send(("tokens", first_tokens(engine.model, torch, prefixes, group)))
+        except Exception as exc:
+            replies.send(("failed", f"{type(exc).__name__}: {exc}"))
+
+
+if __name__ == "__main__":
+    main()
