@@ -269,3 +269,19 @@ def test_no_prefill_process_when_it_is_off(settings: Settings) -> None:
     off = BatchedEngine(settings)  # the suite's settings: prefill_process=False
     assert off.prefill_process is None
     assert off.stats().prefill == "off"
+
+
+async def test_no_prefill_process_where_its_first_tokens_could_differ_from_the_batchs(settings: Settings) -> None:
+    """With the masked attention (a step's rows attend through one SDPA over the batch), a row's bits depend on the
+    batch: the process's first token could differ from the batch's. The engine does not start one."""
+    masked = BatchedEngine(settings.replace(prefill_process=True, paged_attention=False))
+    with capture_logs() as logs:
+        masked.load(StageClock())
+    try:
+        assert masked.prefill_process is None
+        assert masked.stats().prefill == "off"
+        assert [e["reason"] for e in logs if e["event"] == "prefill_process_off"] == [
+            "it needs the block kernel and the C attention (a GGUF model, on CPU, in fp32)"
+        ]
+    finally:
+        await masked.close()

@@ -176,8 +176,6 @@ class BatchedEngine:
             self._prefill.start()
             return
         log.info("prefill_process_off", reason=reason)
-        self._prefill = PrefillProcess(self._settings)
-        self._prefill.start()
 
     def _create_manager(self, *, paged: bool) -> Any:
         import math
