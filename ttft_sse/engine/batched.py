@@ -265,30 +265,29 @@ class BatchedEngine:
                 self._race(request_id, prompt, race)
             seen = 0
             async for output in inbox:
+                finished = False
                 if isinstance(output, _FirstToken):
                     # The prefill process's first token, before the batch's (the batch's, alike, is skipped).
-                    if race.settle():
-                        self._side_first += 1
-                        side_token = output.token
-                        first_at = time.perf_counter()
-                        piece = text.push(side_token)
-                        if piece:
-                            yield Piece(index=index, text=piece)
-                            index += 1
-                        if text.stopped:
-                            break
-                    continue
-                race.settle()
-                if output.error is not None:
-                    in_library = False
-                    log.error("generation_failed", error=output.error, request_id=request_id)
-                    raise EngineError("generation failed: the batched forward pass raised an error")
-                tokens = output.generated_tokens
-                if side_token is not None and seen == 0 and tokens:
-                    seen = 1
-                    if tokens[0] != side_token:  # not expected: both compute the same row alike (engine/prefill.py)
-                        log.error("first_token_mismatch", request_id=request_id, side=side_token, batch=tokens[0])
-                for token in tokens[seen:]:
+                    if not race.settle():
+                        continue
+                    self._side_first += 1
+                    side_token = output.token
+                    fresh = [side_token]
+                else:
+                    race.settle()
+                    if output.error is not None:
+                        in_library = False
+                        log.error("generation_failed", error=output.error, request_id=request_id)
+                        raise EngineError("generation failed: the batched forward pass raised an error")
+                    tokens = output.generated_tokens
+                    if side_token is not None and seen == 0 and tokens:
+                        seen = 1
+                        if tokens[0] != side_token:  # not expected: both compute the row alike (engine/prefill.py)
+                            log.error("first_token_mismatch", request_id=request_id, side=side_token, batch=tokens[0])
+                    fresh, seen = tokens[seen:], len(tokens)
+                    finished = output.is_finished()
+                    in_library = not finished
+                for token in fresh:
                     if first_at is None:
                         first_at = time.perf_counter()
                     piece = text.push(token)
@@ -297,10 +296,7 @@ class BatchedEngine:
                         index += 1
                     if text.stopped:
                         break
-                seen = len(tokens)
-                if output.is_finished():
-                    in_library = False
-                if text.stopped or output.is_finished():
+                if text.stopped or finished:
                     break
             else:
                 # The inbox ended without a result: close() is ending every generation. No Finished, as with
