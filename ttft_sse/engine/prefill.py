@@ -302,7 +302,9 @@ def main() -> None:
 
         prefixes = Prefixes()
         hello = engine.prepare(prompt="Hello", messages=None, raw=False).token_ids
-        first_tokens(engine.model, torch, prefixes, [hello, hello])  # one prompt after a known prefix, two together
+        # Warm both shapes of forward pass: one prompt from nothing, then two side by side behind a known prefix.
+        first_tokens(engine.model, torch, prefixes, [hello])
+        first_tokens(engine.model, torch, prefixes, [hello, hello])
     except Exception as exc:
         replies.send(("failed", f"{type(exc).__name__}: {exc}"))
         return
