@@ -15,6 +15,8 @@ engine alike; compare the ratios, and read the load average printed with them. P
   client (all 8 at the same instant: a burst) is reported apart from the rest (steady state);
 * prefix reuse at c=1: TTFT of prompts sharing a long system prompt already seen (reuse) against the same prompts
   behind a system prompt seen for the first time (miss), and the 37-token chat prompt sent again;
+* the time to the second piece of text (c=1, and c=8 steady state), and how many first tokens came from the
+  prefill process (``TTFT_PREFILL_PROCESS``: it races the batch for them; the batch streams from the second on);
 * sampled requests (temperature 1, top_p 0.95, no seed: the OpenAI default) at c=8: tokens/s and TTFT;
 * whether every greedy text is the same as the single-request engine's for the same prompt: the single engine's
   with the same variants if it ran (``single:float32:dense`` for ``batched:float32:dense``), else ``single:<dtype>``.
