@@ -5,7 +5,9 @@ from pathlib import Path
 
 import pytest
 
+from ttft_sse.engine.hf import HFEngine
 from ttft_sse.settings import Settings
+from ttft_sse.stages import StageClock
 
 # The suite uses the same converted-model cache as `make serve` (the Makefile prepares it), so the ~25 s
 # GGUF conversion happens once per machine, not per test run.
@@ -17,6 +19,14 @@ def settings() -> Settings:
     # No prefill process (a second copy of the model, engine/prefill.py) unless a test asks for one: the suite's
     # engines and servers would each start one.
     return Settings(cache_dir=CACHE_DIR, threads=1, log_format="console", prefill_process=False)
+
+
+@pytest.fixture(scope="module")
+def reference(settings: Settings) -> HFEngine:
+    """The single-request engine, loaded: the texts and tokens the other engines are checked against."""
+    engine = HFEngine(settings)
+    engine.load(StageClock())
+    return engine
 
 
 @pytest.fixture(scope="session")

@@ -42,13 +42,6 @@ def engine(settings: Settings) -> Iterator[BatchedEngine]:
     asyncio.run(engine.close())
 
 
-@pytest.fixture(scope="module")
-def reference(settings: Settings) -> HFEngine:
-    engine = HFEngine(settings)
-    engine.load(StageClock())
-    return engine
-
-
 @pytest.fixture
 def gathers(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """One entry for every ``torch.index_select`` call while the test runs: the library's gathers of a step's keys

@@ -89,13 +89,6 @@ def test_prefixes_are_bounded_by_entries_and_tokens_least_recently_used_first() 
     assert by_tokens.take((4, 5, 6, 9), fresh)[1] == 3
 
 
-@pytest.fixture(scope="module")
-def reference(settings: Settings) -> HFEngine:
-    engine = HFEngine(settings)
-    engine.load(StageClock())
-    return engine
-
-
 def first_token(engine: HFEngine, prompt: Prompt) -> int:
     import torch
 
