@@ -219,6 +219,29 @@ async def test_sampled_requests_do_not_ask_the_prefill_process(engine: BatchedEn
     assert engine.stats().side_first_tokens == before
 
 
+async def test_no_race_where_the_batchs_cache_does_not_read_in_place(
+    settings: Settings, reference: HFEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A model whose layers are not all full attention (sliding windows): its batched steps take the library's masked
+    attention, whose bits the process's would not match. Simulated by a cache that refuses to read in place."""
+    from ttft_sse.engine import attention
+
+    monkeypatch.setattr(attention, "read_in_place", lambda cache: False)
+    own = BatchedEngine(settings.replace(prefill_process=True))
+    own.load(StageClock())
+    try:
+        eventually(lambda: own.stats().prefill != "loading", timeout=180)
+        assert own.stats().prefill == "ready"
+        params = SamplingParams(max_tokens=4)
+        want = [(await collect(reference.stream(p, params)))[0] for p in prompts(reference, "Masked: ")]
+        got = await asyncio.gather(*(collect(own.stream(p, params)) for p in prompts(own, "Masked: ")))
+        assert [text for text, _ in got] == want
+        assert own.stats().side_first_tokens == 0
+        assert own.prefill_process is not None and own.prefill_process.served == 0
+    finally:
+        await own.close()
+
+
 async def test_a_dead_child_leaves_every_request_answered_and_close_stops_it(
     settings: Settings, reference: HFEngine
 ) -> None:

@@ -261,7 +261,9 @@ class BatchedEngine:
             if added is None:
                 raise EngineError("generation failed: the batching loop is not accepting requests")
             in_library = True
-            if params.greedy and self._prefill is not None and self._mailboxes.count > 1:
+            # Only where the batch's steps attend request by request (a cache that reads in place): there its first
+            # token is the process's, bit for bit.
+            if params.greedy and self._prefill is not None and self._counters.in_place and self._mailboxes.count > 1:
                 self._race(request_id, prompt, race)
             seen = 0
             async for output in inbox:
@@ -547,6 +549,7 @@ class _PrefixCounters:
     prompt_tokens: int = 0
     hits: int = 0
     hit_tokens: int = 0
+    in_place: bool = False  # the loop's cache hands the attention its rows in place (attention.read_in_place)
 
 
 def _register_scheduler(counters: _PrefixCounters, *, paged: bool) -> str:
@@ -566,8 +569,7 @@ def _register_scheduler(counters: _PrefixCounters, *, paged: bool) -> str:
 
         def __init__(self, cache: Any, *args: Any, **kwargs: Any) -> None:
             super().__init__(cache, *args, **kwargs)
-            if paged:
-                attention.read_in_place(cache)
+            counters.in_place = paged and attention.read_in_place(cache)
 
         def _infer_request_tokens(self, state: Any, removed: set[str]) -> Any:
             # A prefix match moves a pending request to PREFILLING here, once.
