@@ -1,12 +1,14 @@
-"""The batched engine's per-request token selection (greedy, temperature, top-p), on hand-made logits."""
+"""The batched engine's per-request token selection (greedy, temperature, top-p, and first tokens the prefill process
+gave first), on hand-made logits."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
-from ttft_sse.engine.batched import _selection
+from ttft_sse.engine.batched import _Claims, _selection
 
 torch = pytest.importorskip("torch")
 INF = float("inf")
@@ -19,16 +21,16 @@ def run(selection: Any, scores: list[list[float]], rows: list[list[float]]) -> A
 
 
 def select(scores: list[list[float]], temperature: list[float], top_p: list[float]) -> Any:
-    """The whole selection: temperature, top-p, and the temperature again for the draw."""
-    selection = _selection()
-    rows = [temperature, top_p, temperature]
+    """The whole selection: temperature, top-p, the temperature again for the draw, and no race."""
+    selection = _selection(_Claims())
+    rows = [temperature, top_p, temperature, [0.0] * len(scores)]
     assert selection.tensors_required == len(rows)
     return run(selection, scores, rows)
 
 
 def scaled_and_cut(scores: list[list[float]], temperature: list[float], top_p: list[float]) -> Any:
     """The selection's first two processors alone: what the draw samples from."""
-    selection = _selection()
+    selection = _selection(_Claims())
     selection.logits_processor = selection.logits_processor[:2]
     return run(selection, scores, [temperature, top_p])
 
@@ -85,3 +87,35 @@ def test_rows_that_sample_without_top_p_are_left_whole_for_the_draw() -> None:
     scores = [[0.3, -0.2, 0.9]]
     out = scaled_and_cut(scores, temperature=[1.0], top_p=[1.0])
     assert out.tolist() == [[pytest.approx(v) for v in scores[0]]]
+
+
+def step(selection: Any, requests: list[tuple[str, list[int]]], scores: list[list[float]]) -> Any:
+    """A greedy step of ``requests`` (request id, tokens generated so far; a row each), its per-request values
+    prepared by the library's own code, then selected."""
+    states = [
+        SimpleNamespace(
+            has_new_token=True,
+            state=SimpleNamespace(request_id=request_id, generated_tokens=done, logit_processor_kwargs={}),
+        )
+        for request_id, done in requests
+    ]
+    storage = torch.zeros((selection.tensors_required, len(requests)), dtype=torch.int32)
+    args = selection.prepare_tensor_args(states, storage)
+    return selection(torch.zeros(len(scores), dtype=torch.long), torch.tensor(scores), args)
+
+
+def test_a_first_token_the_prefill_process_gave_first_is_the_one_the_step_picks() -> None:
+    claims = _Claims()
+    for request_id in ("process-first", "batch-first", "ended"):
+        claims.open(request_id)
+    assert claims.side("process-first", 2)
+    claims.close("ended")
+    assert not claims.side("ended", 2)  # an ended request's token goes nowhere
+    scores = [[3.0, 1.0, 0.5]] * 4
+    requests = [("process-first", []), ("batch-first", []), ("decoding", [7]), ("not-raced", [])]
+    out = step(_selection(claims), requests, scores)
+    assert out[0].tolist() == [-INF, -INF, 0.0]
+    assert out.argmax(dim=-1).tolist() == [2, 0, 0, 0]
+    # The step settled the race it had not lost: the process's token, when it comes, is not used.
+    assert not claims.wanted("batch-first")
+    assert not claims.side("batch-first", 2)

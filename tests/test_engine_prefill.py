@@ -22,7 +22,7 @@ from tests.test_engine_batched import collect
 from ttft_sse.engine.base import Prompt, SamplingParams
 from ttft_sse.engine.batched import BatchedEngine
 from ttft_sse.engine.hf import HFEngine
-from ttft_sse.engine.prefill import PrefillProcess, Prefixes
+from ttft_sse.engine.prefill import PrefillProcess, Prefixes, first_tokens
 from ttft_sse.settings import Settings
 from ttft_sse.stages import StageClock
 
@@ -211,12 +211,92 @@ async def eventually_idle(engine: BatchedEngine) -> None:
     raise AssertionError(f"the batch still holds {engine.stats().requests} requests")
 
 
-async def test_sampled_requests_do_not_ask_the_prefill_process(engine: BatchedEngine) -> None:
+async def test_sampled_requests_arriving_at_a_busy_batch_are_raced_too(engine: BatchedEngine) -> None:
     before = engine.stats().side_first_tokens
     params = SamplingParams(max_tokens=4, temperature=1.0, top_p=0.95)
-    got = await asyncio.gather(*(collect(engine.stream(p, params)) for p in prompts(engine, "Sampled: ")))
+    with capture_logs() as logs:
+        got = await asyncio.gather(*(collect(engine.stream(p, params)) for p in prompts(engine, "Sampled: ")))
     assert {f.usage.completion_tokens for _, f in got} == {4}
-    assert engine.stats().side_first_tokens == before
+    assert engine.stats().side_first_tokens > before
+    assert not [e for e in logs if e["event"] == "first_token_mismatch"]
+    await eventually_idle(engine)
+
+
+def test_the_child_draws_a_sampled_first_token_from_the_requests_top_p(reference: HFEngine) -> None:
+    import torch
+
+    prompt = prompts(reference)[0]
+    greedy = first_token(reference, prompt)
+    generator = torch.Generator().manual_seed(0)
+    # A top-p this small keeps the most probable token alone; at temperature 50 the distribution is nearly flat.
+    asks = [(prompt.token_ids, 0.0, 1.0), (prompt.token_ids, 1.0, 1e-6), *[(prompt.token_ids, 50.0, 1.0)] * 6]
+    tokens = first_tokens(reference.model, torch, Prefixes(), asks, generator)
+    assert tokens[:2] == [greedy, greedy]
+    assert len(set(tokens[2:])) > 1
+
+
+class ScriptedProcess:
+    """Stands in for the prefill process: gives every prompt it is asked for ``token``, at once (before any step of
+    the batch can)."""
+
+    token = 0
+    state = "ready"
+    pid = None
+
+    def __init__(self, settings: Settings) -> None:
+        self.served = 0
+
+    def start(self) -> None:
+        pass
+
+    def stop(self, timeout: float = 5.0) -> None:
+        pass
+
+    async def first_token(
+        self, token_ids: Any, wanted: Any, temperature: float = 0.0, top_p: float = 1.0
+    ) -> int | None:
+        if not wanted():
+            return None
+        self.served += 1
+        return self.token
+
+
+async def test_the_batch_goes_on_from_the_first_token_the_process_gave(
+    settings: Settings, reference: HFEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whichever token the process gives first, the client gets it and the batch goes on from it (its step is made
+    to pick it): here a token the batch would not pick, so that the answer is the model's greedy continuation of
+    the prompt and that token. Without the step picking it, the batch would go on from its own."""
+    import torch
+
+    from ttft_sse.engine import batched
+
+    monkeypatch.setattr(batched, "PrefillProcess", ScriptedProcess)
+    forced = reference.tokenizer.encode(" Banana", add_special_tokens=False)[0]
+    monkeypatch.setattr(ScriptedProcess, "token", forced)
+    own = BatchedEngine(settings.replace(prefill_process=True))
+    own.load(StageClock())
+    try:
+        asked = prompts(own, "Forced: ")
+        assert all(first_token(reference, p) != forced for p in asked)
+
+        def forced_answer(prompt: Prompt) -> str:
+            with torch.inference_mode():
+                ids = torch.tensor([[*prompt.token_ids, forced]])
+                out = reference.model.generate(input_ids=ids, max_new_tokens=5, do_sample=False)
+            return str(reference.tokenizer.decode([forced, *out[0, ids.shape[1] :].tolist()], skip_special_tokens=True))
+
+        params = SamplingParams(max_tokens=6)
+        want = [(await collect(reference.stream(asked[0], params)))[0]] + [forced_answer(p) for p in asked[1:]]
+        with capture_logs() as logs:
+            got = await asyncio.gather(*(collect(own.stream(p, params)) for p in asked))
+        # The first request found the batch idle (not raced); the seven others arrived while it was busy.
+        assert [text for text, _ in got] == want
+        assert own.prefill_process is not None and own.prefill_process.served == len(asked) - 1
+        assert own.stats().side_first_tokens == len(asked) - 1
+        assert not [e for e in logs if e["event"] == "first_token_mismatch"]
+    finally:
+        await own.close()
 
 
 async def test_no_race_where_the_batchs_cache_does_not_read_in_place(

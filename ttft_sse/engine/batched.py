@@ -26,11 +26,13 @@ The library does the batching, the paged cache and the prefix sharing. Written h
   keys and values out of its paged cache in every layer and attends every query row to every key of the step under
   a mask; the engine's cache writes only, and each request's rows attend to its own keys, read in place;
 
-* **first tokens beside the batch** (engine/prefill.py, on CPU with the block kernel and that attention): a greedy
+* **first tokens beside the batch** (engine/prefill.py, on CPU with the block kernel and that attention): a
   request that arrives while the batch is busy is also sent to a second process, with its own copy of the model,
-  on the other core; its first token goes out if it comes before the batch's, which is then skipped (the same
-  token: every row is computed from its own inputs alone in both). The batch otherwise runs as without it: a
-  newcomer's TTFT is no longer the step in flight plus its own, and no step waits for anything;
+  on the other core. Whichever has its first token first gives it (:class:`_Claims`): if the process does, the
+  batch's step that computes the request's first token is made to pick the process's token (:func:`_selection`),
+  so the batch goes on from the token the client saw, greedy or sampled. A greedy one is the same token anyway
+  (every row is computed from its own inputs alone in both). The batch otherwise runs as without it: a newcomer's
+  TTFT is no longer the step in flight plus its own, and no step waits for anything;
 
 * **per-request token selection** (:func:`_selection`): the library's own warpers sort the whole vocabulary of
   every row every step (measured: 43 ms a step for 8 rows, a quarter of a decode step), and its draw runs over
@@ -48,6 +50,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import threading
 import time
 from collections import deque
 from collections.abc import AsyncGenerator, Sequence
@@ -58,7 +61,7 @@ from typing import Any, ClassVar
 import structlog
 
 from ttft_sse.bridge import Mailboxes, Resident
-from ttft_sse.engine import attention
+from ttft_sse.engine import attention, sampling
 from ttft_sse.engine.base import ChatMessage, Finished, ModelInfo, Piece, Prompt, SamplingParams, Usage
 from ttft_sse.engine.hf import CacheJanitor, HFEngine
 from ttft_sse.engine.prefill import PrefillProcess
@@ -119,6 +122,7 @@ class BatchedEngine:
         """The request ids that received a token, step by step (the most recent ``BATCH_LOG_STEPS`` steps)."""
         self._steps = 0
         self._prefill: PrefillProcess | None = None
+        self._claims = _Claims()
         self._side_tasks: set[asyncio.Task[None]] = set()
         self._side_first = 0
 
@@ -204,7 +208,7 @@ class BatchedEngine:
             generation_config=generation, continuous_batching_config=batching
         )
         manager.output_router = _router(self)
-        manager.logit_processor = _selection()  # before the loop builds its batch processor from it
+        manager.logit_processor = _selection(self._claims)  # before the loop builds its batch processor from it
         return manager
 
     def _start_manager(self) -> None:
@@ -242,13 +246,17 @@ class BatchedEngine:
         tokenizer = self._single.tokenizer
         text = TokenText(lambda ids: tokenizer.decode(ids, skip_special_tokens=True), params.stop, self._single.eos)
         inbox = self._mailboxes.open(request_id)
-        race = _Race()
         side_token: int | None = None
         started = time.perf_counter()
         first_at: float | None = None
         index = 0
         in_library = False
         try:
+            # Only where the batch's steps attend request by request (a cache that reads in place): there its greedy
+            # first token is the process's, bit for bit. Raced before the library has the request, so that no step
+            # picks its first token before the race is open.
+            if self._prefill is not None and self._counters.in_place and self._mailboxes.count > 1:
+                self._race(request_id, prompt, params)
             added = self._manager.add_request(
                 list(prompt.token_ids),
                 request_id=request_id,
@@ -261,22 +269,16 @@ class BatchedEngine:
             if added is None:
                 raise EngineError("generation failed: the batching loop is not accepting requests")
             in_library = True
-            # Only where the batch's steps attend request by request (a cache that reads in place): there its first
-            # token is the process's, bit for bit.
-            if params.greedy and self._prefill is not None and self._counters.in_place and self._mailboxes.count > 1:
-                self._race(request_id, prompt, race)
             seen = 0
             async for output in inbox:
                 finished = False
                 if isinstance(output, _FirstToken):
-                    # The prefill process's first token, before the batch's (the batch's, alike, is skipped).
-                    if not race.settle():
-                        continue
+                    # The prefill process's first token, claimed before the batch's step picked one: that step picks
+                    # it too (_selection), and the batch's is skipped below.
                     self._side_first += 1
                     side_token = output.token
                     fresh = [side_token]
                 else:
-                    race.settle()
                     if output.error is not None:
                         in_library = False
                         log.error("generation_failed", error=output.error, request_id=request_id)
@@ -284,7 +286,7 @@ class BatchedEngine:
                     tokens = output.generated_tokens
                     if side_token is not None and seen == 0 and tokens:
                         seen = 1
-                        if tokens[0] != side_token:  # not expected: both compute the row alike (engine/prefill.py)
+                        if tokens[0] != side_token:  # not expected: the step was made to pick it (_selection)
                             log.error("first_token_mismatch", request_id=request_id, side=side_token, batch=tokens[0])
                     fresh, seen = tokens[seen:], len(tokens)
                     finished = output.is_finished()
@@ -318,7 +320,7 @@ class BatchedEngine:
                 },
             )
         finally:
-            race.settle()
+            self._claims.close(request_id)
             inbox.close()
             if self.janitor.count():
                 # On CUDA, every N generations: empty the allocator's cache in a worker thread (it synchronises
@@ -332,15 +334,18 @@ class BatchedEngine:
                 if not text.stopped:
                     log.info("generation_cancelled", completion_tokens=text.count, max_tokens=params.max_tokens)
 
-    def _race(self, request_id: str, prompt: Prompt, race: _Race) -> None:
+    def _race(self, request_id: str, prompt: Prompt, params: SamplingParams) -> None:
         """Ask the prefill process for the request's first token too; it goes to the request's inbox if it comes
-        before the batch's."""
+        before the batch's step has picked one (:class:`_Claims`)."""
         assert self._prefill is not None
-        prefill = self._prefill
+        prefill, claims = self._prefill, self._claims
+        claims.open(request_id)
+        temperature = 0.0 if params.greedy else float(params.temperature)
+        top_p = 1.0 if params.greedy else float(params.top_p)
 
         async def ask() -> None:
-            token = await prefill.first_token(prompt.token_ids, race.open)
-            if token is not None and race.open():
+            token = await prefill.first_token(prompt.token_ids, lambda: claims.wanted(request_id), temperature, top_p)
+            if token is not None and claims.side(request_id, token):
                 self._mailboxes.deliver([(request_id, _FirstToken(token))])
 
         # The task is never cancelled (see PrefillProcess.first_token); a strong reference keeps it until it ends.
@@ -410,19 +415,48 @@ class BatchedEngine:
         return EngineError("generation failed: the batching loop stopped")
 
 
-class _Race:
-    """Who gives a request its first token: the batch or the prefill process. Settled once."""
+class _Claims:
+    """Who gives each raced request its first token: the prefill process or the batch, whichever has one first,
+    settled once under a lock shared by the event loop (the process's token, :meth:`side`) and the loop's thread
+    (the step that computes the request's first token, :meth:`batch`). Where the process came first, that step is
+    made to pick the process's token, so the batch goes on from the token the client saw."""
 
     def __init__(self) -> None:
-        self._settled = False
+        self._lock = threading.Lock()
+        self._open: set[str] = set()  # raced, not settled
+        self._side: dict[str, int] = {}  # settled by the process: its token, until the batch's step picks it
 
-    def open(self) -> bool:
-        return not self._settled
+    def open(self, request_id: str) -> None:
+        with self._lock:
+            self._open.add(request_id)
 
-    def settle(self) -> bool:
-        """Settle it; True for the first caller."""
-        first, self._settled = not self._settled, True
-        return first
+    def wanted(self, request_id: str) -> bool:
+        """Not settled yet: the process's token would still be used."""
+        with self._lock:
+            return request_id in self._open
+
+    def side(self, request_id: str, token: int) -> bool:
+        """The process has ``token``: True if it came first (the client gets it, and the batch's step will pick
+        it); False if the batch's step picked one before, or the request has ended."""
+        with self._lock:
+            if request_id not in self._open:
+                return False
+            self._open.discard(request_id)
+            self._side[request_id] = token
+            return True
+
+    def batch(self, request_ids: Sequence[str]) -> list[int | None]:
+        """A step picks these requests' first tokens: for each, the process's token that it must pick, or None (its
+        own: where the process has not come first, the race is now the batch's)."""
+        with self._lock:
+            self._open.difference_update(request_ids)
+            return [self._side.pop(request_id, None) for request_id in request_ids]
+
+    def close(self, request_id: str) -> None:
+        """The request has ended."""
+        with self._lock:
+            self._open.discard(request_id)
+            self._side.pop(request_id, None)
 
 
 @dataclass(frozen=True)
@@ -432,18 +466,22 @@ class _FirstToken:
     token: int
 
 
-def _selection() -> Any:
-    """The batch's token selection, per request: greedy (``temperature`` 0) or temperature and top-p sampling.
+def _selection(claims: _Claims) -> Any:
+    """The batch's token selection, per request: greedy (``temperature`` 0) or temperature and top-p sampling, and
+    the first tokens the prefill process gave (``claims``).
 
-    Three of the library's per-request processors (each reads one value per row), applied to the step's logits
-    before the library's argmax (``do_sample=False``). Greedy rows pass through untouched: the argmax picks their
-    token (the first index on a tie, as ``generate``). A sampled row is
+    Four of the library's per-request processors (each has a row of the step's per-request values), applied to the
+    step's logits before the library's argmax (``do_sample=False``). Greedy rows pass through untouched: the argmax
+    picks their token (the first index on a tie, as ``generate``). A sampled row is
 
     * divided by its temperature;
     * cut to its top-p: only rows with ``top_p < 1`` are sorted; a token stays while the probability before it is
-      below ``top_p`` (the single engine's rule, so both engines sample from the same distribution);
+      below ``top_p`` (engine/sampling.py: every engine's rule, so all sample from the same distribution);
     * drawn from: softmax and one multinomial draw for the sampled rows only, then only the drawn token is left
       finite, so the argmax returns it.
+
+    Last, a row that gives a raced request its first token settles the race (:meth:`_Claims.batch`): where the
+    prefill process came first, only its token is left finite.
 
     The library's own sampling path runs softmax and a multinomial draw over the whole vocabulary of every row,
     greedy ones included: 7-9 ms of a 130 ms step at 8 streams (measured with torch's profiler).
@@ -497,9 +535,7 @@ def _selection() -> Any:
             if rows.numel() == 0:
                 return scores
             picked = scores[rows]
-            probs, order = torch.sort(torch.softmax(picked, dim=-1), dim=-1, descending=True)
-            outside = torch.cumsum(probs, dim=-1) - probs > top_p[rows].unsqueeze(-1)
-            drop = torch.zeros_like(outside).scatter_(-1, order, outside)
+            drop = sampling.outside_top_p(torch.softmax(picked, dim=-1), top_p[rows].unsqueeze(-1))
             scores = scores.clone()
             scores[rows] = picked.masked_fill(drop, float("-inf"))
             return scores
@@ -517,7 +553,40 @@ def _selection() -> Any:
             scores[rows] = torch.full_like(picked, float("-inf")).scatter_(-1, choice, 0.0)
             return scores
 
-    processors = [Temperature(), TopP(), Draw()]
+    class Claimed(ContinuousBatchingLogitsProcessor):  # type: ignore[misc]
+        """Reads the request ids of the rows that give a request its first token, recorded when the step is
+        prepared, not a value: the race is settled when the step's logits are there, not before its forward."""
+
+        supported_kwargs: ClassVar[dict[str, type]] = {}
+        ignored_kwargs: ClassVar[tuple[str, ...]] = ()
+
+        def __init__(self) -> None:
+            self.firsts: list[tuple[int, str]] = []  # (row, request id)
+
+        def fill_defaults(self, int32_tensor: Any) -> None:
+            int32_tensor.zero_()
+
+        def prepare_tensor_args(self, requests_with_new_token: list[Any]) -> Any:
+            rows = enumerate(requests_with_new_token)
+            self.firsts = [(row, r.state.request_id) for row, r in rows if not r.state.generated_tokens]
+            return torch.zeros(len(requests_with_new_token), dtype=torch.int32)
+
+        def __call__(self, scores: Any, tensor_arg: Any) -> Any:
+            firsts, self.firsts = self.firsts, []
+            forced = [
+                (row, token)
+                for (row, _), token in zip(firsts, claims.batch([request_id for _, request_id in firsts]), strict=True)
+                if token is not None
+            ]
+            if not forced:
+                return scores
+            scores = scores.clone()
+            for row, token in forced:
+                scores[row] = float("-inf")
+                scores[row, token] = 0.0
+            return scores
+
+    processors = [Temperature(), TopP(), Draw(), Claimed()]
     selection = ContinuousBatchingLogitsProcessorList(transformers.LogitsProcessorList(processors))
     selection.tensors_required = len(processors)  # one row of per-request values each (the library counts its own)
     return selection

@@ -12,7 +12,7 @@ from typing import Any
 import structlog
 
 from ttft_sse.bridge import Emit, Workers
-from ttft_sse.engine import attention, codes, int4, kernel, models, weights
+from ttft_sse.engine import attention, codes, int4, kernel, models, sampling, weights
 from ttft_sse.engine.base import (
     ChatMessage,
     Finished,
@@ -404,13 +404,7 @@ def _seeded_sampler(torch: Any, params: SamplingParams, device: Any) -> Any:
 
     class SeededSampler(transformers.LogitsProcessor):  # type: ignore[misc]
         def __call__(self, input_ids: Any, scores: Any) -> Any:
-            probs = torch.softmax(scores.float() / params.temperature, dim=-1)
-            if params.top_p < 1.0:
-                sorted_probs, order = torch.sort(probs, descending=True, dim=-1)
-                outside = torch.cumsum(sorted_probs, dim=-1) - sorted_probs > params.top_p
-                sorted_probs = sorted_probs.masked_fill(outside, 0.0)
-                probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-            choice = torch.multinomial(probs, num_samples=1, generator=generator)
+            choice = sampling.draw(scores, params.temperature, params.top_p, generator)
             out = torch.full_like(scores, float("-inf"))
             return out.scatter_(-1, choice, 0.0)
 

@@ -8,16 +8,17 @@ measured, a prefill thread beside 8 streams cost them 15-26 % of their tokens/s 
 process cost them nothing). It keeps the KV of its recent prompts, so a prompt behind a known prefix (the chat
 template's system prompt, a conversation's earlier turns) computes its new tokens only.
 
-The batch still prefills the request as before and goes on from there: whichever gives the first token first wins,
-the other's is dropped (:class:`~ttft_sse.engine.batched.BatchedEngine`). Only greedy requests come here: their
-first token is the argmax, which both compute alike, row for row (the block kernel's linear layers and the C
-attention compute each row from its own inputs alone, so the batch's first token is this one, bit for bit). A
-sampled token would be a second draw.
+The batch still prefills the request as before and goes on from there: whichever has the first token first gives
+it, and the batch goes on from that token (:class:`~ttft_sse.engine.batched.BatchedEngine`: if this one came first,
+the batch's own step is made to pick it). A greedy first token is the argmax, which both compute alike, row for row
+(the block kernel's linear layers and the C attention compute each row from its own inputs alone, so the batch's
+argmax is this one, bit for bit, and greedy answers stay the single engine's). A sampled one is drawn here, by the
+rule every engine draws by (engine/sampling.py), with the child's own random generator.
 
 Parent and child speak pickles over the child's stdin and stdout (:class:`multiprocessing.connection.Connection`):
 the child's first message is ``("ready", seconds)`` (or ``("failed", reason)``), then one reply ``("tokens", ids)``
-per group of prompts, in order. One group is in flight at a time. The child ends at the end of its stdin: when the
-parent closes it, or dies.
+per group of prompts (each ``(token_ids, temperature, top_p)``), in order. One group is in flight at a time. The
+child ends at the end of its stdin: when the parent closes it, or dies.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from typing import Any
 
 import structlog
 
+from ttft_sse.engine import sampling
 from ttft_sse.settings import Settings
 
 log = structlog.get_logger("ttft_sse.engine")
@@ -56,6 +58,9 @@ CHUNK_ROWS = 512
 """The most new rows of a forward pass in the child: the C attention's limit (``attention.LONG_ROWS``), as in the
 batch's steps, so that every row is computed as the batch computes it."""
 
+Ask = tuple[tuple[int, ...], float, float]
+"""A prompt's token ids, and the temperature and top-p its first token is chosen at."""
+
 
 class PrefillProcess:
     """The parent's side: starts the child, asks it for first tokens, stops it. Methods other than :meth:`start`
@@ -69,7 +74,7 @@ class PrefillProcess:
         self._ready = False
         self._broken = False
         self._stopping = False
-        self._waiting: list[tuple[tuple[int, ...], Callable[[], bool], asyncio.Future[int | None]]] = []
+        self._waiting: list[tuple[Ask, Callable[[], bool], asyncio.Future[int | None]]] = []
         self._sender: asyncio.Task[None] | None = None
         self.served = 0
         """First tokens the child computed."""
@@ -119,9 +124,12 @@ class PrefillProcess:
         self._ready = True  # the child logged prefill_process_ready itself, when it was
         return True
 
-    async def first_token(self, token_ids: Sequence[int], wanted: Callable[[], bool]) -> int | None:
-        """The greedy first token after ``token_ids``, or None: the prompt is longer than :data:`PROMPT_TOKENS`, the
-        child is not ready or has failed, or nobody ``wanted`` it any more by the time the child was free.
+    async def first_token(
+        self, token_ids: Sequence[int], wanted: Callable[[], bool], temperature: float = 0.0, top_p: float = 1.0
+    ) -> int | None:
+        """The first token after ``token_ids``: the argmax at ``temperature`` 0, else drawn at ``temperature`` from
+        the ``top_p``. None if the prompt is longer than :data:`PROMPT_TOKENS`, the child is not ready or has
+        failed, or nobody ``wanted`` it any more by the time the child was free.
 
         Prompts wait here while the child computes others, and go to it together (up to :data:`GROUP` of them, of
         at most :data:`GROUP_TOKENS` tokens each), in arrival order: prompts that arrive in the same instant (the
@@ -131,7 +139,7 @@ class PrefillProcess:
             return None
         loop = asyncio.get_running_loop()
         answer: asyncio.Future[int | None] = loop.create_future()
-        self._waiting.append((tuple(token_ids), wanted, answer))
+        self._waiting.append(((tuple(token_ids), float(temperature), float(top_p)), wanted, answer))
         if self._sender is None or self._sender.done() or self._sender.get_loop() is not loop:
             self._sender = loop.create_task(self._send(), name="ttft-prefill-sender")
         return await asyncio.shield(answer)
@@ -142,19 +150,19 @@ class PrefillProcess:
         while self._waiting:
             await asyncio.sleep(0)  # prompts added in this same instant join the group
             waiting, self._waiting = self._waiting, []
-            group: list[tuple[tuple[int, ...], asyncio.Future[int | None]]] = []
-            for token_ids, wanted, answer in waiting:
+            group: list[tuple[Ask, asyncio.Future[int | None]]] = []
+            for ask, wanted, answer in waiting:
                 if not wanted() or not self.ready:
                     answer.set_result(None)
-                elif not group or (len(group) < GROUP and max(len(token_ids), len(group[0][0])) <= GROUP_TOKENS):
-                    group.append((token_ids, answer))
+                elif not group or (len(group) < GROUP and max(len(ask[0]), len(group[0][0][0])) <= GROUP_TOKENS):
+                    group.append((ask, answer))
                 else:
-                    self._waiting.append((token_ids, wanted, answer))
+                    self._waiting.append((ask, wanted, answer))
             if not group:
                 continue
             tokens: list[int | None] = [None] * len(group)
             try:
-                tokens[:] = await loop.run_in_executor(None, self._ask, [token_ids for token_ids, _ in group])
+                tokens[:] = await loop.run_in_executor(None, self._ask, [ask for ask, _ in group])
             except Exception as exc:
                 self._fail(f"{type(exc).__name__}: {exc}")
             else:
@@ -162,7 +170,7 @@ class PrefillProcess:
             for (_, answer), token in zip(group, tokens, strict=True):
                 answer.set_result(token)
 
-    def _ask(self, prompts: list[tuple[int, ...]]) -> list[int]:
+    def _ask(self, prompts: list[Ask]) -> list[int]:
         assert self._send_to is not None and self._receive is not None
         self._send_to.send(prompts)
         if not self._receive.poll(REPLY_SECONDS):
@@ -248,10 +256,10 @@ def _common(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-def first_tokens(model: Any, torch: Any, prefixes: Prefixes, prompts: Sequence[tuple[int, ...]]) -> list[int]:
-    """The greedy token after each of ``prompts``, computed together: behind the longest prefix ``prefixes`` knows
-    that they all share, their new tokens side by side (the shorter ones padded at the end, which no real row sees:
-    attention is causal), in chunks of at most :data:`CHUNK_ROWS` rows. Each prompt is kept in ``prefixes``."""
+def last_logits(model: Any, torch: Any, prefixes: Prefixes, prompts: Sequence[tuple[int, ...]]) -> Any:
+    """The logits after each of ``prompts`` (a row each), computed together: behind the longest prefix ``prefixes``
+    knows that they all share, their new tokens side by side (the shorter ones padded at the end, which no real row
+    sees: attention is causal), in chunks of at most :data:`CHUNK_ROWS` rows. Each prompt is kept in ``prefixes``."""
     import transformers
 
     def fresh() -> Any:
@@ -270,7 +278,7 @@ def first_tokens(model: Any, torch: Any, prefixes: Prefixes, prompts: Sequence[t
         # Each prompt's last row (all in the last chunk: the shortest is at most CHUNK_ROWS rows behind).
         last = torch.tensor([len(p) - 1 - start for p in prompts]) - begin
         hidden = out.last_hidden_state[torch.arange(len(prompts)), last]
-        tokens = model.get_output_embeddings()(hidden).argmax(-1).tolist()
+        logits = model.get_output_embeddings()(hidden)
     for i, prompt in enumerate(prompts):
         own = cache
         if len(prompts) > 1:
@@ -279,6 +287,17 @@ def first_tokens(model: Any, torch: Any, prefixes: Prefixes, prompts: Sequence[t
             if len(prompt) < longest:
                 own.crop(len(prompt) - longest)
         prefixes.keep(prompt, own)
+    return logits
+
+
+def first_tokens(model: Any, torch: Any, prefixes: Prefixes, asks: Sequence[Ask], generator: Any) -> list[int]:
+    """The first token of each of ``asks``: the argmax of its logits (:func:`last_logits`) at temperature 0, else
+    drawn with ``generator``."""
+    logits = last_logits(model, torch, prefixes, [token_ids for token_ids, _, _ in asks])
+    tokens = logits.argmax(-1).tolist()
+    for i, (_, temperature, top_p) in enumerate(asks):
+        if temperature > 0:
+            tokens[i] = sampling.draw(logits[i : i + 1], temperature, top_p, generator).item()
     return [int(t) for t in tokens]
 
 
@@ -301,10 +320,13 @@ def main() -> None:
         import torch
 
         prefixes = Prefixes()
+        generator = torch.Generator()
+        generator.seed()  # not torch's default seed, which every process starts from
         hello = engine.prepare(prompt="Hello", messages=None, raw=False).token_ids
-        # Warm both shapes of forward pass: one prompt from nothing, then two side by side behind a known prefix.
-        first_tokens(engine.model, torch, prefixes, [hello])
-        first_tokens(engine.model, torch, prefixes, [hello, hello])
+        # Warm both shapes of forward pass (one prompt from nothing, then two side by side behind a known prefix),
+        # and the draw.
+        first_tokens(engine.model, torch, prefixes, [(hello, 0.0, 1.0)], generator)
+        first_tokens(engine.model, torch, prefixes, [(hello, 0.0, 1.0), (hello, 1.0, 0.95)], generator)
     except Exception as exc:
         replies.send(("failed", f"{type(exc).__name__}: {exc}"))
         return
@@ -317,7 +339,7 @@ def main() -> None:
         except EOFError:
             return
         try:
-            replies.send(("tokens", first_tokens(engine.model, torch, prefixes, group)))
+            replies.send(("tokens", first_tokens(engine.model, torch, prefixes, group, generator)))
         except Exception as exc:
             replies.send(("failed", f"{type(exc).__name__}: {exc}"))
 
