@@ -477,8 +477,8 @@ def _selection(claims: _Claims) -> Any:
     * divided by its temperature;
     * cut to its top-p: only rows with ``top_p < 1`` are sorted; a token stays while the probability before it is
       below ``top_p`` (engine/sampling.py: every engine's rule, so all sample from the same distribution);
-    * drawn from: softmax and one multinomial draw for the sampled rows only, then only the drawn token is left
-      finite, so the argmax returns it.
+    * drawn from: softmax and one draw for the sampled rows only (:func:`~ttft_sse.engine.sampling.pick`), then
+      only the drawn token is left finite, so the argmax returns it.
 
     Last, a row that gives a raced request its first token settles the race (:meth:`_Claims.batch`): where the
     prefill process came first, only its token is left finite.
@@ -548,7 +548,7 @@ def _selection(claims: _Claims) -> Any:
             if rows.numel() == 0:
                 return scores
             picked = scores[rows]
-            choice = torch.multinomial(torch.softmax(picked, dim=-1), num_samples=1)
+            choice = sampling.pick(torch.softmax(picked, dim=-1))
             scores = scores.clone()
             scores[rows] = torch.full_like(picked, float("-inf")).scatter_(-1, choice, 0.0)
             return scores

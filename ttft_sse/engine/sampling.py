@@ -10,15 +10,46 @@ from __future__ import annotations
 
 from typing import Any
 
+CANDIDATES = 1024
+"""The most probable tokens of a row looked at first. Where the top-p cut falls among them (their mass is above
+``top_p``), the rest of the vocabulary is dropped without being sorted: ``topk`` of 1024 is 3.7 ms for 8 rows of
+the bundled model's 49152 tokens, a sort of the whole rows 27 ms (1 thread), of a decode step of ~70 ms."""
+
 
 def outside_top_p(probs: Any, top_p: Any) -> Any:
     """Where ``probs`` (rows of probabilities) fall outside their row's ``top_p`` (a float, or a column of one per
-    row): True for the tokens to drop, in the vocabulary's order."""
+    row): True for the tokens to drop, in the vocabulary's order.
+
+    The same answer as sorting each whole row (the mass before each of the :data:`CANDIDATES` most probable tokens
+    is summed in the same order), but only rows whose cut falls beyond them are sorted whole."""
     import torch
 
-    ordered, order = torch.sort(probs, dim=-1, descending=True)
-    outside = torch.cumsum(ordered, dim=-1) - ordered > top_p
-    return torch.zeros_like(outside).scatter_(-1, order, outside)
+    rows, vocabulary = probs.shape
+    limit = torch.as_tensor(top_p, dtype=probs.dtype).reshape(-1, 1).expand(rows, 1)
+    top, order = torch.topk(probs, min(CANDIDATES, vocabulary), dim=-1)
+    mass = torch.cumsum(top, dim=-1)
+    outside = torch.ones_like(probs, dtype=torch.bool).scatter_(-1, order, mass - top > limit)
+    beyond = (mass[:, -1:] <= limit).squeeze(-1).nonzero().squeeze(-1)  # the next token would still be kept
+    if beyond.numel():
+        ordered, order = torch.sort(probs[beyond], dim=-1, descending=True)
+        whole = torch.cumsum(ordered, dim=-1) - ordered > limit[beyond]
+        outside[beyond] = torch.zeros_like(whole).scatter_(-1, order, whole)
+    return outside
+
+
+def pick(probs: Any, generator: Any = None) -> Any:
+    """One token per row of ``probs`` (rows of weights, not necessarily summing to 1), each with a chance
+    proportional to its weight, drawn with ``generator`` (torch's global one if None): a column of token ids.
+
+    By the inverse of the cumulative weights: one uniform number a row. ``torch.multinomial`` draws a number for
+    every token instead: 7.7 ms for 8 rows of 49152 tokens, against 0.2 ms (1 thread)."""
+    import torch
+
+    cumulative = torch.cumsum(probs, dim=-1)
+    uniform = torch.rand((probs.size(0), 1), generator=generator, dtype=cumulative.dtype, device=probs.device)
+    # right=True: the first token whose cumulative weight is above the number, never one of weight 0.
+    chosen = torch.searchsorted(cumulative, uniform * cumulative[:, -1:], right=True)
+    return chosen.clamp_(max=probs.size(-1) - 1)
 
 
 def draw(logits: Any, temperature: float, top_p: float, generator: Any = None) -> Any:
@@ -29,4 +60,4 @@ def draw(logits: Any, temperature: float, top_p: float, generator: Any = None) -
     probs = torch.softmax(logits.float() / temperature, dim=-1)
     if top_p < 1.0:
         probs = probs.masked_fill(outside_top_p(probs, top_p), 0.0)
-    return torch.multinomial(probs, num_samples=1, generator=generator)
+    return pick(probs, generator)
