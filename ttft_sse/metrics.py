@@ -341,8 +341,7 @@ def _batch_metrics(engine: object) -> Iterator[Metric]:
     )
     yield CounterMetricFamily(
         "ttft_sse_prefill_process_first_tokens",
-        "First tokens of greedy requests that the prefill process (a second process, on another core) gave "
-        "before the batch did.",
+        "First tokens that the prefill process (a second process, on another core) gave before the batch did.",
         value=stats.side_first_tokens,
     )
     yield GaugeMetricFamily(

@@ -63,7 +63,7 @@ class Settings:
     # attends with the same C function, so both give a request the same text.
     paged_attention: bool = True
     # On CPU, the batched engine: a second process with its own copy of the model computes the first token of a
-    # greedy request that arrives while the batch is busy, on another core (engine/prefill.py).
+    # request that arrives while the batch is busy, on another core (engine/prefill.py).
     prefill_process: bool = True
     threads: int = 0
     cache_dir: Path = field(default_factory=_default_cache_dir)

@@ -36,8 +36,10 @@ The library does the batching, the paged cache and the prefix sharing. Written h
 
 * **per-request token selection** (:func:`_selection`): the library's own warpers sort the whole vocabulary of
   every row every step (measured: 43 ms a step for 8 rows, a quarter of a decode step), and its draw runs over
-  every row, whether a row samples or not. Ours leaves greedy rows to the library's argmax and sorts and draws
-  only the rows that sample (top-p: only those that ask for it).
+  every row, whether a row samples or not. Ours leaves greedy rows to the library's argmax and cuts and draws
+  only the rows that sample (top-p: only those that ask for it), by engine/sampling.py: top-p over the 1024 most
+  probable tokens first, a draw through the cumulative weights (8 sampled rows: 6.9 ms a step, against 41.7 ms
+  sorting whole rows and drawing with ``torch.multinomial``).
 
 Not batched, on purpose: requests with a ``seed`` and requests too long for the shared cache run on the
 single-request engine (:class:`~ttft_sse.engine.hf.HFEngine`, same model, same weights). The library draws a whole
