@@ -1,6 +1,6 @@
-"""A server with the prefill process, as a user starts it (``ttft-sse serve``, its default): requests that arrive at
-a busy batch are answered with the text they get alone, the metrics say how many first tokens the process gave, and
-the process ends with the server."""
+"""A server with the prefill process, as a user starts it (``ttft-sse serve``, its default): greedy requests that
+arrive at a busy batch are answered with the text they get alone, sampled ones (an OpenAI client's default) are
+raced too, the metrics say how many first tokens the process gave, and the process ends with the server."""
 
 from __future__ import annotations
 
@@ -57,10 +57,26 @@ def test_a_server_answers_a_busy_batch_from_the_prefill_process_and_stops_it(tmp
                 client.post(f"{base}/complete", json={"prompt": q, "max_tokens": 10}).json()["text"] for q in QUESTIONS
             ]
         assert together == alone
-        assert metrics.value("ttft_sse_prefill_process_first_tokens_total") > 0
+        greedy_side = metrics.value("ttft_sse_prefill_process_first_tokens_total")
+        assert greedy_side > 0
+
+        # An OpenAI client's default: sampled (temperature 1). Raced as well; each answer is whole.
+        def chat(question: str) -> dict[str, int]:
+            body = {"model": "default", "messages": [{"role": "user", "content": question}], "max_tokens": 6}
+            with httpx.Client(timeout=120) as client:
+                response = client.post(f"{base}/v1/chat/completions", json=body)
+            assert response.status_code == 200, response.text
+            return dict(response.json()["usage"])
+
+        with ThreadPoolExecutor(len(QUESTIONS)) as pool:
+            usages = list(pool.map(chat, [f"Again: {q}" for q in QUESTIONS]))
+        assert all(1 <= usage["completion_tokens"] <= 6 for usage in usages)
+        with httpx.Client(timeout=120) as client:
+            assert scrape(client, base).value("ttft_sse_prefill_process_first_tokens_total") > greedy_side
 
         os.kill(proc.pid, signal.SIGTERM)  # the server alone: it stops its child itself
         proc.popen.wait(60)
     assert '"prefill_process_failed"' not in proc.log()
+    assert '"first_token_mismatch"' not in proc.log()
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)

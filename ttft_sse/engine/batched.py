@@ -477,8 +477,8 @@ def _selection(claims: _Claims) -> Any:
     picks their token (the first index on a tie, as ``generate``). A sampled row is
 
     * divided by its temperature;
-    * cut to its top-p: only rows with ``top_p < 1`` are sorted; a token stays while the probability before it is
-      below ``top_p`` (engine/sampling.py: every engine's rule, so all sample from the same distribution);
+    * cut to its top-p, only if its ``top_p < 1``: a token stays while the probability before it is below ``top_p``
+      (engine/sampling.py: every engine's rule, so all sample from the same distribution);
     * drawn from: softmax and one draw for the sampled rows only (:func:`~ttft_sse.engine.sampling.pick`), then
       only the drawn token is left finite, so the argmax returns it.
 
