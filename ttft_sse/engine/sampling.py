@@ -25,7 +25,7 @@ def outside_top_p(probs: Any, top_p: Any) -> Any:
     import torch
 
     rows, vocabulary = probs.shape
-    limit = torch.as_tensor(top_p, dtype=probs.dtype).reshape(-1, 1).expand(rows, 1)
+    limit = torch.as_tensor(top_p, dtype=probs.dtype, device=probs.device).reshape(-1, 1).expand(rows, 1)
     top, order = torch.topk(probs, min(CANDIDATES, vocabulary), dim=-1)
     mass = torch.cumsum(top, dim=-1)
     outside = torch.ones_like(probs, dtype=torch.bool).scatter_(-1, order, mass - top > limit)
