@@ -63,6 +63,14 @@ def test_request_bodies_are_greedy_and_ask_openai_servers_for_usage() -> None:
         "m",
     )
     assert protocol.request("openai", "batch", messages, 8, "m")[1]["stream"] is False
+    assert body["temperature"] == 0
+
+
+def test_request_bodies_carry_the_temperature_asked_for() -> None:
+    messages = [{"role": "user", "content": "Hi"}]
+    for proto in ("native", "openai"):
+        for mode in ("stream", "batch"):
+            assert protocol.request(proto, mode, messages, 8, "m", 1.0)[1]["temperature"] == 1.0
 
 
 def test_whole_replies() -> None:
@@ -139,6 +147,7 @@ def test_rss_from_a_prometheus_exposition_and_from_proc() -> None:
         (["--url", "http://a:1", "--mode", "stream,fast"], "--mode takes stream, batch or stream,batch"),
         (["--url", "127.0.0.1:8000"], "--url must be like http://127.0.0.1:8000"),
         (["--url", "http://a:1", "--max-tokens", "0"], "--max-tokens must be 1 or more"),
+        (["--url", "http://a:1", "--temperature", "3"], "--temperature must be between 0 and 2"),
     ],
 )
 def test_bad_bench_arguments_exit_2_saying_what_to_give(

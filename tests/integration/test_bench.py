@@ -109,6 +109,7 @@ def test_the_results_document_has_its_schema_summary_and_comparisons(
     assert document["command"][:2] == ["ttft-sse", "bench"]
     assert document["host"]["cpus"] == os.cpu_count() and len(document["host"]["loadavg_start"]) == 3
     assert document["config"]["schedule"] == "rounds" and document["config"]["concurrency"] == [1, 2]
+    assert document["config"]["temperature"] == 0  # greedy unless --temperature says otherwise
     rows = document["summary"]
     assert [(r["concurrency"], r["protocol"], r["mode"]) for r in rows] == [
         (c, p, m) for c in (1, 2) for p in ("native", "openai") for m in ("stream", "batch")

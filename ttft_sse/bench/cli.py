@@ -51,6 +51,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     amount.add_argument("--duration", type=float, metavar="S", help="seconds of load per target, mode and level")
     add("--prompts", type=Path, metavar="FILE", help="JSON Lines ({messages} or {prompt}) or text, a prompt a line")
     add("--max-tokens", type=int, default=64, metavar="N", help="tokens to generate per request (default 64)")
+    add(
+        "--temperature",
+        type=float,
+        default=0.0,
+        metavar="T",
+        help="sent with every request (default 0: greedy, the same tokens every run; 1: an OpenAI client's default)",
+    )
     add("--mode", default="stream", metavar="stream,batch", help="stream, batch (/complete or stream: false), or both")
     add("--out", type=Path, metavar="DIR", help="where results.json and the charts go (default ./ttft-bench-<time>)")
     add("--timeout", type=float, default=300.0, metavar="S", help="per request (default 300)")
@@ -143,6 +150,8 @@ def _check_counts(args: argparse.Namespace) -> None:
         raise UsageError("--duration must be more than 0")
     if args.timeout <= 0:
         raise UsageError("--timeout must be more than 0")
+    if not 0 <= args.temperature <= 2:
+        raise UsageError("--temperature must be between 0 and 2")
 
 
 def main(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
@@ -207,7 +216,8 @@ async def _run(
     loadavg_start = _loadavg()
     labels = _labels(pairs)
     targets = [
-        Target(url, proto, label, api_key=key) for (url, proto), label, key in zip(pairs, labels, keys, strict=True)
+        Target(url, proto, label, api_key=key, temperature=args.temperature)
+        for (url, proto), label, key in zip(pairs, labels, keys, strict=True)
     ]
     requests = args.requests if args.requests is not None or args.duration is not None else 32
 
@@ -302,6 +312,7 @@ async def _run(
             "requests": plan.requests,
             "duration_s": plan.duration_s,
             "max_tokens": args.max_tokens,
+            "temperature": args.temperature,
             "timeout_s": args.timeout,
             "prompts": {"source": str(args.prompts) if args.prompts else "default", "count": len(prompt_set)},
             "schedule": "continuous" if len(plan.arms) == 1 else "rounds",

@@ -36,13 +36,15 @@ OUTCOMES: tuple[Outcome, ...] = ("ok", "http_status", "error_event", "dropped", 
 @dataclass(frozen=True)
 class Target:
     """A server under test. ``label`` names it in tables and charts; ``model`` is sent to OpenAI servers;
-    ``api_key`` goes out as ``Authorization: Bearer`` (ours, vLLM's and llama-server's ``--api-key``)."""
+    ``api_key`` goes out as ``Authorization: Bearer`` (ours, vLLM's and llama-server's ``--api-key``);
+    ``temperature`` is sent with every request (0: greedy)."""
 
     url: str
     protocol: Protocol
     label: str
     model: str = ""
     api_key: str = field(default="", repr=False)
+    temperature: float = 0.0
 
     @property
     def headers(self) -> dict[str, str]:
@@ -99,7 +101,9 @@ async def send(
     epoch: float,
 ) -> Record:
     """Send one request to ``target`` and fill in ``record``; never raises for anything the server or network does."""
-    path, body = protocol.request(target.protocol, mode, prompt.as_messages(), max_tokens, target.model)
+    path, body = protocol.request(
+        target.protocol, mode, prompt.as_messages(), max_tokens, target.model, target.temperature
+    )
     url = target.url.rstrip("/") + path
     started = time.perf_counter()
     record.start_s = round(started - epoch, 6)

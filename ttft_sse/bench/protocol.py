@@ -4,8 +4,9 @@
 ``POST /complete`` (one JSON body). ``openai`` is ``POST /v1/chat/completions`` with ``stream: true`` (``data:``
 chunks, then ``data: [DONE]``) or ``stream: false``, which llama-server, vLLM and most other servers speak.
 
-Every request is greedy (``temperature: 0``), so that repeated runs generate the same tokens and a comparison is
-about the server, not about sampling luck.
+Requests are greedy (``temperature: 0``) unless the bench is asked otherwise (``--temperature``), so that repeated
+runs generate the same tokens and a comparison is about the server, not about sampling luck. ``--temperature 1``
+sends what an OpenAI client sends by default: most chat traffic samples.
 """
 
 from __future__ import annotations
@@ -75,13 +76,18 @@ class Step:
 
 
 def request(
-    protocol: Protocol, mode: Mode, messages: list[dict[str, str]], max_tokens: int, model: str
+    protocol: Protocol,
+    mode: Mode,
+    messages: list[dict[str, str]],
+    max_tokens: int,
+    model: str,
+    temperature: float = 0.0,
 ) -> tuple[str, dict[str, Any]]:
     """The path and JSON body of one request."""
     if protocol == "native":
         path = "/stream" if mode == "stream" else "/complete"
-        return path, {"messages": messages, "max_tokens": max_tokens, "temperature": 0}
-    body: dict[str, Any] = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0}
+        return path, {"messages": messages, "max_tokens": max_tokens, "temperature": temperature}
+    body: dict[str, Any] = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": temperature}
     if mode == "stream":
         body.update(stream=True, stream_options={"include_usage": True})
     else:
