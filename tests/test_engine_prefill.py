@@ -12,6 +12,7 @@ import asyncio
 import os
 import signal
 from collections.abc import Iterator
+from contextlib import aclosing
 from typing import Any
 
 import pytest
@@ -19,7 +20,7 @@ from structlog.testing import capture_logs
 
 from tests.servers import eventually
 from tests.test_engine_batched import collect
-from ttft_sse.engine.base import Prompt, SamplingParams
+from ttft_sse.engine.base import Finished, Prompt, SamplingParams
 from ttft_sse.engine.batched import BatchedEngine
 from ttft_sse.engine.hf import HFEngine
 from ttft_sse.engine.prefill import PrefillProcess, Prefixes, first_tokens
@@ -220,6 +221,38 @@ async def test_sampled_requests_arriving_at_a_busy_batch_are_raced_too(engine: B
     assert engine.stats().side_first_tokens > before
     assert not [e for e in logs if e["event"] == "first_token_mismatch"]
     await eventually_idle(engine)
+
+
+async def test_clients_that_leave_raced_requests_at_any_point_leave_nothing_behind(engine: BatchedEngine) -> None:
+    """Greedy and sampled requests at a busy batch, half of whose clients leave: at once, after the first piece
+    (often the process's), or after a few. Every slot is freed and no claim is left (a leak would grow with every
+    client that leaves), and the whole answers are whole."""
+    before = engine.stats().side_first_tokens
+    whole: list[int] = []
+
+    async def one(i: int) -> None:
+        sampled = SamplingParams(12, temperature=1.0, top_p=0.9)
+        params = sampled if i % 2 else SamplingParams(12)
+        prompt = engine.prepare(prompt=f"Leaving {i}: {QUESTIONS[i % len(QUESTIONS)]}", messages=None, raw=False)
+        leave_after = (None, 0, None, 1, None, 3)[i % 6]
+        pieces = 0
+        async with aclosing(engine.stream(prompt, params)) as items:
+            async for item in items:
+                if isinstance(item, Finished):
+                    whole.append(item.usage.completion_tokens)
+                elif leave_after is not None and pieces >= leave_after:
+                    return
+                else:
+                    pieces += 1
+
+    with capture_logs() as logs:
+        await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(18))), 120)
+    await eventually_idle(engine)
+    assert engine.stats().streams == 0
+    assert (engine._claims._open, engine._claims._side) == (set(), {})
+    assert len(whole) == 9 and all(1 <= tokens <= 12 for tokens in whole)
+    assert engine.stats().side_first_tokens > before
+    assert not [e for e in logs if e["event"] in ("first_token_mismatch", "generation_failed")]
 
 
 def test_the_child_draws_a_sampled_first_token_from_the_requests_top_p(reference: HFEngine) -> None:
