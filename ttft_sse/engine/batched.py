@@ -101,7 +101,7 @@ class BatchStats:
     kv_tokens_in_use: int  # KV capacity held by live requests
     kv_tokens_cached: int  # KV capacity held only for reuse (evicted when the cache runs short)
     kv_tokens_capacity: int
-    prefill: str = "off"  # the prefill process (engine/prefill.py): off, loading, ready or failed
+    prefill: str = "off"  # the prefill process (engine/prefill.py): off, loading, ready, failed or stopped
     side_first_tokens: int = 0  # first tokens the prefill process gave before the batch did
 
 
