@@ -10,7 +10,9 @@ import pytest
 
 from ttft_sse.__main__ import main
 from ttft_sse.bench import prompts, protocol
-from ttft_sse.bench.protocol import SSEEvent, SSEReader, Step, read_event, read_whole
+from ttft_sse.bench.client import Target
+from ttft_sse.bench.load import Plan
+from ttft_sse.bench.protocol import Lengths, SSEEvent, SSEReader, Step, read_event, read_whole
 from ttft_sse.bench.soak import metric_value, process_rss_bytes
 
 
@@ -94,6 +96,57 @@ def test_the_default_prompt_set_has_short_long_and_multilingual_chat_prompts() -
     assert shortest_long > 3 * max(size[p.name] for p in shipped if p.kind == "short")
 
 
+def test_a_range_of_max_tokens_is_spread_evenly_over_the_requests_and_the_same_for_every_arm() -> None:
+    assert {Lengths(64, 64).at(i) for i in range(100)} == {64}
+    spread = Lengths(32, 96)
+    asked = [spread.at(i) for i in range(650)]
+    counts = [asked.count(n) for n in range(32, 97)]
+    assert sum(counts) == 650 and min(counts) >= 9 and max(counts) <= 12  # every value, about 650 / 65 times each
+    assert len(set(asked[:8])) == 8  # eight requests in flight at once ask for eight different lengths
+    assert asked == [spread.at(i) for i in range(650)]  # request i asks for the same wherever it goes
+    for low, high in ((0, 4), (5, 4)):
+        with pytest.raises(ValueError, match="1 or more, low to high"):
+            Lengths(low, high)
+
+
+def test_a_tagged_prompt_is_a_new_conversation_behind_the_same_system_prompt_and_earlier_turns() -> None:
+    turns = (
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello!"},
+        {"role": "user", "content": "Name a colour."},
+    )
+    prompt = prompts.Prompt("chat", turns, kind="chat", lang="en")
+    tagged = prompt.tagged("ab12-8-3")
+    assert tagged.messages == (*turns[:3], {"role": "user", "content": "Request ab12-8-3: Name a colour."})
+    assert (tagged.name, tagged.kind, tagged.lang) == ("chat", "chat", "en")
+    assert prompt.messages == turns  # the prompt set itself is unchanged
+    system_only = prompts.Prompt("s", ({"role": "system", "content": "Say hi."},))
+    assert system_only.tagged("x").messages == ({"role": "system", "content": "Request x: Say hi."},)
+
+
+def test_a_plan_sends_each_request_as_a_new_conversation_unless_told_to_repeat_prompts() -> None:
+    one = prompts.Prompt("p", ({"role": "user", "content": "Q"},))
+    a, b = Target("http://a:1", "native", "a"), Target("http://b:1", "native", "b")
+    a_openai = Target("http://a:1", "openai", "a openai")
+    plan = Plan((a, b, a_openai), ("stream", "batch"), (1, 8), (one,), Lengths(8, 8), requests=4, prompt_tag="r1")
+    sent = {
+        (t.label, m, c, i): plan.prompt(t, m, c, i).messages[0]["content"]
+        for t in plan.targets
+        for m in plan.modes
+        for c in plan.concurrency
+        for i in range(4)
+    }
+    assert sent[("a", "stream", 8, 3)] == "Request r1-8-3: Q"
+    assert sent[("a", "batch", 8, 3)] == "Request r1-8-3-1: Q"  # a second arm on the same server
+    assert sent[("a openai", "batch", 8, 3)] == "Request r1-8-3-3: Q"
+    assert sent[("b", "stream", 8, 3)] == sent[("a", "stream", 8, 3)]  # two servers compared get the same prompts
+    on_a = [text for (label, *_), text in sent.items() if label != "b"]
+    assert len(set(on_a)) == len(on_a) == 2 * 2 * 2 * 4  # no request repeats one server A has seen
+    plain = Plan((a,), ("stream",), (1, 8), (one,), Lengths(8, 8), requests=4)
+    assert all(plain.prompt(a, "stream", c, i) is one for c in (1, 8) for i in range(4))
+
+
 def test_prompt_files_in_json_lines_or_text(tmp_path: Path) -> None:
     jsonl = tmp_path / "p.jsonl"
     jsonl.write_text('{"name": "a", "prompt": "Hello"}\n\n{"messages": [{"role": "user", "content": "Hi"}]}\n')
@@ -146,7 +199,10 @@ def test_rss_from_a_prometheus_exposition_and_from_proc() -> None:
         (["--url", "http://a:1", "--concurrency", "1,x"], "--concurrency takes whole numbers"),
         (["--url", "http://a:1", "--mode", "stream,fast"], "--mode takes stream, batch or stream,batch"),
         (["--url", "127.0.0.1:8000"], "--url must be like http://127.0.0.1:8000"),
-        (["--url", "http://a:1", "--max-tokens", "0"], "--max-tokens must be 1 or more"),
+        (["--url", "http://a:1", "--max-tokens", "0"], "--max-tokens takes N or LOW-HIGH of 1 or more"),
+        (["--url", "http://a:1", "--max-tokens", "96-32"], "like 64 or 32-96; got '96-32'"),
+        (["--url", "http://a:1", "--max-tokens", "32-"], "like 64 or 32-96; got '32-'"),
+        (["--url", "http://a:1", "--max-tokens", "many"], "like 64 or 32-96; got 'many'"),
         (["--url", "http://a:1", "--temperature", "3"], "--temperature must be between 0 and 2"),
     ],
 )

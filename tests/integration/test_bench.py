@@ -28,6 +28,7 @@ from ttft_sse.__main__ import main
 from ttft_sse.app import create_app
 from ttft_sse.bench import load, prompts, soak
 from ttft_sse.bench.client import Record, Target
+from ttft_sse.bench.protocol import Lengths
 from ttft_sse.engine.fake import FakeEngine
 from ttft_sse.settings import Settings
 
@@ -42,7 +43,7 @@ def _plan(*targets: Target, modes: tuple[Any, ...] = ("stream", "batch"), reques
         modes=modes,
         concurrency=kw.pop("concurrency", (1,)),
         prompts=tuple(kw.pop("prompts", SHORT)),
-        max_tokens=kw.pop("max_tokens", 8),
+        max_tokens=kw.pop("max_tokens", Lengths(8, 8)),
         requests=requests,
         timeout_s=kw.pop("timeout_s", 60.0),
     )
@@ -70,6 +71,7 @@ def bench_run(hf_server: str, tmp_path_factory: pytest.TempPathFactory) -> tuple
         "2",
         "--max-tokens",
         "8",
+        "--same-prompts",  # both protocols and modes get the very same prompts, to agree on their tokens below
         "--out",
         str(out),
     ]
@@ -110,6 +112,8 @@ def test_the_results_document_has_its_schema_summary_and_comparisons(
     assert document["host"]["cpus"] == os.cpu_count() and len(document["host"]["loadavg_start"]) == 3
     assert document["config"]["schedule"] == "rounds" and document["config"]["concurrency"] == [1, 2]
     assert document["config"]["temperature"] == 0  # greedy unless --temperature says otherwise
+    assert document["config"]["max_tokens"] == 8 and document["config"]["prompts"]["tag"] is None
+    assert {r["max_tokens"] for r in document["records"]} == {8}
     rows = document["summary"]
     assert [(r["concurrency"], r["protocol"], r["mode"]) for r in rows] == [
         (c, p, m) for c in (1, 2) for p in ("native", "openai") for m in ("stream", "batch")
@@ -273,7 +277,7 @@ def test_cold_start_measures_a_real_serve_process_then_soaks_it_and_stops_it(
     # --protocol openai: the model name is looked up at /v1/models once the started server is up.
     args = ["bench", "--url", f"http://127.0.0.1:{port}", "--protocol", "openai", "--cold-start", command]
     args += ["--cold-starts", "1", "--steady", "2"]
-    args += ["--concurrency", "1", "--requests", "1", "--max-tokens", "4", "--out", str(tmp_path)]
+    args += ["--concurrency", "1", "--requests", "1", "--max-tokens", "2-6", "--out", str(tmp_path)]
     args += ["--soak", "--soak-requests", "4", "--soak-every", "2"]
     assert main(args) == 0
     out = capsys.readouterr().out
@@ -295,6 +299,12 @@ def test_cold_start_measures_a_real_serve_process_then_soaks_it_and_stops_it(
     assert soak["summary"]["rss_source"] == "metrics"  # the server's own gauge comes first
     assert all(s["rss_bytes"] > 200 * 2**20 for s in soak["samples"])  # the 135M-parameter model is resident
     assert [r["outcome"] for r in soak["records"]] == ["ok"] * 4
+    # Each request asked for its own max_tokens out of 2-6, and the real model kept to it.
+    assert document["config"]["max_tokens"] == [2, 6] and len(document["config"]["prompts"]["tag"]) == 6
+    lengths = Lengths(2, 6)
+    for r in [trial["first"], *trial["steady"], *document["records"], *soak["records"]]:
+        assert r["max_tokens"] == lengths.at(r["index"]) and 1 <= r["completion_tokens"] <= r["max_tokens"]
+    assert [r["max_tokens"] for r in soak["records"]] == [2, 5, 3, 6]
     assert (tmp_path / "soak.png").read_bytes()[:8] == PNG
     assert (tmp_path / "cold-start-1.log").stat().st_size > 0
 
@@ -308,6 +318,57 @@ def test_cold_start_refuses_a_url_where_a_server_already_answers(
     assert "something already answers at" in capsys.readouterr().err
 
 
+class Recording:
+    """An ASGI app in front of another that keeps the JSON body of every request it passes on."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.bodies: list[dict[str, Any]] = []
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        chunks: list[bytes] = []
+
+        async def receive_body() -> Any:
+            message = await receive()
+            if message["type"] == "http.request":
+                chunks.append(message.get("body", b""))
+                if not message.get("more_body"):
+                    self.bodies.append(json.loads(b"".join(chunks)))
+            return message
+
+        await self.app(scope, receive_body, send)
+
+
+def test_every_request_sent_is_a_new_conversation_asking_for_its_own_max_tokens() -> None:
+    app = Recording(create_app(Settings(warmup=False), FakeEngine(["a", " b"], context_length=1000)))
+    system = {"role": "system", "content": "Be brief."}
+    asked = prompts.Prompt("asked", (system, {"role": "user", "content": "Name a colour."}))
+    lengths = Lengths(3, 40)
+    with running(app) as base:
+        native, openai = Target(base, "native", "n"), Target(base, "openai", "o", model="fake")
+        plan = load.Plan(
+            targets=(native, openai),
+            modes=("stream", "batch"),
+            concurrency=(1, 2),
+            prompts=(asked,),
+            max_tokens=lengths,
+            requests=3,
+            prompt_tag="run1",
+        )
+        records = _records(plan)
+    assert len(records) == len(app.bodies) == 2 * 2 * 2 * 3 and {r.outcome for r in records} == {"ok"}
+    questions = [body["messages"][-1]["content"] for body in app.bodies]
+    assert len(set(questions)) == len(questions)  # the server never saw a prompt twice
+    arms = {("n", "stream"): "", ("n", "batch"): "-1", ("o", "stream"): "-2", ("o", "batch"): "-3"}
+    sent = {q: body["max_tokens"] for q, body in zip(questions, app.bodies, strict=True)}
+    for r in records:
+        question = f"Request run1-{r.concurrency}-{r.index}{arms[(r.target, r.mode)]}: Name a colour."
+        assert sent[question] == r.max_tokens == lengths.at(r.index)
+    assert all(body["messages"][0] == system for body in app.bodies)  # the system prompt is shared as it was
+
+
 def test_duration_runs_every_arm_for_at_least_that_long_in_whole_rounds() -> None:
     engine = FakeEngine(["a", " b", " c"], delay=0.01, context_length=1000)
     with running(create_app(Settings(warmup=False), engine)) as base:
@@ -317,7 +378,7 @@ def test_duration_runs_every_arm_for_at_least_that_long_in_whole_rounds() -> Non
             modes=("stream", "batch"),
             concurrency=(2,),
             prompts=SHORT,
-            max_tokens=8,
+            max_tokens=Lengths(8, 8),
             duration_s=0.2,
         )
         runs = asyncio.run(load.run(plan, epoch=time.perf_counter()))

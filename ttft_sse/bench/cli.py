@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import os
 import platform
+import secrets
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -19,6 +20,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
+
+from ttft_sse.bench.protocol import Lengths
 
 if TYPE_CHECKING:
     from ttft_sse.bench.client import Record, Target
@@ -50,7 +53,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     amount.add_argument("--requests", type=int, metavar="N", help="requests per target, mode and level (default 32)")
     amount.add_argument("--duration", type=float, metavar="S", help="seconds of load per target, mode and level")
     add("--prompts", type=Path, metavar="FILE", help="JSON Lines ({messages} or {prompt}) or text, a prompt a line")
-    add("--max-tokens", type=int, default=64, metavar="N", help="tokens to generate per request (default 64)")
+    add(
+        "--max-tokens",
+        default="64",
+        metavar="N|LOW-HIGH",
+        help="max_tokens of each request: one value (default 64), or a range each request takes its own value from",
+    )
+    add(
+        "--same-prompts",
+        action="store_true",
+        help="send the prompts as written, repeated at every level and in every arm (by default each request is a new "
+        "conversation: a server that caches prompts' KV cannot answer it from that cache)",
+    )
     add(
         "--temperature",
         type=float,
@@ -96,6 +110,14 @@ def _modes(text: str) -> tuple[Mode, ...]:
     return modes  # type: ignore[return-value]  # checked just above
 
 
+def _lengths(text: str) -> Lengths:
+    low, sep, high = text.partition("-")
+    try:
+        return Lengths(int(low), int(high) if sep else int(low))
+    except ValueError:
+        raise UsageError(f"--max-tokens takes N or LOW-HIGH of 1 or more, like 64 or 32-96; got {text!r}") from None
+
+
 def _per_url(flag: str, values: list[str] | None, urls: list[str], default: str) -> list[str]:
     given = values or [default]
     if len(given) == 1:
@@ -139,7 +161,7 @@ def _labels(pairs: list[tuple[str, Protocol]]) -> list[str]:
 
 
 def _check_counts(args: argparse.Namespace) -> None:
-    for name in ("max_tokens", "cold_starts", "soak_requests", "soak_every"):
+    for name in ("cold_starts", "soak_requests", "soak_every"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be 1 or more")
     if args.steady < 0:
@@ -160,6 +182,7 @@ def main(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
         pairs = _targets(args.url, args.protocol)
         keys = _per_url("--api-key", args.api_key, args.url, "")
         levels, modes = _levels(args.concurrency), _modes(args.mode)
+        lengths = _lengths(args.max_tokens)
     except UsageError as exc:
         print(f"ttft-sse bench: {exc}", file=sys.stderr)
         return 2
@@ -168,7 +191,7 @@ def main(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
 
     try:
         command = _redacted(["ttft-sse", *(sys.argv[1:] if argv is None else argv)])
-        return asyncio.run(_run(args, pairs, keys, levels, modes, command))
+        return asyncio.run(_run(args, pairs, keys, levels, modes, lengths, command))
     except (PromptFileError, ColdStartError, LookupError) as exc:
         print(f"ttft-sse bench: {exc}", file=sys.stderr)
         return 1
@@ -203,6 +226,7 @@ async def _run(
     keys: list[str],
     levels: tuple[int, ...],
     modes: tuple[Mode, ...],
+    lengths: Lengths,
     argv: list[str],
 ) -> int:
     from ttft_sse.bench import coldstart, load, prompts, report, soak
@@ -220,6 +244,8 @@ async def _run(
         for (url, proto), label, key in zip(pairs, labels, keys, strict=True)
     ]
     requests = args.requests if args.requests is not None or args.duration is not None else 32
+    # New conversations: tagged with this run's id, so that a server that ran an earlier bench has not seen them.
+    prompt_tag = None if args.same_prompts else secrets.token_hex(3)
 
     document: dict[str, Any] = {"schema": report.SCHEMA}
     kept: coldstart.Launched | None = None
@@ -233,7 +259,7 @@ async def _run(
                 starts=args.cold_starts,
                 steady=args.steady,
                 prompt=prompt_set[0],
-                max_tokens=args.max_tokens,
+                max_tokens=lengths,
                 out_dir=out_dir,
                 epoch=epoch,
                 ready_path=args.ready_path,
@@ -252,10 +278,11 @@ async def _run(
             modes=modes,
             concurrency=levels,
             prompts=prompt_set,
-            max_tokens=args.max_tokens,
+            max_tokens=lengths,
             requests=requests,
             duration_s=args.duration,
             timeout_s=args.timeout,
+            prompt_tag=prompt_tag,
         )
         advance, close = _progress("load", plan.planned)
         try:
@@ -272,8 +299,9 @@ async def _run(
                     prompt_set,
                     requests=args.soak_requests,
                     every=args.soak_every,
-                    max_tokens=args.max_tokens,
+                    max_tokens=lengths,
                     pid=pid,
+                    prompt_tag=prompt_tag,
                     epoch=epoch,
                     timeout_s=args.timeout,
                     progress=advance,
@@ -311,10 +339,14 @@ async def _run(
             "modes": list(modes),
             "requests": plan.requests,
             "duration_s": plan.duration_s,
-            "max_tokens": args.max_tokens,
+            "max_tokens": lengths.low if lengths.low == lengths.high else [lengths.low, lengths.high],
             "temperature": args.temperature,
             "timeout_s": args.timeout,
-            "prompts": {"source": str(args.prompts) if args.prompts else "default", "count": len(prompt_set)},
+            "prompts": {
+                "source": str(args.prompts) if args.prompts else "default",
+                "count": len(prompt_set),
+                "tag": prompt_tag,  # null: sent as written (--same-prompts)
+            },
             "schedule": "continuous" if len(plan.arms) == 1 else "rounds",
         },
         targets=[{"label": t.label, "url": t.url, "protocol": t.protocol, "model": t.model or None} for t in targets],

@@ -59,6 +59,7 @@ class Record:
     concurrency: int
     index: int
     prompt: str
+    max_tokens: int = 0  # what the request asked for
     start_s: float = 0.0  # since the start of the run
     headers_ms: float | None = None
     ttft_ms: float | None = None
@@ -101,6 +102,7 @@ async def send(
     epoch: float,
 ) -> Record:
     """Send one request to ``target`` and fill in ``record``; never raises for anything the server or network does."""
+    record.max_tokens = max_tokens
     path, body = protocol.request(
         target.protocol, mode, prompt.as_messages(), max_tokens, target.model, target.temperature
     )

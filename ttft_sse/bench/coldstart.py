@@ -28,6 +28,7 @@ from ttft_sse.bench import stats
 from ttft_sse.bench.client import Record, Target, send
 from ttft_sse.bench.load import discover_model
 from ttft_sse.bench.prompts import Prompt
+from ttft_sse.bench.protocol import Lengths
 
 POLL_SECONDS = 0.02
 STOP_SECONDS = 60.0  # above ttft-sse's default drain (10 s) + cut + flush
@@ -176,7 +177,7 @@ async def measure(
     starts: int,
     steady: int,
     prompt: Prompt,
-    max_tokens: int,
+    max_tokens: Lengths,
     out_dir: Path,
     epoch: float,
     ready_path: str = "/readyz",
@@ -203,7 +204,9 @@ async def measure(
             async with httpx.AsyncClient(timeout=httpx.Timeout(request_timeout, connect=10)) as client:
                 for i in range(steady + 1):
                     record = Record(target.label, target.protocol, "stream", 1, i, prompt.name, phase="cold_start")
-                    await send(client, target, "stream", prompt, max_tokens=max_tokens, record=record, epoch=epoch)
+                    await send(
+                        client, target, "stream", prompt, max_tokens=max_tokens.at(i), record=record, epoch=epoch
+                    )
                     records.append(record)
         except BaseException:
             await asyncio.to_thread(launched.stop)

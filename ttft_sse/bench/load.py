@@ -9,6 +9,12 @@ is loaded at a time (two servers on one machine would otherwise take each other'
 so the ratio between arms is taken under the same conditions. Compare arms of the same run with each other; compare
 a one-arm run's figures with another one-arm run's.
 
+What each request sends: request *i* of a level takes prompt *i* modulo the prompt set, asks for
+``max_tokens.at(i)`` (:class:`~ttft_sse.bench.protocol.Lengths`), and, with a ``prompt_tag``, is a new conversation
+(:meth:`~ttft_sse.bench.prompts.Prompt.tagged` with ``<prompt_tag>-<c>-<i>``, and ``-<n>`` for the second and later arm
+of one URL), so that no request repeats one a server has seen: not at another level, not in another arm on the same
+server. Arms on different URLs get the very same prompts, so that their figures compare.
+
 Every loop is bounded: by ``--requests`` per arm and level, or by ``--duration`` of active time per arm and level
 (requests in flight at the deadline finish and are counted); each request by its timeout.
 """
@@ -24,7 +30,7 @@ import httpx
 
 from ttft_sse.bench.client import Record, Target, send
 from ttft_sse.bench.prompts import Prompt
-from ttft_sse.bench.protocol import Mode
+from ttft_sse.bench.protocol import Lengths, Mode
 
 
 @dataclass(frozen=True)
@@ -33,10 +39,20 @@ class Plan:
     modes: tuple[Mode, ...]
     concurrency: tuple[int, ...]
     prompts: tuple[Prompt, ...]
-    max_tokens: int
+    max_tokens: Lengths
     requests: int | None = None  # per arm and level; exactly one of requests and duration_s is set
     duration_s: float | None = None
     timeout_s: float = 300.0
+    prompt_tag: str | None = None  # None: send the prompts as written
+
+    def prompt(self, target: Target, mode: Mode, concurrency: int, index: int) -> Prompt:
+        """What request ``index`` of an arm sends at a level (the module's docstring says how it is chosen)."""
+        prompt = self.prompts[index % len(self.prompts)]
+        if self.prompt_tag is None:
+            return prompt
+        same_url = [arm for arm in self.arms if arm[0].url == target.url]
+        nth = same_url.index((target, mode))
+        return prompt.tagged(f"{self.prompt_tag}-{concurrency}-{index}" + (f"-{nth}" if nth else ""))
 
     def __post_init__(self) -> None:
         if (self.requests is None) == (self.duration_s is None):
@@ -105,15 +121,15 @@ class _Sender:
     progress: Progress | None
 
     async def send(self, arm: ArmRun, index: int) -> None:
-        prompt = self.plan.prompts[index % len(self.plan.prompts)]
         target = arm.target
+        prompt = self.plan.prompt(target, arm.mode, arm.concurrency, index)
         record = Record(target.label, target.protocol, arm.mode, arm.concurrency, index, prompt.name)
         await send(
             self.clients[target.label],
             target,
             arm.mode,
             prompt,
-            max_tokens=self.plan.max_tokens,
+            max_tokens=self.plan.max_tokens.at(index),
             record=record,
             epoch=self.epoch,
         )

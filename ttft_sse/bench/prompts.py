@@ -4,6 +4,10 @@ A prompt file is either JSON Lines — one object per line with ``messages`` (``
 (text, sent as one user message), and optionally ``name``, ``kind`` and ``lang`` — or plain text, one prompt per
 non-empty line. Every prompt is sent as chat messages, so that the native and the OpenAI protocols do the same work
 (the server applies the model's chat template to both).
+
+A benchmark sends each request a new prompt unless asked not to (:meth:`Prompt.tagged`): a server that keeps the KV
+of prompts it has seen (prefix caching: ours, vLLM's, llama-server's slots) would otherwise answer the second and
+later sends of a prompt from its cache, and the figures would be those of repeats, not of new conversations.
 """
 
 from __future__ import annotations
@@ -31,6 +35,16 @@ class Prompt:
 
     def as_messages(self) -> list[dict[str, str]]:
         return [dict(m) for m in self.messages]
+
+    def tagged(self, tag: str) -> Prompt:
+        """This prompt as a new conversation: its last user message (the last message if none is the user's)
+        begins with ``Request <tag>: ``. What comes before that message (a system prompt, earlier turns) is
+        unchanged, so a server still shares it with other requests, as it would a real conversation's."""
+        roles = [m["role"] for m in self.messages]
+        at = len(roles) - 1 - roles[::-1].index("user") if "user" in roles else len(roles) - 1
+        messages = list(self.messages)
+        messages[at] = {**messages[at], "content": f"Request {tag}: {messages[at]['content']}"}
+        return Prompt(self.name, tuple(messages), self.kind, self.lang)
 
 
 def default_prompts() -> list[Prompt]:

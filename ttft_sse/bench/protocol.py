@@ -20,6 +20,27 @@ Protocol = Literal["native", "openai"]
 Mode = Literal["stream", "batch"]
 PROTOCOLS: tuple[Protocol, ...] = ("native", "openai")
 MODES: tuple[Mode, ...] = ("stream", "batch")
+GOLDEN = (5**0.5 - 1) / 2
+
+
+@dataclass(frozen=True)
+class Lengths:
+    """The ``max_tokens`` each request asks for: ``low`` to ``high`` (``--max-tokens 32-96``), or one value.
+
+    Request *i* asks for :meth:`at` ``(i)``: the same value for every target and mode, spread evenly over the
+    range (the fractional parts of *i* times the golden ratio). With one value for all, requests sent together end
+    together under a batching server, and the next ones arrive together: a closed loop then measures bursts,
+    where clients of a real chat product ask for answers of many lengths and come and go at any step."""
+
+    low: int
+    high: int
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.low <= self.high:
+            raise ValueError(f"max_tokens must be 1 or more, low to high; got {self.low} to {self.high}")
+
+    def at(self, index: int) -> int:
+        return self.low + int((index * GOLDEN) % 1.0 * (self.high - self.low + 1))
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ import httpx
 from ttft_sse.bench import stats
 from ttft_sse.bench.client import Record, Target, send
 from ttft_sse.bench.prompts import Prompt
+from ttft_sse.bench.protocol import Lengths
 
 RSSSource = Literal["metrics", "proc", "none"]
 RSS_METRIC = "process_resident_memory_bytes"
@@ -116,13 +117,16 @@ async def run(
     *,
     requests: int,
     every: int,
-    max_tokens: int,
+    max_tokens: Lengths,
     pid: int | None,
+    prompt_tag: str | None = None,
     epoch: float,
     timeout_s: float = 300.0,
     progress: Callable[[Record], None] | None = None,
 ) -> tuple[Soak, float]:
-    """``requests`` sequential streamed requests; RSS before the first, after every ``every``, and after the last."""
+    """``requests`` sequential streamed requests; RSS before the first, after every ``every``, and after the last.
+    Request *i* asks for ``max_tokens.at(i)``; with a ``prompt_tag`` each is a new conversation (``<tag>-soak-<i>``),
+    so that the server's memory is measured while it takes prompts it has not seen, as it does in service."""
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10)) as client:
         reader = RSSReader(target.url, pid)
         soak = Soak(await reader.choose(client))
@@ -137,8 +141,10 @@ async def run(
         await sample(0)
         for i in range(requests):
             prompt = prompts[i % len(prompts)]
+            if prompt_tag is not None:
+                prompt = prompt.tagged(f"{prompt_tag}-soak-{i}")
             record = Record(target.label, target.protocol, "stream", 1, i, prompt.name, phase="soak")
-            await send(client, target, "stream", prompt, max_tokens=max_tokens, record=record, epoch=epoch)
+            await send(client, target, "stream", prompt, max_tokens=max_tokens.at(i), record=record, epoch=epoch)
             soak.records.append(record)
             if progress is not None:
                 progress(record)
