@@ -20,10 +20,10 @@ from structlog.testing import capture_logs
 
 from tests.servers import eventually
 from tests.test_engine_batched import collect
-from ttft_sse.engine.base import Finished, Prompt, SamplingParams
+from ttft_sse.engine.base import ChatMessage, Finished, Prompt, SamplingParams
 from ttft_sse.engine.batched import BatchedEngine
 from ttft_sse.engine.hf import HFEngine
-from ttft_sse.engine.prefill import PrefillProcess, Prefixes, first_tokens
+from ttft_sse.engine.prefill import NEW_TOKENS, PrefillProcess, Prefixes, first_tokens, last_logits, learn
 from ttft_sse.settings import Settings
 from ttft_sse.stages import StageClock
 
@@ -37,6 +37,15 @@ QUESTIONS = [
     "Explain in detail how a steam engine works.",
     "Describe your ideal city in detail.",
 ]
+
+SYSTEM = (
+    "You are the assistant of a railway company. You answer questions about timetables, tickets, seat "
+    "reservations, luggage, bicycles, pets, accessibility, delays and refunds. Keep every answer short and "
+    "friendly. Never invent a train, a platform or a price: when you do not know, say so and point the traveller "
+    "to the help desk in the main hall, open from six in the morning to ten at night. Refunds for delays of more "
+    "than one hour are a quarter of the fare, and half of it from two hours."
+)
+"""A long system prompt: ~100 tokens, more than the child computes for a first token when it is new to it."""
 
 
 class FakeCache:
@@ -90,6 +99,23 @@ def test_prefixes_are_bounded_by_entries_and_tokens_least_recently_used_first() 
     assert by_tokens.take((4, 5, 6, 9), fresh)[1] == 3
 
 
+def test_a_prompt_is_kept_in_place_of_its_own_beginning_and_known_counts_what_take_gives() -> None:
+    prefixes = Prefixes()
+    prefixes.keep((1, 2), FakeCache(2))
+    prefixes.keep((1, 2, 3, 4), FakeCache(4))  # (1, 2) goes: whatever it shares with a prompt, this shares too
+    prefixes.keep((1, 5), FakeCache(2))  # not a beginning of (1, 2, 3, 4): both stay
+    assert len(prefixes) == 2
+    assert prefixes.known((1, 2, 3, 4, 9)) == prefixes.take((1, 2, 3, 4, 9), fresh)[1] == 4
+    assert prefixes.known((1, 2, 3, 4)) == 3  # all but the last token
+    assert prefixes.known((1, 5, 6)) == 2 and prefixes.known((7, 8)) == 0
+
+
+def with_system(engine: HFEngine | BatchedEngine, system: str, question: str) -> Prompt:
+    return engine.prepare(
+        prompt=None, messages=[ChatMessage("system", system), ChatMessage("user", question)], raw=False
+    )
+
+
 def first_token(engine: HFEngine, prompt: Prompt) -> int:
     import torch
 
@@ -137,6 +163,22 @@ def test_rows_behind_a_cached_prefix_and_side_by_side_come_out_as_a_whole_prompt
     assert torch.equal(together[0], whole[0]) and torch.equal(together[1], whole[1])
 
 
+def test_a_prompt_learned_a_chunk_at_a_time_gives_the_logits_of_the_whole_prompt(reference: HFEngine) -> None:
+    import torch
+
+    model = reference.model
+    ids = with_system(reference, SYSTEM, "Can I take my bicycle?").token_ids
+    prefixes = Prefixes()
+    chunks = 1
+    while not learn(model, torch, prefixes, ids, rows=16):
+        chunks += 1
+    assert chunks == -(-(len(ids) - 1) // 16)  # 16 rows a chunk up to all but the last token
+    assert len(prefixes) == 1 and prefixes.known(ids) == len(ids) - 1  # one entry, grown a chunk at a time
+    with torch.inference_mode():
+        whole = model.get_output_embeddings()(model.base_model(input_ids=torch.tensor([ids])).last_hidden_state[0, -1])
+    assert torch.equal(last_logits(model, torch, prefixes, [ids])[0], whole)
+
+
 @pytest.fixture(scope="module")
 def child(settings: Settings) -> Iterator[PrefillProcess]:
     process = PrefillProcess(settings.replace(prefill_process=True))
@@ -162,6 +204,25 @@ async def test_a_prompt_nobody_wants_any_more_is_not_computed(child: PrefillProc
     served = child.served
     assert await child.first_token(prompts(reference)[0].token_ids, lambda: False) is None
     assert child.served == served
+
+
+async def test_the_child_declines_a_long_new_prompt_learns_it_and_then_answers_the_prompts_behind_it(
+    child: PrefillProcess, reference: HFEngine
+) -> None:
+    first = with_system(reference, SYSTEM, "Can I take my dog?")
+    second = with_system(reference, SYSTEM, "Is my seat reserved?")
+    assert len(first.token_ids) - len(prompts(reference)[0].token_ids) > NEW_TOKENS  # new past the template's start
+    served = child.served
+    assert await child.first_token(first.token_ids, lambda: True) is None  # declined at once: the batch gives it
+    assert child.served == served
+    # Learned while nothing waits: the next question behind the same system prompt is new by a few tokens only.
+    for _ in range(100):
+        token = await child.first_token(second.token_ids, lambda: True)
+        if token is not None:
+            break
+        await asyncio.sleep(0.1)
+    assert token == first_token(reference, second)
+    assert child.served == served + 1
 
 
 @pytest.fixture(scope="module")
@@ -210,6 +271,23 @@ async def eventually_idle(engine: BatchedEngine) -> None:
             return
         await asyncio.sleep(0.05)
     raise AssertionError(f"the batch still holds {engine.stats().requests} requests")
+
+
+async def test_long_new_prompts_at_a_busy_batch_are_left_to_it_and_answered_whole(
+    engine: BatchedEngine, reference: HFEngine
+) -> None:
+    """Prompts the child declines (each behind a long system prompt of its own) get their first token from the
+    batch, and the single engine's text."""
+    before = engine.stats().side_first_tokens
+    params = SamplingParams(max_tokens=6)
+    asks = [(f"Case {i}. {SYSTEM}", QUESTIONS[i]) for i in range(4)]
+    want = [await collect(reference.stream(with_system(reference, *ask), params)) for ask in asks]
+    with capture_logs() as logs:
+        got = await asyncio.gather(*(collect(engine.stream(with_system(engine, *ask), params)) for ask in asks))
+    assert [text for text, _ in got] == [text for text, _ in want]
+    assert engine.stats().side_first_tokens == before
+    assert not [e for e in logs if e["event"] in ("first_token_mismatch", "generation_failed")]
+    await eventually_idle(engine)
 
 
 async def test_sampled_requests_arriving_at_a_busy_batch_are_raced_too(engine: BatchedEngine) -> None:
@@ -263,7 +341,7 @@ def test_the_child_draws_a_sampled_first_token_from_the_requests_top_p(reference
     generator = torch.Generator().manual_seed(0)
     # A top-p this small keeps the most probable token alone; at temperature 50 the distribution is nearly flat.
     asks = [(prompt.token_ids, 0.0, 1.0), (prompt.token_ids, 1.0, 1e-6), *[(prompt.token_ids, 50.0, 1.0)] * 6]
-    tokens = first_tokens(reference.model, torch, Prefixes(), asks, generator)
+    tokens = first_tokens(reference.model, torch, Prefixes(), asks, generator, [])
     assert tokens[:2] == [greedy, greedy]
     assert len(set(tokens[2:])) > 1
 

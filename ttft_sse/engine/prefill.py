@@ -8,6 +8,14 @@ measured, a prefill thread beside 8 streams cost them 15-26 % of their tokens/s 
 process cost them nothing). It keeps the KV of its recent prompts, so a prompt behind a known prefix (the chat
 template's system prompt, a conversation's earlier turns) computes its new tokens only.
 
+The child computes a first token only where it is quick: for a prompt of at most :data:`NEW_TOKENS` tokens past the
+longest prefix it knows (a chat message behind the chat template's system prompt, or behind a long system prompt it
+has seen). A longer one (a document to summarise) it declines at once, and the batch gives that first token alone;
+computed here, it would keep the child from the short prompts arriving behind it for as long as the batch takes
+for it anyway (measured: with the default bench prompts at 8 streams, short prompts waited up to 540 ms behind
+long ones). The child learns a declined prompt's KV instead, :data:`LEARN_ROWS` rows at a time while no prompt
+waits, so that the prompts that follow it (the next question behind the same long system prompt) are quick.
+
 The batch still prefills the request as before and goes on from there: whichever has the first token first gives
 it, and the batch goes on from that token (:class:`~ttft_sse.engine.batched.BatchedEngine`: if this one came first,
 the batch's own step is made to pick it). A greedy first token is the argmax, which both compute alike, row for row
@@ -17,8 +25,8 @@ rule every engine draws by (engine/sampling.py), with the child's own random gen
 
 Parent and child speak pickles over the child's stdin and stdout (:class:`multiprocessing.connection.Connection`):
 the child's first message is ``("ready", seconds)`` (or ``("failed", reason)``), then one reply ``("tokens", ids)``
-per group of prompts (each ``(token_ids, temperature, top_p)``), in order. One group is in flight at a time. The
-child ends at the end of its stdin: when the parent closes it, or dies.
+per group of prompts (each ``(token_ids, temperature, top_p)``), in order, with None for each prompt it declined.
+One group is in flight at a time. The child ends at the end of its stdin: when the parent closes it, or dies.
 """
 
 from __future__ import annotations
@@ -50,6 +58,14 @@ PREFIX_TOKENS = 16384
 """The prompt tokens whose KV the child keeps for reuse (~46 KB a token for the bundled model: 750 MB at most)."""
 PREFIX_ENTRIES = 16
 """The prompts whose KV the child keeps for reuse."""
+NEW_TOKENS = 64
+"""The most tokens past the longest prefix the child knows that it computes for a first token (a chat question is
+10-60); for a longer prompt it declines, and learns the prompt's KV while idle."""
+LEARN_ROWS = 64
+"""The tokens of a declined prompt the child learns at a time: a prompt that arrives meanwhile waits for at most
+that many rows (~150 ms on one core of this machine), then goes first."""
+LEARN_PROMPTS = 4
+"""The declined prompts the child keeps to learn (the oldest are dropped)."""
 GROUP = 4
 """The most prompts the child computes together."""
 GROUP_TOKENS = 256
@@ -128,8 +144,9 @@ class PrefillProcess:
         self, token_ids: Sequence[int], wanted: Callable[[], bool], temperature: float = 0.0, top_p: float = 1.0
     ) -> int | None:
         """The first token after ``token_ids``: the argmax at ``temperature`` 0, else drawn at ``temperature`` from
-        the ``top_p``. None if the prompt is longer than :data:`PROMPT_TOKENS`, the child is not ready or has
-        failed, or nobody ``wanted`` it any more by the time the child was free.
+        the ``top_p``. None if the prompt is longer than :data:`PROMPT_TOKENS`, the child declined it (more than
+        :data:`NEW_TOKENS` new to it), the child is not ready or has failed, or nobody ``wanted`` it any more by the
+        time the child was free.
 
         Prompts wait here while the child computes others, and go to it together (up to :data:`GROUP` of them, of
         at most :data:`GROUP_TOKENS` tokens each), in arrival order: prompts that arrive in the same instant (the
@@ -166,11 +183,11 @@ class PrefillProcess:
             except Exception as exc:
                 self._fail(f"{type(exc).__name__}: {exc}")
             else:
-                self.served += len(group)
+                self.served += sum(token is not None for token in tokens)
             for (_, answer), token in zip(group, tokens, strict=True):
                 answer.set_result(token)
 
-    def _ask(self, prompts: list[Ask]) -> list[int]:
+    def _ask(self, prompts: list[Ask]) -> list[int | None]:
         assert self._send_to is not None and self._receive is not None
         self._send_to.send(prompts)
         if not self._receive.poll(REPLY_SECONDS):
@@ -178,7 +195,7 @@ class PrefillProcess:
         kind, detail = self._receive.recv()
         if kind != "tokens":
             raise RuntimeError(f"the child failed: {detail}")
-        return [int(token) for token in detail]
+        return [None if token is None else int(token) for token in detail]
 
     def _fail(self, reason: str) -> None:
         """Stop using the child (for good: requests go on without it), and kill it. Without waiting: this runs on
@@ -223,15 +240,23 @@ class Prefixes:
     def __len__(self) -> int:
         return len(self._kept)
 
-    def take(self, token_ids: tuple[int, ...], fresh: Callable[[], Any], limit: int | None = None) -> tuple[Any, int]:
-        """A cache holding the KV of the first ``n`` of ``token_ids`` (a copy: the kept one stays as it is), and
-        ``n``, at most ``limit`` (by default all but the last token); a ``fresh()`` cache and 0 when nothing is
-        shared."""
+    def known(self, token_ids: tuple[int, ...]) -> int:
+        """How many of ``token_ids`` :meth:`take` would give, all but the last one at most."""
+        return min(self._best(token_ids)[1], len(token_ids) - 1)
+
+    def _best(self, token_ids: tuple[int, ...]) -> tuple[tuple[int, ...] | None, int]:
         best, shared = None, 0
         for kept in self._kept:
             n = _common(kept, token_ids)
             if n > shared:
                 best, shared = kept, n
+        return best, shared
+
+    def take(self, token_ids: tuple[int, ...], fresh: Callable[[], Any], limit: int | None = None) -> tuple[Any, int]:
+        """A cache holding the KV of the first ``n`` of ``token_ids`` (a copy: the kept one stays as it is), and
+        ``n``, at most ``limit`` (by default all but the last token); a ``fresh()`` cache and 0 when nothing is
+        shared."""
+        best, shared = self._best(token_ids)
         shared = min(shared, len(token_ids) - 1 if limit is None else limit)
         if best is None or shared < 1:
             return fresh(), 0
@@ -242,6 +267,10 @@ class Prefixes:
         return cache, shared
 
     def keep(self, token_ids: tuple[int, ...], cache: Any) -> None:
+        """Keep ``cache`` (the KV of ``token_ids``), in place of any kept prompt that begins ``token_ids``: whatever
+        that one shares with a prompt, this one shares too (a prompt learned a chunk at a time holds one entry)."""
+        for kept in [k for k in self._kept if len(k) < len(token_ids) and token_ids[: len(k)] == k]:
+            del self._kept[kept]
         self._kept[token_ids] = cache
         self._kept.move_to_end(token_ids)
         while len(self._kept) > self._entries or sum(map(len, self._kept)) > self._tokens:
@@ -290,15 +319,39 @@ def last_logits(model: Any, torch: Any, prefixes: Prefixes, prompts: Sequence[tu
     return logits
 
 
-def first_tokens(model: Any, torch: Any, prefixes: Prefixes, asks: Sequence[Ask], generator: Any) -> list[int]:
-    """The first token of each of ``asks``: the argmax of its logits (:func:`last_logits`) at temperature 0, else
-    drawn with ``generator``."""
-    logits = last_logits(model, torch, prefixes, [token_ids for token_ids, _, _ in asks])
-    tokens = logits.argmax(-1).tolist()
-    for i, (_, temperature, top_p) in enumerate(asks):
+def learn(model: Any, torch: Any, prefixes: Prefixes, token_ids: tuple[int, ...], rows: int = LEARN_ROWS) -> bool:
+    """Compute the KV of up to ``rows`` more of ``token_ids`` (behind the longest prefix ``prefixes`` knows) and keep
+    it there; True once ``prefixes`` knows all but its last token."""
+    import transformers
+
+    cache, start = prefixes.take(token_ids, lambda: transformers.DynamicCache(config=model.config))
+    end = min(start + rows, len(token_ids) - 1)
+    if end > start:
+        with torch.inference_mode():
+            model.base_model(input_ids=torch.tensor([token_ids[start:end]]), cache=cache, use_cache=True)
+        prefixes.keep(token_ids[:end], cache)
+    return end == len(token_ids) - 1
+
+
+def first_tokens(
+    model: Any, torch: Any, prefixes: Prefixes, asks: Sequence[Ask], generator: Any, declined: list[tuple[int, ...]]
+) -> list[int | None]:
+    """The first token of each of ``asks`` that has at most :data:`NEW_TOKENS` new tokens: the argmax of its logits
+    (:func:`last_logits`) at temperature 0, else drawn with ``generator``. None for the others, which go to the end
+    of ``declined``."""
+    tokens: list[int | None] = [None] * len(asks)
+    taken = [i for i, (token_ids, _, _) in enumerate(asks) if len(token_ids) - prefixes.known(token_ids) <= NEW_TOKENS]
+    declined += [asks[i][0] for i in range(len(asks)) if i not in taken and asks[i][0] not in declined]
+    if not taken:
+        return tokens
+    logits = last_logits(model, torch, prefixes, [asks[i][0] for i in taken])
+    for row, i in enumerate(taken):
+        _, temperature, top_p = asks[i]
         if temperature > 0:
-            tokens[i] = sampling.draw(logits[i : i + 1], temperature, top_p, generator).item()
-    return [int(t) for t in tokens]
+            tokens[i] = int(sampling.draw(logits[row : row + 1], temperature, top_p, generator).item())
+        else:
+            tokens[i] = int(logits[row].argmax())
+    return tokens
 
 
 def main() -> None:
@@ -325,8 +378,9 @@ def main() -> None:
         hello = engine.prepare(prompt="Hello", messages=None, raw=False).token_ids
         # Warm both shapes of forward pass (one prompt from nothing, then two side by side behind a known prefix),
         # and the draw.
-        first_tokens(engine.model, torch, prefixes, [(hello, 0.0, 1.0)], generator)
-        first_tokens(engine.model, torch, prefixes, [(hello, 0.0, 1.0), (hello, 1.0, 0.95)], generator)
+        declined: list[tuple[int, ...]] = []
+        first_tokens(engine.model, torch, prefixes, [(hello, 0.0, 1.0)], generator, declined)
+        first_tokens(engine.model, torch, prefixes, [(hello, 0.0, 1.0), (hello, 1.0, 0.95)], generator, declined)
     except Exception as exc:
         replies.send(("failed", f"{type(exc).__name__}: {exc}"))
         return
@@ -335,11 +389,20 @@ def main() -> None:
     log.info("prefill_process_ready", pid=os.getpid(), seconds=round(seconds, 2))
     while True:
         try:
+            if declined and not prompts.poll(0):  # nothing waits: learn a declined prompt, a chunk at a time
+                del declined[:-LEARN_PROMPTS]
+                try:
+                    if learn(engine.model, torch, prefixes, declined[0]):
+                        declined.pop(0)
+                except Exception as exc:  # a prompt it cannot learn is not one to answer for: drop it, go on
+                    log.error("prefill_learn_failed", error=f"{type(exc).__name__}: {exc}")
+                    declined.pop(0)
+                continue
             group = prompts.recv()
         except EOFError:
             return
         try:
-            replies.send(("tokens", first_tokens(engine.model, torch, prefixes, group, generator)))
+            replies.send(("tokens", first_tokens(engine.model, torch, prefixes, group, generator, declined)))
         except Exception as exc:
             replies.send(("failed", f"{type(exc).__name__}: {exc}"))
 
