@@ -288,6 +288,7 @@ async def test_long_new_prompts_at_a_busy_batch_are_left_to_it_and_answered_whol
     assert engine.stats().side_first_tokens == before
     assert not [e for e in logs if e["event"] in ("first_token_mismatch", "generation_failed")]
     await eventually_idle(engine)
+    assert (engine._claims._open, engine._claims._side) == (set(), {})
 
 
 async def test_sampled_requests_arriving_at_a_busy_batch_are_raced_too(engine: BatchedEngine) -> None:

@@ -338,10 +338,11 @@ def first_tokens(
 ) -> list[int | None]:
     """The first token of each of ``asks`` that has at most :data:`NEW_TOKENS` new tokens: the argmax of its logits
     (:func:`last_logits`) at temperature 0, else drawn with ``generator``. None for the others, which go to the end
-    of ``declined``."""
+    of ``declined`` (the last :data:`LEARN_PROMPTS` of it are kept)."""
     tokens: list[int | None] = [None] * len(asks)
     taken = [i for i, (token_ids, _, _) in enumerate(asks) if len(token_ids) - prefixes.known(token_ids) <= NEW_TOKENS]
     declined += [asks[i][0] for i in range(len(asks)) if i not in taken and asks[i][0] not in declined]
+    del declined[:-LEARN_PROMPTS]
     if not taken:
         return tokens
     logits = last_logits(model, torch, prefixes, [asks[i][0] for i in taken])
@@ -390,7 +391,6 @@ def main() -> None:
     while True:
         try:
             if declined and not prompts.poll(0):  # nothing waits: learn a declined prompt, a chunk at a time
-                del declined[:-LEARN_PROMPTS]
                 try:
                     if learn(engine.model, torch, prefixes, declined[0]):
                         declined.pop(0)
