@@ -163,11 +163,15 @@ def bookkeeping(requests: list[tuple[int, int]]) -> dict[str, Any]:
     return {"cu_seq_lens_q": cu_q, "cu_seq_lens_k": cu_k, "max_length_q": max(rows for rows, _ in requests)}
 
 
-@pytest.fixture(scope="module")
-def paged_module(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """An attention module marked for the C attention, built once."""
+@pytest.fixture(scope="module", params=["native", "avx2"])
+def paged_module(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """An attention module marked for the C attention, built once for this CPU, and once without AVX-512 (what a
+    CPU without it gets: its AVX2 side, checked on every machine)."""
     model = tiny(kv_heads=2)
-    assert attention.page(model, torch, tmp_path_factory.mktemp("kernels")) == 2
+    with pytest.MonkeyPatch.context() as patch:
+        if request.param == "avx2":
+            patch.setattr(kernel, "FLAGS", (*kernel.FLAGS, "-mno-avx512f"))
+        assert attention.page(model, torch, tmp_path_factory.mktemp("kernels")) == 2
     return model.model.layers[0].self_attn
 
 
@@ -329,14 +333,18 @@ def test_a_cache_with_sliding_window_layers_is_left_to_gather_as_the_library_doe
     ]
 
 
-def test_without_avx512_the_c_attention_refuses_and_nothing_is_marked(
+def test_without_avx512_or_avx2_the_c_attention_refuses_and_nothing_is_marked(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(kernel, "FLAGS", (*kernel.FLAGS, "-mno-avx512f"))  # what a CPU without it gets built
-    with pytest.raises(RuntimeError, match="the CPU has no AVX-512"):
+    monkeypatch.setattr(kernel, "FLAGS", (*kernel.FLAGS, "-mno-avx512f", "-mno-avx2"))  # what such a CPU gets built
+    with pytest.raises(RuntimeError, match="the CPU has neither AVX-512 nor AVX2 with FMA"):
         attention._function(kernel.build(tmp_path, attention.SOURCE, "attention"))
     model = tiny(kv_heads=2)
     with capture_logs() as logs:
         assert attention.page(model, torch, tmp_path) == 0
     assert not attention.paged(model)
-    assert logs[-1] == {"event": "attention_not_paged", "log_level": "warning", "reason": "the CPU has no AVX-512"}
+    assert logs[-1] == {
+        "event": "attention_not_paged",
+        "log_level": "warning",
+        "reason": "the CPU has neither AVX-512 nor AVX2 with FMA",
+    }

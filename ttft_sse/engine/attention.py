@@ -166,7 +166,7 @@ _ARGUMENTS = (_PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR, 
 def _function(path: Path) -> Any:
     function = kernel.load(path, "ttft_paged_attention", _ARGUMENTS)
     if function(None, 1, 1, 16, None, None, 0, 0, None, None, None, 0, 0, 1.0, None) == -2:
-        raise RuntimeError("the CPU has no AVX-512")
+        raise RuntimeError("the CPU has neither AVX-512 nor AVX2 with FMA")
     return function
 
 

@@ -128,6 +128,11 @@ def function(path: Path, name: str = FP32) -> Any:
     return load(path, name, tuple(_ARGUMENTS[name]))
 
 
+def takes_int8(path: Path) -> bool:
+    """Whether the library at ``path`` multiplies int8 rows (it was built for a CPU with AVX-512 VNNI)."""
+    return bool(function(path, INT8)(None, 0, gguf_codes.BLOCK, None, 4, 0, None) == 0)
+
+
 @functools.cache
 def load(path: Path, name: str, arguments: tuple[Any, ...]) -> Any:
     """The function ``name`` of a library :func:`build` made (at ``path``), taking ``arguments`` (ctypes types) and
@@ -166,7 +171,7 @@ def apply(
     except (OSError, RuntimeError) as exc:
         log.warning("weights_not_blocks", reason=f"the kernel was not built: {exc}")
         return None
-    if activations == "int8" and function(library, INT8)(None, 0, gguf_codes.BLOCK, None, 4, 0, None) != 0:
+    if activations == "int8" and not takes_int8(library):
         log.warning("activations_not_int8", reason="the CPU has no AVX-512 VNNI: the rows stay fp32")
         activations = "fp32"
     kernel = function(library, INT8 if activations == "int8" else FP32)
