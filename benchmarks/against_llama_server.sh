@@ -10,9 +10,9 @@
 # stdout, results.json under OUT (default .cache/against-llama-server).
 #
 # There is no llama-server package here and no hub to fetch one from, so the first run builds it from the llama.cpp
-# tree that llama-cpp-python's source distribution on PyPI carries (3.5 min on 2 cores here), into LLAMA_DIR. Without
-# AMX: GGML_NATIVE crashed in ggml-cpu's AMX tile code (general protection fault at ldtilecfg) on a VM that does not
-# let processes use the tiles; AVX-512 (VNNI, BF16) is on.
+# tree that llama-cpp-python's source distribution on PyPI carries (3.5 min on 2 cores here), into LLAMA_DIR, for the
+# vector extensions this CPU's flags list (a build dir for each set). Without AMX: GGML_NATIVE crashed in ggml-cpu's
+# AMX tile code (general protection fault at ldtilecfg) on a VM that does not let processes use the tiles.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OURS_URL=${OURS_URL:-http://127.0.0.1:8102}
@@ -23,18 +23,24 @@ OUT=${OUT:-.cache/against-llama-server}
 REQUESTS=${REQUESTS:-64}
 PY=${PY:-.venv/bin/python}
 GGUF=$("$PY" -c 'from ttft_sse.engine.models import bundled_gguf; print(bundled_gguf())')
-BIN=$LLAMA_DIR/llama_cpp_python-$LLAMA_CPP_PYTHON/vendor/llama.cpp/build/bin/llama-server
+flags=" $(grep -m1 '^flags' /proc/cpuinfo | cut -d: -f2) "
+isa=(-DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON)
+for f in avx512f:AVX512 avx512_vbmi:AVX512_VBMI avx512_vnni:AVX512_VNNI avx512_bf16:AVX512_BF16; do
+    [[ $flags == *" ${f%%:*} "* ]] && isa+=("-DGGML_${f#*:}=ON")
+done
+build=build-$(echo "${isa[*]}" | md5sum | cut -c1-8)
+BIN=$LLAMA_DIR/llama_cpp_python-$LLAMA_CPP_PYTHON/vendor/llama.cpp/$build/bin/llama-server
 
 if [[ ! -x $BIN ]]; then
     mkdir -p "$LLAMA_DIR"
-    "$PY" -m pip download --quiet --no-deps --no-binary :all: -d "$LLAMA_DIR" "llama-cpp-python==$LLAMA_CPP_PYTHON"
-    tar xzf "$LLAMA_DIR/llama_cpp_python-$LLAMA_CPP_PYTHON.tar.gz" -C "$LLAMA_DIR"
     src=$LLAMA_DIR/llama_cpp_python-$LLAMA_CPP_PYTHON/vendor/llama.cpp
-    cmake -S "$src" -B "$src/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
-        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON \
-        -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON \
-        -DGGML_AVX512_BF16=ON >/dev/null
-    cmake --build "$src/build" --target llama-server -j "$(nproc)" >/dev/null
+    if [[ ! -d $src ]]; then
+        "$PY" -m pip download --quiet --no-deps --no-binary :all: -d "$LLAMA_DIR" "llama-cpp-python==$LLAMA_CPP_PYTHON"
+        tar xzf "$LLAMA_DIR/llama_cpp_python-$LLAMA_CPP_PYTHON.tar.gz" -C "$LLAMA_DIR"
+    fi
+    cmake -S "$src" -B "$src/$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
+        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DGGML_NATIVE=OFF "${isa[@]}" >/dev/null
+    cmake --build "$src/$build" --target llama-server -j "$(nproc)" >/dev/null
 fi
 
 mkdir -p "$OUT"

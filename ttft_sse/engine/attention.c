@@ -44,21 +44,11 @@ static inline v16 v_first(v16 x, int64_t n) { return _mm512_maskz_mov_ps(first(n
 static inline float v_max_all(v16 x) { return _mm512_reduce_max_ps(x); }
 static inline float v_sum_all(v16 x) { return _mm512_reduce_add_ps(x); }
 
-static inline v16 v_exp(v16 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f)); /* exp(-87) ~ 1.6e-38, near fp32's smallest normal: adds nothing */
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x); /* x - n ln 2, in two parts */
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
-}
+static inline v16 v_fnma(v16 a, v16 b, v16 c) { return _mm512_fnmadd_ps(a, b, c); }
+static inline v16 v_max(v16 a, v16 b) { return _mm512_max_ps(a, b); }
+static inline v16 v_round(v16 x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+/* p * 2^n, n whole. */
+static inline v16 v_scale2(v16 p, v16 n) { return _mm512_scalef_ps(p, n); }
 
 /* r[i] = the sum of a[i]'s 16 lanes, for 16 vectors at once (a transpose as it adds). */
 static inline v16 v_sums16(const v16 a[16]) {
@@ -121,24 +111,20 @@ static inline float v_max_all(v16 x) {
 }
 static inline float v_sum_all(v16 x) { return sum8(_mm256_add_ps(x.lo, x.hi)); }
 
-static inline __m256 exp8(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f)); /* exp(-87) ~ 1.6e-38, near fp32's smallest normal: adds nothing */
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x); /* x - n ln 2, in two parts */
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    /* p * 2^n, n in [-126, 0] here (scores minus their max): 2^n built in its exponent bits, a normal number. */
+static inline v16 v_fnma(v16 a, v16 b, v16 c) {
+    return (v16){_mm256_fnmadd_ps(a.lo, b.lo, c.lo), _mm256_fnmadd_ps(a.hi, b.hi, c.hi)};
+}
+static inline v16 v_max(v16 a, v16 b) { return (v16){_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
+static inline v16 v_round(v16 x) {
+    return (v16){_mm256_round_ps(x.lo, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+                 _mm256_round_ps(x.hi, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)};
+}
+/* p * 2^n, n whole, in [-126, 0] here (see v_exp): 2^n built in its exponent bits, a normal number. */
+static inline __m256 scale2(__m256 p, __m256 n) {
     __m256i two = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(two));
 }
-static inline v16 v_exp(v16 x) { return (v16){exp8(x.lo), exp8(x.hi)}; }
+static inline v16 v_scale2(v16 p, v16 n) { return (v16){scale2(p.lo, n.lo), scale2(p.hi, n.hi)}; }
 
 /* r[i] = the sum of a[i]'s 8 lanes, for 8 vectors at once. */
 static inline __m256 sums8(const __m256 a[8]) {
@@ -159,6 +145,23 @@ static inline v16 v_sums16(const v16 a[16]) {
    220-281, 4 parts 209-225 (16 registers: the accumulators spill). */
 #define V_PARTS 1
 #endif
+
+/* exp(x) for x <= 0 (scores minus their max), as Cephes' expf: n = round(x / ln 2), exp(x) = 2^n exp(x - n ln 2),
+   the latter by a polynomial. */
+static inline v16 v_exp(v16 x) {
+    x = v_max(x, v_set1(-87.0f)); /* exp(-87) ~ 1.6e-38, near fp32's smallest normal: adds nothing */
+    v16 n = v_round(v_mul(x, v_set1(1.44269504088896341f)));
+    v16 r = v_fnma(n, v_set1(0.693359375f), x); /* x - n ln 2, in two parts */
+    r = v_fnma(n, v_set1(-2.12194440e-4f), r);
+    v16 p = v_set1(1.9875691500e-4f);
+    p = v_fma(p, r, v_set1(1.3981999507e-3f));
+    p = v_fma(p, r, v_set1(8.3334519073e-3f));
+    p = v_fma(p, r, v_set1(4.1665795894e-2f));
+    p = v_fma(p, r, v_set1(1.6666665459e-1f));
+    p = v_fma(p, r, v_set1(5.0000001201e-1f));
+    p = v_fma(p, v_mul(r, r), v_add(r, v_set1(1.0f)));
+    return v_scale2(p, n);
+}
 
 #define GROUP 4 /* query heads that share a KV head, attended together: each key and value row is read once */
 

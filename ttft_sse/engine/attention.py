@@ -7,7 +7,7 @@ requests side by side. transformers gathers every key and value of the step out 
 apart, so each query row is multiplied with every key of the step, its own request's or not: 8 streams of 100
 tokens cost 8 x 800 dot products a head instead of 8 x 100. :func:`read_in_place` makes the cache only write the
 new keys and values and hand over the layer's cache rows and the step's key index; ``attention.c`` then attends
-each request's rows to its own keys, read through the index, in fp32 (requests of more than :data:`LONG_ROWS` rows
+each request's rows to its own keys, read through the index, in fp32 (AVX-512, or AVX2 with FMA) (requests of more than :data:`LONG_ROWS` rows
 take SDPA over their own gathered keys). The single-request engine's calls take the same function over its dense
 cache, and so do the prefill process's (engine/prefill.py: prompts behind a cached prefix, several side by side),
 so that a request's rows come out of every engine bit for bit alike. Measured on the bundled model (one
@@ -108,7 +108,7 @@ def page(model: Any, torch: Any, directory: Path) -> int:
     """Mark ``model``'s attention modules so that the batched engine's steps attend request by request over the
     paged KV cache in place (``attention.c``, built in ``directory``), after checking it against SDPA over the
     gathered keys with the step's mask on a probe; returns how many were marked (0, logged with the reason, when it
-    cannot be built, the CPU lacks AVX-512 or the probe disagrees)."""
+    cannot be built, the CPU has neither AVX-512 nor AVX2 with FMA, or the probe disagrees)."""
     modules = [m for m in model.modules() if hasattr(m, "num_key_value_groups") and hasattr(m, "head_dim")]
     if not modules:
         return 0
