@@ -7,11 +7,11 @@ requests side by side. transformers gathers every key and value of the step out 
 apart, so each query row is multiplied with every key of the step, its own request's or not: 8 streams of 100
 tokens cost 8 x 800 dot products a head instead of 8 x 100. :func:`read_in_place` makes the cache only write the
 new keys and values and hand over the layer's cache rows and the step's key index; ``attention.c`` then attends
-each request's rows to its own keys, read through the index, in fp32 (AVX-512, or AVX2 with FMA) (requests of more than :data:`LONG_ROWS` rows
-take SDPA over their own gathered keys). The single-request engine's calls take the same function over its dense
-cache, and so do the prefill process's (engine/prefill.py: prompts behind a cached prefix, several side by side),
-so that a request's rows come out of every engine bit for bit alike. Measured on the bundled model (one
-thread, the engine's timeline of forward passes, ``/tmp`` script): a decode step of 8 streams 51.4 → 46.1 ms, a
+each request's rows to its own keys, read through the index, in fp32, with AVX-512 or AVX2 and FMA (requests of
+more than :data:`LONG_ROWS` rows take SDPA over their own gathered keys). The single-request engine's calls take
+the same function over its dense cache, and so do the prefill process's (engine/prefill.py: prompts behind a
+cached prefix, several side by side), so that a request's rows come out of every engine bit for bit alike.
+Measured on the bundled model (one thread, AVX-512, the engine's timeline of forward passes, ``/tmp`` script): a decode step of 8 streams 51.4 → 46.1 ms, a
 step of 7 streams and a 15-token prompt 85 → 75 ms, one stream's 32.4 → 32.0 ms; the engine's figures:
 docs/benchmarks.md.
 
