@@ -11,9 +11,9 @@ each request's rows to its own keys, read through the index, in fp32, with AVX-5
 more than :data:`LONG_ROWS` rows take SDPA over their own gathered keys). The single-request engine's calls take
 the same function over its dense cache, and so do the prefill process's (engine/prefill.py: prompts behind a
 cached prefix, several side by side), so that a request's rows come out of every engine bit for bit alike.
-Measured on the bundled model (one thread, AVX-512, the engine's timeline of forward passes, ``/tmp`` script): a decode step of 8 streams 51.4 → 46.1 ms, a
-step of 7 streams and a 15-token prompt 85 → 75 ms, one stream's 32.4 → 32.0 ms; the engine's figures:
-docs/benchmarks.md.
+Measured on the bundled model (one thread, AVX-512, the engine's timeline of forward passes, ``/tmp`` script):
+a decode step of 8 streams 51.4 → 46.1 ms, a step of 7 streams and a 15-token prompt 85 → 75 ms, one stream's
+32.4 → 32.0 ms; the engine's figures: docs/benchmarks.md.
 
 **Grouped KV heads** (:func:`group`, ``TTFT_GROUPED_ATTENTION``), for the masked SDPA calls left (paged attention
 off, another dtype, long prompts):
