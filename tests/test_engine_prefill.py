@@ -19,8 +19,8 @@ import pytest
 from structlog.testing import capture_logs
 
 from tests.servers import eventually
-from tests.test_engine_batched import collect
-from ttft_sse.engine.base import ChatMessage, Finished, Prompt, SamplingParams
+from tests.test_engine_batched import collect, prompt_of
+from ttft_sse.engine.base import Finished, Prompt, SamplingParams
 from ttft_sse.engine.batched import BatchedEngine
 from ttft_sse.engine.hf import HFEngine
 from ttft_sse.engine.prefill import NEW_TOKENS, PrefillProcess, Prefixes, first_tokens, last_logits, learn
@@ -110,12 +110,6 @@ def test_a_prompt_is_kept_in_place_of_its_own_beginning_and_known_counts_what_ta
     assert prefixes.known((1, 5, 6)) == 2 and prefixes.known((7, 8)) == 0
 
 
-def with_system(engine: HFEngine | BatchedEngine, system: str, question: str) -> Prompt:
-    return engine.prepare(
-        prompt=None, messages=[ChatMessage("system", system), ChatMessage("user", question)], raw=False
-    )
-
-
 def first_token(engine: HFEngine, prompt: Prompt) -> int:
     import torch
 
@@ -167,7 +161,7 @@ def test_a_prompt_learned_a_chunk_at_a_time_gives_the_logits_of_the_whole_prompt
     import torch
 
     model = reference.model
-    ids = with_system(reference, SYSTEM, "Can I take my bicycle?").token_ids
+    ids = prompt_of(reference, "Can I take my bicycle?", SYSTEM).token_ids
     prefixes = Prefixes()
     chunks = 1
     while not learn(model, torch, prefixes, ids, rows=16):
@@ -209,8 +203,8 @@ async def test_a_prompt_nobody_wants_any_more_is_not_computed(child: PrefillProc
 async def test_the_child_declines_a_long_new_prompt_learns_it_and_then_answers_the_prompts_behind_it(
     child: PrefillProcess, reference: HFEngine
 ) -> None:
-    first = with_system(reference, SYSTEM, "Can I take my dog?")
-    second = with_system(reference, SYSTEM, "Is my seat reserved?")
+    first = prompt_of(reference, "Can I take my dog?", SYSTEM)
+    second = prompt_of(reference, "Is my seat reserved?", SYSTEM)
     assert len(first.token_ids) - len(prompts(reference)[0].token_ids) > NEW_TOKENS  # new past the template's start
     served = child.served
     assert await child.first_token(first.token_ids, lambda: True) is None  # declined at once: the batch gives it
@@ -280,10 +274,10 @@ async def test_long_new_prompts_at_a_busy_batch_are_left_to_it_and_answered_whol
     batch, and the single engine's text."""
     before = engine.stats().side_first_tokens
     params = SamplingParams(max_tokens=6)
-    asks = [(f"Case {i}. {SYSTEM}", QUESTIONS[i]) for i in range(4)]
-    want = [await collect(reference.stream(with_system(reference, *ask), params)) for ask in asks]
+    asks = [(QUESTIONS[i], f"Case {i}. {SYSTEM}") for i in range(4)]
+    want = [await collect(reference.stream(prompt_of(reference, *ask), params)) for ask in asks]
     with capture_logs() as logs:
-        got = await asyncio.gather(*(collect(engine.stream(with_system(engine, *ask), params)) for ask in asks))
+        got = await asyncio.gather(*(collect(engine.stream(prompt_of(engine, *ask), params)) for ask in asks))
     assert [text for text, _ in got] == [text for text, _ in want]
     assert engine.stats().side_first_tokens == before
     assert not [e for e in logs if e["event"] in ("first_token_mismatch", "generation_failed")]
