@@ -110,24 +110,6 @@ def test_a_prompt_is_kept_in_place_of_its_own_beginning_and_known_counts_what_ta
     assert prefixes.known((1, 5, 6)) == 2 and prefixes.known((7, 8)) == 0
 
 
-def test_a_kept_prompt_that_is_all_of_the_prefix_taken_is_handed_over_to_its_owner_not_copied() -> None:
-    prefixes = Prefixes()
-    whole, longer = FakeCache(3), FakeCache(5)
-    prefixes.keep((1, 2, 3), whole)
-    prefixes.keep((1, 2, 7, 8, 9), longer)
-    # Part of (1, 2, 7, 8, 9): a copy, cropped, and the kept one stays as it was.
-    cache, shared = prefixes.take((1, 2, 7, 6), fresh, own=True)
-    assert (shared, cache.tokens, longer.tokens, len(prefixes)) == (3, 3, 5, 2) and cache is not longer
-    # All of (1, 2, 3): the kept cache itself, no longer kept (the owner keeps the longer prompt in its place).
-    cache, shared = prefixes.take((1, 2, 3, 4), fresh, own=True)
-    assert cache is whole and shared == 3 and len(prefixes) == 1
-    assert prefixes.known((1, 2, 3, 4)) == 2  # now only what it shares with (1, 2, 7, 8, 9)
-    # Without own, as before: a copy, and the kept one stays.
-    prefixes.keep((1, 2, 3), whole)
-    cache, shared = prefixes.take((1, 2, 3, 4), fresh)
-    assert cache is not whole and shared == 3 and len(prefixes) == 2
-
-
 def first_token(engine: HFEngine, prompt: Prompt) -> int:
     import torch
 

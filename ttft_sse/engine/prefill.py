@@ -252,19 +252,14 @@ class Prefixes:
                 best, shared = kept, n
         return best, shared
 
-    def take(
-        self, token_ids: tuple[int, ...], fresh: Callable[[], Any], limit: int | None = None, *, own: bool = False
-    ) -> tuple[Any, int]:
+    def take(self, token_ids: tuple[int, ...], fresh: Callable[[], Any], limit: int | None = None) -> tuple[Any, int]:
         """A cache holding the KV of the first ``n`` of ``token_ids`` (a copy: the kept one stays as it is), and
         ``n``, at most ``limit`` (by default all but the last token); a ``fresh()`` cache and 0 when nothing is
-        shared. With ``own`` (the caller keeps a longer prompt behind those ``n`` next, which :meth:`keep` puts in
-        place of a kept prompt that is all of them), such a kept cache is handed over as it is, not copied."""
+        shared."""
         best, shared = self._best(token_ids)
         shared = min(shared, len(token_ids) - 1 if limit is None else limit)
         if best is None or shared < 1:
             return fresh(), 0
-        if own and len(best) == shared:
-            return self._kept.pop(best), shared
         self._kept.move_to_end(best)
         cache = copy.deepcopy(self._kept[best])
         if len(best) > shared:
@@ -301,7 +296,7 @@ def last_logits(model: Any, torch: Any, prefixes: Prefixes, prompts: Sequence[tu
 
     shortest = min(map(len, prompts))
     together = min((_common(prompts[0], other) for other in prompts[1:]), default=shortest)
-    cache, start = prefixes.take(prompts[0], fresh, limit=min(together, shortest - 1), own=True)
+    cache, start = prefixes.take(prompts[0], fresh, limit=min(together, shortest - 1))
     if start and len(prompts) > 1:
         cache.batch_repeat_interleave(len(prompts))
     longest = max(map(len, prompts))
@@ -329,10 +324,9 @@ def learn(model: Any, torch: Any, prefixes: Prefixes, token_ids: tuple[int, ...]
     it there; True once ``prefixes`` knows all but its last token."""
     import transformers
 
-    start = prefixes.known(token_ids)
+    cache, start = prefixes.take(token_ids, lambda: transformers.DynamicCache(config=model.config))
     end = min(start + rows, len(token_ids) - 1)
-    if end > start:  # taken only then: a cache handed over (own) must be kept again
-        cache, start = prefixes.take(token_ids, lambda: transformers.DynamicCache(config=model.config), own=True)
+    if end > start:
         with torch.inference_mode():
             model.base_model(input_ids=torch.tensor([token_ids[start:end]]), cache=cache, use_cache=True)
         prefixes.keep(token_ids[:end], cache)
