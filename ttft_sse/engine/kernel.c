@@ -12,8 +12,9 @@
    zero. That chain is the same whatever M is and wherever a row falls, so a row's result does not depend on the
    other rows of the call (a stream's answer does not depend on its batch). A tile of rows (up to 8 rows x 48
    outputs with AVX-512, 4 x 16 with AVX2) expands the codes in registers for all its rows at once, in calls of up
-   to FUSED_ROWS rows; longer calls expand the panels into a buffer once and reuse them for every tile. Both give the
-   same bits. Built with -ffp-contract=off: only the written fused multiply-adds fuse. */
+   to FUSED_ROWS rows; longer calls expand three panels at a time into a buffer once and reuse them for every tile
+   (8 rows x 48 outputs with AVX-512, 4 x 24 with AVX2). Both give the same bits. Built with -ffp-contract=off: only
+   the written fused multiply-adds fuse. */
 
 #include <immintrin.h>
 #include <stdint.h>
@@ -22,12 +23,22 @@
 
 #define P 16          /* outputs a panel */
 #define BLOCK 32      /* inputs a block */
+#define GROUP 3       /* panels expanded into the buffer at a time */
+#define B_COLS 3      /* columns a tile over the buffer */
 
 #if defined(__AVX512F__)
 /* 16 outputs in one register; tiles of up to 8 rows x 3 panels: 24 accumulators. */
 #define ROWS 8
 #define PANELS 3
 #define FUSED_ROWS 16 /* calls of up to this many rows expand the codes in registers in every tile (measured) */
+/* Longer calls: tiles of up to 8 rows x 3 columns of 16 outputs (a column is a panel) over the expanded panels. */
+#define B_ROWS 8
+#define CV 16
+typedef __m512 cv;
+static inline cv cv_zero(void) { return _mm512_setzero_ps(); }
+static inline cv cv_load(const float *p) { return _mm512_loadu_ps(p); }
+static inline void cv_store(float *p, cv v) { _mm512_storeu_ps(p, v); }
+static inline cv cv_fma(float x, cv w, cv acc) { return _mm512_fmadd_ps(_mm512_set1_ps(x), w, acc); }
 typedef __m512 pv;
 static inline pv pv_zero(void) { return _mm512_setzero_ps(); }
 static inline pv pv_load(const float *p) { return _mm512_loadu_ps(p); }
@@ -44,10 +55,21 @@ static inline pv pv_codes(__m128i q, pv scale, pv zero) {
 /* 16 outputs in two registers; tiles of up to 4 rows x 1 panel. */
 #define ROWS 4
 #define PANELS 1
-/* Calls of up to this many rows expand the codes in registers in every tile. Measured (one thread, 6 layers of
-   576 x 1536, ms, best of 5), 8 against 16: 9 rows 2.24 / 2.47, 12 rows 2.79 / 3.14, 16 rows 3.42 / 3.82; 1, 8,
-   17 and 22 rows alike. */
+/* Calls of up to this many rows expand the codes in registers in every tile. With the buffer's tiles below, 8 rows
+   were alike either way (the bundled model's layers, ms: 43.7, 48.0 in registers, 42.9, 55.8 through the buffer);
+   from 9 rows on the buffer is faster. */
 #define FUSED_ROWS 8
+/* Longer calls: tiles of up to 4 rows x 3 columns of 8 outputs (half a panel) over the expanded panels: 12 chains of
+   fused multiply-adds, where 4 rows x 16 outputs have 8 (AVX2 has 16 registers). Measured (one thread, the bundled
+   model's 211 layers, ms, best of 5, two runs), against 4 x 16: 9 rows 49.6, 47.3 / 72.9, 78.1; 16 rows 67.9, 68.5
+   / 111.7, 109.1; 37 rows 148, 173 / 238, 239; 64 rows 228, 281 / 383, 410. The same bits. */
+#define B_ROWS 4
+#define CV 8
+typedef __m256 cv;
+static inline cv cv_zero(void) { return _mm256_setzero_ps(); }
+static inline cv cv_load(const float *p) { return _mm256_loadu_ps(p); }
+static inline void cv_store(float *p, cv v) { _mm256_storeu_ps(p, v); }
+static inline cv cv_fma(float x, cv w, cv acc) { return _mm256_fmadd_ps(_mm256_set1_ps(x), w, acc); }
 typedef struct {
     __m256 lo, hi;
 } pv;
@@ -130,19 +152,32 @@ static inline __attribute__((always_inline)) void fused(int rows, int panels, co
     put(rows, panels, acc, y, N, outputs);
 }
 
-/* Up to ROWS rows against `panels` panels expanded in w (K x 16 floats a panel). */
-static inline __attribute__((always_inline)) void buffered(int rows, int panels, const float *w, const float *x,
+/* Up to B_ROWS rows against `cols` columns (CV outputs each), from column c0, of the panels expanded in w (K x 16
+   floats a panel); `outputs`: the real outputs from w's first. */
+static inline __attribute__((always_inline)) void buffered(int rows, int cols, int c0, const float *w, const float *x,
                                                            int64_t K, float *y, int64_t N, int64_t outputs) {
-    pv acc[ROWS][PANELS];
+    cv acc[B_ROWS][B_COLS];
+    const float *at[B_COLS];
+    for (int c = 0; c < cols; c++) at[c] = w + (c0 + c) * CV / P * K * P + (c0 + c) * CV % P;
     for (int r = 0; r < rows; r++)
-        for (int g = 0; g < panels; g++) acc[r][g] = pv_zero();
+        for (int c = 0; c < cols; c++) acc[r][c] = cv_zero();
     for (int64_t k = 0; k < K; k++) {
-        pv wk[PANELS];
-        for (int g = 0; g < panels; g++) wk[g] = pv_load(w + (g * K + k) * P);
+        cv wk[B_COLS];
+        for (int c = 0; c < cols; c++) wk[c] = cv_load(at[c] + k * P);
         for (int r = 0; r < rows; r++)
-            for (int g = 0; g < panels; g++) acc[r][g] = pv_fma(x[r * K + k], wk[g], acc[r][g]);
+            for (int c = 0; c < cols; c++) acc[r][c] = cv_fma(x[r * K + k], wk[c], acc[r][c]);
     }
-    put(rows, panels, acc, y, N, outputs);
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < cols; c++) {
+            int64_t first = (int64_t)(c0 + c) * CV, left = outputs - first;
+            if (left >= CV) {
+                cv_store(y + r * N + first, acc[r][c]);
+            } else if (left > 0) {
+                float out[CV];
+                cv_store(out, acc[r][c]);
+                memcpy(y + r * N + first, out, sizeof(float) * (size_t)left);
+            }
+        }
 }
 
 static void expand(const uint8_t *codes, int bits, const float *scale, const float *zero, int64_t K, float *w) {
@@ -157,49 +192,32 @@ static void expand(const uint8_t *codes, int bits, const float *scale, const flo
     }
 }
 
-/* The row and panel counts of a tile as constants for the compiler (ROWS <= 8, PANELS <= 3). */
-#define BY_PANELS(CALL, R)                                                                                            \
-    switch (panels) {                                                                                                  \
+/* A tile's row and panel (or column) counts as constants for the compiler (at most 8 and 3). */
+#define BY_COUNT(CALL, R, count)                                                                                      \
+    switch (count) {                                                                                                   \
     case 3: CALL(R, 3); break;                                                                                         \
     case 2: CALL(R, 2); break;                                                                                         \
     default: CALL(R, 1); break;                                                                                        \
     }
-#define BY_ROWS(CALL, rows)                                                                                            \
+#define BY_ROWS(CALL, rows, count)                                                                                     \
     switch (rows) {                                                                                                    \
-    case 8: BY_PANELS(CALL, 8) break;                                                                                  \
-    case 7: BY_PANELS(CALL, 7) break;                                                                                  \
-    case 6: BY_PANELS(CALL, 6) break;                                                                                  \
-    case 5: BY_PANELS(CALL, 5) break;                                                                                  \
-    case 4: BY_PANELS(CALL, 4) break;                                                                                  \
-    case 3: BY_PANELS(CALL, 3) break;                                                                                  \
-    case 2: BY_PANELS(CALL, 2) break;                                                                                  \
-    default: BY_PANELS(CALL, 1) break;                                                                                 \
+    case 8: BY_COUNT(CALL, 8, count) break;                                                                            \
+    case 7: BY_COUNT(CALL, 7, count) break;                                                                            \
+    case 6: BY_COUNT(CALL, 6, count) break;                                                                            \
+    case 5: BY_COUNT(CALL, 5, count) break;                                                                            \
+    case 4: BY_COUNT(CALL, 4, count) break;                                                                            \
+    case 3: BY_COUNT(CALL, 3, count) break;                                                                            \
+    case 2: BY_COUNT(CALL, 2, count) break;                                                                            \
+    default: BY_COUNT(CALL, 1, count) break;                                                                           \
     }
 
-/* Every row, in tiles of at most ROWS rows as even as they can be (9 rows: 4 + 5, not 8 + 1): each tile expands
-   the codes in registers or, when w is given, reads the panels expanded there (K x 16 floats a panel). */
-static void all_rows(int panels, const uint8_t *codes, int64_t panel_bytes, int bits, const float *scale,
-                     const float *zero, const float *w, const float *x, int64_t M, int64_t K, float *y, int64_t N,
-                     int64_t outputs) {
-    int64_t tiles = (M + ROWS - 1) / ROWS, r = 0;
-    for (int64_t t = 0; t < tiles; t++) {
-        int64_t rows = (M - r) / (tiles - t); /* the larger tiles come last */
-        const float *xt = x + r * K;
-        float *yt = y + r * N;
-#define FUSED(R, G)                                                                                                    \
-    if (R <= ROWS && G <= PANELS) fused(R, G, codes, panel_bytes, bits, scale, zero, xt, K, yt, N, outputs)
-#define BUFFERED(R, G)                                                                                                 \
-    if (R <= ROWS && G <= PANELS) buffered(R, G, w, xt, K, yt, N, outputs)
-        if (w == NULL) {
-            BY_ROWS(FUSED, rows)
-        } else {
-            BY_ROWS(BUFFERED, rows)
-        }
-        r += rows;
-    }
-}
+/* Tiles of at most `most` rows out of M, as even as they can be (9 rows in tiles of 8: 4 + 5, not 8 + 1), the
+   larger ones last: the rows of tile t of `tiles`, r rows before it. */
+static inline int64_t tile_rows(int64_t M, int64_t r, int64_t t, int64_t tiles) { return (M - r) / (tiles - t); }
 
-/* Returns 0, or -1 if K is not whole blocks, bits is neither 4 nor 8, or the buffer cannot be allocated. */
+/* Returns 0, or -1 if K is not whole blocks, bits is neither 4 nor 8, or the buffer cannot be allocated. Calls of
+   up to FUSED_ROWS rows expand the codes in registers in every tile; longer ones expand GROUP panels at a time into
+   a buffer once, and their tiles read them there. */
 int ttft_blocks_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, int bits, const float *scale,
                        const float *zero, int64_t N, float *y) {
     /* One buffer a thread, kept: allocating it at every call would map and fault in fresh pages. */
@@ -207,24 +225,48 @@ int ttft_blocks_linear(const float *x, int64_t M, int64_t K, const uint8_t *code
     static _Thread_local int64_t capacity = 0;
     if (K % BLOCK != 0 || (bits != 4 && bits != 8)) return -1;
     if (M <= 0) return 0;
-    if (M > FUSED_ROWS && capacity < PANELS * P * K) {
-        float *grown = realloc(buffer, sizeof(float) * PANELS * P * K);
+    if (M > FUSED_ROWS && capacity < GROUP * P * K) {
+        float *grown = realloc(buffer, sizeof(float) * GROUP * P * K);
         if (grown == NULL) return -1;
         buffer = grown;
-        capacity = PANELS * P * K;
+        capacity = GROUP * P * K;
     }
     int64_t all = (N + P - 1) / P, panel_bytes = K * P * bits / 8, blocks = K / BLOCK;
-    for (int64_t p = 0; p < all; p += PANELS) {
-        int panels = all - p < PANELS ? (int)(all - p) : PANELS;
-        const uint8_t *c = codes + p * panel_bytes;
-        const float *s = scale + p * blocks * P, *z = zero + p * blocks * P;
-        float *w = NULL;
+    for (int64_t p = 0; p < all; p += GROUP) {
+        int group = all - p < GROUP ? (int)(all - p) : GROUP;
         if (M > FUSED_ROWS) {
-            w = buffer;
-            for (int g = 0; g < panels; g++)
-                expand(c + g * panel_bytes, bits, s + g * blocks * P, z + g * blocks * P, K, w + g * K * P);
+            for (int g = 0; g < group; g++) {
+                int64_t at = p + g;
+                expand(codes + at * panel_bytes, bits, scale + at * blocks * P, zero + at * blocks * P, K,
+                       buffer + g * K * P);
+            }
+            int columns = group * P / CV;
+            int64_t tiles = (M + B_ROWS - 1) / B_ROWS, r = 0;
+            for (int64_t t = 0; t < tiles; t++) {
+                int64_t rows = tile_rows(M, r, t, tiles);
+                for (int c0 = 0; c0 < columns; c0 += B_COLS) {
+                    int cols = columns - c0 < B_COLS ? columns - c0 : B_COLS;
+#define BUFFERED(R, C)                                                                                                 \
+    if (R <= B_ROWS) buffered(R, C, c0, buffer, x + r * K, K, y + r * N + p * P, N, N - p * P)
+                    BY_ROWS(BUFFERED, rows, cols)
+                }
+                r += rows;
+            }
+            continue;
         }
-        all_rows(panels, c, panel_bytes, bits, s, z, w, x, M, K, y + p * P, N, N - p * P);
+        for (int64_t q = p; q < p + group; q += PANELS) {
+            int panels = p + group - q < PANELS ? (int)(p + group - q) : PANELS;
+            const uint8_t *c = codes + q * panel_bytes;
+            const float *s = scale + q * blocks * P, *z = zero + q * blocks * P;
+            int64_t tiles = (M + ROWS - 1) / ROWS, r = 0;
+            for (int64_t t = 0; t < tiles; t++) {
+                int64_t rows = tile_rows(M, r, t, tiles);
+#define FUSED(R, G)                                                                                                    \
+    if (R <= ROWS && G <= PANELS) fused(R, G, c, panel_bytes, bits, s, z, x + r * K, K, y + r * N + q * P, N, N - q * P)
+                BY_ROWS(FUSED, rows, panels)
+                r += rows;
+            }
+        }
     }
     return 0;
 }
@@ -351,11 +393,11 @@ int ttft_q8_linear(const float *x, int64_t M, int64_t K, const uint8_t *records,
         const uint8_t *c = records + p * panel_bytes;
         int64_t tiles = (M + Q_ROWS - 1) / Q_ROWS, r = 0;
         for (int64_t t = 0; t < tiles; t++) {
-            int64_t rows = (M - r) / (tiles - t);
+            int64_t rows = tile_rows(M, r, t, tiles);
 #define Q_TILE(R, G)                                                                                                   \
     if (R <= Q_ROWS && G <= Q_PANELS)                                                                                  \
     q_tile(R, G, c, panel_bytes, bits, xq + r * K, d + r * blocks, ds + r * blocks, K, y + r * N + p * P, N, N - p * P)
-            BY_ROWS(Q_TILE, rows)
+            BY_ROWS(Q_TILE, rows, panels)
             r += rows;
         }
     }
