@@ -134,6 +134,17 @@ def test_a_layer_keeps_its_input_shape_and_adds_its_bias() -> None:
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_a_strided_or_other_dtype_input_gives_what_its_contiguous_fp32_copy_gives_in_its_own_dtype() -> None:
+    layer, _ = block_layer("Q4_1", (40, 64))
+    x = torch.randn(64, 3)  # its transpose is not contiguous
+    with torch.no_grad():
+        want = layer(x.T.contiguous())
+        strided = layer(x.T)
+        double = layer(x.T.double())
+    assert torch.equal(strided, want)
+    assert double.dtype == torch.float64 and torch.equal(double, want.double())
+
+
 @pytest.mark.parametrize("build", ["native", "avx2", "int8"])
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
 def test_each_row_is_the_same_bits_whatever_else_the_call_holds(kind: str, build: str, avx2_build: Path) -> None:

