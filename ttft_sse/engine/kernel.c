@@ -31,19 +31,20 @@
 #define ROWS 8
 #define PANELS 3
 #define FUSED_ROWS 16 /* calls of up to this many rows expand the codes in registers in every tile (measured) */
-/* Longer calls: tiles of up to 8 rows x 3 columns of 16 outputs (a column is a panel) over the expanded panels. */
-#define B_ROWS 8
-#define CV 16
-typedef __m512 cv;
-static inline cv cv_zero(void) { return _mm512_setzero_ps(); }
-static inline cv cv_load(const float *p) { return _mm512_loadu_ps(p); }
-static inline void cv_store(float *p, cv v) { _mm512_storeu_ps(p, v); }
-static inline cv cv_fma(float x, cv w, cv acc) { return _mm512_fmadd_ps(_mm512_set1_ps(x), w, acc); }
 typedef __m512 pv;
 static inline pv pv_zero(void) { return _mm512_setzero_ps(); }
 static inline pv pv_load(const float *p) { return _mm512_loadu_ps(p); }
 static inline void pv_store(float *p, pv v) { _mm512_storeu_ps(p, v); }
 static inline pv pv_fma(float x, pv w, pv acc) { return _mm512_fmadd_ps(_mm512_set1_ps(x), w, acc); }
+/* Longer calls: tiles of up to 8 rows x 3 columns of 16 outputs over the expanded panels: a column is a panel, and
+   the panel's helpers serve. */
+#define B_ROWS 8
+#define CV 16
+typedef pv cv;
+#define cv_zero pv_zero
+#define cv_load pv_load
+#define cv_store pv_store
+#define cv_fma pv_fma
 /* 16 signed codes to q * scale + zero in one fused multiply-add: q * scale is exact (at most 8 bits times an fp16
    scale's 11), so the one rounding is that of the sum, as in transformers' q * scale, then + zero (a test checks
    the weights bit for bit). A multiply and an add: 5-14 % slower from 4 to 16 rows in the kernel alone, no
@@ -70,19 +71,17 @@ static inline cv cv_zero(void) { return _mm256_setzero_ps(); }
 static inline cv cv_load(const float *p) { return _mm256_loadu_ps(p); }
 static inline void cv_store(float *p, cv v) { _mm256_storeu_ps(p, v); }
 static inline cv cv_fma(float x, cv w, cv acc) { return _mm256_fmadd_ps(_mm256_set1_ps(x), w, acc); }
+/* A panel is two columns. */
 typedef struct {
-    __m256 lo, hi;
+    cv lo, hi;
 } pv;
-static inline pv pv_zero(void) { return (pv){_mm256_setzero_ps(), _mm256_setzero_ps()}; }
-static inline pv pv_load(const float *p) { return (pv){_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+static inline pv pv_zero(void) { return (pv){cv_zero(), cv_zero()}; }
+static inline pv pv_load(const float *p) { return (pv){cv_load(p), cv_load(p + CV)}; }
 static inline void pv_store(float *p, pv v) {
-    _mm256_storeu_ps(p, v.lo);
-    _mm256_storeu_ps(p + 8, v.hi);
+    cv_store(p, v.lo);
+    cv_store(p + CV, v.hi);
 }
-static inline pv pv_fma(float x, pv w, pv acc) {
-    __m256 b = _mm256_set1_ps(x);
-    return (pv){_mm256_fmadd_ps(b, w.lo, acc.lo), _mm256_fmadd_ps(b, w.hi, acc.hi)};
-}
+static inline pv pv_fma(float x, pv w, pv acc) { return (pv){cv_fma(x, w.lo, acc.lo), cv_fma(x, w.hi, acc.hi)}; }
 static inline __m256 codes8(__m128i q, __m256 scale, __m256 zero) {
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), scale, zero);
 }
@@ -109,19 +108,31 @@ static inline void pair(const uint8_t *codes, int bits, int64_t i, pv scale, pv 
     *w1 = pv_codes(b, scale, zero);
 }
 
-/* A tile's results into y (N apart); the last panel of the matrix may have fewer than 16 real outputs. */
+/* A column's CV results into y, or only the first `left` of them (the last panel of the matrix may have fewer than
+   16 real outputs). */
+static inline void put_column(float *y, cv v, int64_t left) {
+    if (left >= CV) {
+        cv_store(y, v);
+    } else if (left > 0) {
+        float out[CV];
+        cv_store(out, v);
+        memcpy(y, out, sizeof(float) * (size_t)left);
+    }
+}
+
+/* A tile's results into y (N apart), `outputs` of them real from its first panel's first. */
 static inline __attribute__((always_inline)) void put(int rows, int panels, pv acc[ROWS][PANELS], float *y, int64_t N,
                                                       int64_t outputs) {
     for (int r = 0; r < rows; r++)
         for (int g = 0; g < panels; g++) {
+            float *at = y + r * N + g * P;
             int64_t left = outputs - (int64_t)g * P;
-            if (left >= P) {
-                pv_store(y + r * N + g * P, acc[r][g]);
-            } else if (left > 0) {
-                float out[P];
-                pv_store(out, acc[r][g]);
-                memcpy(y + r * N + g * P, out, sizeof(float) * (size_t)left);
-            }
+#if defined(__AVX512F__)
+            put_column(at, acc[r][g], left);
+#else
+            put_column(at, acc[r][g].lo, left);
+            put_column(at + CV, acc[r][g].hi, left - CV);
+#endif
         }
 }
 
@@ -169,14 +180,8 @@ static inline __attribute__((always_inline)) void buffered(int rows, int cols, i
     }
     for (int r = 0; r < rows; r++)
         for (int c = 0; c < cols; c++) {
-            int64_t first = (int64_t)(c0 + c) * CV, left = outputs - first;
-            if (left >= CV) {
-                cv_store(y + r * N + first, acc[r][c]);
-            } else if (left > 0) {
-                float out[CV];
-                cv_store(out, acc[r][c]);
-                memcpy(y + r * N + first, out, sizeof(float) * (size_t)left);
-            }
+            int64_t first = (int64_t)(c0 + c) * CV;
+            put_column(y + r * N + first, acc[r][c], outputs - first);
         }
 }
 
