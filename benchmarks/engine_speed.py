@@ -30,6 +30,7 @@ every query head (``grouped_attention`` off; until that setting, ``:gqa`` asked 
 ``:masked`` with the batched steps' attention as one masked SDPA over the step's gathered keys (``paged_attention``
 off: before the request-by-request attention over the cache in place),
 ``:noprefill`` without the prefill process (``prefill_process`` off: every first token from the batch),
+``:unfused`` with transformers' decoder layers around the block kernel (``fused_layers`` off: before engine/decoder.py),
 ``:int4`` with the GGUF's Q4 codes on torch's int4 kernel and bf16 copies of the weights (``TTFT_INT4_WEIGHTS``;
 without a ``single:<dtype>:int4`` its greedy text is not checked against ``single:<dtype>``'s, since its answers are
 not the fp32 ones). Variants combine with ``+``: ``batched:float32:int4+repeat``.
@@ -173,7 +174,7 @@ def pct(values: Sequence[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered) + 0.5) - 1))]
 
 
-VARIANTS = ("int8rows", "dense", "plain", "rowmajor", "repeat", "masked", "int4", "noprefill")
+VARIANTS = ("int8rows", "dense", "plain", "rowmajor", "repeat", "masked", "int4", "noprefill", "unfused")
 """The variants ``load`` knows (see the module's docstring)."""
 
 
@@ -197,6 +198,7 @@ def load(spec: str, args: argparse.Namespace) -> Engine:
         grouped_attention="repeat" not in variants,
         paged_attention="masked" not in variants,
         prefill_process="noprefill" not in variants,
+        fused_layers="unfused" not in variants,
         threads=args.threads,
         max_concurrency=args.concurrency,
         log_level="warning",

@@ -338,7 +338,7 @@ def test_without_avx512_or_avx2_the_c_attention_refuses_and_nothing_is_marked(
 ) -> None:
     monkeypatch.setattr(kernel, "FLAGS", (*kernel.FLAGS, "-mno-avx512f", "-mno-avx2"))  # what such a CPU gets built
     with pytest.raises(RuntimeError, match="the CPU has neither AVX-512 nor AVX2 with FMA"):
-        attention._function(kernel.build(tmp_path, attention.SOURCE, "attention"))
+        attention._function(kernel.build(tmp_path, (attention.SOURCE,), "attention"))
     model = tiny(kv_heads=2)
     with capture_logs() as logs:
         assert attention.page(model, torch, tmp_path) == 0

@@ -20,6 +20,7 @@ def test_environment_values_are_parsed_by_type() -> None:
         "TTFT_PAGED_ATTENTION": "no",
         "TTFT_GGUF_KERNEL": "0",
         "TTFT_GGUF_ACTIVATIONS": "int8",
+        "TTFT_FUSED_LAYERS": "false",
     }
     s = Settings.from_env(env)
     assert (s.port, s.model, s.warmup, s.queue_timeout_seconds) == (9001, "/models/x.gguf", False, 2.5)
@@ -30,6 +31,7 @@ def test_environment_values_are_parsed_by_type() -> None:
     assert s.paged_attention is False and Settings().paged_attention is True
     assert s.gguf_kernel is False and Settings().gguf_kernel is True
     assert s.gguf_activations == "int8" and Settings().gguf_activations == "fp32"
+    assert s.fused_layers is False and Settings().fused_layers is True
 
 
 def test_cli_overrides_win_over_the_environment_and_none_means_not_given() -> None:

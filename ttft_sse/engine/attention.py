@@ -119,7 +119,7 @@ def page(model: Any, torch: Any, directory: Path) -> int:
     _install()
     probe = modules[0]
     try:
-        function = _function(kernel.build(directory, SOURCE, "attention"))
+        function = _function(kernel.build(directory, (SOURCE,), "attention"))
         heads, dim = probe.config.num_attention_heads, probe.head_dim
         kv_heads = probe.config.num_key_value_heads
         # Past and new rows; the last two, longer than the probe's long_rows, take SDPA (with a past, then without).

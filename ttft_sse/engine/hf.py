@@ -12,7 +12,7 @@ from typing import Any
 import structlog
 
 from ttft_sse.bridge import Emit, Workers
-from ttft_sse.engine import attention, codes, int4, kernel, models, sampling, weights
+from ttft_sse.engine import attention, codes, decoder, int4, kernel, models, sampling, weights
 from ttft_sse.engine.base import (
     ChatMessage,
     Finished,
@@ -163,6 +163,8 @@ class HFEngine:
                 )
             # The layers left (none of the bundled model's with the block kernel) get the fp32 layouts.
             layout = weights.arrange(model, torch, packed=settings.packed_weights)
+            if activations == "fp32" and settings.fused_layers:  # after arrange: it copies the norms' weights
+                decoder.fuse(model, torch, kernel.build(settings.cache_dir / KERNEL_DIR))
             if activations is not None:
                 blocks = "gguf-blocks-int8" if activations == "int8" else "gguf-blocks"
                 plain = any(type(m) is torch.nn.Linear for m in model.modules())

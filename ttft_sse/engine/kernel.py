@@ -67,6 +67,8 @@ from ttft_sse.engine import weights
 log = structlog.get_logger("ttft_sse.engine")
 
 SOURCE = Path(__file__).with_name("kernel.c")
+SOURCES = (SOURCE, Path(__file__).with_name("decoder.c"))
+"""The kernel's library: the kernel, and decoder layers around it (engine/decoder.py)."""
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-std=c11", "-shared", "-fPIC")
 BUILD_SECONDS = 120
 PROBE_ROWS = (1, 9, 17)
@@ -75,15 +77,22 @@ panels expanded once and reused by them) and seventeen (the panels expanded once
 ``FUSED_ROWS``)."""
 
 
-def build(directory: Path, source: Path = SOURCE, name: str = "blocks") -> Path:
-    """The C file ``source`` (this kernel's, or engine/attention.c) compiled for this CPU into ``directory`` as
-    ``name-<hash>.so``, compiled now if it is not there yet. Raises ``OSError`` (``RuntimeError`` for a failed
-    compile) with the reason."""
+def build(directory: Path, sources: tuple[Path, ...] = SOURCES, name: str = "blocks") -> Path:
+    """The C files ``sources`` (this kernel's library, or engine/attention.c) compiled for this CPU into one library
+    in ``directory``, ``name-<hash>.so``, compiled now if it is not there yet. Raises ``OSError`` (``RuntimeError``
+    for a failed compile) with the reason."""
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise RuntimeError("no C compiler (cc or gcc) on PATH")
     key = hashlib.sha256(
-        b"\0".join([source.read_bytes(), " ".join(FLAGS).encode(), os.path.realpath(compiler).encode(), _cpu()])
+        b"\0".join(
+            [
+                *(source.read_bytes() for source in sources),
+                " ".join(FLAGS).encode(),
+                os.path.realpath(compiler).encode(),
+                _cpu(),
+            ]
+        )
     ).hexdigest()[:16]
     target = directory / f"{name}-{key}.so"
     if target.is_file():
@@ -92,7 +101,10 @@ def build(directory: Path, source: Path = SOURCE, name: str = "blocks") -> Path:
     partial = directory / f".{target.name}.{os.getpid()}.partial"
     try:
         done = subprocess.run(
-            [compiler, *FLAGS, "-o", str(partial), str(source)], capture_output=True, text=True, timeout=BUILD_SECONDS
+            [compiler, *FLAGS, "-o", str(partial), *map(str, sources)],
+            capture_output=True,
+            text=True,
+            timeout=BUILD_SECONDS,
         )
         if done.returncode != 0:
             lines = [line for line in done.stderr.splitlines() if "error" in line] or done.stderr.splitlines()

@@ -1,0 +1,182 @@
+"""Decoder layers in C around the library's cache and attention (engine/decoder.py, engine/decoder.c)."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from structlog.testing import capture_logs
+
+from tests.conftest import CACHE_DIR
+from ttft_sse.engine import decoder, kernel
+from ttft_sse.engine.hf import KERNEL_DIR, HFEngine
+from ttft_sse.settings import Settings
+from ttft_sse.stages import StageClock
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("gguf")
+transformers = pytest.importorskip("transformers")
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer  # noqa: E402
+
+DIRECTORY = CACHE_DIR / KERNEL_DIR
+ULPS = 2
+"""How far silu(g) * u may be from its fp64 value, in fp32 roundings (2^-23 of it): torch's own fp32 silu(g) * u is up to 1.53 away."""
+
+
+@pytest.fixture(scope="module")
+def loaded(settings: Settings) -> tuple[HFEngine, list[dict[str, Any]]]:
+    """The single engine with the defaults, and its load's log."""
+    engine = HFEngine(settings)
+    with capture_logs() as logs:
+        engine.load(StageClock())
+    return engine, logs
+
+
+@contextlib.contextmanager
+def library_layers(model: Any) -> Iterator[None]:
+    """``model``'s decoder layers the library's again, for the length of the block."""
+    layers = list(model.model.layers)
+    fused = [layer.__class__ for layer in layers]
+    for layer in layers:
+        layer.__class__ = LlamaDecoderLayer
+    try:
+        yield
+    finally:
+        for layer, kind in zip(layers, fused, strict=True):
+            layer.__class__ = kind
+
+
+@pytest.fixture(scope="module", params=["native", "avx2"])
+def library(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The kernel's library as this CPU builds it, and built without AVX-512 (what a CPU without it gets)."""
+    if request.param == "native":
+        return kernel.build(DIRECTORY)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(kernel, "FLAGS", (*kernel.FLAGS, "-mno-avx512f"))
+        return kernel.build(tmp_path_factory.mktemp("avx2"))
+
+
+def test_every_decoder_layer_of_the_bundled_model_runs_in_c_and_the_log_says_so(
+    loaded: tuple[HFEngine, list[dict[str, Any]]],
+) -> None:
+    engine, logs = loaded
+    layers = list(engine.model.model.layers)
+    assert len(layers) == 30 and all(type(layer) is decoder.fused_layer_class() for layer in layers)
+    assert {"event": "decoder_fused", "log_level": "info", "layers": 30, "of": 30} in logs
+    assert engine.info.weights == "gguf-blocks"
+
+
+def test_the_fused_model_gives_the_librarys_logits_within_roundings_and_the_same_next_tokens(
+    loaded: tuple[HFEngine, list[dict[str, Any]]],
+) -> None:
+    """A passage at once, then its first 5 tokens and the rest token by token on a cache: every position's logits,
+    both ways."""
+    engine, _ = loaded
+    ids = engine.tokenizer("The city of Paris is the capital of France. It lies on the river", return_tensors="pt")
+    ids = ids.input_ids
+
+    def logits() -> tuple[Any, Any]:
+        whole = engine.model(ids).logits[0]
+        cache = transformers.DynamicCache(config=engine.model.config)
+        steps = [engine.model(ids[:, :5], cache=cache).logits[0]]
+        steps += [engine.model(ids[:, i : i + 1], cache=cache).logits[0] for i in range(5, ids.shape[1])]
+        return whole, torch.cat(steps)
+
+    with torch.inference_mode():
+        got = logits()
+        with library_layers(engine.model):
+            want = logits()
+    for g, w in zip(got, want, strict=True):
+        assert g.shape == (ids.shape[1], engine.model.config.vocab_size)
+        assert float((g - w).abs().max()) <= 1e-3 * float(w.abs().max())
+        assert torch.equal(g.argmax(-1), w.argmax(-1))
+        assert not torch.equal(g, w)  # it really ran other code (the norms sum in another order)
+
+
+def test_each_row_is_the_same_bits_whatever_else_the_call_holds(loaded: tuple[HFEngine, list[dict[str, Any]]]) -> None:
+    """decoder.c's two halves, called directly on a layer of the bundled model: 9 rows at once and one by one."""
+    engine, _ = loaded
+    layer = engine.model.model.layers[3]
+    numbers = layer.arithmetic
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(9, numbers.hidden, generator=generator)
+    cos, sin = torch.rand(9, numbers.dim, generator=generator), torch.rand(9, numbers.dim, generator=generator)
+    a = torch.randn(9, numbers.heads * numbers.dim, generator=generator)
+
+    def halves(rows: slice) -> list[Any]:
+        out = [
+            torch.empty(x[rows].shape[0], n * numbers.dim) for n in (numbers.heads, numbers.kv_heads, numbers.kv_heads)
+        ]
+        pointers = [t.contiguous().data_ptr() for t in (x[rows], cos[rows], sin[rows])]
+        assert layer.head(layer.address, pointers[0], out[0].shape[0], *pointers[1:], *(t.data_ptr() for t in out)) == 0
+        y = torch.empty(out[0].shape[0], numbers.hidden)
+        assert layer.tail(layer.address, x[rows].data_ptr(), a[rows].data_ptr(), y.shape[0], y.data_ptr()) == 0
+        return [*out, y]
+
+    together = halves(slice(0, 9))
+    alone = [torch.cat(parts) for parts in zip(*(halves(slice(i, i + 1)) for i in range(9)), strict=True)]
+    for both, one in zip(together, alone, strict=True):
+        assert torch.equal(both, one)
+    assert all(bool(t.abs().sum() > 0) for t in together)
+
+
+def test_silu_times_up_is_within_roundings_of_fp64_over_the_whole_range(library: Path) -> None:
+    """Past the clamps (exp's argument in [-87, 88]) silu is 0 or x to fp32's precision; NaN stays NaN; an odd count
+    takes the padded tail."""
+    silu_mul = decoder.function(library, decoder.SILU_MUL)
+    g = torch.cat([torch.linspace(-120.0, 120.0, 20001), torch.tensor([0.0, -0.0, 1e-30, -1e-30, 88.5, -87.5])])
+    u = torch.linspace(-2.0, 3.0, g.numel())
+    want = torch.nn.functional.silu(g.double()) * u.double()
+    got = g.clone()
+    assert silu_mul(got.data_ptr(), u.data_ptr(), got.numel()) == 0
+    error = (got.double() - want).abs()
+    assert bool((error <= ULPS * 2.0**-23 * want.abs() + 1e-30).all()), float((error / want.abs()).max())
+    nan = torch.tensor([float("nan")] * 3)
+    assert silu_mul(nan.data_ptr(), torch.ones(3).data_ptr(), 3) == 0
+    assert bool(nan.isnan().all())
+
+
+def test_where_c_does_not_compute_the_layers_they_stay_the_librarys_and_the_log_says_why() -> None:
+    """A model whose linear layers are not on the block kernel (plain fp32 weights), and a model of another
+    family."""
+    config = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=100,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(config).eval()
+    with capture_logs() as logs:
+        assert decoder.fuse(model, torch, kernel.build(DIRECTORY)) == 0
+    assert all(type(layer) is LlamaDecoderLayer for layer in model.model.layers)
+    reason = "no decoder layer is all on the fp32 block kernel"
+    assert logs == [{"event": "decoder_not_fused", "log_level": "info", "reason": reason}]
+    with capture_logs() as logs:
+        assert decoder.fuse(torch.nn.Sequential(torch.nn.Linear(4, 4)), torch, kernel.build(DIRECTORY)) == 0
+    assert logs == [{"event": "decoder_not_fused", "log_level": "info", "reason": "no Llama decoder layer"}]
+
+
+def test_a_probe_that_disagrees_leaves_every_layer_the_librarys(
+    settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The C half after the attention replaced by one that leaves its output as it was: the probe sees it."""
+    engine = HFEngine(settings.replace(fused_layers=False))
+    with capture_logs():
+        engine.load(StageClock())
+    layers = list(engine.model.model.layers)
+    assert all(type(layer) is LlamaDecoderLayer for layer in layers)  # the setting off: the library's layers
+    real = decoder.function
+
+    def broken(path: Path, name: str) -> Any:
+        if name != decoder.TAIL:
+            return real(path, name)
+        return ctypes.CFUNCTYPE(ctypes.c_int, *decoder._ARGUMENTS[name])(lambda *_args: 0)
+
+    monkeypatch.setattr(decoder, "function", broken)
+    with capture_logs() as logs:
+        assert decoder.fuse(engine.model, torch, kernel.build(DIRECTORY)) == 0
+    assert all(type(layer) is LlamaDecoderLayer and not hasattr(layer, "arithmetic") for layer in layers)
+    reason = "the C decoder layer disagrees with the library's on a probe"
+    assert logs == [{"event": "decoder_not_fused", "log_level": "warning", "reason": reason}]

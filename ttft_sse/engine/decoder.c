@@ -1,0 +1,167 @@
+/* A decoder layer's arithmetic around its attention, for CPU (ttft_sse/engine/decoder.py builds it with kernel.c).
+
+   A Llama decoder layer is, for each row x (hidden values):
+     h = norm(x);  q, k, v = h.Wq, h.Wk, h.Wv;  q, k = rotary(q), rotary(k)       (ttft_decoder_head)
+     attention, by the library's cache and the engine's attention function        (not here)
+     x = x + a.Wo;  h = norm(x);  x = x + (silu(h.Wg) * h.Wu).Wd                  (ttft_decoder_tail)
+   with norm(x) = w * (x * (1 / sqrt(mean(x^2) + eps))) and silu(g) = g / (1 + exp(-g)). Every linear layer is the
+   block kernel's (kernel.c), on the layer's GGUF blocks. Each step is one row's own arithmetic, so a row's result
+   does not depend on the other rows of the call, as with the kernel alone. The rotary embedding and the sums are
+   the same operations, rounded the same way, as transformers' torch code; the norm's mean sums in another order,
+   and exp is Cephes' polynomial (within 2 ulp of exp), so the results are within roundings of the library's layer
+   (decoder.py checks them against it at load). Built with -ffp-contract=off: only written fused multiply-adds fuse,
+   and this file writes none. */
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <xmmintrin.h>
+
+int ttft_blocks_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, int bits, const float *scale,
+                       const float *zero, int64_t N, float *y);
+
+#if defined(__AVX512F__)
+#define LANES 16
+#else
+#define LANES 8
+#endif
+typedef float vf __attribute__((vector_size(LANES * 4)));
+typedef int32_t vi __attribute__((vector_size(LANES * 4)));
+
+static inline vf splat(float x) { return (vf){0} + x; }
+static inline vf load(const float *p) {
+    vf v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+static inline void store(float *p, vf v) { memcpy(p, &v, sizeof v); }
+static inline vf pick(vi mask, vf a, vf b) { return (vf)((mask & (vi)a) | (~mask & (vi)b)); }
+
+/* exp(x) for x in [-87, 88] (clamped there; outside, silu is 0 or x to fp32 precision): Cephes' expf, the
+   polynomial of degree 7 on r = x - n ln2 (n = x / ln2 rounded to nearest), times 2^n built in the exponent. */
+static inline vf exp_(vf x) {
+    x = pick(x > splat(88.0f), splat(88.0f), x);
+    x = pick(x < splat(-87.0f), splat(-87.0f), x);
+    const float round = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer, held in the low bits */
+    vf t = x * splat(1.44269504088896341f) + splat(round);
+    vf n = t - splat(round);
+    vi whole = (vi)t - (vi)splat(round);
+    vf r = x - n * splat(0.693359375f) - n * splat(-2.12194440e-4f);
+    vf p = splat(1.9875691500e-4f);
+    p = p * r + splat(1.3981999507e-3f);
+    p = p * r + splat(8.3334519073e-3f);
+    p = p * r + splat(4.1665795894e-2f);
+    p = p * r + splat(1.6666665459e-1f);
+    p = p * r + splat(5.0000001201e-1f);
+    vf y = p * (r * r) + r + splat(1.0f);
+    return y * (vf)((whole + 127) << 23);
+}
+
+/* g[i] = silu(g[i]) * u[i], i < n. Returns 0. */
+int ttft_silu_mul(float *g, const float *u, int64_t n) {
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES) {
+        vf a = load(g + i);
+        store(g + i, a / (splat(1.0f) + exp_(-a)) * load(u + i));
+    }
+    if (i < n) { /* the tail, through a padded vector */
+        float a[LANES] = {0}, b[LANES] = {0};
+        memcpy(a, g + i, sizeof(float) * (n - i));
+        memcpy(b, u + i, sizeof(float) * (n - i));
+        vf s = load(a);
+        store(a, s / (splat(1.0f) + exp_(-s)) * load(b));
+        memcpy(g + i, a, sizeof(float) * (n - i));
+    }
+    return 0;
+}
+
+static void norm(const float *x, int64_t M, int64_t n, const float *w, float eps, float *y) {
+    for (int64_t r = 0; r < M; r++) {
+        const float *a = x + r * n;
+        float *b = y + r * n;
+        vf acc = splat(0.0f);
+        int64_t i = 0;
+        for (; i + LANES <= n; i += LANES) acc += load(a + i) * load(a + i);
+        float sum = 0.0f;
+        for (int j = 0; j < LANES; j++) sum += acc[j];
+        for (; i < n; i++) sum += a[i] * a[i];
+        float inverse = 1.0f / _mm_cvtss_f32(_mm_sqrt_ss(_mm_set_ss(sum / (float)n + eps)));
+        for (i = 0; i < n; i++) b[i] = w[i] * (a[i] * inverse);
+    }
+}
+
+/* q[r, h, :] = q * cos[r] + rotate_half(q) * sin[r] for every head h, with rotate_half(q) = (-q2, q1). */
+static void rotary(float *q, int64_t M, int64_t heads, int64_t dim, const float *cos, const float *sin) {
+    int64_t half = dim / 2;
+    float turned[512];
+    for (int64_t r = 0; r < M; r++) {
+        const float *c = cos + r * dim, *s = sin + r * dim;
+        for (int64_t h = 0; h < heads; h++) {
+            float *v = q + (r * heads + h) * dim;
+            for (int64_t i = 0; i < half; i++) turned[i] = -v[i + half];
+            for (int64_t i = half; i < dim; i++) turned[i] = v[i - half];
+            for (int64_t i = 0; i < dim; i++) v[i] = v[i] * c[i] + turned[i] * s[i];
+        }
+    }
+}
+
+struct linear { /* a layer in the block kernel's layout (kernel.py's panels) */
+    const uint8_t *codes;
+    const float *scale, *zero;
+    int64_t inputs, outputs, bits;
+};
+
+struct layer { /* decoder.py's Layer */
+    int64_t hidden, heads, kv_heads, dim, intermediate;
+    double eps;
+    const float *input_norm, *post_norm; /* weights */
+    struct linear q, k, v, o, gate, up, down;
+};
+
+static int multiply(const struct linear *l, const float *x, int64_t M, float *y) {
+    return ttft_blocks_linear(x, M, l->inputs, l->codes, (int)l->bits, l->scale, l->zero, l->outputs, y);
+}
+
+/* One buffer a thread, kept (as the kernel's): at every call, allocations of this size would map fresh pages. */
+static float *scratch(int64_t floats) {
+    static _Thread_local float *buffer = NULL;
+    static _Thread_local int64_t capacity = 0;
+    if (capacity < floats) {
+        float *grown = realloc(buffer, sizeof(float) * floats);
+        if (grown == NULL) return NULL;
+        buffer = grown;
+        capacity = floats;
+    }
+    return buffer;
+}
+
+/* Returns 0, -1 if a buffer cannot be allocated or the kernel refuses a layer, -2 for a head over 512 values. */
+int ttft_decoder_head(const struct layer *L, const float *x, int64_t M, const float *cos, const float *sin, float *q,
+                      float *k, float *v) {
+    if (L->dim > 512) return -2;
+    if (M <= 0) return 0;
+    float *h = scratch(M * L->hidden);
+    if (h == NULL) return -1;
+    norm(x, M, L->hidden, L->input_norm, (float)L->eps, h);
+    if (multiply(&L->q, h, M, q) || multiply(&L->k, h, M, k) || multiply(&L->v, h, M, v)) return -1;
+    rotary(q, M, L->heads, L->dim, cos, sin);
+    rotary(k, M, L->kv_heads, L->dim, cos, sin);
+    return 0;
+}
+
+/* out = the layer's output for rows x, given a (the attention's output, heads x dim a row). */
+int ttft_decoder_tail(const struct layer *L, const float *x, const float *a, int64_t M, float *out) {
+    if (M <= 0) return 0;
+    int64_t H = L->hidden, I = L->intermediate;
+    float *h = scratch(M * (H + 3 * I));
+    if (h == NULL) return -1;
+    float *g = h + M * H, *u = g + M * I, *d = u + M * I;
+    if (multiply(&L->o, a, M, out)) return -1;
+    for (int64_t i = 0; i < M * H; i++) out[i] = x[i] + out[i];
+    norm(out, M, H, L->post_norm, (float)L->eps, h);
+    if (multiply(&L->gate, h, M, g) || multiply(&L->up, h, M, u)) return -1;
+    ttft_silu_mul(g, u, M * I);
+    if (multiply(&L->down, g, M, d)) return -1;
+    for (int64_t i = 0; i < M * H; i++) out[i] = out[i] + d[i];
+    return 0;
+}

@@ -1,0 +1,222 @@
+"""Decoder layers in C around the library's cache and attention, on the block kernel (``TTFT_FUSED_LAYERS``).
+
+With the block kernel (engine/kernel.py) the matrix products of a decode step of the bundled model take a quarter
+of it on one stream: the rest is the ~40 torch calls and the Python of each of its 30 decoder layers (norms,
+projections, the rotary embedding, the MLP's activation, residual sums), each call a few µs whatever its size
+(measured with py-spy on the batching loop's thread, docs/benchmarks.md). :func:`fuse` makes each Llama decoder
+layer whose seven linear layers run on the kernel compute all of that in two C calls (``decoder.c``, built into the
+kernel's library): before its attention (norm, q/k/v, rotary) and after it (o, residual, norm, gate/up, SiLU times
+up, down, residual). Between them the layer calls the model's KV cache and attention function exactly as
+transformers' ``LlamaAttention`` does, so the batched engine's paged cache, the single engine's dense one and the
+prefill process's all work as before, and every engine runs the same arithmetic: a request's text is the same on
+each.
+
+The results are within roundings of the library's layer (the norm's mean sums in another order; exp is a
+polynomial): checked against it on a probe at load, else the layers stay as they were (``decoder_not_fused`` in the
+log, with the reason). Each row's result is its own arithmetic alone, as with the kernel: a stream's answer does not
+depend on its batch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from ttft_sse.engine import kernel, weights
+
+log = structlog.get_logger("ttft_sse.engine")
+
+HEAD, TAIL, SILU_MUL = "ttft_decoder_head", "ttft_decoder_tail", "ttft_silu_mul"
+"""decoder.c's functions."""
+LINEARS = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj"}
+LINEARS |= {"gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
+"""decoder.c's linear layers and the submodules of a Llama decoder layer that hold them."""
+PROBE_ROWS = 5
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+_ARGUMENTS = {
+    HEAD: (_PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR),  # layer, x, rows, cos, sin, q, k, v
+    TAIL: (_PTR, _PTR, _PTR, _I64, _PTR),  # layer, x, attention's output, rows, out
+    SILU_MUL: (_PTR, _PTR, _I64),  # g, u, n
+}
+
+
+class Linear(ctypes.Structure):
+    """decoder.c's ``struct linear``: a layer in the block kernel's layout."""
+
+    _fields_ = [
+        ("codes", _PTR),
+        ("scale", _PTR),
+        ("zero", _PTR),
+        ("inputs", _I64),
+        ("outputs", _I64),
+        ("bits", _I64),
+    ]
+
+
+class Layer(ctypes.Structure):
+    """decoder.c's ``struct layer``: a decoder layer's sizes, norm weights and linear layers."""
+
+    _fields_ = [
+        *((name, _I64) for name in ("hidden", "heads", "kv_heads", "dim", "intermediate")),
+        ("eps", ctypes.c_double),
+        ("input_norm", _PTR),
+        ("post_norm", _PTR),
+        *((name, Linear) for name in LINEARS),
+    ]
+
+
+def function(path: Path, name: str) -> Any:
+    """The function ``name`` of the kernel's library at ``path``."""
+    return kernel.load(path, name, _ARGUMENTS[name])
+
+
+def fuse(model: Any, torch: Any, library: Path) -> int:
+    """Make every Llama decoder layer of ``model`` whose linear layers all run on the block kernel in fp32 (built at
+    ``library``) a ``FusedDecoderLayer``, after checking one against the library's layer on a probe; returns how
+    many changed (0, logged with the reason, where none can or the probe disagrees)."""
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    candidates = [m for m in model.modules() if type(m) is LlamaDecoderLayer]
+    layers = [m for m in candidates if _fits(m, torch)]
+    if not layers:
+        reason = "no Llama decoder layer" if not candidates else "no decoder layer is all on the fp32 block kernel"
+        log.info("decoder_not_fused", reason=reason)
+        return 0
+    head, tail = function(library, HEAD), function(library, TAIL)
+    for layer in layers:
+        _attach(layer, head, tail)
+    try:
+        _check(layers[0], model, torch)
+    except (AttributeError, RuntimeError, TypeError) as exc:  # a model unlike Llama's around its layers
+        for layer in layers:
+            layer.__class__ = LlamaDecoderLayer
+            del layer.arithmetic, layer.norms, layer.address, layer.head, layer.tail
+        log.warning("decoder_not_fused", reason=str(exc))
+        return 0
+    log.info("decoder_fused", layers=len(layers), of=len(candidates))
+    return len(layers)
+
+
+def _fits(layer: Any, torch: Any) -> bool:
+    """Whether decoder.c computes ``layer``: its linear layers on the fp32 block kernel without biases, RMS norms,
+    SiLU, heads of at most 256 values."""
+    from transformers.activations import SiLUActivation
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    block = kernel.block_linear_class()
+    linears = [layer.get_submodule(path) for path in LINEARS.values()]
+    return (
+        all(type(m) is block and m.activations == "fp32" and m.bias is None for m in linears)
+        and all(
+            type(n) is LlamaRMSNorm and n.weight.dtype == torch.float32 and n.weight.is_contiguous()
+            for n in (layer.input_layernorm, layer.post_attention_layernorm)
+        )
+        and type(layer.mlp.act_fn) in (torch.nn.SiLU, SiLUActivation)
+        and layer.self_attn.head_dim % 2 == 0
+        and layer.self_attn.head_dim <= 256
+    )
+
+
+def _attach(layer: Any, head: Any, tail: Any) -> None:
+    attention, config = layer.self_attn, layer.self_attn.config
+
+    def linear(module: Any) -> Linear:
+        codes, scales, zeros = (a.data_ptr() for a in module.arrays)
+        return Linear(codes, scales, zeros, module.in_features, module.out_features, module.bits)
+
+    layer.arithmetic = Layer(
+        layer.input_layernorm.weight.shape[0],
+        config.num_attention_heads,
+        config.num_key_value_heads,
+        attention.head_dim,
+        layer.mlp.gate_proj.out_features,
+        float(layer.input_layernorm.variance_epsilon),
+        layer.input_layernorm.weight.data_ptr(),
+        layer.post_attention_layernorm.weight.data_ptr(),
+        *(linear(layer.get_submodule(path)) for path in LINEARS.values()),
+    )
+    # The norms' weights as decoder.c reads them, kept alive should their parameters be given other tensors.
+    layer.norms = (layer.input_layernorm.weight.data, layer.post_attention_layernorm.weight.data)
+    layer.address = ctypes.addressof(layer.arithmetic)
+    layer.head, layer.tail = head, tail
+    layer.__class__ = fused_layer_class()
+
+
+def _check(layer: Any, model: Any, torch: Any) -> None:
+    """``layer`` against the library's layer it was, on a probe of causal rows without a cache."""
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    hidden = layer.arithmetic.hidden
+    rows = weights.probe_rows(torch, PROBE_ROWS, hidden)[None] * 4.0
+    positions = torch.arange(PROBE_ROWS)[None]
+    embeddings = model.model.rotary_emb(rows, position_ids=positions)
+    with torch.no_grad():
+        want = LlamaDecoderLayer.forward(layer, rows, position_ids=positions, position_embeddings=embeddings)
+        got = layer(rows, position_ids=positions, position_embeddings=embeddings)
+    if float((got - want).abs().max()) > 1e-4 * max(1.0, float(want.abs().max())):
+        raise RuntimeError("the C decoder layer disagrees with the library's on a probe")
+
+
+@functools.cache
+def fused_layer_class() -> type[Any]:
+    """transformers' ``LlamaDecoderLayer`` with its arithmetic in decoder.c, its cache and attention the model's."""
+    import torch
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, eager_attention_forward
+
+    class FusedDecoderLayer(LlamaDecoderLayer):  # type: ignore[misc]
+        arithmetic: Layer  # what decoder.c reads (its pointers: the norm weights and the kernel's arrays)
+        norms: tuple[Any, Any]  # the tensors behind arithmetic's norm weights
+        address: int  # arithmetic's
+        head: Any
+        tail: Any
+
+        def forward(
+            self,
+            hidden_states: Any,
+            attention_mask: Any = None,
+            position_ids: Any = None,
+            cache: Any = None,
+            use_cache: bool | None = False,
+            position_embeddings: tuple[Any, Any] | None = None,
+            **kwargs: Any,
+        ) -> Any:
+            assert position_embeddings is not None, "Llama's model passes every layer its rotary embedding"
+            attention, layer = self.self_attn, self.arithmetic
+            shape = hidden_states.shape[:-1]
+            x = hidden_states.contiguous()  # fp32: fuse() takes only layers on the fp32 kernel
+            # A row of positions for several sequences side by side (the prefill process's) serves each of them.
+            cos, sin = (t.expand(*shape, layer.dim).contiguous() for t in position_embeddings)
+            rows = x.numel() // layer.hidden
+            q = torch.empty((*shape, layer.heads * layer.dim))
+            k, v = torch.empty((*shape, layer.kv_heads * layer.dim)), torch.empty((*shape, layer.kv_heads * layer.dim))
+            status = self.head(
+                self.address, x.data_ptr(), rows, cos.data_ptr(), sin.data_ptr(), q.data_ptr(), k.data_ptr(),
+                v.data_ptr(),
+            )  # fmt: skip
+            if status != 0:
+                raise RuntimeError(f"the C decoder layer failed before its attention ({status})")
+            # From here as transformers' LlamaAttention: the model's cache and attention function, the same arguments.
+            heads = (*shape, -1, layer.dim)
+            query, key, value = (t.view(heads).transpose(1, 2) for t in (q, k, v))
+            kwargs = {"position_ids": position_ids, "use_cache": use_cache, **kwargs}
+            if cache is not None:
+                key, value = cache.update(key, value, attention.layer_idx, kwargs=kwargs)
+            attend = ALL_ATTENTION_FUNCTIONS.get_interface(
+                attention.config._attn_implementation, eager_attention_forward
+            )
+            out, _ = attend(
+                attention, query, key, value, attention_mask, dropout=0.0, scaling=attention.scaling, **kwargs
+            )
+            out = out.reshape(*shape, -1).contiguous()
+            y = torch.empty_like(x)
+            status = self.tail(self.address, x.data_ptr(), out.data_ptr(), rows, y.data_ptr())
+            if status != 0:
+                raise RuntimeError(f"the C decoder layer failed after its attention ({status})")
+            return y
+
+    return FusedDecoderLayer
