@@ -24,7 +24,8 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer  # noqa: 
 
 DIRECTORY = CACHE_DIR / KERNEL_DIR
 ULPS = 2
-"""How far silu(g) * u may be from its fp64 value, in fp32 roundings (2^-23 of it): torch's own fp32 silu(g) * u is up to 1.53 away."""
+"""How far silu(g) * u may be from its fp64 value, in fp32 roundings (2^-23 of it); torch's own fp32 silu(g) * u
+is up to 1.53 away."""
 
 
 @pytest.fixture(scope="module")
