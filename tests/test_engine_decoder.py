@@ -98,28 +98,32 @@ def test_the_fused_model_gives_the_librarys_logits_within_roundings_and_the_same
         assert not torch.equal(g, w)  # it really ran other code (the norms sum in another order)
 
 
-def test_each_row_is_the_same_bits_whatever_else_the_call_holds(loaded: tuple[HFEngine, list[dict[str, Any]]]) -> None:
-    """decoder.c's two halves, called directly on a layer of the bundled model: 9 rows at once and one by one."""
+@pytest.mark.parametrize("count", [9, 150])
+def test_each_row_is_the_same_bits_whatever_else_the_call_holds(
+    loaded: tuple[HFEngine, list[dict[str, Any]]], count: int
+) -> None:
+    """decoder.c's two halves, called directly on a layer of the bundled model: ``count`` rows at once (150: three
+    chunks of its buffer) and one by one."""
     engine, _ = loaded
     layer = engine.model.model.layers[3]
     numbers = layer.arithmetic
     generator = torch.Generator().manual_seed(0)
-    x = torch.randn(9, numbers.hidden, generator=generator)
-    cos, sin = torch.rand(9, numbers.dim, generator=generator), torch.rand(9, numbers.dim, generator=generator)
-    a = torch.randn(9, numbers.heads * numbers.dim, generator=generator)
+    x = torch.randn(count, numbers.hidden, generator=generator)
+    cos, sin = (torch.rand(count, numbers.dim, generator=generator) for _ in range(2))
+    a = torch.randn(count, numbers.heads * numbers.dim, generator=generator)
 
     def halves(rows: slice) -> list[Any]:
         out = [
             torch.empty(x[rows].shape[0], n * numbers.dim) for n in (numbers.heads, numbers.kv_heads, numbers.kv_heads)
         ]
-        pointers = [t.contiguous().data_ptr() for t in (x[rows], cos[rows], sin[rows])]
+        pointers = [t[rows].data_ptr() for t in (x, cos, sin)]  # rows of contiguous tensors: contiguous
         assert layer.head(layer.address, pointers[0], out[0].shape[0], *pointers[1:], *(t.data_ptr() for t in out)) == 0
         y = torch.empty(out[0].shape[0], numbers.hidden)
         assert layer.tail(layer.address, x[rows].data_ptr(), a[rows].data_ptr(), y.shape[0], y.data_ptr()) == 0
         return [*out, y]
 
-    together = halves(slice(0, 9))
-    alone = [torch.cat(parts) for parts in zip(*(halves(slice(i, i + 1)) for i in range(9)), strict=True)]
+    together = halves(slice(0, count))
+    alone = [torch.cat(parts) for parts in zip(*(halves(slice(i, i + 1)) for i in range(count)), strict=True)]
     for both, one in zip(together, alone, strict=True):
         assert torch.equal(both, one)
     assert all(bool(t.abs().sum() > 0) for t in together)

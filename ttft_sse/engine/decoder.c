@@ -122,7 +122,12 @@ static int multiply(const struct linear *l, const float *x, int64_t M, float *y)
     return ttft_blocks_linear(x, M, l->inputs, l->codes, (int)l->bits, l->scale, l->zero, l->outputs, y);
 }
 
-/* One buffer a thread, kept (as the kernel's): at every call, allocations of this size would map fresh pages. */
+/* One buffer a thread, kept (as the kernel's): at every call, allocations of this size would map fresh pages. Calls
+   take their rows CHUNK at a time, so that it stays small (1.3 MB for the bundled model) whatever a prompt's length.
+   Measured (the bundled model's 30 layers, 64, 200 and 500 rows, alternated, best of 4, two runs): 0.90-1.08x the
+   time of whole calls, within the machine's noise; 128 and 256 rows a chunk alike. */
+#define CHUNK 64
+
 static float *scratch(int64_t floats) {
     static _Thread_local float *buffer = NULL;
     static _Thread_local int64_t capacity = 0;
@@ -139,29 +144,37 @@ static float *scratch(int64_t floats) {
 int ttft_decoder_head(const struct layer *L, const float *x, int64_t M, const float *cos, const float *sin, float *q,
                       float *k, float *v) {
     if (L->dim > 512) return -2;
-    if (M <= 0) return 0;
-    float *h = scratch(M * L->hidden);
+    int64_t H = L->hidden, Q = L->heads * L->dim, KV = L->kv_heads * L->dim;
+    float *h = scratch(CHUNK * H);
     if (h == NULL) return -1;
-    norm(x, M, L->hidden, L->input_norm, (float)L->eps, h);
-    if (multiply(&L->q, h, M, q) || multiply(&L->k, h, M, k) || multiply(&L->v, h, M, v)) return -1;
-    rotary(q, M, L->heads, L->dim, cos, sin);
-    rotary(k, M, L->kv_heads, L->dim, cos, sin);
+    for (int64_t r = 0; r < M; r += CHUNK) {
+        int64_t m = M - r < CHUNK ? M - r : CHUNK;
+        norm(x + r * H, m, H, L->input_norm, (float)L->eps, h);
+        if (multiply(&L->q, h, m, q + r * Q) || multiply(&L->k, h, m, k + r * KV) || multiply(&L->v, h, m, v + r * KV))
+            return -1;
+        rotary(q + r * Q, m, L->heads, L->dim, cos + r * L->dim, sin + r * L->dim);
+        rotary(k + r * KV, m, L->kv_heads, L->dim, cos + r * L->dim, sin + r * L->dim);
+    }
     return 0;
 }
 
 /* out = the layer's output for rows x, given a (the attention's output, heads x dim a row). */
 int ttft_decoder_tail(const struct layer *L, const float *x, const float *a, int64_t M, float *out) {
-    if (M <= 0) return 0;
-    int64_t H = L->hidden, I = L->intermediate;
-    float *h = scratch(M * (H + 3 * I));
+    int64_t H = L->hidden, I = L->intermediate, A = L->heads * L->dim;
+    float *h = scratch(CHUNK * (H + 3 * I));
     if (h == NULL) return -1;
-    float *g = h + M * H, *u = g + M * I, *d = u + M * I;
-    if (multiply(&L->o, a, M, out)) return -1;
-    for (int64_t i = 0; i < M * H; i++) out[i] = x[i] + out[i];
-    norm(out, M, H, L->post_norm, (float)L->eps, h);
-    if (multiply(&L->gate, h, M, g) || multiply(&L->up, h, M, u)) return -1;
-    ttft_silu_mul(g, u, M * I);
-    if (multiply(&L->down, g, M, d)) return -1;
-    for (int64_t i = 0; i < M * H; i++) out[i] = out[i] + d[i];
+    float *g = h + CHUNK * H, *u = g + CHUNK * I, *d = u + CHUNK * I;
+    for (int64_t r = 0; r < M; r += CHUNK) {
+        int64_t m = M - r < CHUNK ? M - r : CHUNK;
+        float *y = out + r * H;
+        const float *xr = x + r * H;
+        if (multiply(&L->o, a + r * A, m, y)) return -1;
+        for (int64_t i = 0; i < m * H; i++) y[i] = xr[i] + y[i];
+        norm(y, m, H, L->post_norm, (float)L->eps, h);
+        if (multiply(&L->gate, h, m, g) || multiply(&L->up, h, m, u)) return -1;
+        ttft_silu_mul(g, u, m * I);
+        if (multiply(&L->down, g, m, d)) return -1;
+        for (int64_t i = 0; i < m * H; i++) y[i] = y[i] + d[i];
+    }
     return 0;
 }
