@@ -19,6 +19,11 @@
 
 int ttft_blocks_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, int bits, const float *scale,
                        const float *zero, int64_t N, float *y);
+struct ttft_buffer {
+    float *floats;
+    int64_t capacity;
+};
+float *ttft_grow(struct ttft_buffer *b, int64_t floats);
 
 #if defined(__AVX512F__)
 #define LANES 16
@@ -122,22 +127,15 @@ static int multiply(const struct linear *l, const float *x, int64_t M, float *y)
     return ttft_blocks_linear(x, M, l->inputs, l->codes, (int)l->bits, l->scale, l->zero, l->outputs, y);
 }
 
-/* One buffer a thread, kept (as the kernel's): at every call, allocations of this size would map fresh pages. Calls
-   take their rows CHUNK at a time, so that it stays small (1.3 MB for the bundled model) whatever a prompt's length.
-   Measured (the bundled model's 30 layers, 64, 200 and 500 rows, alternated, best of 4, two runs): 0.90-1.08x the
-   time of whole calls, within the machine's noise; 128 and 256 rows a chunk alike. */
+/* One buffer a thread, kept (kernel.c's ttft_grow). Calls take their rows CHUNK at a time, so that it stays small
+   (1.3 MB for the bundled model) whatever a prompt's length. Measured (the bundled model's 30 layers, 64, 200 and
+   500 rows, alternated, best of 4, two runs): 0.90-1.08x the time of whole calls, within the machine's noise; 128
+   and 256 rows a chunk alike. */
 #define CHUNK 64
 
 static float *scratch(int64_t floats) {
-    static _Thread_local float *buffer = NULL;
-    static _Thread_local int64_t capacity = 0;
-    if (capacity < floats) {
-        float *grown = realloc(buffer, sizeof(float) * floats);
-        if (grown == NULL) return NULL;
-        buffer = grown;
-        capacity = floats;
-    }
-    return buffer;
+    static _Thread_local struct ttft_buffer kept = {NULL, 0};
+    return ttft_grow(&kept, floats);
 }
 
 /* Returns 0, -1 if a buffer cannot be allocated or the kernel refuses a layer, -2 for a head over 512 values. */

@@ -131,19 +131,18 @@ def _attach(layer: Any, head: Any, tail: Any) -> None:
         codes, scales, zeros = (a.data_ptr() for a in module.arrays)
         return Linear(codes, scales, zeros, module.in_features, module.out_features, module.bits)
 
+    # The norms' weights as decoder.c reads them, kept alive should their parameters be given other tensors.
+    layer.norms = (layer.input_layernorm.weight.data, layer.post_attention_layernorm.weight.data)
     layer.arithmetic = Layer(
-        layer.input_layernorm.weight.shape[0],
+        layer.norms[0].shape[0],
         config.num_attention_heads,
         config.num_key_value_heads,
         attention.head_dim,
         layer.mlp.gate_proj.out_features,
         float(layer.input_layernorm.variance_epsilon),
-        layer.input_layernorm.weight.data_ptr(),
-        layer.post_attention_layernorm.weight.data_ptr(),
+        *(weight.data_ptr() for weight in layer.norms),
         *(linear(layer.get_submodule(path)) for path in LINEARS.values()),
     )
-    # The norms' weights as decoder.c reads them, kept alive should their parameters be given other tensors.
-    layer.norms = (layer.input_layernorm.weight.data, layer.post_attention_layernorm.weight.data)
     layer.address = ctypes.addressof(layer.arithmetic)
     layer.head, layer.tail = head, tail
     layer.__class__ = fused_layer_class()
@@ -160,7 +159,7 @@ def _check(layer: Any, model: Any, torch: Any) -> None:
     with torch.no_grad():
         want = LlamaDecoderLayer.forward(layer, rows, position_ids=positions, position_embeddings=embeddings)
         got = layer(rows, position_ids=positions, position_embeddings=embeddings)
-    if float((got - want).abs().max()) > 1e-4 * max(1.0, float(want.abs().max())):
+    if not weights.agrees(got, want):
         raise RuntimeError("the C decoder layer disagrees with the library's on a probe")
 
 

@@ -220,22 +220,33 @@ static void expand(const uint8_t *codes, int bits, const float *scale, const flo
    larger ones last: the rows of tile t of `tiles`, r rows before it. */
 static inline int64_t tile_rows(int64_t M, int64_t r, int64_t t, int64_t tiles) { return (M - r) / (tiles - t); }
 
+/* A buffer kept by its owner (one a thread), grown to at least `floats` floats; NULL if it cannot be. Kept, because
+   allocating it at every call would map and fault in fresh pages. decoder.c keeps one too. */
+struct ttft_buffer {
+    float *floats;
+    int64_t capacity;
+};
+
+float *ttft_grow(struct ttft_buffer *b, int64_t floats) {
+    if (b->capacity < floats) {
+        float *grown = realloc(b->floats, sizeof(float) * floats);
+        if (grown == NULL) return NULL;
+        b->floats = grown;
+        b->capacity = floats;
+    }
+    return b->floats;
+}
+
 /* Returns 0, or -1 if K is not whole blocks, bits is neither 4 nor 8, or the buffer cannot be allocated. Calls of
    up to FUSED_ROWS rows expand the codes in registers in every tile; longer ones expand GROUP panels at a time into
    a buffer once, and their tiles read them there. */
 int ttft_blocks_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, int bits, const float *scale,
                        const float *zero, int64_t N, float *y) {
-    /* One buffer a thread, kept: allocating it at every call would map and fault in fresh pages. */
-    static _Thread_local float *buffer = NULL;
-    static _Thread_local int64_t capacity = 0;
+    static _Thread_local struct ttft_buffer kept = {NULL, 0};
     if (K % BLOCK != 0 || (bits != 4 && bits != 8)) return -1;
     if (M <= 0) return 0;
-    if (M > FUSED_ROWS && capacity < GROUP * P * K) {
-        float *grown = realloc(buffer, sizeof(float) * GROUP * P * K);
-        if (grown == NULL) return -1;
-        buffer = grown;
-        capacity = GROUP * P * K;
-    }
+    float *buffer = M > FUSED_ROWS ? ttft_grow(&kept, GROUP * P * K) : NULL;
+    if (M > FUSED_ROWS && buffer == NULL) return -1;
     int64_t all = (N + P - 1) / P, panel_bytes = K * P * bits / 8, blocks = K / BLOCK;
     for (int64_t p = 0; p < all; p += GROUP) {
         int group = all - p < GROUP ? (int)(all - p) : GROUP;

@@ -108,6 +108,11 @@ def probe_rows(torch: Any, rows: int, features: int) -> Any:
     return torch.linspace(-1.0, 1.0, rows * features).reshape(rows, features)
 
 
+def agrees(got: Any, want: Any) -> bool:
+    """Whether a probe's result is its reference's to within 1e-4 of the reference's largest value (of 1 at least)."""
+    return float((got - want).abs().max()) <= 1e-4 * max(1.0, float(want.abs().max()))
+
+
 @functools.cache
 def packed_linear_class() -> type[Any]:
     """``torch.nn.Linear`` with a pre-packed weight beside its own, taken for :data:`PACKED_ROWS` rows."""
