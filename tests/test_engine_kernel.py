@@ -4,6 +4,7 @@ engine/kernel.c)."""
 from __future__ import annotations
 
 import subprocess
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -37,10 +38,10 @@ def one_thread() -> Any:
 
 
 def skip_without_int8() -> None:
-    """Int8 rows are built for CPUs with AVX-512 VNNI only (elsewhere the engine keeps fp32 rows and says so: the
-    test of that runs everywhere)."""
+    """Int8 rows are built for CPUs with AVX-512 VNNI or AVX2 and F16C (elsewhere the engine keeps fp32 rows and
+    says so: the test of that runs everywhere)."""
     if not kernel.takes_int8(kernel.build(DIRECTORY)):
-        pytest.skip("the CPU has no AVX-512 VNNI: the kernel has no int8 rows here")
+        pytest.skip("the CPU has neither AVX-512 VNNI nor AVX2 with F16C: the kernel has no int8 rows here")
 
 
 def block_layer(
@@ -123,6 +124,58 @@ def test_int8_rows_give_the_product_of_the_weights_and_the_rows_quantised_per_bl
     assert np.abs(got - fp32).max() > 1e-4 * np.abs(fp32).max()  # the rows really were quantised
 
 
+def exact_fma32(a: float, b: float, c: float) -> np.float32:
+    """fma(a, b, c) in fp32: a * b + c exactly, rounded once to the nearest fp32 (halves to even)."""
+    exact = Fraction(a) * Fraction(b) + Fraction(c)
+    near = np.float32(float(exact))  # within one fp32 step of the exact value (rounded twice)
+    candidates = [np.nextafter(near, np.float32(-np.inf)), near, np.nextafter(near, np.float32(np.inf))]
+    return min(candidates, key=lambda v: (abs(Fraction(float(v)) - exact), int(v.view(np.uint32)) & 1))
+
+
+def int8_rows_exactly(x: np.ndarray, blocks_of: codes.Codes) -> np.ndarray:
+    """What kernel.c's int8 rows must give, bit for bit, on every build: the rows quantised in fp32 (steps d =
+    max|x| / 127 of a block), the exact integer sums of unsigned codes times steps, then per block
+    acc = fma(sum, fp32(scale * d), acc) and acc = fma(offset, fp32(d * sum(steps)), acc), from zero."""
+    rows, inputs = x.shape
+    out = blocks_of.q.shape[0]
+    shift = 8 if blocks_of.bits == 4 else 128
+    unsigned = blocks_of.q.astype(np.int64) + shift
+    scale = blocks_of.scale.astype(np.float16).astype(np.float32)
+    offset = (blocks_of.zero - shift * blocks_of.scale).astype(np.float16).astype(np.float32)
+    by_block = x.astype(np.float32).reshape(rows, -1, 32)
+    largest = np.abs(by_block).max(axis=-1)
+    d = largest / np.float32(127)
+    inverse = np.divide(np.float32(127), largest, out=np.zeros_like(largest), where=largest > 0)
+    steps = np.rint(by_block * inverse[..., None]).astype(np.int64)  # fp32 products, rounded halves to even
+    ds = d * steps.sum(-1).astype(np.float32)
+    got = np.zeros((rows, out), np.float32)
+    for b in range(inputs // 32):
+        sums = steps[:, b] @ unsigned[:, 32 * b : 32 * b + 32].T  # exact integers
+        for r in range(rows):
+            for n in range(out):
+                acc = exact_fma32(float(sums[r, n]), float(scale[n, b] * d[r, b]), float(got[r, n]))
+                got[r, n] = exact_fma32(float(offset[n, b]), float(ds[r, b]), float(acc))
+    return got
+
+
+@pytest.mark.parametrize("build", ["native", "avx2"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+def test_int8_rows_are_the_same_bits_on_every_build(kind: str, build: str, avx2_build: Path) -> None:
+    """The integer sums are exact on both builds (AVX-512 VNNI, and AVX2's 16-bit sums and signed 8-bit codes), and
+    the fp32 operations after them are the same in the same order: the same bits as the exact reference, so as
+    each other. 38 outputs (a padded panel), 9 rows (uneven tiles), and blocks of outliers, zeros and halves."""
+    blocks, _ = quantised((38, 96), kind)
+    found = codes.decode(blocks, int(KINDS[kind]), (38, 96))
+    layer, _ = block_layer(kind, (38, 96), avx2_build if build == "avx2" else None, "int8")
+    x = np.random.default_rng(3).standard_normal((9, 96)).astype(np.float32)
+    x[0, :32] *= 50
+    x[-1, 32:64] = 0
+    x[2, 64:96] = np.arange(-16, 16) / np.float32(2)  # steps of exactly k + 1/2 (127 / 8 a step): halves to even
+    with torch.no_grad():
+        got = layer(torch.from_numpy(x)).numpy()
+    assert np.array_equal(got.view(np.uint32), int8_rows_exactly(x, found).view(np.uint32))
+
+
 def test_a_layer_keeps_its_input_shape_and_adds_its_bias() -> None:
     layer, dense = block_layer("Q4_1", (40, 64))
     layer.bias = torch.nn.Parameter(torch.linspace(-1, 1, 40), requires_grad=False)
@@ -194,11 +247,11 @@ def test_apply_puts_exactly_the_layers_the_file_holds_as_blocks_on_the_kernel(
     assert least <= error <= most, error
 
 
-def test_on_a_cpu_without_avx512_vnni_int8_rows_fall_back_to_fp32_and_the_log_says_so(
+def test_on_a_cpu_without_avx512_vnni_or_f16c_int8_rows_fall_back_to_fp32_and_the_log_says_so(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     model, path = tiny_model(tmp_path)
-    monkeypatch.setattr(kernel, "FLAGS", (*kernel.FLAGS, "-mno-avx512vnni"))
+    monkeypatch.setattr(kernel, "FLAGS", (*kernel.FLAGS, "-mno-avx512vnni", "-mno-f16c"))
     with capture_logs() as logs:
         got = kernel.apply(model, path, torch, directory=tmp_path / "kernels", activations="int8")
     assert got == "fp32"
@@ -206,7 +259,7 @@ def test_on_a_cpu_without_avx512_vnni_int8_rows_fall_back_to_fp32_and_the_log_sa
     assert logs[1] == {
         "event": "activations_not_int8",
         "log_level": "warning",
-        "reason": "the CPU has no AVX-512 VNNI: the rows stay fp32",
+        "reason": "the CPU has neither AVX-512 VNNI nor AVX2 with F16C: the rows stay fp32",
     }
     assert [getattr(layer, "activations", None) for layer in model] == ["fp32", "fp32", None]
 

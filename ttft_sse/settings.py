@@ -51,10 +51,10 @@ class Settings:
     # blocks, in fp32 (engine/kernel.py).
     gguf_kernel: bool = True
     # The block kernel's rows: "fp32", the fp32 model's arithmetic; "int8", quantised per block of 32 inputs as
-    # llama.cpp does (AVX-512 VNNI): faster, other answers.
+    # llama.cpp does (AVX-512 VNNI or AVX2): faster, other answers.
     gguf_activations: str = "fp32"
-    # With the block kernel in fp32: each Llama decoder layer's norms, projections, rotary embedding and MLP in two C
-    # calls around its attention instead of ~40 torch calls (engine/decoder.py).
+    # With the block kernel (fp32 or int8 rows): each Llama decoder layer's norms, projections, rotary embedding and
+    # MLP in two C calls around its attention instead of ~40 torch calls (engine/decoder.py).
     fused_layers: bool = True
     # fp32 on CPU, a GGUF model: layers stored as Q4_0/Q4_1 run on torch's int4 kernel from the file's blocks, in
     # bf16 (engine/int4.py); before the block kernel when both are on.

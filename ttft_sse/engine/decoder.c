@@ -5,12 +5,13 @@
      attention, by the library's cache and the engine's attention function        (not here)
      x = x + a.Wo;  h = norm(x);  x = x + (silu(h.Wg) * h.Wu).Wd                  (ttft_decoder_tail)
    with norm(x) = w * (x * (1 / sqrt(mean(x^2) + eps))) and silu(g) = g / (1 + exp(-g)). Every linear layer is the
-   block kernel's (kernel.c), on the layer's GGUF blocks. Each step is one row's own arithmetic, so a row's result
-   does not depend on the other rows of the call, as with the kernel alone. The rotary embedding and the sums are
-   the same operations, rounded the same way, as transformers' torch code; the norm's mean sums in another order,
-   and exp is Cephes' polynomial (within 2 ulp of exp), so the results are within roundings of the library's layer
-   (decoder.py checks them against it at load). Built with -ffp-contract=off: only written fused multiply-adds fuse,
-   and this file writes none. */
+   block kernel's (kernel.c), on the layer's GGUF blocks, with fp32 rows or rows quantised to int8. Each step is one
+   row's own arithmetic, so a row's result does not depend on the other rows of the call, as with the kernel alone.
+   The rotary embedding and the sums are the same operations, rounded the same way, as transformers' torch code; the
+   norm's mean sums in another order, and exp is Cephes' polynomial (within 2 ulp of exp), so the results are
+   within roundings of the library's layer (decoder.py checks them against it at load; with int8 rows a rounding
+   can move a value across a step, by 1/127 of its block's largest). Built with -ffp-contract=off: only written
+   fused multiply-adds fuse, and this file writes none. */
 
 #include <stdint.h>
 #include <stdlib.h>
@@ -19,6 +20,7 @@
 
 int ttft_blocks_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, int bits, const float *scale,
                        const float *zero, int64_t N, float *y);
+int ttft_q8_linear(const float *x, int64_t M, int64_t K, const uint8_t *records, int bits, int64_t N, float *y);
 struct ttft_buffer {
     float *floats;
     int64_t capacity;
@@ -110,10 +112,11 @@ static void rotary(float *q, int64_t M, int64_t heads, int64_t dim, const float 
     }
 }
 
-struct linear { /* a layer in the block kernel's layout (kernel.py's panels) */
-    const uint8_t *codes;
+struct linear { /* a layer in the block kernel's layout */
+    const uint8_t *codes; /* fp32 rows: kernel.py's panels, with scale and zero; int8 rows: its records */
     const float *scale, *zero;
     int64_t inputs, outputs, bits;
+    int64_t int8; /* rows quantised to int8 (TTFT_GGUF_ACTIVATIONS=int8) */
 };
 
 struct layer { /* decoder.py's Layer */
@@ -124,6 +127,7 @@ struct layer { /* decoder.py's Layer */
 };
 
 static int multiply(const struct linear *l, const float *x, int64_t M, float *y) {
+    if (l->int8) return ttft_q8_linear(x, M, l->inputs, l->codes, (int)l->bits, l->outputs, y);
     return ttft_blocks_linear(x, M, l->inputs, l->codes, (int)l->bits, l->scale, l->zero, l->outputs, y);
 }
 

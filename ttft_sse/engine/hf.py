@@ -163,7 +163,7 @@ class HFEngine:
                 )
             # The layers left (none of the bundled model's with the block kernel) get the fp32 layouts.
             layout = weights.arrange(model, torch, packed=settings.packed_weights)
-            if activations == "fp32" and settings.fused_layers:  # after arrange: it copies the norms' weights
+            if activations is not None and settings.fused_layers:  # after arrange: it copies the norms' weights
                 decoder.fuse(model, torch, kernel.build(settings.cache_dir / KERNEL_DIR))
             if activations is not None:
                 blocks = "gguf-blocks-int8" if activations == "int8" else "gguf-blocks"

@@ -27,10 +27,11 @@ depend on the batch it shares steps with, which oneDNN's GEMMs, whose blocking d
 promise.
 
 ``TTFT_GGUF_ACTIVATIONS=int8`` (off by default) quantises each row first, per block of 32 inputs, to int8 steps of
-max|x| / 127, as llama.cpp does for these formats, and multiplies by the codes in integers (AVX-512 VNNI, laid out
-by :func:`records`). The bundled model's 211 layers, one thread, ms a pass, fp32 rows against int8 rows (best of
-5, alternated, ``/tmp`` script): 1 row 15.9 against 9.1, 8 rows 26.2 against 13.7, 37 rows 71.7 against 36.1, 128
-rows 219.5 against 113.1. Each row's result is still independent of the others in the call, but not of rounding:
+max|x| / 127, as llama.cpp does for these formats, and multiplies by the codes in integers (AVX-512 VNNI, or AVX2
+with F16C; laid out by :func:`records`; both builds give the same bits). The bundled model's 211 layers, one
+thread, ms a pass, fp32 rows against int8 rows (best of 5, alternated, ``/tmp`` script), AVX-512 VNNI: 1 row 15.9
+against 9.1, 8 rows 26.2 against 13.7, 37 rows 71.7 against 36.1, 128 rows 219.5 against 113.1; AVX2: see
+docs/benchmarks.md. Each row's result is still independent of the others in the call, but not of rounding:
 an activation that moves by an fp32 rounding can cross a step and move by 1/127 of its block. So the answers are
 the int8 model's, not the fp32 model's: off by default (docs/benchmarks.md). With the masked attention they also
 changed with the batch (its sums depend on the batch by fp32 roundings, which fp32 rows absorb); with attention
@@ -142,7 +143,8 @@ def function(path: Path, name: str = FP32) -> Any:
 
 
 def takes_int8(path: Path) -> bool:
-    """Whether the library at ``path`` multiplies int8 rows (it was built for a CPU with AVX-512 VNNI)."""
+    """Whether the library at ``path`` multiplies int8 rows (it was built for a CPU with AVX-512 VNNI, or AVX2 and
+    F16C)."""
     return bool(function(path, INT8)(None, 0, gguf_codes.BLOCK, None, 4, 0, None) == 0)
 
 
@@ -168,8 +170,8 @@ def apply(
     """Make every fp32 linear layer of ``model`` whose weight the GGUF file at ``gguf_path`` holds as Q4_0, Q4_1 or
     Q8_0 a ``BlockLinear`` on those codes, with the kernel built in ``directory``; the codes are kept in ``cache``
     for the next start (engine/codes.py). ``activations``: ``"int8"`` quantises each row per block of 32 inputs
-    first, as llama.cpp does (on a CPU without AVX-512 VNNI the log says so and the rows stay fp32); ``"fp32"``
-    keeps the fp32 model's arithmetic.
+    first, as llama.cpp does (on a CPU with neither AVX-512 VNNI nor AVX2 and F16C the log says so and the rows stay
+    fp32); ``"fp32"`` keeps the fp32 model's arithmetic.
 
     Returns the activations the layers use, or None when nothing changed: logged with the reason when the kernel
     cannot be built or disagrees with its reference on a probe. A changed layer drops its fp32 weight unless
@@ -185,7 +187,8 @@ def apply(
         log.warning("weights_not_blocks", reason=f"the kernel was not built: {exc}")
         return None
     if activations == "int8" and not takes_int8(library):
-        log.warning("activations_not_int8", reason="the CPU has no AVX-512 VNNI: the rows stay fp32")
+        reason = "the CPU has neither AVX-512 VNNI nor AVX2 with F16C: the rows stay fp32"
+        log.warning("activations_not_int8", reason=reason)
         activations = "fp32"
     kernel = function(library, INT8 if activations == "int8" else FP32)
     layers = {

@@ -108,9 +108,9 @@ def probe_rows(torch: Any, rows: int, features: int) -> Any:
     return torch.linspace(-1.0, 1.0, rows * features).reshape(rows, features)
 
 
-def agrees(got: Any, want: Any) -> bool:
-    """Whether a probe's result is its reference's to within 1e-4 of the reference's largest value (of 1 at least)."""
-    return float((got - want).abs().max()) <= 1e-4 * max(1.0, float(want.abs().max()))
+def agrees(got: Any, want: Any, within: float = 1e-4) -> bool:
+    """Whether a probe's result is its reference's to ``within`` of the reference's largest value (of 1 at least)."""
+    return float((got - want).abs().max()) <= within * max(1.0, float(want.abs().max()))
 
 
 @functools.cache
