@@ -221,7 +221,7 @@ static void expand(const uint8_t *codes, int bits, const float *scale, const flo
 static inline int64_t tile_rows(int64_t M, int64_t r, int64_t t, int64_t tiles) { return (M - r) / (tiles - t); }
 
 /* A buffer kept by its owner (one a thread), grown to at least `floats` floats; NULL if it cannot be. Kept, because
-   allocating it at every call would map and fault in fresh pages. decoder.c keeps one too. */
+   allocating it at every call would map and fault in fresh pages. The int8 rows and decoder.c keep one too. */
 struct ttft_buffer {
     float *floats;
     int64_t capacity;
@@ -536,19 +536,15 @@ static inline __attribute__((always_inline)) void q_tile(int rows, int panels, c
 
 /* Returns 0; -1 if K is not whole blocks, bits is neither 4 nor 8, or the row buffer cannot be allocated. */
 int ttft_q8_linear(const float *x, int64_t M, int64_t K, const uint8_t *records, int bits, int64_t N, float *y) {
-    static _Thread_local int8_t *buffer = NULL;
-    static _Thread_local int64_t capacity = 0;
+    static _Thread_local struct ttft_buffer kept = {NULL, 0};
     if (K % BLOCK != 0 || (bits != 4 && bits != 8)) return -1;
     if (M <= 0) return 0;
-    int64_t blocks = K / BLOCK, need = M * K + 3 * (int64_t)sizeof(float) * M * blocks;
-    if (capacity < need) {
-        int8_t *grown = realloc(buffer, (size_t)need);
-        if (grown == NULL) return -1;
-        buffer = grown;
-        capacity = need;
-    }
-    int8_t *xq = buffer;
-    float *d = (float *)(buffer + M * K), *ds = d + M * blocks; /* M * K is a multiple of 32: aligned enough */
+    int64_t blocks = K / BLOCK;
+    /* The rows' steps (M x K bytes: M * K / 4 floats, K being whole blocks of 32), then d, d * sum and sum. */
+    float *buffer = ttft_grow(&kept, M * K / 4 + 3 * M * blocks);
+    if (buffer == NULL) return -1;
+    int8_t *xq = (int8_t *)buffer;
+    float *d = buffer + M * K / 4, *ds = d + M * blocks;
     int32_t *sx = (int32_t *)(ds + M * blocks);
     quantise(x, M, K, xq, d, ds, sx);
     int64_t all = (N + P - 1) / P, panel_bytes = blocks * RECORD(bits);
