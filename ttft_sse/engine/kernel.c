@@ -56,10 +56,12 @@ static inline pv pv_codes(__m128i q, pv scale, pv zero) {
 /* 16 outputs in two registers; tiles of up to 4 rows x 1 panel. */
 #define ROWS 4
 #define PANELS 1
-/* Calls of up to this many rows expand the codes in registers in every tile. With the buffer's tiles below, 8 rows
-   were alike either way (the bundled model's layers, ms: 43.7, 48.0 in registers, 42.9, 55.8 through the buffer);
-   from 9 rows on the buffer is faster. */
-#define FUSED_ROWS 8
+/* Calls of up to this many rows (one tile) expand the codes in registers; longer ones through the buffer, once for
+   all their tiles. The bundled model's 211 layers, ms a pass (best of 7, alternated, fifteenth stop), up to 8 rows
+   in registers against up to 4: 2 rows 40.7 / 40.6, 4 rows 60.2 / 60.1, 5 rows 88.2 / 68.9, 8 rows 119.0 / 88.0;
+   all through the buffer: 2 rows 47.9, 3 rows 53.2 (3 rows in registers 49.3). (The thirteenth stop had measured 8
+   rows alike either way, 43.7, 48.0 against 42.9, 55.8.) */
+#define FUSED_ROWS 4
 /* Longer calls: tiles of up to 4 rows x 3 columns of 8 outputs (half a panel) over the expanded panels: 12 chains of
    fused multiply-adds, where 4 rows x 16 outputs have 8 (AVX2 has 16 registers). Measured (one thread, the bundled
    model's 211 layers, ms, best of 5, two runs), against 4 x 16: 9 rows 49.6, 47.3 / 72.9, 78.1; 16 rows 67.9, 68.5
