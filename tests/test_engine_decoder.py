@@ -199,11 +199,13 @@ def test_where_c_does_not_compute_the_layers_they_stay_the_librarys_and_the_log_
     assert logs == [{"event": "decoder_not_fused", "log_level": "info", "reason": "no Llama decoder layer"}]
 
 
+@pytest.mark.parametrize("activations", ["fp32", "int8"])
 def test_a_probe_that_disagrees_leaves_every_layer_the_librarys(
-    settings: Settings, monkeypatch: pytest.MonkeyPatch
+    settings: Settings, monkeypatch: pytest.MonkeyPatch, activations: str
 ) -> None:
-    """The C half after the attention replaced by one that leaves its output as it was: the probe sees it."""
-    engine = HFEngine(settings.replace(fused_layers=False))
+    """The C half after the attention replaced by one that leaves its output as it was: the probe sees it, with int8
+    rows' wider tolerance too."""
+    engine = HFEngine(settings.replace(fused_layers=False, gguf_activations=activations))
     with capture_logs():
         engine.load(StageClock())
     layers = list(engine.model.model.layers)
