@@ -58,15 +58,22 @@ def block_layer(
     return layer, dense
 
 
-def rows_as_int8(x: np.ndarray) -> np.ndarray:
-    """What the int8 kernel multiplies, in fp64: each block of 32 inputs in steps of max|x| / 127, rounded (halves
-    to even) from x * (127 / max|x|) in fp32, as llama.cpp's Q8_0 quantises."""
+def int8_steps(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Rows as the int8 kernel quantises them, as llama.cpp's Q8_0 does: each block of 32 inputs as whole steps
+    (rows x blocks x 32), rounded (halves to even) from x * (127 / max|x|) in fp32, and the step d = max|x| / 127 in
+    fp32 (rows x blocks)."""
     blocks = x.astype(np.float32).reshape(x.shape[0], -1, 32)
-    largest = np.abs(blocks).max(axis=-1, keepdims=True)
+    largest = np.abs(blocks).max(axis=-1)
     inverse = np.divide(np.float32(127), largest, out=np.zeros_like(largest), where=largest > 0)
-    steps = np.rint(blocks * inverse)
+    steps = np.rint(blocks * inverse[..., None]).astype(np.int64)
     assert np.abs(steps).max() <= 127
-    return (steps.astype(np.float64) * (largest / np.float32(127)).astype(np.float64)).reshape(x.shape)
+    return steps, largest / np.float32(127)
+
+
+def rows_as_int8(x: np.ndarray) -> np.ndarray:
+    """What the int8 kernel multiplies, in fp64: each block's steps times its d."""
+    steps, d = int8_steps(x)
+    return (steps.astype(np.float64) * d[..., None].astype(np.float64)).reshape(x.shape)
 
 
 @pytest.fixture(scope="module")
@@ -142,11 +149,7 @@ def int8_rows_exactly(x: np.ndarray, blocks_of: codes.Codes) -> np.ndarray:
     unsigned = blocks_of.q.astype(np.int64) + shift
     scale = blocks_of.scale.astype(np.float16).astype(np.float32)
     offset = (blocks_of.zero - shift * blocks_of.scale).astype(np.float16).astype(np.float32)
-    by_block = x.astype(np.float32).reshape(rows, -1, 32)
-    largest = np.abs(by_block).max(axis=-1)
-    d = largest / np.float32(127)
-    inverse = np.divide(np.float32(127), largest, out=np.zeros_like(largest), where=largest > 0)
-    steps = np.rint(by_block * inverse[..., None]).astype(np.int64)  # fp32 products, rounded halves to even
+    steps, d = int8_steps(x)
     ds = d * steps.sum(-1).astype(np.float32)
     got = np.zeros((rows, out), np.float32)
     for b in range(inputs // 32):

@@ -133,7 +133,8 @@ def _attach(layer: Any, head: Any, tail: Any) -> None:
     def linear(module: Any) -> Linear:
         # fp32 rows: codes, scales and zeros (kernel.panels); int8 rows: the records alone (kernel.records).
         int8 = module.activations == "int8"
-        codes, scales, zeros = (*(a.data_ptr() for a in module.arrays), 0, 0)[:3]
+        pointers = [a.data_ptr() for a in module.arrays]
+        codes, scales, zeros = (pointers[0], 0, 0) if int8 else pointers
         return Linear(codes, scales, zeros, module.in_features, module.out_features, module.bits, int8)
 
     # The norms' weights as decoder.c reads them, kept alive should their parameters be given other tensors.
