@@ -27,6 +27,8 @@ QUESTIONS = [
     "How does a steam engine work?",
     "Describe your ideal city.",
 ]
+SAMPLED_ROUNDS = 4
+"""Bursts of sampled chats sent at most until the prefill process has given one of them its first token."""
 
 
 def child_pid(log: str) -> int | None:
@@ -60,7 +62,9 @@ def test_a_server_answers_a_busy_batch_from_the_prefill_process_and_stops_it(tmp
         greedy_side = metrics.value("ttft_sse_prefill_process_first_tokens_total")
         assert greedy_side > 0
 
-        # An OpenAI client's default: sampled (temperature 1). Raced as well; each answer is whole.
+        # An OpenAI client's default: sampled (temperature 1). Raced as well; each answer is whole. Which side wins
+        # a race depends on the machine's load, so new bursts are sent (at most SAMPLED_ROUNDS) until the process
+        # has won one: a server that never races sampled requests fails.
         def chat(question: str) -> dict[str, int]:
             body = {"model": "default", "messages": [{"role": "user", "content": question}], "max_tokens": 6}
             with httpx.Client(timeout=120) as client:
@@ -68,11 +72,16 @@ def test_a_server_answers_a_busy_batch_from_the_prefill_process_and_stops_it(tmp
             assert response.status_code == 200, response.text
             return dict(response.json()["usage"])
 
-        with ThreadPoolExecutor(len(QUESTIONS)) as pool:
-            usages = list(pool.map(chat, [f"Again: {q}" for q in QUESTIONS]))
-        assert all(1 <= usage["completion_tokens"] <= 6 for usage in usages)
-        with httpx.Client(timeout=120) as client:
-            assert scrape(client, base).value("ttft_sse_prefill_process_first_tokens_total") > greedy_side
+        sampled_side = greedy_side
+        for burst in range(SAMPLED_ROUNDS):
+            with ThreadPoolExecutor(len(QUESTIONS)) as pool:
+                usages = list(pool.map(chat, [f"Again ({burst}): {q}" for q in QUESTIONS]))
+            assert all(1 <= usage["completion_tokens"] <= 6 for usage in usages)
+            with httpx.Client(timeout=120) as client:
+                sampled_side = scrape(client, base).value("ttft_sse_prefill_process_first_tokens_total")
+            if sampled_side > greedy_side:
+                break
+        assert sampled_side > greedy_side, f"the prefill process won no sampled race in {SAMPLED_ROUNDS} bursts"
 
         os.kill(proc.pid, signal.SIGTERM)  # the server alone: it stops its child itself
         proc.popen.wait(60)
