@@ -274,6 +274,61 @@ def test_calls_with_more_than_the_c_function_computes_go_to_the_library(
     assert len(sdpa_calls) == 1
 
 
+def in_place_cache() -> Any:
+    """A paged cache as :class:`attention.InPlace` reads it: one full-attention layer of 4 pages of 8 rows, 2 KV
+    heads of 16 floats."""
+    from types import SimpleNamespace
+
+    pages = [torch.randn(4, 8, 2, DIM) for _ in range(2)]
+    allocator = SimpleNamespace(index=0, layer_type="full_attention", get_cache_for_block_table=lambda layer: pages)
+    return SimpleNamespace(layer_to_allocator={0: allocator})
+
+
+def step_kwargs(write: list[int], read: list[int], **more: Any) -> dict[str, Any]:
+    """A layer's kwargs in a batched step of two requests (1 new row of 4 keys, 2 new rows of 3 keys)."""
+    return {
+        "write_index": [torch.tensor(write, dtype=torch.int32)],
+        "read_index": [torch.tensor(read, dtype=torch.int32)],
+        "cu_seq_lens_q": torch.tensor([0, 1, 3], dtype=torch.int32),
+        "cu_seq_lens_k": {"full_attention": torch.tensor([0, 4, 7])},
+        "max_length_q": 2,
+        "block_table": None,
+        **more,
+    }
+
+
+def test_the_layers_of_a_step_share_its_index_arrays_made_once(paged_module: Any) -> None:
+    in_place = attention.InPlace(in_place_cache())
+    kwargs = step_kwargs([5, 9, 10], [0, 1, 2, 5, 7, 9, 10])
+    step = in_place.step(paged_module, kwargs)
+    assert step is not None
+    assert [t.dtype for t in (step.write, step.index, step.cu_q, step.cu_k)] == [torch.int64] * 2 + [torch.int32] * 2
+    assert (step.write.tolist(), step.index.tolist()) == ([5, 9, 10], [0, 1, 2, 5, 7, 9, 10])
+    assert (step.cu_q.tolist(), step.cu_k.tolist()) == ([0, 1, 3], [0, 4, 7])
+    assert (step.requests, step.key_stride, step.head_stride, step.slots) == (2, 2 * DIM, DIM, 32)
+    pages = in_place.cache.layer_to_allocator[0].get_cache_for_block_table(0)
+    assert [rows.data_ptr() for rows in in_place.rows[0]] == [page.data_ptr() for page in pages]
+    # The next layer of the step (the same kwargs' values): the same arrays; the next step: new ones.
+    assert in_place.step(paged_module, dict(kwargs)) is step
+    following = in_place.step(paged_module, step_kwargs([6, 11, 12], [0, 1, 2, 5, 6, 7, 9, 10, 11, 12]))
+    assert following is not None and following is not step
+    assert following.index.tolist() == [0, 1, 2, 5, 6, 7, 9, 10, 11, 12]
+    # A step of new prompts alone reads the rows it writes.
+    fresh = in_place.step(paged_module, step_kwargs([20, 21, 22], []))
+    assert fresh is not None and fresh.index.tolist() == [20, 21, 22]
+
+
+def test_a_call_the_c_attention_does_not_compute_whole_gets_no_step(paged_module: Any) -> None:
+    in_place = attention.InPlace(in_place_cache())
+    read = [0, 1, 2, 5, 7, 9, 10]
+    assert in_place.step(paged_module, step_kwargs([5, 9, 10], read, block_table=torch.zeros(1, 2))) is None
+    assert in_place.step(paged_module, step_kwargs([5, 9, 10], read, softcap=30.0)) is None
+    assert in_place.step(paged_module, step_kwargs([5, 9, 10], read, max_length_q=attention.LONG_ROWS + 1)) is None
+    assert in_place.step(tiny(kv_heads=2).model.layers[0].self_attn, step_kwargs([5, 9, 10], read)) is None  # unmarked
+    with pytest.raises(RuntimeError, match="past the cache"):
+        in_place.step(paged_module, step_kwargs([5, 9, 32], read))
+
+
 def test_page_marks_every_attention_module_after_its_probe(tmp_path: Any) -> None:
     model = tiny(kv_heads=2)
     with capture_logs() as logs:

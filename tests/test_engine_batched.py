@@ -114,6 +114,15 @@ async def test_concurrent_greedy_requests_give_the_single_engines_text(
         return real(query, key, value, *args, **kwargs)
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    whole: list[int] = []  # decoder layer calls that wrote their keys and values and attended in one C call
+    shared = attention.InPlace.step
+
+    def step(self: attention.InPlace, module: Any, kwargs: dict[str, Any]) -> attention.Step | None:
+        found = shared(self, module, kwargs)
+        whole.extend([1] if found is not None else [])
+        return found
+
+    monkeypatch.setattr(attention.InPlace, "step", step)
     asks = [
         (QUESTION, 32),
         ("Name three colors.", 24),
@@ -126,9 +135,12 @@ async def test_concurrent_greedy_requests_give_the_single_engines_text(
         *(collect(engine.stream(prompt_of(engine, q), SamplingParams(max_tokens=n))) for q, n in asks)
     )
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", real)
+    steps = engine.stats().steps - before
     # Every attention call of the batch went the way asked; paged, the library gathered nothing (and no prompt is
-    # long enough for SDPA). The other ways gather in engine/attention.py: the engine's cache reads in place.
+    # long enough for SDPA), and every layer of every step ran in one C call (engine/decoder.py). The other ways
+    # gather in engine/attention.py: the engine's cache reads in place.
     assert heads == {"paged": set(), "grouped-kv": {3}, "repeated-kv": {9}}[way]
+    assert len(whole) == (30 * steps if way == "paged" else 0)
     if way == "paged":
         assert gathers == []
     for (question, max_tokens), (text, finished) in zip(asks, got, strict=True):
@@ -138,7 +150,7 @@ async def test_concurrent_greedy_requests_give_the_single_engines_text(
     assert got[0][0] == "The capital of France is Paris."
     # They shared forward passes: far fewer steps than the tokens they generated together.
     generated = sum(finished.usage.completion_tokens for _, finished in got)
-    assert engine.stats().steps - before < generated / 2
+    assert steps < generated / 2
 
 
 async def test_a_request_arriving_while_another_decodes_joins_its_batch(

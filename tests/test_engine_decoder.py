@@ -13,7 +13,7 @@ from structlog.testing import capture_logs
 
 from tests.conftest import CACHE_DIR
 from tests.test_engine_kernel import PASSAGE
-from ttft_sse.engine import decoder, kernel
+from ttft_sse.engine import attention, decoder, kernel
 from ttft_sse.engine.hf import KERNEL_DIR, HFEngine
 from ttft_sse.settings import Settings
 from ttft_sse.stages import StageClock
@@ -163,6 +163,54 @@ def test_each_row_is_the_same_bits_whatever_else_the_call_holds(
     for both, one in zip(together, alone, strict=True):
         assert torch.equal(both, one)
     assert all(bool(t.abs().sum() > 0) for t in together)
+
+
+def test_a_batched_steps_layer_in_one_call_is_its_head_cache_write_attention_and_tail_in_turn(
+    loaded: tuple[HFEngine, list[dict[str, Any]]],
+) -> None:
+    """decoder.c's ttft_decoder_layer against the calls it replaces, on a layer of the bundled model: the head, the
+    new keys and values copied into the cache's rows (the library's update), attention.c's function through
+    engine/attention.py, the tail. The same bits, in the output and in the cache."""
+    engine, _ = loaded
+    layer = engine.model.model.layers[3]
+    module, numbers = layer.self_attn, layer.arithmetic
+    assert getattr(module, attention.PAGED, None) is not None
+    requests = [(1, 6), (4, 4), (2, 9)]  # (new rows, keys): a decode, a new prompt, a prompt behind its past
+    rows, keys = sum(r for r, _ in requests), sum(k for _, k in requests)
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, numbers.hidden, generator=generator)
+    cos, sin = (torch.rand(rows, numbers.dim, generator=generator) for _ in range(2))
+    cache = [torch.randn(40, numbers.kv_heads, numbers.dim, generator=generator) for _ in range(2)]
+    index = torch.randperm(40, generator=generator)[:keys]
+    # Each request's keys are its past, then its new rows: the new rows' keys and values are written last.
+    cu_q, cu_k = attention.starts(torch, requests)
+    write = torch.cat([index[int(cu_k[s + 1]) - n : int(cu_k[s + 1])] for s, (n, _) in enumerate(requests)])
+
+    q = torch.empty(rows, numbers.heads * numbers.dim)
+    k, v = (torch.empty(rows, numbers.kv_heads * numbers.dim) for _ in range(2))
+    pointers = [t.data_ptr() for t in (x, cos, sin, q, k, v)]
+    assert layer.head(layer.address, pointers[0], rows, *pointers[1:]) == 0
+    want_cache = [t.clone() for t in cache]
+    for rows_of, new in zip(want_cache, (k, v), strict=True):
+        rows_of.index_copy_(0, write, new.view(rows, numbers.kv_heads, numbers.dim))
+    query = q.view(1, rows, numbers.heads, numbers.dim).transpose(1, 2)
+    longest = max(n for n, _ in requests)
+    a = attention.paged_attention(module, query, (*want_cache, index), cu_q, cu_k, longest, module.scaling)
+    want = torch.empty(rows, numbers.hidden)
+    assert layer.tail(layer.address, pointers[0], a.reshape(rows, -1).data_ptr(), rows, want.data_ptr()) == 0
+
+    got_cache = [t.clone() for t in cache]
+    shared = attention.Step(write, index, cu_q, cu_k, len(requests), cache[0].stride(0), cache[0].stride(1), 40)
+    step = decoder.c_step(shared, module)
+    got = torch.empty(rows, numbers.hidden)
+    status = layer.whole(
+        layer.address, ctypes.addressof(step), pointers[0], rows, pointers[1], pointers[2],
+        *(t.data_ptr() for t in got_cache), got.data_ptr(),
+    )  # fmt: skip
+    assert status == 0
+    assert torch.equal(got, want)
+    assert all(torch.equal(g, w) for g, w in zip(got_cache, want_cache, strict=True))
+    assert not torch.equal(got_cache[0], cache[0]) and bool(want.abs().sum() > 0)
 
 
 def test_silu_times_up_is_within_roundings_of_fp64_over_the_whole_range(library: Path) -> None:

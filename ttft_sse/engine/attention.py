@@ -56,7 +56,7 @@ import itertools
 import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import structlog
 
@@ -223,8 +223,10 @@ def paged_attention(
 def read_in_place(cache: Any) -> bool:
     """Make transformers' paged KV cache ``cache`` write each layer's new keys and values but no longer gather the
     step's keys and values into new tensors: it hands the attention function (:func:`grouped_sdpa`, for modules
-    :func:`page` marked) the layer's cache rows and the step's key index instead (keyword :data:`KV`). Only for
-    caches of full-attention layers (sliding windows are left as they are: returns False)."""
+    :func:`page` marked) the layer's cache rows and the step's key index instead (keyword :data:`KV`). The cache
+    also keeps an :class:`InPlace` (attribute :data:`IN_PLACE`), by which the decoder layers in C
+    (engine/decoder.py) write and attend in one call. Only for caches of full-attention layers (sliding windows are
+    left as they are: returns False)."""
     from transformers.generation.continuous_batching.cache_allocators.full_attention import (
         FullAttentionCacheAllocator,
     )
@@ -233,12 +235,7 @@ def read_in_place(cache: Any) -> bool:
         log.warning("attention_not_paged", reason="the model has other than full-attention layers")
         return False
     library: Callable[..., tuple[Any, Any]] = cache.update
-    # Each layer's key and value rows, as the library's indices count them: its page views, flattened. They cover
-    # every row an index reaches (the value rows' length, the shorter view).
-    rows = {
-        layer: tuple(x.flatten(0, 1) for x in allocator.get_cache_for_block_table(layer))
-        for layer, allocator in cache.layer_to_allocator.items()
-    }
+    in_place = InPlace(cache)
 
     def update(key_states: Any, value_states: Any, layer_idx: int, kwargs: dict[str, Any]) -> tuple[Any, Any]:
         if kwargs.get("block_table") is not None:  # the library's decode path for flash kernels (CUDA)
@@ -253,11 +250,93 @@ def read_in_place(cache: Any) -> bool:
             states = library(key_states, value_states, layer_idx, kwargs)
         finally:
             kwargs["read_index"] = reads
-        kwargs[KV] = (*rows[layer_idx], index)
+        kwargs[KV] = (*in_place.rows[layer_idx], index)
         return states
 
     cache.update = update
+    setattr(cache, IN_PLACE, in_place)
     return True
+
+
+IN_PLACE = "ttft_in_place"
+"""Attribute of a cache that reads in place (:func:`read_in_place`): its :class:`InPlace`."""
+
+
+class Step(NamedTuple):
+    """What every layer of one group of a batched step shares when it writes its keys and values and attends in one
+    call (:meth:`InPlace.step`): the cache rows the new keys and values go to, one a new row (int64); the key index
+    the attention reads through (int64); where each request's rows and keys start (int32, with the total last);
+    how many requests; the cache rows' strides, in floats (a key row, a head); how many rows they hold."""
+
+    write: Any
+    index: Any
+    cu_q: Any
+    cu_k: Any
+    requests: int
+    key_stride: int
+    head_stride: int
+    slots: int
+
+
+class InPlace:
+    """A paged KV cache that reads in place (:func:`read_in_place`): each layer's key and value rows, as the
+    library's indices count them, and the index arrays of the step in flight."""
+
+    def __init__(self, cache: Any) -> None:
+        self.cache = cache
+        # Each layer's key and value rows: its page views, flattened. They cover every row an index reaches (the
+        # value rows' length, the shorter view).
+        self.rows: dict[int, tuple[Any, Any]] = {
+            layer: tuple(x.flatten(0, 1) for x in allocator.get_cache_for_block_table(layer))
+            for layer, allocator in cache.layer_to_allocator.items()
+        }
+        # The step in flight: its kwargs' index list and query starts (held, so that their identity names the step)
+        # and its Step for each allocator group.
+        self._step: tuple[Any, Any, dict[int, Step]] = (None, None, {})
+
+    def step(self, module: Any, kwargs: dict[str, Any]) -> Step | None:
+        """For a layer's call in a batched step that :func:`paged_attention` computes whole (``module`` marked by
+        :func:`page`, arguments that change nothing it computes, no request of more than :data:`LONG_ROWS` rows,
+        the attention function :func:`grouped_sdpa`), what that step's layers of ``module``'s group share; None for
+        any other call, which goes through the cache's update and the attention function. Computed once a step
+        and group: the layers of a forward pass are handed the same kwargs."""
+        if getattr(module, PAGED, None) is None:
+            return None
+        writes, starts_q, steps = self._step
+        group = self.cache.layer_to_allocator[module.layer_idx].index
+        if writes is kwargs.get("write_index") and starts_q is kwargs.get("cu_seq_lens_q") and group in steps:
+            return steps[group]  # the step's next layer: its first one checked the same kwargs
+        if (
+            kwargs.get("block_table") is not None
+            or kwargs.get("write_index") is None
+            or int(kwargs["max_length_q"]) > LONG_ROWS
+            or not _plain(kwargs)
+        ):
+            return None
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        if ALL_ATTENTION_FUNCTIONS.get_interface(module.config._attn_implementation, None) is not grouped_sdpa:
+            return None
+        import torch
+
+        if writes is not kwargs["write_index"] or starts_q is not kwargs["cu_seq_lens_q"]:
+            writes, starts_q, steps = kwargs["write_index"], kwargs["cu_seq_lens_q"], {}
+            self._step = (writes, starts_q, steps)
+        write = writes[group].to(torch.int64).contiguous()
+        index = kwargs["read_index"][group]
+        if index.numel() == 0:  # a step of new prompts only: the keys are the rows written now, in order
+            index = write
+        keys = self.rows[module.layer_idx][0]
+        slots = int(keys.shape[0])
+        index = index.to(torch.int64).contiguous()
+        if any(int(t.max()) >= slots for t in (write, index) if t.numel()):
+            raise RuntimeError("a step's cache index reaches past the cache")
+        cu_q = starts_q.to(torch.int32).contiguous()
+        layer_type = self.cache.layer_to_allocator[module.layer_idx].layer_type
+        cu_k = kwargs["cu_seq_lens_k"][layer_type].to(torch.int32).contiguous()
+        found = Step(write, index, cu_q, cu_k, cu_q.numel() - 1, keys.stride(0), keys.stride(1), slots)
+        steps[group] = found
+        return found
 
 
 def masked_step(

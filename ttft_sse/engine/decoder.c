@@ -4,6 +4,9 @@
      h = norm(x);  q, k, v = h.Wq, h.Wk, h.Wv;  q, k = rotary(q), rotary(k)       (ttft_decoder_head)
      attention, by the library's cache and the engine's attention function        (not here)
      x = x + a.Wo;  h = norm(x);  x = x + (silu(h.Wg) * h.Wu).Wd                  (ttft_decoder_tail)
+   In a batched step over a paged KV cache read in place, ttft_decoder_layer does all three in one call: the head,
+   the new keys and values written into the cache's rows, the attention by attention.c's function (handed over as
+   a pointer: it is built into its own library), the tail.
    with norm(x) = w * (x * (1 / sqrt(mean(x^2) + eps))) and silu(g) = g / (1 + exp(-g)). Every linear layer is the
    block kernel's (kernel.c), on the layer's GGUF blocks, with fp32 rows or rows quantised to int8. Each step is one
    row's own arithmetic, so a row's result does not depend on the other rows of the call, as with the kernel alone.
@@ -179,4 +182,49 @@ int ttft_decoder_tail(const struct layer *L, const float *x, const float *a, int
         for (int64_t i = 0; i < m * H; i++) y[i] = y[i] + d[i];
     }
     return 0;
+}
+
+/* attention.c's ttft_paged_attention. */
+typedef int (*attend_fn)(const float *q, int64_t heads, int64_t kv_heads, int64_t dim, const float *k, const float *v,
+                         int64_t key_stride, int64_t head_stride, const int64_t *index, const int32_t *cu_q,
+                         const int32_t *cu_k, int64_t requests, int64_t max_rows, float scale, float *out);
+
+struct step { /* decoder.py's Step: what the layers of a batched step share (attention.py's Step) */
+    attend_fn attend;
+    const int64_t *write; /* the cache row of each new row's key and value */
+    const int64_t *index; /* the keys the attention reads, request after request */
+    const int32_t *cu_q, *cu_k;
+    int64_t requests, key_stride, head_stride, max_rows; /* strides in floats: a cache row, a KV head */
+    float scale;
+};
+
+/* One buffer a thread for the rows' q, k, v and attention, kept. */
+static float *rows_scratch(int64_t floats) {
+    static _Thread_local struct ttft_buffer kept = {NULL, 0};
+    return ttft_grow(&kept, floats);
+}
+
+/* out = the layer's output for rows x in a batched step: the head; each row's key and value into the cache rows
+   keys and values (the layer's: [slots, kv_heads, dim] with S's strides) at S->write; the attention over the keys
+   S->index names; the tail. The same arithmetic as the head, the library's update (a copy) and attention.c's
+   function called one after the other. Returns 0, the head's or the tail's error, or -3 if the attention fails. */
+int ttft_decoder_layer(const struct layer *L, const struct step *S, const float *x, int64_t M, const float *cos,
+                       const float *sin, float *keys, float *values, float *out) {
+    int64_t Q = L->heads * L->dim, KV = L->kv_heads * L->dim;
+    float *q = rows_scratch(M * (2 * Q + 2 * KV));
+    if (q == NULL) return -1;
+    float *k = q + M * Q, *v = k + M * KV, *a = v + M * KV;
+    int status = ttft_decoder_head(L, x, M, cos, sin, q, k, v);
+    if (status != 0) return status;
+    size_t bytes = sizeof(float) * (size_t)L->dim;
+    for (int64_t r = 0; r < M; r++)
+        for (int64_t g = 0; g < L->kv_heads; g++) {
+            int64_t at = S->write[r] * S->key_stride + g * S->head_stride;
+            memcpy(keys + at, k + r * KV + g * L->dim, bytes);
+            memcpy(values + at, v + r * KV + g * L->dim, bytes);
+        }
+    if (S->attend(q, L->heads, L->kv_heads, L->dim, keys, values, S->key_stride, S->head_stride, S->index, S->cu_q,
+                  S->cu_k, S->requests, S->max_rows, S->scale, a) != 0)
+        return -3;
+    return ttft_decoder_tail(L, x, a, M, out);
 }

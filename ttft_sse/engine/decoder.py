@@ -31,11 +31,11 @@ from typing import Any
 
 import structlog
 
-from ttft_sse.engine import kernel, weights
+from ttft_sse.engine import attention, kernel, weights
 
 log = structlog.get_logger("ttft_sse.engine")
 
-HEAD, TAIL, SILU_MUL = "ttft_decoder_head", "ttft_decoder_tail", "ttft_silu_mul"
+HEAD, TAIL, LAYER, SILU_MUL = "ttft_decoder_head", "ttft_decoder_tail", "ttft_decoder_layer", "ttft_silu_mul"
 """decoder.c's functions."""
 LINEARS = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj"}
 LINEARS |= {"gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
@@ -45,6 +45,7 @@ _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _ARGUMENTS = {
     HEAD: (_PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR),  # layer, x, rows, cos, sin, q, k, v
     TAIL: (_PTR, _PTR, _PTR, _I64, _PTR),  # layer, x, attention's output, rows, out
+    LAYER: (_PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR),  # layer, step, x, rows, cos, sin, keys, values, out
     SILU_MUL: (_PTR, _PTR, _I64),  # g, u, n
 }
 
@@ -75,6 +76,43 @@ class Layer(ctypes.Structure):
     ]
 
 
+class Step(ctypes.Structure):
+    """decoder.c's ``struct step``: what the layers of a batched step share (:class:`attention.Step`), and the
+    attention function they call (attention.c's, from its own library)."""
+
+    _fields_ = [
+        ("attend", _PTR),
+        *((name, _PTR) for name in ("write", "index", "cu_q", "cu_k")),
+        *((name, _I64) for name in ("requests", "key_stride", "head_stride", "max_rows")),
+        ("scale", ctypes.c_float),
+    ]
+
+
+def c_step(shared: attention.Step, module: Any) -> Step:
+    """``shared`` as decoder.c reads it, for the layers of ``module``'s kind (marked by :func:`attention.page`); the
+    arrays stay ``shared``'s. The last one made is kept: a step's layers share one."""
+    global _last
+    made, step = _last
+    if made is not shared:
+        function = getattr(module, attention.PAGED)
+        arrays = (shared.write, shared.index, shared.cu_q, shared.cu_k)
+        step = Step(
+            ctypes.cast(function, _PTR).value,
+            *(a.data_ptr() for a in arrays),
+            shared.requests,
+            shared.key_stride,
+            shared.head_stride,
+            attention.LONG_ROWS,
+            module.scaling,
+        )
+        _last = (shared, step)
+    return step
+
+
+_last: tuple[attention.Step | None, Step] = (None, Step())
+"""The last :func:`c_step` made, and what it was made of (held, so that its arrays stay alive)."""
+
+
 def function(path: Path, name: str) -> Any:
     """The function ``name`` of the kernel's library at ``path``."""
     return kernel.load(path, name, _ARGUMENTS[name])
@@ -92,15 +130,15 @@ def fuse(model: Any, torch: Any, library: Path) -> int:
         reason = "no Llama decoder layer" if not candidates else "no decoder layer is all on the block kernel"
         log.info("decoder_not_fused", reason=reason)
         return 0
-    head, tail = function(library, HEAD), function(library, TAIL)
+    calls = (function(library, HEAD), function(library, TAIL), function(library, LAYER))
     for layer in layers:
-        _attach(layer, head, tail)
+        _attach(layer, *calls)
     try:
         _check(layers[0], model, torch)
     except (AttributeError, RuntimeError, TypeError) as exc:  # a model unlike Llama's around its layers
         for layer in layers:
             layer.__class__ = LlamaDecoderLayer
-            del layer.arithmetic, layer.norms, layer.address, layer.head, layer.tail
+            del layer.arithmetic, layer.norms, layer.address, layer.head, layer.tail, layer.whole
         log.warning("decoder_not_fused", reason=str(exc))
         return 0
     log.info("decoder_fused", layers=len(layers), of=len(candidates))
@@ -127,7 +165,7 @@ def _fits(layer: Any, torch: Any) -> bool:
     )
 
 
-def _attach(layer: Any, head: Any, tail: Any) -> None:
+def _attach(layer: Any, head: Any, tail: Any, whole: Any) -> None:
     attention, config = layer.self_attn, layer.self_attn.config
 
     def linear(module: Any) -> Linear:
@@ -150,7 +188,7 @@ def _attach(layer: Any, head: Any, tail: Any) -> None:
         *(linear(layer.get_submodule(path)) for path in LINEARS.values()),
     )
     layer.address = ctypes.addressof(layer.arithmetic)
-    layer.head, layer.tail = head, tail
+    layer.head, layer.tail, layer.whole = head, tail, whole
     layer.__class__ = fused_layer_class()
 
 
@@ -185,6 +223,7 @@ def fused_layer_class() -> type[Any]:
         address: int  # arithmetic's
         head: Any
         tail: Any
+        whole: Any  # ttft_decoder_layer: head, cache write, attention and tail in one call
 
         def forward(
             self,
@@ -197,12 +236,26 @@ def fused_layer_class() -> type[Any]:
             **kwargs: Any,
         ) -> Any:
             assert position_embeddings is not None, "Llama's model passes every layer its rotary embedding"
-            attention, layer = self.self_attn, self.arithmetic
+            self_attn, layer = self.self_attn, self.arithmetic
             shape = hidden_states.shape[:-1]
             x = hidden_states.contiguous()  # fp32: fuse() takes only layers on the kernel
             # A row of positions for several sequences side by side (the prefill process's) serves each of them.
             cos, sin = (t.expand(*shape, layer.dim).contiguous() for t in position_embeddings)
             rows = x.numel() // layer.hidden
+            in_place: attention.InPlace | None = getattr(cache, attention.IN_PLACE, None)
+            shared = None if in_place is None else in_place.step(self_attn, kwargs)
+            if in_place is not None and shared is not None:
+                # A batched step over the paged cache read in place: one call writes this layer's keys and values
+                # into its cache rows and attends by attention.c's function, as the calls below would.
+                keys, values = in_place.rows[self_attn.layer_idx]
+                y = torch.empty_like(x)
+                status = self.whole(
+                    self.address, ctypes.addressof(c_step(shared, self_attn)), x.data_ptr(), rows, cos.data_ptr(),
+                    sin.data_ptr(), keys.data_ptr(), values.data_ptr(), y.data_ptr(),
+                )  # fmt: skip
+                if status != 0:
+                    raise RuntimeError(f"the C decoder layer failed ({status})")
+                return y
             q = torch.empty((*shape, layer.heads * layer.dim))
             k, v = torch.empty((*shape, layer.kv_heads * layer.dim)), torch.empty((*shape, layer.kv_heads * layer.dim))
             status = self.head(
@@ -216,12 +269,12 @@ def fused_layer_class() -> type[Any]:
             query, key, value = (t.view(heads).transpose(1, 2) for t in (q, k, v))
             kwargs = {"position_ids": position_ids, "use_cache": use_cache, **kwargs}
             if cache is not None:
-                key, value = cache.update(key, value, attention.layer_idx, kwargs=kwargs)
+                key, value = cache.update(key, value, self_attn.layer_idx, kwargs=kwargs)
             attend = ALL_ATTENTION_FUNCTIONS.get_interface(
-                attention.config._attn_implementation, eager_attention_forward
+                self_attn.config._attn_implementation, eager_attention_forward
             )
             out, _ = attend(
-                attention, query, key, value, attention_mask, dropout=0.0, scaling=attention.scaling, **kwargs
+                self_attn, query, key, value, attention_mask, dropout=0.0, scaling=self_attn.scaling, **kwargs
             )
             out = out.reshape(*shape, -1).contiguous()
             y = torch.empty_like(x)
