@@ -54,7 +54,8 @@ class Settings:
     # llama.cpp does (AVX-512 VNNI or AVX2): faster, other answers.
     gguf_activations: str = "fp32"
     # With the block kernel (fp32 or int8 rows): each Llama decoder layer's norms, projections, rotary embedding and
-    # MLP in two C calls around its attention instead of ~40 torch calls (engine/decoder.py).
+    # MLP in two C calls around its attention instead of ~40 torch calls; in the batched engine's steps, the whole
+    # layer, cache write and attention included, in one (engine/decoder.py).
     fused_layers: bool = True
     # fp32 on CPU, a GGUF model: layers stored as Q4_0/Q4_1 run on torch's int4 kernel from the file's blocks, in
     # bf16 (engine/int4.py); before the block kernel when both are on.

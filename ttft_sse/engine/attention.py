@@ -10,7 +10,10 @@ new keys and values and hand over the layer's cache rows and the step's key inde
 each request's rows to its own keys, read through the index, in fp32, with AVX-512 or AVX2 and FMA (requests of
 more than :data:`LONG_ROWS` rows take SDPA over their own gathered keys). The single-request engine's calls take
 the same function over its dense cache, and so do the prefill process's (engine/prefill.py: prompts behind a
-cached prefix, several side by side), so that a request's rows come out of every engine bit for bit alike.
+cached prefix, several side by side), so that a request's rows come out of every engine bit for bit alike. The
+decoder layers in C (engine/decoder.py) skip both the cache's update and the wrapper in the batched steps: the
+cache's :class:`InPlace` gives them each layer's cache rows and the step's index arrays, and one C call writes the
+new keys and values and calls ``attention.c`` itself.
 Measured on the bundled model (one thread, AVX-512, the engine's timeline of forward passes, ``/tmp`` script):
 a decode step of 8 streams 51.4 → 46.1 ms, a step of 7 streams and a 15-token prompt 85 → 75 ms, one stream's
 32.4 → 32.0 ms; the engine's figures: docs/benchmarks.md.

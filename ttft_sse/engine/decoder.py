@@ -14,6 +14,14 @@ each.
 Measured on 2 AVX2 cores (docs/benchmarks.md): one stream's decode step 31-37 -> 21-26 ms, eight streams' 76-82 ->
 67-74 ms; over HTTP 1.40x one stream's tokens/s and 1.16x eight's.
 
+In the batched engine's steps over its paged cache read in place (engine/attention.py's :class:`~attention.InPlace`)
+the Python between the two halves was still a fifth to a third of a step (py-spy: the cache's update, the attention's
+wrapper, the tensors between them). There a layer is one C call (``ttft_decoder_layer``): the head, the new keys and
+values copied into the layer's cache rows, attention.c's function (a pointer into its own library), the tail. The
+index arrays a step's layers share are made once, by its first layer (:meth:`attention.InPlace.step`). The same
+arithmetic in the same order as the calls it replaces, so the same bits (a test); other calls (the single engine's
+dense cache, the prefill process's, long prompts, a softcap or sliding window) keep the two halves.
+
 The results are within roundings of the library's layer (the norm's mean sums in another order; exp is a
 polynomial): checked against it on a probe at load, else the layers stay as they were (``decoder_not_fused`` in the
 log, with the reason). Each row's result is its own arithmetic alone, as with the kernel: a stream's answer does not
