@@ -98,7 +98,8 @@ class Step(ctypes.Structure):
 
 def c_step(shared: attention.Step, module: Any) -> Step:
     """``shared`` as decoder.c reads it, for the layers of ``module``'s kind (marked by :func:`attention.page`); the
-    arrays stay ``shared``'s. The last one made is kept: a step's layers share one."""
+    arrays stay ``shared``'s (the caller holds both while C reads them). The last one made is kept, for the step's
+    next layers; another engine's step in another thread only makes it again."""
     global _last
     made, step = _last
     if made is not shared:
@@ -256,10 +257,11 @@ def fused_layer_class() -> type[Any]:
                 # A batched step over the paged cache read in place: one call writes this layer's keys and values
                 # into its cache rows and attends by attention.c's function, as the calls below would.
                 keys, values = in_place.rows[self_attn.layer_idx]
+                step = c_step(shared, self_attn)  # held until the call returns: decoder.c reads it
                 y = torch.empty_like(x)
                 status = self.whole(
-                    self.address, ctypes.addressof(c_step(shared, self_attn)), x.data_ptr(), rows, cos.data_ptr(),
-                    sin.data_ptr(), keys.data_ptr(), values.data_ptr(), y.data_ptr(),
+                    self.address, ctypes.addressof(step), x.data_ptr(), rows, cos.data_ptr(), sin.data_ptr(),
+                    keys.data_ptr(), values.data_ptr(), y.data_ptr(),
                 )  # fmt: skip
                 if status != 0:
                     raise RuntimeError(f"the C decoder layer failed ({status})")
