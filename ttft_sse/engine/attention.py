@@ -243,11 +243,8 @@ def read_in_place(cache: Any) -> bool:
     def update(key_states: Any, value_states: Any, layer_idx: int, kwargs: dict[str, Any]) -> tuple[Any, Any]:
         if kwargs.get("block_table") is not None:  # the library's decode path for flash kernels (CUDA)
             return library(key_states, value_states, layer_idx, kwargs)
-        group = cache.layer_to_allocator[layer_idx].index
         reads = kwargs["read_index"]
-        index = reads[group]
-        if index.numel() == 0:  # a step of new prompts only: the keys are the rows written now, in order
-            index = kwargs["write_index"][group]
+        index = key_index(kwargs, cache.layer_to_allocator[layer_idx].index)
         kwargs["read_index"] = [i[:0] for i in reads]  # nothing to read: the library only writes
         try:
             states = library(key_states, value_states, layer_idx, kwargs)
@@ -259,6 +256,13 @@ def read_in_place(cache: Any) -> bool:
     cache.update = update
     setattr(cache, IN_PLACE, in_place)
     return True
+
+
+def key_index(kwargs: dict[str, Any], group: int) -> Any:
+    """The keys a batched step's attention reads for the layers of allocator ``group``, from its kwargs: the read
+    index, or in a step of new prompts only (nothing to read) the rows written now, in order."""
+    index = kwargs["read_index"][group]
+    return kwargs["write_index"][group] if index.numel() == 0 else index
 
 
 IN_PLACE = "ttft_in_place"
@@ -306,7 +310,8 @@ class InPlace:
         if getattr(module, PAGED, None) is None:
             return None
         writes, starts_q, steps = self._step
-        group = self.cache.layer_to_allocator[module.layer_idx].index
+        allocator = self.cache.layer_to_allocator[module.layer_idx]
+        group = allocator.index
         if writes is kwargs.get("write_index") and starts_q is kwargs.get("cu_seq_lens_q") and group in steps:
             return steps[group]  # the step's next layer: its first one checked the same kwargs
         if (
@@ -326,17 +331,13 @@ class InPlace:
             writes, starts_q, steps = kwargs["write_index"], kwargs["cu_seq_lens_q"], {}
             self._step = (writes, starts_q, steps)
         write = writes[group].to(torch.int64).contiguous()
-        index = kwargs["read_index"][group]
-        if index.numel() == 0:  # a step of new prompts only: the keys are the rows written now, in order
-            index = write
+        index = key_index(kwargs, group).to(torch.int64).contiguous()
         keys = self.rows[module.layer_idx][0]
         slots = int(keys.shape[0])
-        index = index.to(torch.int64).contiguous()
         if any(int(t.max()) >= slots for t in (write, index) if t.numel()):
             raise RuntimeError("a step's cache index reaches past the cache")
         cu_q = starts_q.to(torch.int32).contiguous()
-        layer_type = self.cache.layer_to_allocator[module.layer_idx].layer_type
-        cu_k = kwargs["cu_seq_lens_k"][layer_type].to(torch.int32).contiguous()
+        cu_k = kwargs["cu_seq_lens_k"][allocator.layer_type].to(torch.int32).contiguous()
         found = Step(write, index, cu_q, cu_k, cu_q.numel() - 1, keys.stride(0), keys.stride(1), slots)
         steps[group] = found
         return found
