@@ -3,6 +3,7 @@ engine/kernel.c)."""
 
 from __future__ import annotations
 
+import ctypes
 import subprocess
 from fractions import Fraction
 from pathlib import Path
@@ -53,8 +54,9 @@ def block_layer(
         skip_without_int8()
     blocks, dense = quantised(shape, kind)
     layer = torch.nn.Linear(shape[1], shape[0], bias=False)
-    built = kernel.function(library or kernel.build(DIRECTORY), kernel.INT8 if activations == "int8" else kernel.FP32)
-    kernel._attach(layer, codes.decode(blocks, int(KINDS[kind]), shape), built, activations, torch)
+    kernel._attach(
+        layer, codes.decode(blocks, int(KINDS[kind]), shape), library or kernel.build(DIRECTORY), activations, torch
+    )
     return layer, dense
 
 
@@ -212,6 +214,82 @@ def test_each_row_is_the_same_bits_whatever_else_the_call_holds(kind: str, build
         for count in range(2, 21):
             assert torch.equal(layer(x[:count]), alone[:count]), count
             assert torch.equal(layer(x[count - 2 : count]), alone[count - 2 : count]), count
+
+
+@pytest.fixture(scope="module")
+def alone_and_shared(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """Two copies of this CPU's build, each its own library (its own helpers): the second with a helper thread."""
+    alone, shared = (kernel.build(tmp_path_factory.mktemp(name)) for name in ("alone", "shared"))
+    assert kernel.start_helpers(shared, 1) == 1
+    return alone, shared
+
+
+@pytest.fixture
+def helpers_pause(alone_and_shared: tuple[Path, Path]) -> Any:
+    """Sets how long the shared build's helpers sleep in every chunk they hold (µs); back to 0 after the test."""
+    pause = kernel.load(alone_and_shared[1], "ttft_helper_pause", (ctypes.c_int64,))
+    yield pause
+    pause(0)
+
+
+def helped(library: Path, call: Any, *, until: Any) -> kernel.HelperCounts:
+    """Makes ``call`` again (at most 400 times) until the library's helper counts satisfy ``until``; returns them.
+    A helper runs only on a core nothing else wants: on a busy machine it may take a few calls."""
+    for _ in range(400):
+        call()
+        counts = kernel.helper_counts(library)
+        if until(counts):
+            return counts
+    raise AssertionError(f"the helper thread did not take part in 400 calls: {counts}")
+
+
+@pytest.mark.parametrize("activations", ["fp32", "int8"])
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("rows", [1, 4, 5, 8, 37])
+def test_a_call_shared_with_a_helper_thread_gives_the_same_bits_as_alone(
+    kind: str, rows: int, activations: str, alone_and_shared: tuple[Path, Path]
+) -> None:
+    alone, shared = alone_and_shared
+    seed = rows * 10 + (activations == "int8")
+    blocks, _ = quantised((1000, 576), kind, seed=seed)  # 63 panels, the last 8 outputs of 16 real
+    layers = [block_layer_from(blocks, kind, (1000, 576), library, activations) for library in (alone, shared)]
+    x = torch.from_numpy(np.random.default_rng(seed).standard_normal((rows, 576)).astype(np.float32))
+    with torch.no_grad():
+        want = layers[0](x)
+        before = kernel.helper_counts(shared).by_helpers
+        got: list[Any] = []
+
+        def call() -> None:
+            got.append(layers[1](x))
+
+        helped(shared, call, until=lambda counts: counts.by_helpers > before)
+    assert all(torch.equal(y, want) for y in got)
+
+
+def test_a_chunk_the_helper_holds_too_long_is_taken_back_with_the_same_bits(
+    alone_and_shared: tuple[Path, Path], helpers_pause: Any
+) -> None:
+    alone, shared = alone_and_shared
+    blocks, _ = quantised((1536, 576), "Q4_1", seed=3)
+    layers = [block_layer_from(blocks, "Q4_1", (1536, 576), library, "fp32") for library in (alone, shared)]
+    x = torch.randn(8, 576)
+    helpers_pause(100_000)  # 0.1 s in each chunk it holds: the caller's patience is twice its own time a chunk
+    with torch.no_grad():
+        want = layers[0](x)
+        before = kernel.helper_counts(shared).taken_back
+        got: list[Any] = []
+        counts = helped(shared, lambda: got.append(layers[1](x)), until=lambda counts: counts.taken_back > before)
+    assert all(torch.equal(y, want) for y in got)
+    assert counts.helpers == 1
+
+
+def block_layer_from(blocks: np.ndarray, kind: str, shape: tuple[int, int], library: Path, activations: str) -> Any:
+    """A linear layer on the kernel of ``library`` with gguf's blocks ``blocks``."""
+    if activations == "int8":
+        skip_without_int8()
+    layer = torch.nn.Linear(shape[1], shape[0], bias=False)
+    kernel._attach(layer, codes.decode(blocks, int(KINDS[kind]), shape), library, activations, torch)
+    return layer
 
 
 def tiny_model(tmp_path: Path, *, tied: bool = False) -> tuple[Any, Path]:

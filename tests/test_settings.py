@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -51,11 +52,21 @@ def test_cli_overrides_win_over_the_environment_and_none_means_not_given() -> No
         ({"TTFT_KV_CACHE_TOKENS": "0"}, "kv_cache_tokens must be at least 1"),
         ({"TTFT_MAX_TOKEN": "5"}, "unknown setting(s) TTFT_MAX_TOKEN"),
         ({"TTFT_DEFAULT_MAX_TOKENS": "9000"}, "default_max_tokens (9000) is above max_tokens_cap"),
+        ({"TTFT_KERNEL_HELPERS": "9"}, "kernel_helpers must be -1 (auto) or 0 to 8, got 9"),
+        ({"TTFT_KERNEL_HELPERS": "-2"}, "kernel_helpers must be -1 (auto) or 0 to 8, got -2"),
     ],
 )
 def test_bad_settings_are_refused_with_a_sentence_naming_them(env: dict[str, str], message: str) -> None:
     with pytest.raises(SettingsError, match=message.replace("(", r"\(").replace(")", r"\)")):
         Settings.from_env(env)
+
+
+def test_auto_kernel_helpers_are_one_where_the_process_may_use_two_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    for cores, helpers in ((1, 0), (2, 1), (16, 1)):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda _pid, n=cores: set(range(n)))
+        assert Settings().helper_threads == helpers, cores
+    assert Settings(kernel_helpers=0).helper_threads == 0
+    assert Settings(kernel_helpers=3).helper_threads == 3
 
 
 def test_auto_threads_leave_half_the_cores() -> None:

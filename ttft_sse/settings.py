@@ -37,6 +37,18 @@ def auto_threads(cpu_count: int | None = None) -> int:
     return max(1, cores // 2)
 
 
+MAX_KERNEL_HELPERS = 8
+"""kernel.c's ``HELPERS``."""
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity; ``os.cpu_count()`` where that is not known)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 @dataclass(frozen=True)
 class Settings:
     host: str = "127.0.0.1"
@@ -70,6 +82,9 @@ class Settings:
     # request that arrives while the batch is busy, on another core (engine/prefill.py).
     prefill_process: bool = True
     threads: int = 0
+    # The block kernel's helper threads (engine/kernel.py): a linear layer's panels shared with threads that run
+    # only on a core nothing else wants (SCHED_IDLE). -1: one, where the process may use two cores or more.
+    kernel_helpers: int = -1
     cache_dir: Path = field(default_factory=_default_cache_dir)
     warmup: bool = True
     default_max_tokens: int = 256
@@ -132,6 +147,10 @@ class Settings:
         for name in more_than_zero:
             if getattr(self, name) <= 0:
                 raise SettingsError(f"{name} must be more than 0, got {getattr(self, name)}")
+        if self.kernel_helpers < -1 or self.kernel_helpers > MAX_KERNEL_HELPERS:
+            raise SettingsError(
+                f"kernel_helpers must be -1 (auto) or 0 to {MAX_KERNEL_HELPERS}, got {self.kernel_helpers}"
+            )
         if self.default_max_tokens > self.max_tokens_cap:
             raise SettingsError(
                 f"default_max_tokens ({self.default_max_tokens}) is above max_tokens_cap ({self.max_tokens_cap})"
@@ -162,6 +181,14 @@ class Settings:
     @property
     def torch_threads(self) -> int:
         return self.threads or auto_threads()
+
+    @property
+    def helper_threads(self) -> int:
+        """The block kernel's helper threads: ``kernel_helpers``, or for -1 one where the process may use two cores
+        or more (measured on 2 cores: docs/benchmarks.md)."""
+        if self.kernel_helpers >= 0:
+            return self.kernel_helpers
+        return 1 if usable_cores() >= 2 else 0
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:

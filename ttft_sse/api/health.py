@@ -36,6 +36,7 @@ async def readyz(request: Request) -> JSONResponse:
             "weights": info.weights,
             "context_length": info.context_length,
             "threads": info.threads,
+            "kernel_helpers": info.kernel_helpers,
             "startup": runtime.startup_report(),
             "running": runtime.gate.running,
             "waiting": runtime.gate.waiting,

@@ -97,6 +97,8 @@ class ModelInfo:
     # "column-major+packed" (engine/weights.py), "gguf-blocks" (engine/kernel.py; "gguf-blocks+column-major+packed"
     # when some layers are not stored as blocks), or "int4+bf16-packed" (engine/int4.py).
     weights: str = "as loaded"
+    # The block kernel's helper threads (engine/kernel.py), 0 without them.
+    kernel_helpers: int = 0
 
 
 class Engine(Protocol):

@@ -47,6 +47,7 @@ class HFEngine:
         self._model: Any = None
         self._eos: frozenset[int] = frozenset()
         self._janitor = CacheJanitor(0, lambda: None)  # replaced in load() when the model sits on CUDA
+        self._helpers = 0  # the block kernel's helper threads, started in load()
 
     @property
     def info(self) -> ModelInfo:
@@ -130,6 +131,7 @@ class HFEngine:
             context_length=int(context),
             threads=threads,
             weights=layout,
+            kernel_helpers=self._helpers,
         )
 
     def _arrange(
@@ -166,6 +168,9 @@ class HFEngine:
             if activations is not None and settings.fused_layers:  # after arrange: it copies the norms' weights
                 decoder.fuse(model, torch, kernel.build(settings.cache_dir / KERNEL_DIR))
             if activations is not None:
+                library = kernel.build(settings.cache_dir / KERNEL_DIR)
+                self._helpers = kernel.start_helpers(library, settings.helper_threads)
+                log.info("kernel_helpers", helpers=self._helpers, asked=settings.helper_threads)
                 blocks = "gguf-blocks-int8" if activations == "int8" else "gguf-blocks"
                 plain = any(type(m) is torch.nn.Linear for m in model.modules())
                 layout = f"{blocks}+{layout}" if plain else blocks

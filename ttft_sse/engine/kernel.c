@@ -16,6 +16,7 @@
    (8 rows x 48 outputs with AVX-512, 4 x 24 with AVX2). Both give the same bits. Built with -ffp-contract=off: only
    the written fused multiply-adds fuse. */
 
+#define _GNU_SOURCE
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -239,19 +240,15 @@ float *ttft_grow(struct ttft_buffer *b, int64_t floats) {
     return b->floats;
 }
 
-/* Returns 0, or -1 if K is not whole blocks, bits is neither 4 nor 8, or the buffer cannot be allocated. Calls of
-   up to FUSED_ROWS rows expand the codes in registers in every tile; longer ones expand GROUP panels at a time into
-   a buffer once, and their tiles read them there. */
-int ttft_blocks_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, int bits, const float *scale,
-                       const float *zero, int64_t N, float *y) {
-    static _Thread_local struct ttft_buffer kept = {NULL, 0};
-    if (K % BLOCK != 0 || (bits != 4 && bits != 8)) return -1;
-    if (M <= 0) return 0;
-    float *buffer = M > FUSED_ROWS ? ttft_grow(&kept, GROUP * P * K) : NULL;
-    if (M > FUSED_ROWS && buffer == NULL) return -1;
-    int64_t all = (N + P - 1) / P, panel_bytes = K * P * bits / 8, blocks = K / BLOCK;
-    for (int64_t p = 0; p < all; p += GROUP) {
-        int group = all - p < GROUP ? (int)(all - p) : GROUP;
+/* Panels [p0, p1) of y = x . W^T (N outputs a row of y), `buffer` holding GROUP panels when M > FUSED_ROWS: calls
+   of up to FUSED_ROWS rows expand the codes in registers in every tile; longer ones expand GROUP panels at a time
+   into the buffer once, and their tiles read them there. Each output's chain of multiply-adds is the same whatever
+   the range and the tiles, so the results are the same bits however a call's panels are split. */
+static void fp32_panels(const float *x, int64_t M, int64_t K, const uint8_t *codes, int bits, const float *scale,
+                        const float *zero, int64_t N, float *y, int64_t p0, int64_t p1, float *buffer) {
+    int64_t panel_bytes = K * P * bits / 8, blocks = K / BLOCK;
+    for (int64_t p = p0; p < p1; p += GROUP) {
+        int group = p1 - p < GROUP ? (int)(p1 - p) : GROUP;
         if (M > FUSED_ROWS) {
             for (int g = 0; g < group; g++) {
                 int64_t at = p + g;
@@ -286,6 +283,30 @@ int ttft_blocks_linear(const float *x, int64_t M, int64_t K, const uint8_t *code
             }
         }
     }
+}
+
+/* Sets *buffer to the buffer fp32_panels needs for M rows (one a thread, kept; NULL where it needs none). Returns 0,
+   or -1 if it cannot be allocated. */
+static int fp32_buffer(int64_t M, int64_t K, float **buffer) {
+    static _Thread_local struct ttft_buffer kept = {NULL, 0};
+    *buffer = M > FUSED_ROWS ? ttft_grow(&kept, GROUP * P * K) : NULL;
+    return M > FUSED_ROWS && *buffer == NULL ? -1 : 0;
+}
+
+static int shared_fp32(const float *x, int64_t M, int64_t K, const uint8_t *codes, int bits, const float *scale,
+                       const float *zero, int64_t N, float *y);
+
+/* Returns 0, or -1 if K is not whole blocks, bits is neither 4 nor 8, or a buffer cannot be allocated. With the
+   helper thread started (ttft_helper_start, below), a call large enough shares its panels with it. */
+int ttft_blocks_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, int bits, const float *scale,
+                       const float *zero, int64_t N, float *y) {
+    if (K % BLOCK != 0 || (bits != 4 && bits != 8)) return -1;
+    if (M <= 0) return 0;
+    int shared = shared_fp32(x, M, K, codes, bits, scale, zero, N, y);
+    if (shared <= 0) return shared;
+    float *buffer;
+    if (fp32_buffer(M, K, &buffer) != 0) return -1;
+    fp32_panels(x, M, K, codes, bits, scale, zero, N, y, 0, (N + P - 1) / P, buffer);
     return 0;
 }
 
@@ -536,39 +557,339 @@ static inline __attribute__((always_inline)) void q_tile(int rows, int panels, c
 }
 #endif
 
-/* Returns 0; -1 if K is not whole blocks, bits is neither 4 nor 8, or the row buffer cannot be allocated. */
-int ttft_q8_linear(const float *x, int64_t M, int64_t K, const uint8_t *records, int bits, int64_t N, float *y) {
-    static _Thread_local struct ttft_buffer kept = {NULL, 0};
-    if (K % BLOCK != 0 || (bits != 4 && bits != 8)) return -1;
-    if (M <= 0) return 0;
+/* The rows' steps (M x K bytes: M * K / 4 floats, K being whole blocks of 32), then d, d * sum and sum: the floats
+   a call of M rows needs for its quantised rows. */
+static int64_t q8_floats(int64_t M, int64_t K) { return M * K / 4 + 3 * M * (K / BLOCK); }
+
+struct q8_rows {
+    int8_t *xq;
+    float *d, *ds;
+    int32_t *sx;
+};
+
+/* Rows x quantised into `buffer` (q8_floats floats). */
+static struct q8_rows q8_quantise(const float *x, int64_t M, int64_t K, float *buffer) {
     int64_t blocks = K / BLOCK;
-    /* The rows' steps (M x K bytes: M * K / 4 floats, K being whole blocks of 32), then d, d * sum and sum. */
-    float *buffer = ttft_grow(&kept, M * K / 4 + 3 * M * blocks);
-    if (buffer == NULL) return -1;
-    int8_t *xq = (int8_t *)buffer;
-    float *d = buffer + M * K / 4, *ds = d + M * blocks;
-    int32_t *sx = (int32_t *)(ds + M * blocks);
-    quantise(x, M, K, xq, d, ds, sx);
-    int64_t all = (N + P - 1) / P, panel_bytes = blocks * RECORD(bits);
-    for (int64_t p = 0; p < all; p += Q_PANELS) {
-        int panels = all - p < Q_PANELS ? (int)(all - p) : Q_PANELS;
+    struct q8_rows q = {(int8_t *)buffer, buffer + M * K / 4, buffer + M * K / 4 + M * blocks, NULL};
+    q.sx = (int32_t *)(q.ds + M * blocks);
+    quantise(x, M, K, q.xq, q.d, q.ds, q.sx);
+    return q;
+}
+
+/* Panels [p0, p1) of y for the quantised rows q. */
+static void q8_panels(struct q8_rows q, int64_t M, int64_t K, const uint8_t *records, int bits, int64_t N, float *y,
+                      int64_t p0, int64_t p1) {
+    int64_t blocks = K / BLOCK, panel_bytes = blocks * RECORD(bits);
+    for (int64_t p = p0; p < p1; p += Q_PANELS) {
+        int panels = p1 - p < Q_PANELS ? (int)(p1 - p) : Q_PANELS;
         const uint8_t *c = records + p * panel_bytes;
         int64_t tiles = (M + Q_ROWS - 1) / Q_ROWS, r = 0;
         for (int64_t t = 0; t < tiles; t++) {
             int64_t rows = tile_rows(M, r, t, tiles);
 #define Q_TILE(R, G)                                                                                                   \
     if (R <= Q_ROWS && G <= Q_PANELS)                                                                                  \
-    q_tile(R, G, c, panel_bytes, bits, xq + r * K, d + r * blocks, ds + r * blocks, sx + r * blocks, K,                \
+    q_tile(R, G, c, panel_bytes, bits, q.xq + r * K, q.d + r * blocks, q.ds + r * blocks, q.sx + r * blocks, K,        \
            y + r * N + p * P, N, N - p * P)
             BY_ROWS(Q_TILE, rows, panels)
             r += rows;
         }
     }
+}
+
+static int shared_q8(const float *x, int64_t M, int64_t K, const uint8_t *records, int bits, int64_t N, float *y);
+
+/* Returns 0; -1 if K is not whole blocks, bits is neither 4 nor 8, or the row buffer cannot be allocated. With the
+   helper thread started, a call large enough shares its panels with it. */
+int ttft_q8_linear(const float *x, int64_t M, int64_t K, const uint8_t *records, int bits, int64_t N, float *y) {
+    static _Thread_local struct ttft_buffer kept = {NULL, 0};
+    if (K % BLOCK != 0 || (bits != 4 && bits != 8)) return -1;
+    if (M <= 0) return 0;
+    int shared = shared_q8(x, M, K, records, bits, N, y);
+    if (shared <= 0) return shared;
+    float *buffer = ttft_grow(&kept, q8_floats(M, K));
+    if (buffer == NULL) return -1;
+    q8_panels(q8_quantise(x, M, K, buffer), M, K, records, bits, N, y, 0, (N + P - 1) / P);
     return 0;
 }
 #else
 int ttft_q8_linear(const float *x, int64_t M, int64_t K, const uint8_t *records, int bits, int64_t N, float *y) {
     (void)x, (void)M, (void)K, (void)records, (void)bits, (void)N, (void)y;
     return -2; /* built without AVX-512 VNNI or AVX2 with F16C */
+}
+#endif
+
+/* ---- Helper threads: the other cores' idle time for the kernel (ttft_helper_start) ----
+
+   A call of at least SHARE_WORK multiply-adds is cut into chunks of whole panels. The calling thread takes chunks
+   from the first up, each helper from the last down, each chunk claimed by a compare-and-swap on its state, until
+   they meet. A helper computes into its own buffer, and the caller copies its chunks into y: a helper never writes
+   the caller's memory, and it reads the rows from the share's own copy. The caller never waits on a helper that
+   does not run: helpers run at SCHED_IDLE, so any other task of the machine (the prefill process, the event loop,
+   a client) takes the core from them at once, and a chunk a helper holds longer than twice the caller's own time
+   a chunk is taken back and computed by the caller (the helper's result is then dropped). Each chunk is computed
+   by the same code whoever computes it, and an output's chain of multiply-adds does not depend on how the panels
+   are split, so the results are the same bits shared or not.
+   The weights a helper may still be reading (a chunk taken back from it) must outlive its chunk: whoever frees
+   weights calls ttft_helper_fence first (kernel.py's layers do, as they go). A process that forks does not share
+   (the helpers are the parent's). */
+
+#include <linux/futex.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#define HELPERS 8                /* at most */
+#define SHARE_CHUNKS 1024        /* chunks a call at most (larger chunks beyond) */
+#define SHARE_WORK (1 << 18)     /* multiply-adds a call needs to be shared */
+#define CHUNK_WORK (1 << 16)     /* multiply-adds a chunk at least */
+#define SPIN_NS 500000           /* a helper polls this long for the next call before it sleeps */
+#define TAKE_BACK_NS 20000       /* the caller's patience, at least, for a chunk a helper holds */
+
+enum { FREE, CALLERS, HELD, READY, TAKEN }; /* a chunk's state: the low 3 bits, its helper above them, the call's
+                                               generation from bit 8 */
+
+struct job {
+    int int8;
+    const float *rows; /* the share's copy: fp32 rows, or the rows quantised (q8_floats floats) */
+    int64_t M, K, N, panels, per, chunks;
+    const uint8_t *codes; /* panels, or int8 records */
+    int bits;
+    const float *scale, *zero;
+};
+
+static struct {
+    pthread_mutex_t starting;
+    _Atomic int helpers;
+    pid_t pid;
+    atomic_flag busy;     /* a caller holds the job */
+    _Atomic uint64_t gen; /* odd while the job is being written */
+    _Atomic uint32_t bell;
+    _Atomic int sleeping, in_chunk;
+    struct job job;
+    struct ttft_buffer rows;
+    float *_Atomic out[HELPERS];
+    _Atomic uint64_t state[SHARE_CHUNKS];
+    _Atomic int64_t calls, by_caller, by_helpers, taken, pause_us;
+} share = {.starting = PTHREAD_MUTEX_INITIALIZER, .busy = ATOMIC_FLAG_INIT};
+
+static int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+static void sleep_ns(int64_t ns) {
+    struct timespec t = {ns / 1000000000, ns % 1000000000};
+    nanosleep(&t, NULL);
+}
+
+static void run_chunk(const struct job *j, int64_t c, float *y, float *buffer) {
+    int64_t p0 = c * j->per, p1 = p0 + j->per < j->panels ? p0 + j->per : j->panels;
+#if defined(Q_VNNI) || defined(Q_AVX2)
+    if (j->int8) {
+        int64_t blocks = j->K / BLOCK, M = j->M;
+        float *rows = (float *)j->rows;
+        struct q8_rows q = {(int8_t *)rows, rows + M * j->K / 4, rows + M * j->K / 4 + M * blocks, NULL};
+        q.sx = (int32_t *)(q.ds + M * blocks);
+        q8_panels(q, M, j->K, j->codes, j->bits, j->N, y, p0, p1);
+        return;
+    }
+#endif
+    fp32_panels(j->rows, j->M, j->K, j->codes, j->bits, j->scale, j->zero, j->N, y, p0, p1, buffer);
+}
+
+/* Chunk c's outputs, computed into `from` (a helper's buffer, laid out as y), into y. */
+static void copy_chunk(const struct job *j, int64_t c, const float *from, float *y) {
+    int64_t first = c * j->per * P, last = (c + 1) * j->per * P < j->N ? (c + 1) * j->per * P : j->N;
+    for (int64_t r = 0; r < j->M; r++)
+        memcpy(y + r * j->N + first, from + r * j->N + first, sizeof(float) * (size_t)(last - first));
+}
+
+/* Until no helper is inside a chunk (of a call that may have ended). */
+static void fence(void) {
+    while (atomic_load(&share.in_chunk) > 0) sleep_ns(20000);
+}
+
+int ttft_helper_fence(void) {
+    fence();
+    return 0;
+}
+
+static void *helper(void *arg) {
+    int id = (int)(intptr_t)arg;
+    struct sched_param none = {0};
+    pthread_setschedparam(pthread_self(), SCHED_IDLE, &none);
+    struct ttft_buffer out = {NULL, 0};
+    uint64_t seen = atomic_load(&share.gen);
+    int64_t idle_since = now_ns();
+    for (;;) {
+        uint64_t g = atomic_load(&share.gen);
+        if (g == seen || (g & 1)) {
+            if (now_ns() - idle_since < SPIN_NS) {
+                _mm_pause();
+                continue;
+            }
+            uint32_t bell = atomic_load(&share.bell);
+            atomic_fetch_add(&share.sleeping, 1);
+            if (atomic_load(&share.gen) == seen) syscall(SYS_futex, &share.bell, FUTEX_WAIT_PRIVATE, bell, NULL, NULL, 0);
+            atomic_fetch_sub(&share.sleeping, 1);
+            idle_since = now_ns();
+            continue;
+        }
+        struct job j;
+        memcpy(&j, &share.job, sizeof j);
+        atomic_thread_fence(memory_order_acquire);
+        if (atomic_load(&share.gen) != g) continue; /* torn: written meanwhile */
+        seen = g;
+        float *mine = ttft_grow(&out, j.M * j.N), *buffer = NULL;
+        if (mine == NULL || (!j.int8 && fp32_buffer(j.M, j.K, &buffer) != 0)) continue; /* the caller does it all */
+        atomic_store(&share.out[id], mine);
+        uint64_t tag = g << 8 | (uint64_t)id << 3;
+        for (int64_t c = j.chunks - 1; c >= 0; c--) {
+            atomic_fetch_add(&share.in_chunk, 1);
+            uint64_t expect = g << 8 | FREE;
+            if (!atomic_compare_exchange_strong(&share.state[c], &expect, tag | HELD)) {
+                atomic_fetch_sub(&share.in_chunk, 1);
+                if ((expect & 7) == CALLERS || expect >> 8 != g) break; /* met the caller, or the call ended */
+                continue;                                                /* another helper's */
+            }
+            int64_t pause = atomic_load(&share.pause_us);
+            if (pause > 0) sleep_ns(pause * 1000);
+            run_chunk(&j, c, mine, buffer);
+            expect = tag | HELD;
+            atomic_compare_exchange_strong(&share.state[c], &expect, tag | READY); /* fails if taken back */
+            atomic_fetch_sub(&share.in_chunk, 1);
+        }
+        idle_since = now_ns();
+    }
+    return NULL;
+}
+
+/* Starts `count` helper threads (at most HELPERS; more calls add none once started). Returns how many run, or -1
+   if none could be started. */
+int ttft_helper_start(int count) {
+    pthread_mutex_lock(&share.starting);
+    if (share.pid != getpid()) {
+        atomic_store(&share.helpers, 0);
+        share.pid = getpid();
+    }
+    int running = atomic_load(&share.helpers);
+    for (int id = running; id < count && id < HELPERS; id++) {
+        pthread_t thread;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        int failed = pthread_create(&thread, &attr, helper, (void *)(intptr_t)id);
+        pthread_attr_destroy(&attr);
+        if (failed) break;
+        running = id + 1;
+        atomic_store(&share.helpers, running);
+    }
+    pthread_mutex_unlock(&share.starting);
+    return running > 0 ? running : -1;
+}
+
+/* out[0..4): calls shared, chunks computed by callers, by helpers, and taken back from helpers. */
+int ttft_helper_stats(int64_t *out) {
+    out[0] = atomic_load(&share.calls);
+    out[1] = atomic_load(&share.by_caller);
+    out[2] = atomic_load(&share.by_helpers);
+    out[3] = atomic_load(&share.taken);
+    return atomic_load(&share.helpers);
+}
+
+/* For tests: helpers sleep this long in every chunk they hold, so that the caller takes chunks back. */
+int ttft_helper_pause(int64_t microseconds) {
+    atomic_store(&share.pause_us, microseconds);
+    return 0;
+}
+
+/* Shares the call j (its rows: x, quantised first for int8) with the helpers. Returns 1 if it is not shared (no
+   helper, too small, another caller holds the job): the caller computes it alone; else 0, or -1 if a buffer
+   cannot be allocated. */
+static int share_call(struct job j, const float *x, float *y) {
+    if (atomic_load(&share.helpers) == 0 || share.pid != getpid()) return 1;
+    j.panels = (j.N + P - 1) / P;
+    if (j.M * j.K * j.N < SHARE_WORK || j.panels < 2) return 1;
+    int64_t panel_work = j.M * j.K * P;
+    j.per = (CHUNK_WORK + panel_work - 1) / panel_work;
+    j.per = (j.per + GROUP - 1) / GROUP * GROUP; /* whole groups: the buffered tiles' and int8 tiles' width */
+    while ((j.panels + j.per - 1) / j.per > SHARE_CHUNKS) j.per *= 2;
+    j.chunks = (j.panels + j.per - 1) / j.per;
+    if (j.chunks < 2) return 1;
+    if (atomic_flag_test_and_set(&share.busy)) return 1;
+    float *buffer = NULL;
+    int64_t floats = 0;
+#if defined(Q_VNNI) || defined(Q_AVX2)
+    floats = j.int8 ? q8_floats(j.M, j.K) : j.M * j.K;
+#else
+    floats = j.M * j.K;
+#endif
+    if ((!j.int8 && fp32_buffer(j.M, j.K, &buffer) != 0) ||
+        (share.rows.capacity < floats && (fence(), ttft_grow(&share.rows, floats) == NULL))) {
+        atomic_flag_clear(&share.busy);
+        return -1;
+    }
+    uint64_t g = atomic_load(&share.gen) + 1; /* odd: being written */
+    atomic_store(&share.gen, g);
+    g += 1;
+#if defined(Q_VNNI) || defined(Q_AVX2)
+    if (j.int8)
+        q8_quantise(x, j.M, j.K, share.rows.floats);
+    else
+#endif
+        memcpy(share.rows.floats, x, sizeof(float) * (size_t)(j.M * j.K));
+    j.rows = share.rows.floats;
+    share.job = j;
+    for (int64_t c = 0; c < j.chunks; c++) atomic_store_explicit(&share.state[c], g << 8 | FREE, memory_order_relaxed);
+    atomic_store(&share.gen, g);
+    if (atomic_load(&share.sleeping) > 0) {
+        atomic_fetch_add(&share.bell, 1);
+        syscall(SYS_futex, &share.bell, FUTEX_WAKE_PRIVATE, HELPERS, NULL, NULL, 0);
+    }
+    int64_t c = 0, start = now_ns();
+    for (; c < j.chunks; c++) {
+        uint64_t expect = g << 8 | FREE;
+        if (!atomic_compare_exchange_strong(&share.state[c], &expect, g << 8 | CALLERS)) break;
+        run_chunk(&j, c, y, buffer);
+    }
+    int64_t mine = c, patience = mine > 0 ? 2 * (now_ns() - start) / mine : 0;
+    if (patience < TAKE_BACK_NS) patience = TAKE_BACK_NS;
+    int64_t taken = 0;
+    for (int64_t d = j.chunks - 1; d >= mine; d--) { /* the helpers' chunks, the last claimed last */
+        uint64_t s = atomic_load(&share.state[d]);
+        int64_t waiting = now_ns();
+        while ((s & 7) == HELD && now_ns() - waiting < patience) {
+            _mm_pause();
+            s = atomic_load(&share.state[d]);
+        }
+        if ((s & 7) == HELD && atomic_compare_exchange_strong(&share.state[d], &s, (s & ~(uint64_t)7) | TAKEN)) {
+            run_chunk(&j, d, y, buffer);
+            taken++;
+            continue;
+        }
+        copy_chunk(&j, d, atomic_load(&share.out[(s >> 3) & 31]), y); /* READY (a failed take: it just became so) */
+    }
+    atomic_fetch_add(&share.calls, 1);
+    atomic_fetch_add(&share.by_caller, mine + taken);
+    atomic_fetch_add(&share.by_helpers, j.chunks - mine - taken);
+    atomic_fetch_add(&share.taken, taken);
+    atomic_flag_clear(&share.busy);
+    return 0;
+}
+
+static int shared_fp32(const float *x, int64_t M, int64_t K, const uint8_t *codes, int bits, const float *scale,
+                       const float *zero, int64_t N, float *y) {
+    struct job j = {.int8 = 0, .M = M, .K = K, .N = N, .codes = codes, .bits = bits, .scale = scale, .zero = zero};
+    return share_call(j, x, y);
+}
+
+#if defined(Q_VNNI) || defined(Q_AVX2)
+static int shared_q8(const float *x, int64_t M, int64_t K, const uint8_t *records, int bits, int64_t N, float *y) {
+    struct job j = {.int8 = 1, .M = M, .K = K, .N = N, .codes = records, .bits = bits};
+    return share_call(j, x, y);
 }
 #endif

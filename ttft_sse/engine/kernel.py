@@ -56,7 +56,7 @@ import shutil
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -142,6 +142,32 @@ def function(path: Path, name: str = FP32) -> Any:
     return load(path, name, tuple(_ARGUMENTS[name]))
 
 
+class HelperCounts(NamedTuple):
+    """What the helper threads did since they started (kernel.c's ``ttft_helper_stats``)."""
+
+    helpers: int
+    calls: int  # calls shared
+    by_caller: int  # chunks the calling thread computed
+    by_helpers: int  # chunks the helpers computed
+    taken_back: int  # chunks a helper held too long, computed by the caller instead
+
+
+def start_helpers(path: Path, count: int) -> int:
+    """Start ``count`` helper threads in the library at ``path`` (once a process: later calls add none); returns how
+    many run. From then on a call of the kernel large enough shares its panels with them (kernel.c). They run at
+    SCHED_IDLE, on a core nothing else wants, and the caller never waits for one that does not run."""
+    if count <= 0:
+        return 0
+    return max(0, int(load(path, "ttft_helper_start", (ctypes.c_int,))(count)))
+
+
+def helper_counts(path: Path) -> HelperCounts:
+    """What the helper threads of the library at ``path`` did so far."""
+    counts = (ctypes.c_int64 * 4)()
+    helpers = load(path, "ttft_helper_stats", (ctypes.c_void_p,))(ctypes.addressof(counts))
+    return HelperCounts(int(helpers), *(int(n) for n in counts))
+
+
 def takes_int8(path: Path) -> bool:
     """Whether the library at ``path`` multiplies int8 rows (it was built for a CPU with AVX-512 VNNI, or AVX2 and
     F16C)."""
@@ -190,7 +216,6 @@ def apply(
         reason = "the CPU has neither AVX-512 VNNI nor AVX2 with F16C: the rows stay fp32"
         log.warning("activations_not_int8", reason=reason)
         activations = "fp32"
-    kernel = function(library, INT8 if activations == "int8" else FP32)
     layers = {
         name: m
         for name, m in model.named_modules()
@@ -202,14 +227,14 @@ def apply(
         return None
     changed = [layers[name] for name in found]
     for name, layer in zip(found, changed, strict=True):
-        _attach(layer, found[name], kernel, activations, torch)
+        _attach(layer, found[name], library, activations, torch)
     try:
         for bits in sorted({codes.bits for codes in found.values()}):
             _check(next(layer for layer in changed if layer.bits == bits), torch)
     except RuntimeError as exc:
         for layer in changed:  # back to the plain fp32 layers they were
             layer.__class__ = torch.nn.Linear
-            del layer.arrays, layer.multiply, layer.bits, layer.activations
+            del layer.arrays, layer.multiply, layer.bits, layer.activations, layer.fence
         log.warning("weights_not_blocks", reason=str(exc))
         return None
     others = (m for m in model.modules() if not isinstance(m, block_linear_class()))
@@ -307,7 +332,10 @@ def _by_panel(per_block: npt.NDArray[np.float32], dtype: type[np.floating[Any]])
     return np.ascontiguousarray(full.reshape(-1, PANEL, blocks).transpose(0, 2, 1))
 
 
-def _attach(layer: Any, codes: gguf_codes.Codes, kernel: Any, activations: str, torch: Any) -> None:
+def _attach(layer: Any, codes: gguf_codes.Codes, library: Path, activations: str, torch: Any) -> None:
+    """Make ``layer`` a ``BlockLinear`` on ``codes`` with the kernel of the library at ``library``."""
+    kernel = function(library, INT8 if activations == "int8" else FP32)
+    layer.fence = load(library, "ttft_helper_fence", ())
     arrays = (records(codes),) if activations == "int8" else panels(codes)
     layer.arrays = tuple(torch.from_numpy(a) for a in arrays)
     pointers = [a.data_ptr() for a in layer.arrays]
@@ -331,6 +359,14 @@ def block_linear_class() -> type[Any]:
         multiply: Callable[[int, int, int], int]  # (rows' address, row count, output's address) -> status
         bits: int
         activations: str
+        fence: Callable[[], int]  # kernel.c's ttft_helper_fence
+
+        def __del__(self) -> None:
+            # Before the codes go: a helper thread may still be reading them (a chunk the caller took back from it,
+            # kernel.c), and it is done within a chunk once it runs.
+            fence = self.__dict__.get("fence")
+            if fence is not None:
+                fence()
 
         def forward(self, x: Any) -> Any:
             # As few torch calls as it takes: a forward pass of the bundled model makes 211 of these, and each torch

@@ -368,7 +368,7 @@ def main() -> None:
     settings: Settings = prompts.recv()
     logs.configure(level=settings.log_level, fmt=settings.log_format)
     began = time.perf_counter()
-    engine = HFEngine(settings.replace(engine="single"))
+    engine = HFEngine(settings.replace(engine="single", kernel_helpers=0))
     try:
         engine.load(StageClock())
         import torch
