@@ -20,6 +20,7 @@ from starlette.testclient import TestClient
 from tests.scrape import Scrape, parse, scrape
 from tests.servers import StreamReader, parse_sse, running, serving
 from ttft_sse.app import create_app
+from ttft_sse.engine import kernel
 from ttft_sse.engine.base import Prompt
 from ttft_sse.engine.batched import BatchedEngine, BatchStats
 from ttft_sse.engine.fake import FakeEngine
@@ -429,6 +430,18 @@ def test_batching_stats_are_exported_as_the_engine_reports_them() -> None:
     assert later.delta(got, "ttft_sse_batch_steps_total") == 1
     assert later.value("ttft_sse_kv_cache_usage_ratio") == 0.0  # loaded and idle: a real zero
     assert later.has("ttft_sse_kv_cache_usage_ratio")
+
+
+def test_the_kernel_helpers_chunks_are_exported_by_who_computed_them_where_there_are_helpers() -> None:
+    counts = kernel.HelperCounts(helpers=1, calls=50, by_caller=300, by_helpers=200, taken_back=7)
+    got = rendered(StatsEngine(replace(STATS, kernel=counts)))
+    assert got.families["ttft_sse_kernel_chunks"] == "counter"
+    assert got.matching("ttft_sse_kernel_chunks_total") == {
+        frozenset({("by", "caller")}): 293,  # its own: the 7 it took back are counted apart
+        frozenset({("by", "helpers")}): 200,
+        frozenset({("by", "taken_back")}): 7,
+    }
+    assert "ttft_sse_kernel_chunks_total" not in rendered(StatsEngine(STATS)).names()  # no helpers: absent, not 0
 
 
 def test_openmetrics_exposition_of_the_batching_counters() -> None:

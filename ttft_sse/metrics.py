@@ -344,6 +344,18 @@ def _batch_metrics(engine: object) -> Iterator[Metric]:
         "First tokens that the prefill process (a second process, on another core) gave before the batch did.",
         value=stats.side_first_tokens,
     )
+    if stats.kernel is not None:
+        chunks = CounterMetricFamily(
+            "ttft_sse_kernel_chunks",
+            "Chunks of the block kernel's shared calls, by who computed them: the calling thread, its helper threads "
+            "(on a core nothing else wanted: TTFT_KERNEL_HELPERS), or the caller after taking one back from a helper "
+            "that held it too long.",
+            labels=["by"],
+        )
+        chunks.add_metric(["caller"], stats.kernel.by_caller - stats.kernel.taken_back)
+        chunks.add_metric(["helpers"], stats.kernel.by_helpers)
+        chunks.add_metric(["taken_back"], stats.kernel.taken_back)
+        yield chunks
     yield GaugeMetricFamily(
         "ttft_sse_kv_cache_usage_ratio",
         "Fraction of the batched engine's KV cache held by running requests, 0-1 "

@@ -137,6 +137,15 @@ def test_prefix_cache_and_kv_cache_metrics_are_the_batched_engine_s_own_counts(
     assert got.value("ttft_sse_prefix_cache_queries_tokens_total") == stats.prompt_tokens
     assert got.value("ttft_sse_prefix_cache_hits_tokens_total") == stats.prefix_hit_tokens > 0
     assert got.value("ttft_sse_batch_steps_total") == stats.steps > 0
+    # The block kernel's helper threads (one on two cores or more, as here and in CI): their chunks as counted.
+    assert (stats.kernel is not None) == (engine.info.kernel_helpers > 0)
+    if stats.kernel is not None:
+        assert stats.kernel.calls > 0 and stats.kernel.helpers == engine.info.kernel_helpers
+        assert got.matching("ttft_sse_kernel_chunks_total") == {
+            frozenset({("by", "caller")}): stats.kernel.by_caller - stats.kernel.taken_back,
+            frozenset({("by", "helpers")}): stats.kernel.by_helpers,
+            frozenset({("by", "taken_back")}): stats.kernel.taken_back,
+        }
     # The second prompt was scheduled in full and served from the first one's blocks: every whole block short of
     # its last token.
     n = second["usage"]["prompt_tokens"]

@@ -63,7 +63,7 @@ from typing import Any, ClassVar
 import structlog
 
 from ttft_sse.bridge import Mailboxes, Resident
-from ttft_sse.engine import attention, sampling
+from ttft_sse.engine import attention, kernel, sampling
 from ttft_sse.engine.base import ChatMessage, Finished, ModelInfo, Piece, Prompt, SamplingParams, Usage
 from ttft_sse.engine.hf import CacheJanitor, HFEngine
 from ttft_sse.engine.prefill import PrefillProcess
@@ -103,6 +103,7 @@ class BatchStats:
     kv_tokens_capacity: int
     prefill: str = "off"  # the prefill process (engine/prefill.py): off, loading, ready, failed or stopped
     side_first_tokens: int = 0  # first tokens the prefill process gave before the batch did
+    kernel: kernel.HelperCounts | None = None  # the block kernel's helper threads (None without them)
 
 
 class BatchedEngine:
@@ -399,6 +400,7 @@ class BatchedEngine:
             kv_tokens_capacity=self._capacity,
             prefill=self._prefill.state if self._prefill is not None else "off",
             side_first_tokens=self._side_first,
+            kernel=self._single.kernel_counts(),
         )
 
     # -- called from the loop's thread -------------------------------------------------------------------------

@@ -48,6 +48,7 @@ class HFEngine:
         self._eos: frozenset[int] = frozenset()
         self._janitor = CacheJanitor(0, lambda: None)  # replaced in load() when the model sits on CUDA
         self._helpers = 0  # the block kernel's helper threads, started in load()
+        self._library: Path | None = None  # the block kernel's library, where it serves the model
 
     @property
     def info(self) -> ModelInfo:
@@ -168,7 +169,7 @@ class HFEngine:
             if activations is not None and settings.fused_layers:  # after arrange: it copies the norms' weights
                 decoder.fuse(model, torch, kernel.build(settings.cache_dir / KERNEL_DIR))
             if activations is not None:
-                library = kernel.build(settings.cache_dir / KERNEL_DIR)
+                library = self._library = kernel.build(settings.cache_dir / KERNEL_DIR)
                 self._helpers = kernel.start_helpers(library, settings.helper_threads)
                 log.info("kernel_helpers", helpers=self._helpers, asked=settings.helper_threads)
                 blocks = "gguf-blocks-int8" if activations == "int8" else "gguf-blocks"
@@ -176,6 +177,13 @@ class HFEngine:
                 layout = f"{blocks}+{layout}" if plain else blocks
         log.info("weights_arranged", layout=layout)
         return layout
+
+    def kernel_counts(self) -> kernel.HelperCounts | None:
+        """What the block kernel's helper threads did so far (every engine of the process together); None without
+        them."""
+        if not self._helpers or self._library is None:
+            return None
+        return kernel.helper_counts(self._library)
 
     def _pick_device(self, torch: Any) -> str:
         wanted = self._settings.device

@@ -240,12 +240,13 @@ float *ttft_grow(struct ttft_buffer *b, int64_t floats) {
     return b->floats;
 }
 
-/* Panels [p0, p1) of y = x . W^T (N outputs a row of y), `buffer` holding GROUP panels when M > FUSED_ROWS: calls
+/* Panels [p0, p1) of x . W^T (N outputs in all) into y, whose rows are ldy apart and begin at panel p0's first
+   output; `buffer` holds GROUP panels when M > FUSED_ROWS: calls
    of up to FUSED_ROWS rows expand the codes in registers in every tile; longer ones expand GROUP panels at a time
    into the buffer once, and their tiles read them there. Each output's chain of multiply-adds is the same whatever
    the range and the tiles, so the results are the same bits however a call's panels are split. */
 static void fp32_panels(const float *x, int64_t M, int64_t K, const uint8_t *codes, int bits, const float *scale,
-                        const float *zero, int64_t N, float *y, int64_t p0, int64_t p1, float *buffer) {
+                        const float *zero, int64_t N, float *y, int64_t ldy, int64_t p0, int64_t p1, float *buffer) {
     int64_t panel_bytes = K * P * bits / 8, blocks = K / BLOCK;
     for (int64_t p = p0; p < p1; p += GROUP) {
         int group = p1 - p < GROUP ? (int)(p1 - p) : GROUP;
@@ -262,7 +263,7 @@ static void fp32_panels(const float *x, int64_t M, int64_t K, const uint8_t *cod
                 for (int c0 = 0; c0 < columns; c0 += B_COLS) {
                     int cols = columns - c0 < B_COLS ? columns - c0 : B_COLS;
 #define BUFFERED(R, C)                                                                                                 \
-    if (R <= B_ROWS) buffered(R, C, c0, buffer, x + r * K, K, y + r * N + p * P, N, N - p * P)
+    if (R <= B_ROWS) buffered(R, C, c0, buffer, x + r * K, K, y + r * ldy + (p - p0) * P, ldy, N - p * P)
                     BY_ROWS(BUFFERED, rows, cols)
                 }
                 r += rows;
@@ -277,7 +278,8 @@ static void fp32_panels(const float *x, int64_t M, int64_t K, const uint8_t *cod
             for (int64_t t = 0; t < tiles; t++) {
                 int64_t rows = tile_rows(M, r, t, tiles);
 #define FUSED(R, G)                                                                                                    \
-    if (R <= ROWS && G <= PANELS) fused(R, G, c, panel_bytes, bits, s, z, x + r * K, K, y + r * N + q * P, N, N - q * P)
+    if (R <= ROWS && G <= PANELS)                                                                                      \
+    fused(R, G, c, panel_bytes, bits, s, z, x + r * K, K, y + r * ldy + (q - p0) * P, ldy, N - q * P)
                 BY_ROWS(FUSED, rows, panels)
                 r += rows;
             }
@@ -306,7 +308,7 @@ int ttft_blocks_linear(const float *x, int64_t M, int64_t K, const uint8_t *code
     if (shared <= 0) return shared;
     float *buffer;
     if (fp32_buffer(M, K, &buffer) != 0) return -1;
-    fp32_panels(x, M, K, codes, bits, scale, zero, N, y, 0, (N + P - 1) / P, buffer);
+    fp32_panels(x, M, K, codes, bits, scale, zero, N, y, N, 0, (N + P - 1) / P, buffer);
     return 0;
 }
 
@@ -576,9 +578,9 @@ static struct q8_rows q8_quantise(const float *x, int64_t M, int64_t K, float *b
     return q;
 }
 
-/* Panels [p0, p1) of y for the quantised rows q. */
+/* Panels [p0, p1) for the quantised rows q into y, as fp32_panels. */
 static void q8_panels(struct q8_rows q, int64_t M, int64_t K, const uint8_t *records, int bits, int64_t N, float *y,
-                      int64_t p0, int64_t p1) {
+                      int64_t ldy, int64_t p0, int64_t p1) {
     int64_t blocks = K / BLOCK, panel_bytes = blocks * RECORD(bits);
     for (int64_t p = p0; p < p1; p += Q_PANELS) {
         int panels = p1 - p < Q_PANELS ? (int)(p1 - p) : Q_PANELS;
@@ -589,7 +591,7 @@ static void q8_panels(struct q8_rows q, int64_t M, int64_t K, const uint8_t *rec
 #define Q_TILE(R, G)                                                                                                   \
     if (R <= Q_ROWS && G <= Q_PANELS)                                                                                  \
     q_tile(R, G, c, panel_bytes, bits, q.xq + r * K, q.d + r * blocks, q.ds + r * blocks, q.sx + r * blocks, K,        \
-           y + r * N + p * P, N, N - p * P)
+           y + r * ldy + (p - p0) * P, ldy, N - p * P)
             BY_ROWS(Q_TILE, rows, panels)
             r += rows;
         }
@@ -608,7 +610,7 @@ int ttft_q8_linear(const float *x, int64_t M, int64_t K, const uint8_t *records,
     if (shared <= 0) return shared;
     float *buffer = ttft_grow(&kept, q8_floats(M, K));
     if (buffer == NULL) return -1;
-    q8_panels(q8_quantise(x, M, K, buffer), M, K, records, bits, N, y, 0, (N + P - 1) / P);
+    q8_panels(q8_quantise(x, M, K, buffer), M, K, records, bits, N, y, N, 0, (N + P - 1) / P);
     return 0;
 }
 #else
@@ -630,8 +632,10 @@ int ttft_q8_linear(const float *x, int64_t M, int64_t K, const uint8_t *records,
    by the same code whoever computes it, and an output's chain of multiply-adds does not depend on how the panels
    are split, so the results are the same bits shared or not.
    The weights a helper may still be reading (a chunk taken back from it) must outlive its chunk: whoever frees
-   weights calls ttft_helper_fence first (kernel.py's layers do, as they go). A process that forks does not share
-   (the helpers are the parent's). */
+   weights calls ttft_helper_fence first (kernel.py's layers do, as they go). The share's copy of the rows grows
+   only while no helper is inside a chunk (a call that finds one there runs alone rather than wait), and a helper's
+   buffer holds a whole output, so calls of more than SHARE_OUTPUTS outputs run alone. A forked child starts with
+   no helpers and shares nothing until it starts its own. */
 
 #include <linux/futex.h>
 #include <pthread.h>
@@ -644,6 +648,7 @@ int ttft_q8_linear(const float *x, int64_t M, int64_t K, const uint8_t *records,
 #define HELPERS 8                /* at most */
 #define SHARE_CHUNKS 1024        /* chunks a call at most (larger chunks beyond) */
 #define SHARE_WORK (1 << 18)     /* multiply-adds a call needs to be shared */
+#define SHARE_OUTPUTS (1 << 23)  /* outputs a call at most (a helper's buffer holds them: 32 MiB) */
 #define CHUNK_WORK (1 << 16)     /* multiply-adds a chunk at least */
 #define SPIN_NS 500000           /* a helper polls this long for the next call before it sleeps */
 #define TAKE_BACK_NS 20000       /* the caller's patience, at least, for a chunk a helper holds */
@@ -686,7 +691,8 @@ static void sleep_ns(int64_t ns) {
     nanosleep(&t, NULL);
 }
 
-static void run_chunk(const struct job *j, int64_t c, float *y, float *buffer) {
+/* Chunk c into y (the chunk's first output; rows ldy apart). */
+static void run_chunk(const struct job *j, int64_t c, float *y, int64_t ldy, float *buffer) {
     int64_t p0 = c * j->per, p1 = p0 + j->per < j->panels ? p0 + j->per : j->panels;
 #if defined(Q_VNNI) || defined(Q_AVX2)
     if (j->int8) {
@@ -694,11 +700,11 @@ static void run_chunk(const struct job *j, int64_t c, float *y, float *buffer) {
         float *rows = (float *)j->rows;
         struct q8_rows q = {(int8_t *)rows, rows + M * j->K / 4, rows + M * j->K / 4 + M * blocks, NULL};
         q.sx = (int32_t *)(q.ds + M * blocks);
-        q8_panels(q, M, j->K, j->codes, j->bits, j->N, y, p0, p1);
+        q8_panels(q, M, j->K, j->codes, j->bits, j->N, y, ldy, p0, p1);
         return;
     }
 #endif
-    fp32_panels(j->rows, j->M, j->K, j->codes, j->bits, j->scale, j->zero, j->N, y, p0, p1, buffer);
+    fp32_panels(j->rows, j->M, j->K, j->codes, j->bits, j->scale, j->zero, j->N, y, ldy, p0, p1, buffer);
 }
 
 /* Chunk c's outputs, computed into `from` (a helper's buffer, laid out as y), into y. */
@@ -708,9 +714,9 @@ static void copy_chunk(const struct job *j, int64_t c, const float *from, float 
         memcpy(y + r * j->N + first, from + r * j->N + first, sizeof(float) * (size_t)(last - first));
 }
 
-/* Until no helper is inside a chunk (of a call that may have ended). */
+/* Until no helper is inside a chunk (of a call that may have ended); at once in a forked child (it has none). */
 static void fence(void) {
-    while (atomic_load(&share.in_chunk) > 0) sleep_ns(20000);
+    while (share.pid == getpid() && atomic_load(&share.in_chunk) > 0) sleep_ns(20000);
 }
 
 int ttft_helper_fence(void) {
@@ -758,7 +764,7 @@ static void *helper(void *arg) {
             }
             int64_t pause = atomic_load(&share.pause_us);
             if (pause > 0) sleep_ns(pause * 1000);
-            run_chunk(&j, c, mine, buffer);
+            run_chunk(&j, c, mine + c * j.per * P, j.N, buffer);
             expect = tag | HELD;
             atomic_compare_exchange_strong(&share.state[c], &expect, tag | READY); /* fails if taken back */
             atomic_fetch_sub(&share.in_chunk, 1);
@@ -768,11 +774,23 @@ static void *helper(void *arg) {
     return NULL;
 }
 
+/* A forked child has none of its parent's helpers: it starts from nothing (and shares nothing until it starts
+   its own). */
+static void forked(void) {
+    pthread_mutex_init(&share.starting, NULL);
+    atomic_store(&share.helpers, 0);
+    atomic_store(&share.in_chunk, 0);
+    atomic_store(&share.sleeping, 0);
+    atomic_flag_clear(&share.busy);
+    atomic_store(&share.gen, (atomic_load(&share.gen) + 1) & ~(uint64_t)1);
+}
+
 /* Starts `count` helper threads (at most HELPERS; more calls add none once started). Returns how many run, or -1
    if none could be started. */
 int ttft_helper_start(int count) {
     pthread_mutex_lock(&share.starting);
     if (share.pid != getpid()) {
+        if (share.pid == 0) pthread_atfork(NULL, NULL, forked);
         atomic_store(&share.helpers, 0);
         share.pid = getpid();
     }
@@ -813,7 +831,7 @@ int ttft_helper_pause(int64_t microseconds) {
 static int share_call(struct job j, const float *x, float *y) {
     if (atomic_load(&share.helpers) == 0 || share.pid != getpid()) return 1;
     j.panels = (j.N + P - 1) / P;
-    if (j.M * j.K * j.N < SHARE_WORK || j.panels < 2) return 1;
+    if (j.M * j.K * j.N < SHARE_WORK || j.panels < 2 || j.M * j.N > SHARE_OUTPUTS) return 1;
     int64_t panel_work = j.M * j.K * P;
     j.per = (CHUNK_WORK + panel_work - 1) / panel_work;
     j.per = (j.per + GROUP - 1) / GROUP * GROUP; /* whole groups: the buffered tiles' and int8 tiles' width */
@@ -828,13 +846,19 @@ static int share_call(struct job j, const float *x, float *y) {
 #else
     floats = j.M * j.K;
 #endif
+    if (share.rows.capacity < floats && atomic_load(&share.in_chunk) > 0) {
+        /* A helper may still read the rows (a chunk taken back from it): grow them at a later call, not waiting. */
+        atomic_flag_clear(&share.busy);
+        return 1;
+    }
     if ((!j.int8 && fp32_buffer(j.M, j.K, &buffer) != 0) ||
-        (share.rows.capacity < floats && (fence(), ttft_grow(&share.rows, floats) == NULL))) {
+        (share.rows.capacity < floats && ttft_grow(&share.rows, floats) == NULL)) {
         atomic_flag_clear(&share.busy);
         return -1;
     }
     uint64_t g = atomic_load(&share.gen) + 1; /* odd: being written */
-    atomic_store(&share.gen, g);
+    atomic_store_explicit(&share.gen, g, memory_order_relaxed);
+    atomic_thread_fence(memory_order_release); /* the odd generation before the job's stores */
     g += 1;
 #if defined(Q_VNNI) || defined(Q_AVX2)
     if (j.int8)
@@ -854,7 +878,7 @@ static int share_call(struct job j, const float *x, float *y) {
     for (; c < j.chunks; c++) {
         uint64_t expect = g << 8 | FREE;
         if (!atomic_compare_exchange_strong(&share.state[c], &expect, g << 8 | CALLERS)) break;
-        run_chunk(&j, c, y, buffer);
+        run_chunk(&j, c, y + c * j.per * P, j.N, buffer);
     }
     int64_t mine = c, patience = mine > 0 ? 2 * (now_ns() - start) / mine : 0;
     if (patience < TAKE_BACK_NS) patience = TAKE_BACK_NS;
@@ -867,7 +891,7 @@ static int share_call(struct job j, const float *x, float *y) {
             s = atomic_load(&share.state[d]);
         }
         if ((s & 7) == HELD && atomic_compare_exchange_strong(&share.state[d], &s, (s & ~(uint64_t)7) | TAKEN)) {
-            run_chunk(&j, d, y, buffer);
+            run_chunk(&j, d, y + d * j.per * P, j.N, buffer);
             taken++;
             continue;
         }

@@ -44,6 +44,11 @@ or if the kernel disagrees with its fp64 reference on a probe, the engine says w
 the fp32 layers. So it does with more than one torch thread (``TTFT_THREADS``): the kernel runs on one thread, and
 on several oneDNN's fp32 GEMMs compute a long prompt faster (a decode step, bound by the bytes it reads, would
 still gain).
+
+The kernel's own helper threads (:func:`start_helpers`, ``TTFT_KERNEL_HELPERS``) take a share of each large call's
+panels, but only on a core nothing else wants: they run at ``SCHED_IDLE``, and the calling thread takes back a chunk
+a helper holds too long, so it never waits on one that does not run (where torch's spinning threads fall 9-16x
+behind). The same bits shared or not. On 2 cores: 1.6x one row's pass, 1.8x eight rows' (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -233,6 +238,7 @@ def apply(
             _check(next(layer for layer in changed if layer.bits == bits), torch)
     except RuntimeError as exc:
         for layer in changed:  # back to the plain fp32 layers they were
+            layer.fence()  # as BlockLinear's __del__ does: a helper may still read the codes (kernel.c)
             layer.__class__ = torch.nn.Linear
             del layer.arrays, layer.multiply, layer.bits, layer.activations, layer.fence
         log.warning("weights_not_blocks", reason=str(exc))
