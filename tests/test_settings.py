@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from ttft_sse.settings import Settings, SettingsError, auto_threads
+from ttft_sse import settings as settings_module
+from ttft_sse.settings import Settings, SettingsError, auto_threads, usable_cores
 
 
 def test_environment_values_are_parsed_by_type() -> None:
@@ -62,11 +63,25 @@ def test_bad_settings_are_refused_with_a_sentence_naming_them(env: dict[str, str
 
 
 def test_auto_kernel_helpers_are_one_where_the_process_may_use_two_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(settings_module, "CGROUP_CPU_MAX", Path("/nonexistent/cpu.max"))
     for cores, helpers in ((1, 0), (2, 1), (16, 1)):
         monkeypatch.setattr(os, "sched_getaffinity", lambda _pid, n=cores: set(range(n)))
         assert Settings().helper_threads == helpers, cores
     assert Settings(kernel_helpers=0).helper_threads == 0
     assert Settings(kernel_helpers=3).helper_threads == 3
+
+
+def test_usable_cores_are_the_affinity_at_most_the_cgroups_whole_cpus(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(4)))
+    cpu_max = tmp_path / "cpu.max"
+    for text, cores in (("max 100000\n", 4), ("100000 100000\n", 1), ("150000 100000\n", 1), ("250000 100000\n", 2)):
+        cpu_max.write_text(text)
+        assert usable_cores(cpu_max) == cores, text
+    assert usable_cores(tmp_path / "absent") == 4
+    cpu_max.write_text("garbled")
+    assert usable_cores(cpu_max) == 4
 
 
 def test_auto_threads_leave_half_the_cores() -> None:

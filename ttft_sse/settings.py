@@ -41,12 +41,24 @@ MAX_KERNEL_HELPERS = 8
 """kernel.c's ``HELPERS``."""
 
 
-def usable_cores() -> int:
-    """The cores this process may run on (its affinity; ``os.cpu_count()`` where that is not known)."""
+CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
+"""cgroup v2's CPU quota of this process's group (a container's ``--cpus``): ``max 100000``, or quota and period."""
+
+
+def usable_cores(cpu_max: Path = CGROUP_CPU_MAX) -> int:
+    """The cores this process may run on: its affinity (``os.cpu_count()`` where that is not known), at most its
+    cgroup's CPU quota, whole cores only (a quota of 1.5 CPUs is 1)."""
     try:
-        return len(os.sched_getaffinity(0))
+        cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
-        return os.cpu_count() or 1
+        cores = os.cpu_count() or 1
+    try:
+        quota, period = cpu_max.read_text().split()[:2]
+        if quota != "max":
+            cores = min(cores, max(1, int(quota) // int(period)))
+    except (OSError, ValueError):
+        pass  # no cgroup v2 quota to read
+    return cores
 
 
 @dataclass(frozen=True)
@@ -188,7 +200,7 @@ class Settings:
         or more (measured on 2 cores: docs/benchmarks.md)."""
         if self.kernel_helpers >= 0:
             return self.kernel_helpers
-        return 1 if usable_cores() >= 2 else 0
+        return 1 if usable_cores(CGROUP_CPU_MAX) >= 2 else 0
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
