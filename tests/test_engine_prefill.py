@@ -175,7 +175,7 @@ def test_a_prompt_learned_a_chunk_at_a_time_gives_the_logits_of_the_whole_prompt
 
 @pytest.fixture(scope="module")
 def child(settings: Settings) -> Iterator[PrefillProcess]:
-    process = PrefillProcess(settings.replace(prefill_process=True))
+    process = PrefillProcess(settings.replace(prefill_process=True, kernel_helpers=0))
     process.start()
     eventually(lambda: process.state != "loading", timeout=180)
     yield process
@@ -221,7 +221,7 @@ async def test_the_child_declines_a_long_new_prompt_learns_it_and_then_answers_t
 
 @pytest.fixture(scope="module")
 def engine(settings: Settings) -> Iterator[BatchedEngine]:
-    engine = BatchedEngine(settings.replace(prefill_process=True))
+    engine = BatchedEngine(settings.replace(prefill_process=True, kernel_helpers=0))
     engine.load(StageClock())
     eventually(lambda: engine.stats().prefill != "loading", timeout=180)
     yield engine
@@ -380,7 +380,7 @@ async def test_the_batch_goes_on_from_the_first_token_the_process_gave(
     monkeypatch.setattr(batched, "PrefillProcess", ScriptedProcess)
     forced = reference.tokenizer.encode(" Banana", add_special_tokens=False)[0]
     monkeypatch.setattr(ScriptedProcess, "token", forced)
-    own = BatchedEngine(settings.replace(prefill_process=True))
+    own = BatchedEngine(settings.replace(prefill_process=True, kernel_helpers=0))
     own.load(StageClock())
     try:
         asked = prompts(own, "Forced: ")
@@ -413,7 +413,7 @@ async def test_no_race_where_the_batchs_cache_does_not_read_in_place(
     from ttft_sse.engine import attention
 
     monkeypatch.setattr(attention, "read_in_place", lambda cache: False)
-    own = BatchedEngine(settings.replace(prefill_process=True))
+    own = BatchedEngine(settings.replace(prefill_process=True, kernel_helpers=0))
     own.load(StageClock())
     try:
         eventually(lambda: own.stats().prefill != "loading", timeout=180)
@@ -431,7 +431,7 @@ async def test_no_race_where_the_batchs_cache_does_not_read_in_place(
 async def test_a_dead_child_leaves_every_request_answered_and_close_stops_it(
     settings: Settings, reference: HFEngine
 ) -> None:
-    own = BatchedEngine(settings.replace(prefill_process=True))
+    own = BatchedEngine(settings.replace(prefill_process=True, kernel_helpers=0))
     own.load(StageClock())
     process = own.prefill_process
     assert process is not None and process.pid is not None
@@ -455,7 +455,7 @@ async def test_a_dead_child_leaves_every_request_answered_and_close_stops_it(
 
 
 async def test_close_stops_a_running_child(settings: Settings) -> None:
-    own = BatchedEngine(settings.replace(prefill_process=True))
+    own = BatchedEngine(settings.replace(prefill_process=True, kernel_helpers=0))
     own.load(StageClock())
     process = own.prefill_process
     assert process is not None and process.pid is not None
@@ -476,7 +476,7 @@ def test_no_prefill_process_when_it_is_off(settings: Settings) -> None:
 async def test_no_prefill_process_where_its_first_tokens_could_differ_from_the_batchs(settings: Settings) -> None:
     """With the masked attention (a step's rows attend through one SDPA over the batch), a row's bits depend on the
     batch: the process's first token could differ from the batch's. The engine does not start one."""
-    masked = BatchedEngine(settings.replace(prefill_process=True, paged_attention=False))
+    masked = BatchedEngine(settings.replace(prefill_process=True, kernel_helpers=0, paged_attention=False))
     with capture_logs() as logs:
         masked.load(StageClock())
     try:
@@ -487,3 +487,20 @@ async def test_no_prefill_process_where_its_first_tokens_could_differ_from_the_b
         ]
     finally:
         await masked.close()
+
+
+async def test_no_prefill_process_where_the_kernels_helper_threads_take_the_other_core(settings: Settings) -> None:
+    """Both want the second core, and the batch on two cores did better at c=8 (docs/benchmarks.md): with helper
+    threads the engine does not start the process, and says so."""
+    helped = BatchedEngine(settings.replace(prefill_process=True, kernel_helpers=1))
+    with capture_logs() as logs:
+        helped.load(StageClock())
+    try:
+        assert helped.info.kernel_helpers == 1
+        assert helped.prefill_process is None
+        assert helped.stats().prefill == "off"
+        assert [e["reason"] for e in logs if e["event"] == "prefill_process_off"] == [
+            "the block kernel's helper threads use the other cores (TTFT_KERNEL_HELPERS=0 gives them to it)"
+        ]
+    finally:
+        await helped.close()

@@ -178,6 +178,10 @@ class BatchedEngine:
         elif not attention.paged(self.model) or not self.info.weights.startswith("gguf-blocks"):
             # Its first token must be the batch's, bit for bit: each row computed from its own inputs alone.
             reason = "it needs the block kernel and the C attention (a GGUF model, on CPU, in fp32)"
+        elif self.info.kernel_helpers > 0:
+            # Both want the second core; the batch on two cores gave more tokens/s and a lower TTFT p99 at c=8
+            # (docs/benchmarks.md, seventeenth stop).
+            reason = "the block kernel's helper threads use the other cores (TTFT_KERNEL_HELPERS=0 gives them to it)"
         else:
             self._prefill = PrefillProcess(self._settings)
             self._prefill.start()
