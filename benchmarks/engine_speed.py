@@ -29,7 +29,8 @@ arranged them), ``:repeat`` with the batched steps' attention as transformers do
 every query head (``grouped_attention`` off; until that setting, ``:gqa`` asked for the grouped heads instead),
 ``:masked`` with the batched steps' attention as one masked SDPA over the step's gathered keys (``paged_attention``
 off: before the request-by-request attention over the cache in place),
-``:noprefill`` without the prefill process (``prefill_process`` off: every first token from the batch),
+``:noprefill`` without the prefill process (``prefill_process`` off: every first token from the batch; since the
+engine leaves it off while the kernel has helper threads, compare it under ``--kernel-helpers 0``),
 ``:unfused`` with transformers' decoder layers around the block kernel (``fused_layers`` off: before engine/decoder.py),
 ``:int4`` with the GGUF's Q4 codes on torch's int4 kernel and bf16 copies of the weights (``TTFT_INT4_WEIGHTS``;
 without a ``single:<dtype>:int4`` its greedy text is not checked against ``single:<dtype>``'s, since its answers are
@@ -200,6 +201,7 @@ def load(spec: str, args: argparse.Namespace) -> Engine:
         prefill_process="noprefill" not in variants,
         fused_layers="unfused" not in variants,
         threads=args.threads,
+        kernel_helpers=args.kernel_helpers,
         max_concurrency=args.concurrency,
         log_level="warning",
     )
@@ -284,7 +286,8 @@ def report(results: dict[str, Result], args: argparse.Namespace) -> None:
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print(
         f"{args.rounds} rounds; per round {len(QUESTIONS)} requests at c=1, {3 * c} at c={c}; "
-        f"max_tokens {args.tokens // 2}..{args.tokens * 11 // 8} (mean {args.tokens}); threads={args.threads}"
+        f"max_tokens {args.tokens // 2}..{args.tokens * 11 // 8} (mean {args.tokens}); threads={args.threads}; "
+        f"kernel helpers={args.kernel_helpers}"
     )
     print()
     print(
@@ -341,6 +344,13 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32, help="mean max_tokens of the requests")
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
+    parser.add_argument(
+        "--kernel-helpers",
+        type=int,
+        default=-1,
+        help="the block kernel's helper threads (TTFT_KERNEL_HELPERS; -1: the default). They are the process's: the "
+        "first engine that starts them shares them with every engine of the run, so compare helpers across runs",
+    )
     asyncio.run(bench(parser.parse_args()))
 
 
