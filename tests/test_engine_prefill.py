@@ -473,34 +473,33 @@ def test_no_prefill_process_when_it_is_off(settings: Settings) -> None:
     assert off.stats().prefill == "off"
 
 
-async def test_no_prefill_process_where_its_first_tokens_could_differ_from_the_batchs(settings: Settings) -> None:
-    """With the masked attention (a step's rows attend through one SDPA over the batch), a row's bits depend on the
-    batch: the process's first token could differ from the batch's. The engine does not start one."""
-    masked = BatchedEngine(settings.replace(prefill_process=True, kernel_helpers=0, paged_attention=False))
+@pytest.mark.parametrize(
+    ("changes", "reason"),
+    [
+        # With the masked attention (a step's rows attend through one SDPA over the batch), a row's bits depend on
+        # the batch: the process's first token could differ from the batch's.
+        (
+            {"kernel_helpers": 0, "paged_attention": False},
+            "it needs the block kernel and the C attention (a GGUF model, on CPU, in fp32)",
+        ),
+        # Both want the second core, and the batch on two cores did better at c=8 (docs/benchmarks.md).
+        (
+            {"kernel_helpers": 1},
+            "the block kernel's helper threads use the other cores (TTFT_KERNEL_HELPERS=0 gives them to it)",
+        ),
+    ],
+    ids=["masked-attention", "kernel-helpers"],
+)
+async def test_no_prefill_process_where_it_would_not_help_and_the_log_says_why(
+    settings: Settings, changes: dict[str, Any], reason: str
+) -> None:
+    engine = BatchedEngine(settings.replace(prefill_process=True, **changes))
     with capture_logs() as logs:
-        masked.load(StageClock())
+        engine.load(StageClock())
     try:
-        assert masked.prefill_process is None
-        assert masked.stats().prefill == "off"
-        assert [e["reason"] for e in logs if e["event"] == "prefill_process_off"] == [
-            "it needs the block kernel and the C attention (a GGUF model, on CPU, in fp32)"
-        ]
+        assert engine.info.kernel_helpers == changes["kernel_helpers"]
+        assert engine.prefill_process is None
+        assert engine.stats().prefill == "off"
+        assert [e["reason"] for e in logs if e["event"] == "prefill_process_off"] == [reason]
     finally:
-        await masked.close()
-
-
-async def test_no_prefill_process_where_the_kernels_helper_threads_take_the_other_core(settings: Settings) -> None:
-    """Both want the second core, and the batch on two cores did better at c=8 (docs/benchmarks.md): with helper
-    threads the engine does not start the process, and says so."""
-    helped = BatchedEngine(settings.replace(prefill_process=True, kernel_helpers=1))
-    with capture_logs() as logs:
-        helped.load(StageClock())
-    try:
-        assert helped.info.kernel_helpers == 1
-        assert helped.prefill_process is None
-        assert helped.stats().prefill == "off"
-        assert [e["reason"] for e in logs if e["event"] == "prefill_process_off"] == [
-            "the block kernel's helper threads use the other cores (TTFT_KERNEL_HELPERS=0 gives them to it)"
-        ]
-    finally:
-        await helped.close()
+        await engine.close()
