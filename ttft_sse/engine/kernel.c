@@ -714,9 +714,9 @@ static void copy_chunk(const struct job *j, int64_t c, const float *from, float 
         memcpy(y + r * j->N + first, from + r * j->N + first, sizeof(float) * (size_t)(last - first));
 }
 
-/* Until no helper is inside a chunk (of a call that may have ended); at once in a forked child (it has none). */
+/* Until no helper is inside a chunk (of a call that may have ended). A forked child has none (forked, below). */
 static void fence(void) {
-    while (share.pid == getpid() && atomic_load(&share.in_chunk) > 0) sleep_ns(20000);
+    while (atomic_load(&share.in_chunk) > 0) sleep_ns(20000);
 }
 
 int ttft_helper_fence(void) {
@@ -829,7 +829,7 @@ int ttft_helper_pause(int64_t microseconds) {
    helper, too small, another caller holds the job): the caller computes it alone; else 0, or -1 if a buffer
    cannot be allocated. */
 static int share_call(struct job j, const float *x, float *y) {
-    if (atomic_load(&share.helpers) == 0 || share.pid != getpid()) return 1;
+    if (atomic_load(&share.helpers) == 0) return 1; /* none started, or a forked child's (forked: reset) */
     j.panels = (j.N + P - 1) / P;
     if (j.M * j.K * j.N < SHARE_WORK || j.panels < 2 || j.M * j.N > SHARE_OUTPUTS) return 1;
     int64_t panel_work = j.M * j.K * P;
