@@ -166,10 +166,10 @@ class HFEngine:
                 )
             # The layers left (none of the bundled model's with the block kernel) get the fp32 layouts.
             layout = weights.arrange(model, torch, packed=settings.packed_weights)
-            if activations is not None and settings.fused_layers:  # after arrange: it copies the norms' weights
-                decoder.fuse(model, torch, kernel.build(settings.cache_dir / KERNEL_DIR))
             if activations is not None:
                 library = self._library = kernel.build(settings.cache_dir / KERNEL_DIR)
+                if settings.fused_layers:  # after arrange: it copies the norms' weights
+                    decoder.fuse(model, torch, library)
                 self._helpers = kernel.start_helpers(library, settings.helper_threads)
                 log.info("kernel_helpers", helpers=self._helpers, asked=settings.helper_threads)
                 blocks = "gguf-blocks-int8" if activations == "int8" else "gguf-blocks"
