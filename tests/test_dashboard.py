@@ -22,7 +22,7 @@ from tests.scrape import scrape
 from tests.test_alerts import ALERTS, run_promtool
 from ttft_sse.app import create_app
 from ttft_sse.engine.fake import FakeEngine
-from ttft_sse.metrics import BATCH_METRICS, CUDA_METRICS
+from ttft_sse.metrics import BATCH_METRICS, CUDA_METRICS, KERNEL_METRICS
 from ttft_sse.settings import Settings
 
 DASHBOARD = Path(__file__).resolve().parent.parent / "deploy" / "grafana" / "ttft-sse.json"
@@ -82,7 +82,7 @@ def exported() -> set[str]:
         client.post("/complete", json={"prompt": "hi"})
         client.post("/complete", json={"prompt": "hi", "max_tokens": 1})
         client.post("/complete", json={"prompt": "hi", "bogus": 1})
-        return scrape(client).names() | set(CUDA_METRICS) | set(BATCH_METRICS)
+        return scrape(client).names() | set(CUDA_METRICS) | set(BATCH_METRICS) | set(KERNEL_METRICS)
 
 
 def test_the_dashboard_parses_and_shows_ttft_throughput_queue_caches_and_memory() -> None:
@@ -102,6 +102,7 @@ def test_the_dashboard_parses_and_shows_ttft_throughput_queue_caches_and_memory(
         "ttft_sse_cuda_memory_reserved_bytes",
         "ttft_sse_prefix_cache_hits_tokens_total",  # batched engine
         "ttft_sse_kv_cache_usage_ratio",
+        "ttft_sse_kernel_chunks_total",  # the kernel's helper threads
     ):
         assert needed in used, needed
 

@@ -85,6 +85,9 @@ BATCH_METRICS = (
     "ttft_sse_kv_cache_capacity_tokens",
 )
 
+KERNEL_METRICS = ("ttft_sse_kernel_chunks_total",)
+"""The block kernel's helper threads (``TTFT_KERNEL_HELPERS``): exported only where an engine started them."""
+
 _COUNTED = "_ttft_sse_counted"
 
 
