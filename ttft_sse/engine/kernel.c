@@ -569,11 +569,17 @@ struct q8_rows {
     int32_t *sx;
 };
 
-/* Rows x quantised into `buffer` (q8_floats floats). */
-static struct q8_rows q8_quantise(const float *x, int64_t M, int64_t K, float *buffer) {
+/* The quantised rows of M x K laid out in `buffer` (q8_floats floats). */
+static struct q8_rows q8_view(float *buffer, int64_t M, int64_t K) {
     int64_t blocks = K / BLOCK;
     struct q8_rows q = {(int8_t *)buffer, buffer + M * K / 4, buffer + M * K / 4 + M * blocks, NULL};
     q.sx = (int32_t *)(q.ds + M * blocks);
+    return q;
+}
+
+/* Rows x quantised into `buffer` (q8_floats floats). */
+static struct q8_rows q8_quantise(const float *x, int64_t M, int64_t K, float *buffer) {
+    struct q8_rows q = q8_view(buffer, M, K);
     quantise(x, M, K, q.xq, q.d, q.ds, q.sx);
     return q;
 }
@@ -696,11 +702,7 @@ static void run_chunk(const struct job *j, int64_t c, float *y, int64_t ldy, flo
     int64_t p0 = c * j->per, p1 = p0 + j->per < j->panels ? p0 + j->per : j->panels;
 #if defined(Q_VNNI) || defined(Q_AVX2)
     if (j->int8) {
-        int64_t blocks = j->K / BLOCK, M = j->M;
-        float *rows = (float *)j->rows;
-        struct q8_rows q = {(int8_t *)rows, rows + M * j->K / 4, rows + M * j->K / 4 + M * blocks, NULL};
-        q.sx = (int32_t *)(q.ds + M * blocks);
-        q8_panels(q, M, j->K, j->codes, j->bits, j->N, y, ldy, p0, p1);
+        q8_panels(q8_view((float *)j->rows, j->M, j->K), j->M, j->K, j->codes, j->bits, j->N, y, ldy, p0, p1);
         return;
     }
 #endif
