@@ -50,14 +50,17 @@ def block_layer(
 ) -> tuple[Any, np.ndarray]:
     """A linear layer on the kernel (``library``, else this CPU's build) with a random ``shape`` weight quantised as
     ``kind``; and its fp32 weight."""
+    blocks, dense = quantised(shape, kind)
+    return block_layer_from(blocks, kind, shape, library or kernel.build(DIRECTORY), activations), dense
+
+
+def block_layer_from(blocks: np.ndarray, kind: str, shape: tuple[int, int], library: Path, activations: str) -> Any:
+    """A linear layer on the kernel of ``library`` with gguf's blocks ``blocks``."""
     if activations == "int8":
         skip_without_int8()
-    blocks, dense = quantised(shape, kind)
     layer = torch.nn.Linear(shape[1], shape[0], bias=False)
-    kernel._attach(
-        layer, codes.decode(blocks, int(KINDS[kind]), shape), library or kernel.build(DIRECTORY), activations, torch
-    )
-    return layer, dense
+    kernel._attach(layer, codes.decode(blocks, int(KINDS[kind]), shape), library, activations, torch)
+    return layer
 
 
 def int8_steps(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -281,15 +284,6 @@ def test_a_chunk_the_helper_holds_too_long_is_taken_back_with_the_same_bits(
         counts = helped(shared, lambda: got.append(layers[1](x)), until=lambda counts: counts.taken_back > before)
     assert all(torch.equal(y, want) for y in got)
     assert counts.helpers == 1
-
-
-def block_layer_from(blocks: np.ndarray, kind: str, shape: tuple[int, int], library: Path, activations: str) -> Any:
-    """A linear layer on the kernel of ``library`` with gguf's blocks ``blocks``."""
-    if activations == "int8":
-        skip_without_int8()
-    layer = torch.nn.Linear(shape[1], shape[0], bias=False)
-    kernel._attach(layer, codes.decode(blocks, int(KINDS[kind]), shape), library, activations, torch)
-    return layer
 
 
 def tiny_model(tmp_path: Path, *, tied: bool = False) -> tuple[Any, Path]:
