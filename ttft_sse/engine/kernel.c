@@ -240,13 +240,12 @@ float *ttft_grow(struct ttft_buffer *b, int64_t floats) {
     return b->floats;
 }
 
-/* Panels [p0, p1) of x . W^T (N outputs in all) into y, whose rows are ldy apart and begin at panel p0's first
-   output; `buffer` holds GROUP panels when M > FUSED_ROWS: calls
+/* Panels [p0, p1) of y = x . W^T (N outputs a row of y), `buffer` holding GROUP panels when M > FUSED_ROWS: calls
    of up to FUSED_ROWS rows expand the codes in registers in every tile; longer ones expand GROUP panels at a time
    into the buffer once, and their tiles read them there. Each output's chain of multiply-adds is the same whatever
    the range and the tiles, so the results are the same bits however a call's panels are split. */
 static void fp32_panels(const float *x, int64_t M, int64_t K, const uint8_t *codes, int bits, const float *scale,
-                        const float *zero, int64_t N, float *y, int64_t ldy, int64_t p0, int64_t p1, float *buffer) {
+                        const float *zero, int64_t N, float *y, int64_t p0, int64_t p1, float *buffer) {
     int64_t panel_bytes = K * P * bits / 8, blocks = K / BLOCK;
     for (int64_t p = p0; p < p1; p += GROUP) {
         int group = p1 - p < GROUP ? (int)(p1 - p) : GROUP;
@@ -263,7 +262,7 @@ static void fp32_panels(const float *x, int64_t M, int64_t K, const uint8_t *cod
                 for (int c0 = 0; c0 < columns; c0 += B_COLS) {
                     int cols = columns - c0 < B_COLS ? columns - c0 : B_COLS;
 #define BUFFERED(R, C)                                                                                                 \
-    if (R <= B_ROWS) buffered(R, C, c0, buffer, x + r * K, K, y + r * ldy + (p - p0) * P, ldy, N - p * P)
+    if (R <= B_ROWS) buffered(R, C, c0, buffer, x + r * K, K, y + r * N + p * P, N, N - p * P)
                     BY_ROWS(BUFFERED, rows, cols)
                 }
                 r += rows;
@@ -278,8 +277,7 @@ static void fp32_panels(const float *x, int64_t M, int64_t K, const uint8_t *cod
             for (int64_t t = 0; t < tiles; t++) {
                 int64_t rows = tile_rows(M, r, t, tiles);
 #define FUSED(R, G)                                                                                                    \
-    if (R <= ROWS && G <= PANELS)                                                                                      \
-    fused(R, G, c, panel_bytes, bits, s, z, x + r * K, K, y + r * ldy + (q - p0) * P, ldy, N - q * P)
+    if (R <= ROWS && G <= PANELS) fused(R, G, c, panel_bytes, bits, s, z, x + r * K, K, y + r * N + q * P, N, N - q * P)
                 BY_ROWS(FUSED, rows, panels)
                 r += rows;
             }
@@ -308,7 +306,7 @@ int ttft_blocks_linear(const float *x, int64_t M, int64_t K, const uint8_t *code
     if (shared <= 0) return shared;
     float *buffer;
     if (fp32_buffer(M, K, &buffer) != 0) return -1;
-    fp32_panels(x, M, K, codes, bits, scale, zero, N, y, N, 0, (N + P - 1) / P, buffer);
+    fp32_panels(x, M, K, codes, bits, scale, zero, N, y, 0, (N + P - 1) / P, buffer);
     return 0;
 }
 
@@ -339,6 +337,10 @@ int ttft_blocks_linear(const float *x, int64_t M, int64_t K, const uint8_t *code
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define Q_AVX2
 #endif
+
+/* The rows' steps (M x K bytes: M * K / 4 floats, K being whole blocks of 32), then d, d * sum and sum: the floats
+   a call of M rows needs for its quantised rows. */
+static inline int64_t q8_floats(int64_t M, int64_t K) { return M * K / 4 + 3 * M * (K / BLOCK); }
 
 #if defined(Q_VNNI) || defined(Q_AVX2)
 #define RECORD(bits) ((bits) == 4 ? 256 + 64 : 512 + 64)
@@ -559,10 +561,6 @@ static inline __attribute__((always_inline)) void q_tile(int rows, int panels, c
 }
 #endif
 
-/* The rows' steps (M x K bytes: M * K / 4 floats, K being whole blocks of 32), then d, d * sum and sum: the floats
-   a call of M rows needs for its quantised rows. */
-static int64_t q8_floats(int64_t M, int64_t K) { return M * K / 4 + 3 * M * (K / BLOCK); }
-
 struct q8_rows {
     int8_t *xq;
     float *d, *ds;
@@ -584,9 +582,9 @@ static struct q8_rows q8_quantise(const float *x, int64_t M, int64_t K, float *b
     return q;
 }
 
-/* Panels [p0, p1) for the quantised rows q into y, as fp32_panels. */
+/* Panels [p0, p1) of y for the quantised rows q. */
 static void q8_panels(struct q8_rows q, int64_t M, int64_t K, const uint8_t *records, int bits, int64_t N, float *y,
-                      int64_t ldy, int64_t p0, int64_t p1) {
+                      int64_t p0, int64_t p1) {
     int64_t blocks = K / BLOCK, panel_bytes = blocks * RECORD(bits);
     for (int64_t p = p0; p < p1; p += Q_PANELS) {
         int panels = p1 - p < Q_PANELS ? (int)(p1 - p) : Q_PANELS;
@@ -597,7 +595,7 @@ static void q8_panels(struct q8_rows q, int64_t M, int64_t K, const uint8_t *rec
 #define Q_TILE(R, G)                                                                                                   \
     if (R <= Q_ROWS && G <= Q_PANELS)                                                                                  \
     q_tile(R, G, c, panel_bytes, bits, q.xq + r * K, q.d + r * blocks, q.ds + r * blocks, q.sx + r * blocks, K,        \
-           y + r * ldy + (p - p0) * P, ldy, N - p * P)
+           y + r * N + p * P, N, N - p * P)
             BY_ROWS(Q_TILE, rows, panels)
             r += rows;
         }
@@ -616,7 +614,7 @@ int ttft_q8_linear(const float *x, int64_t M, int64_t K, const uint8_t *records,
     if (shared <= 0) return shared;
     float *buffer = ttft_grow(&kept, q8_floats(M, K));
     if (buffer == NULL) return -1;
-    q8_panels(q8_quantise(x, M, K, buffer), M, K, records, bits, N, y, N, 0, (N + P - 1) / P);
+    q8_panels(q8_quantise(x, M, K, buffer), M, K, records, bits, N, y, 0, (N + P - 1) / P);
     return 0;
 }
 #else
@@ -674,7 +672,7 @@ struct job {
 static struct {
     pthread_mutex_t starting;
     _Atomic int helpers;
-    pid_t pid;
+    int forks_reset; /* forked is registered */
     atomic_flag busy;     /* a caller holds the job */
     _Atomic uint64_t gen; /* odd while the job is being written */
     _Atomic uint32_t bell;
@@ -697,16 +695,16 @@ static void sleep_ns(int64_t ns) {
     nanosleep(&t, NULL);
 }
 
-/* Chunk c into y (the chunk's first output; rows ldy apart). */
-static void run_chunk(const struct job *j, int64_t c, float *y, int64_t ldy, float *buffer) {
+/* Chunk c's panels of y (the caller's output, or a helper's buffer laid out as it). */
+static void run_chunk(const struct job *j, int64_t c, float *y, float *buffer) {
     int64_t p0 = c * j->per, p1 = p0 + j->per < j->panels ? p0 + j->per : j->panels;
 #if defined(Q_VNNI) || defined(Q_AVX2)
     if (j->int8) {
-        q8_panels(q8_view((float *)j->rows, j->M, j->K), j->M, j->K, j->codes, j->bits, j->N, y, ldy, p0, p1);
+        q8_panels(q8_view((float *)j->rows, j->M, j->K), j->M, j->K, j->codes, j->bits, j->N, y, p0, p1);
         return;
     }
 #endif
-    fp32_panels(j->rows, j->M, j->K, j->codes, j->bits, j->scale, j->zero, j->N, y, ldy, p0, p1, buffer);
+    fp32_panels(j->rows, j->M, j->K, j->codes, j->bits, j->scale, j->zero, j->N, y, p0, p1, buffer);
 }
 
 /* Chunk c's outputs, computed into `from` (a helper's buffer, laid out as y), into y. */
@@ -766,7 +764,7 @@ static void *helper(void *arg) {
             }
             int64_t pause = atomic_load(&share.pause_us);
             if (pause > 0) sleep_ns(pause * 1000);
-            run_chunk(&j, c, mine + c * j.per * P, j.N, buffer);
+            run_chunk(&j, c, mine, buffer);
             expect = tag | HELD;
             atomic_compare_exchange_strong(&share.state[c], &expect, tag | READY); /* fails if taken back */
             atomic_fetch_sub(&share.in_chunk, 1);
@@ -791,11 +789,7 @@ static void forked(void) {
    if none could be started. */
 int ttft_helper_start(int count) {
     pthread_mutex_lock(&share.starting);
-    if (share.pid != getpid()) {
-        if (share.pid == 0) pthread_atfork(NULL, NULL, forked);
-        atomic_store(&share.helpers, 0);
-        share.pid = getpid();
-    }
+    if (!share.forks_reset) share.forks_reset = pthread_atfork(NULL, NULL, forked) == 0;
     int running = atomic_load(&share.helpers);
     for (int id = running; id < count && id < HELPERS; id++) {
         pthread_t thread;
@@ -842,12 +836,7 @@ static int share_call(struct job j, const float *x, float *y) {
     if (j.chunks < 2) return 1;
     if (atomic_flag_test_and_set(&share.busy)) return 1;
     float *buffer = NULL;
-    int64_t floats = 0;
-#if defined(Q_VNNI) || defined(Q_AVX2)
-    floats = j.int8 ? q8_floats(j.M, j.K) : j.M * j.K;
-#else
-    floats = j.M * j.K;
-#endif
+    int64_t floats = j.int8 ? q8_floats(j.M, j.K) : j.M * j.K;
     if (share.rows.capacity < floats && atomic_load(&share.in_chunk) > 0) {
         /* A helper may still read the rows (a chunk taken back from it): grow them at a later call, not waiting. */
         atomic_flag_clear(&share.busy);
@@ -880,7 +869,7 @@ static int share_call(struct job j, const float *x, float *y) {
     for (; c < j.chunks; c++) {
         uint64_t expect = g << 8 | FREE;
         if (!atomic_compare_exchange_strong(&share.state[c], &expect, g << 8 | CALLERS)) break;
-        run_chunk(&j, c, y + c * j.per * P, j.N, buffer);
+        run_chunk(&j, c, y, buffer);
     }
     int64_t mine = c, patience = mine > 0 ? 2 * (now_ns() - start) / mine : 0;
     if (patience < TAKE_BACK_NS) patience = TAKE_BACK_NS;
@@ -893,7 +882,7 @@ static int share_call(struct job j, const float *x, float *y) {
             s = atomic_load(&share.state[d]);
         }
         if ((s & 7) == HELD && atomic_compare_exchange_strong(&share.state[d], &s, (s & ~(uint64_t)7) | TAKEN)) {
-            run_chunk(&j, d, y + d * j.per * P, j.N, buffer);
+            run_chunk(&j, d, y, buffer);
             taken++;
             continue;
         }
