@@ -474,25 +474,30 @@ def test_no_prefill_process_when_it_is_off(settings: Settings) -> None:
 
 
 @pytest.mark.parametrize(
-    ("changes", "reason"),
+    ("changes", "cores", "reason"),
     [
+        # A process limited to one CPU (its affinity here; a container's CPU quota counts the same way).
+        ({"kernel_helpers": 0}, 1, "one core only (affinity and CPU quota)"),
         # With the masked attention (a step's rows attend through one SDPA over the batch), a row's bits depend on
         # the batch: the process's first token could differ from the batch's.
         (
             {"kernel_helpers": 0, "paged_attention": False},
+            2,
             "it needs the block kernel and the C attention (a GGUF model, on CPU, in fp32)",
         ),
         # Both want the second core, and the batch on two cores did better at c=8 (docs/benchmarks.md).
         (
             {"kernel_helpers": 1},
+            2,
             "the block kernel's helper threads use the other cores (TTFT_KERNEL_HELPERS=0 gives them to it)",
         ),
     ],
-    ids=["masked-attention", "kernel-helpers"],
+    ids=["one-core", "masked-attention", "kernel-helpers"],
 )
 async def test_no_prefill_process_where_it_would_not_help_and_the_log_says_why(
-    settings: Settings, changes: dict[str, Any], reason: str
+    settings: Settings, changes: dict[str, Any], cores: int, reason: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(cores)))
     engine = BatchedEngine(settings.replace(prefill_process=True, **changes))
     with capture_logs() as logs:
         engine.load(StageClock())

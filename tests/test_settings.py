@@ -86,4 +86,23 @@ def test_usable_cores_are_the_affinity_at_most_the_cgroups_whole_cpus(
 
 def test_auto_threads_leave_half_the_cores() -> None:
     assert [auto_threads(n) for n in (1, 2, 3, 8, 16)] == [1, 1, 1, 4, 8]
+
+
+def test_defaults_count_the_cores_the_process_may_use_not_the_machines(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # A container limited to 2 CPUs on a 16-core node: torch threads and helpers as on 2 cores, not on 16.
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(16)))
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    cpu_max = tmp_path / "cpu.max"
+    monkeypatch.setattr(settings_module, "CGROUP_CPU_MAX", cpu_max)
+    for text, cores, threads, helpers in (
+        ("max 100000\n", 16, 8, 1),
+        ("200000 100000\n", 2, 1, 1),
+        ("100000 100000\n", 1, 1, 0),
+    ):
+        cpu_max.write_text(text)
+        assert (Settings().cores, Settings().torch_threads, Settings().helper_threads) == (cores, threads, helpers), (
+            text
+        )
     assert Settings(threads=3).torch_threads == 3

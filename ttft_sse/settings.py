@@ -25,15 +25,14 @@ def _default_cache_dir() -> Path:
     return Path(base) / "ttft-sse"
 
 
-def auto_threads(cpu_count: int | None = None) -> int:
-    """Half the cores, at least one.
+def auto_threads(cores: int) -> int:
+    """Half of ``cores`` (the process's usable cores: :func:`usable_cores`), at least one.
 
     Measured on a 2-core machine: torch with 2 intra-op threads decodes 16 tokens in 0.76 s when idle but
     10.9 s (median; 19 s worst) once the other core is busy, because OpenMP workers spin-wait on a core they
     do not get. One thread stays at 1.2 s busy or idle. Leaving half the cores to the event loop, the HTTP
     stack and the client keeps the model off that cliff.
     """
-    cores = cpu_count if cpu_count is not None else (os.cpu_count() or 1)
     return max(1, cores // 2)
 
 
@@ -191,8 +190,14 @@ class Settings:
                 raise SettingsError(str(exc)) from None
 
     @property
+    def cores(self) -> int:
+        """The cores this process may use (:func:`usable_cores`: affinity and cgroup quota), the one count behind
+        every default that depends on them."""
+        return usable_cores(CGROUP_CPU_MAX)
+
+    @property
     def torch_threads(self) -> int:
-        return self.threads or auto_threads()
+        return self.threads or auto_threads(self.cores)
 
     @property
     def helper_threads(self) -> int:
@@ -200,7 +205,7 @@ class Settings:
         or more (measured on 2 cores: docs/benchmarks.md)."""
         if self.kernel_helpers >= 0:
             return self.kernel_helpers
-        return 1 if usable_cores(CGROUP_CPU_MAX) >= 2 else 0
+        return 1 if self.cores >= 2 else 0
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:

@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import os
 import threading
 import time
 from collections import deque
@@ -173,8 +172,8 @@ class BatchedEngine:
 
     def _start_prefill(self) -> None:
         """The prefill process (engine/prefill.py), where it can help: on CPU, with a core of its own."""
-        if (os.cpu_count() or 1) < 2:
-            reason = "one core only"
+        if self._settings.cores < 2:
+            reason = "one core only (affinity and CPU quota)"
         elif not attention.paged(self.model) or not self.info.weights.startswith("gguf-blocks"):
             # Its first token must be the batch's, bit for bit: each row computed from its own inputs alone.
             reason = "it needs the block kernel and the C attention (a GGUF model, on CPU, in fp32)"
