@@ -4,7 +4,7 @@
 #   benchmarks/against_llama_server.sh [ARM...]      # default arms: ours llama-t2 llama-t1 ours
 #
 # "ours" is a ttft-sse server already running at OURS_URL (default http://127.0.0.1:8102, e.g. `ttft-sse serve
-# --port 8102 --threads 1`); "llama-tN" starts llama-server with N threads and 8 slots on LLAMA_PORT (default 8104)
+# --port 8102 --threads 1`), "ours@PORT" one on 127.0.0.1:PORT (another setting side by side); "llama-tN" starts llama-server with N threads and 8 slots on LLAMA_PORT (default 8104)
 # for its run and stops it (by its PID) after. Each arm gets `ttft-sse bench` at c=1 and c=8 (the closed loop: one
 # server loaded at a time), new conversations of 32-96 tokens from benchmarks/chat-questions.txt; the tables go to
 # stdout, results.json under OUT (default .cache/against-llama-server).
@@ -50,6 +50,7 @@ run=0
 for arm in "${arms[@]}"; do
     run=$((run + 1))
     url=$OURS_URL pid=
+    [[ $arm == ours@* ]] && url=http://127.0.0.1:${arm#ours@}
     if [[ $arm == llama-t* ]]; then
         url=http://127.0.0.1:$LLAMA_PORT
         "$BIN" -m "$GGUF" --host 127.0.0.1 --port "$LLAMA_PORT" -t "${arm#llama-t}" -np 8 -c 8192 \
