@@ -10,13 +10,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import pytest
 from structlog.testing import capture_logs
 
 from tests.conftest import CACHE_DIR
 from tests.test_engine_batched import collect, prompt_of
 from tests.test_engine_codes import KINDS, layers_of, quantised
-from ttft_sse.engine import codes, kernel
+from ttft_sse.engine import attention, codes, kernel
 from ttft_sse.engine.base import SamplingParams
 from ttft_sse.engine.batched import BatchedEngine
 from ttft_sse.engine.hf import KERNEL_DIR, HFEngine
@@ -284,6 +285,96 @@ def test_a_chunk_the_helper_holds_too_long_is_taken_back_with_the_same_bits(
         counts = helped(shared, lambda: got.append(layers[1](x)), until=lambda counts: counts.taken_back > before)
     assert all(torch.equal(y, want) for y in got)
     assert counts.helpers == 1
+
+
+# ttft_share_attention's and ttft_paged_attention's arguments (kernel.c, attention.c), the first's function first.
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+_ATTENTION = (_PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, ctypes.c_float, _PTR)
+
+
+class AttentionStep:
+    """A batched step's attention for the bundled model's heads (9 query heads on 3 KV heads of 64): ``requests``
+    of (new rows, keys) over a KV cache whose rows the step's index reads scattered; computed alone by attention.c
+    or shared with the helper threads of the kernel's library ``shared``."""
+
+    def __init__(self, requests: list[tuple[int, int]], directory: Path, shared: Path, seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        self.heads, self.kv_heads, self.dim = 9, 3, 64
+        rows, keys = sum(n for n, _ in requests), sum(k for _, k in requests)
+        slots = 2 * keys
+        self.q = rng.standard_normal((rows, self.heads * self.dim)).astype(np.float32)
+        self.k, self.v = (rng.standard_normal((slots, self.kv_heads * self.dim)).astype(np.float32) for _ in "kv")
+        self.index = rng.permutation(slots)[:keys].astype(np.int64)
+        self.cu_q = np.cumsum([0, *(n for n, _ in requests)]).astype(np.int32)
+        self.cu_k = np.cumsum([0, *(k for _, k in requests)]).astype(np.int32)
+        self.requests = len(requests)
+        library = kernel.build(directory, (attention.SOURCE,), "attention")
+        self.alone = kernel.load(library, "ttft_paged_attention", _ATTENTION)
+        self.rows = ctypes.cast(kernel.load(library, "ttft_attention_rows", ()), _PTR).value
+        self.share = kernel.load(shared, "ttft_share_attention", (_PTR, *_ATTENTION))
+
+    def _arguments(self, out: npt.NDArray[np.float32]) -> tuple[Any, ...]:
+        def at(a: npt.NDArray[Any]) -> int:
+            return int(a.ctypes.data)
+
+        return (
+            at(self.q), self.heads, self.kv_heads, self.dim, at(self.k), at(self.v), self.kv_heads * self.dim,
+            self.dim, at(self.index), at(self.cu_q), at(self.cu_k), self.requests, 512, 0.125, at(out),
+        )  # fmt: skip
+
+    def computed_alone(self) -> npt.NDArray[np.float32]:
+        out = np.full_like(self.q, np.nan)
+        assert self.alone(*self._arguments(out)) == 0
+        return out
+
+    def computed_shared(self) -> tuple[int, npt.NDArray[np.float32]]:
+        """ttft_share_attention's status (0: shared, 1: computed alone, by the caller's fallback) and output."""
+        out = np.full_like(self.q, np.nan)
+        status = self.share(self.rows, *self._arguments(out))
+        if status == 1:
+            assert self.alone(*self._arguments(out)) == 0
+        return status, out
+
+
+STEPS = {
+    "decode-8x200": [(1, 200)] * 8,  # a decode step of 8 streams
+    "prefill-mix": [(37, 37), (1, 300), (15, 50), (1, 9)],  # new prompts, one behind a known prefix, and decodes
+}
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_a_steps_attention_shared_with_a_helper_thread_gives_the_same_bits_as_alone(
+    step: str, alone_and_shared: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    shared = alone_and_shared[1]
+    attend = AttentionStep(STEPS[step], tmp_path_factory.mktemp("attention"), shared, seed=len(step))
+    want = attend.computed_alone()
+    assert not np.isnan(want).any()
+    before = kernel.helper_counts(shared)
+    got: list[tuple[int, npt.NDArray[np.float32]]] = []
+    helped(shared, lambda: got.append(attend.computed_shared()), until=lambda c: c.by_helpers > before.by_helpers)
+    assert [status for status, _ in got].count(0) >= 1  # shared at least once: the helper computed chunks of it
+    assert all(np.array_equal(out, want) for _, out in got)
+
+
+def test_an_attention_chunk_the_helper_holds_too_long_is_taken_back_and_the_next_call_runs_alone(
+    alone_and_shared: tuple[Path, Path], helpers_pause: Any, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    # While a helper is still inside a chunk taken back from it, it may read the step's key index: the next
+    # attention call must not rewrite the share's copy of it, so it runs alone (kernel.c's share_run).
+    shared = alone_and_shared[1]
+    attend = AttentionStep(STEPS["decode-8x200"], tmp_path_factory.mktemp("attention"), shared, seed=7)
+    want = attend.computed_alone()
+    helpers_pause(300_000)  # 0.3 s in each chunk it holds
+    before = kernel.helper_counts(shared).taken_back
+    got: list[tuple[int, npt.NDArray[np.float32]]] = []
+    helped(shared, lambda: got.append(attend.computed_shared()), until=lambda c: c.taken_back > before)
+    calls = kernel.helper_counts(shared).calls
+    status, right_after = attend.computed_shared()  # well within the helper's 0.3 s
+    assert (status, kernel.helper_counts(shared).calls) == (1, calls)
+    assert all(np.array_equal(out, want) for _, out in [*got, (status, right_after)])
+    helpers_pause(0)
+    kernel.fence(shared)
 
 
 def tiny_model(tmp_path: Path, *, tied: bool = False) -> tuple[Any, Path]:

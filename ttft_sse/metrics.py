@@ -350,7 +350,8 @@ def _batch_metrics(engine: object) -> Iterator[Metric]:
     if stats.kernel is not None:
         chunks = CounterMetricFamily(
             "ttft_sse_kernel_chunks",
-            "Chunks of the block kernel's shared calls, by who computed them: the calling thread, its helper threads "
+            "Chunks of the block kernel's shared calls (and of batched steps' attention, shared by rows), by who "
+            "computed them: the calling thread, its helper threads "
             "(on a core nothing else wanted: TTFT_KERNEL_HELPERS), or the caller after taking one back from a helper "
             "that held it too long.",
             labels=["by"],

@@ -242,21 +242,25 @@ static void attend(int heads, int64_t dim, const float *q, const float *k, const
 #undef ATTEND
 }
 
-int ttft_paged_attention(const float *q, int64_t heads, int64_t kv_heads, int64_t dim, const float *k,
-                         const float *v, int64_t key_stride, int64_t head_stride, const int64_t *index,
-                         const int32_t *cu_q, const int32_t *cu_k, int64_t requests, int64_t max_rows, float scale,
-                         float *out) {
+/* The query rows first .. last-1 of the step (rows of all its requests, in order) into the same rows of out; rows
+   of requests of more than max_rows rows are left alone. Each row is computed from its own inputs alone: any split
+   of the rows gives the same bits (the kernel's helper threads share a step's rows this way: kernel.c). */
+int ttft_attention_rows(const float *q, int64_t heads, int64_t kv_heads, int64_t dim, const float *k, const float *v,
+                        int64_t key_stride, int64_t head_stride, const int64_t *index, const int32_t *cu_q,
+                        const int32_t *cu_k, int64_t requests, int64_t max_rows, float scale, int64_t first,
+                        int64_t last, float *out) {
     if (dim % 16 || dim > MAX_DIM || kv_heads <= 0 || heads % kv_heads) return -1;
     int64_t groups = heads / kv_heads, longest = 0;
     for (int64_t s = 0; s < requests; s++)
-        if (cu_k[s + 1] - cu_k[s] > longest) longest = cu_k[s + 1] - cu_k[s];
+        if (cu_q[s + 1] > first && cu_q[s] < last && cu_k[s + 1] - cu_k[s] > longest) longest = cu_k[s + 1] - cu_k[s];
     float *p = malloc((size_t)GROUP * (size_t)(longest + 16) * sizeof(float));
     if (!p) return -3;
     for (int64_t s = 0; s < requests; s++) {
         int64_t q0 = cu_q[s], lq = cu_q[s + 1] - q0, lk = cu_k[s + 1] - cu_k[s];
-        if (lq > max_rows) continue;
+        if (lq > max_rows || q0 + lq <= first || q0 >= last) continue;
         const int64_t *key = index + cu_k[s];
-        for (int64_t i = 0; i < lq; i++) {
+        int64_t i0 = first > q0 ? first - q0 : 0, i1 = last < q0 + lq ? last - q0 : lq;
+        for (int64_t i = i0; i < i1; i++) {
             int64_t count = lk - lq + i + 1;
             for (int64_t h = 0; h < heads;) {
                 int64_t left = groups - h % groups; /* query heads of this KV head from h on */
@@ -271,12 +275,23 @@ int ttft_paged_attention(const float *q, int64_t heads, int64_t kv_heads, int64_
     return 0;
 }
 #else
+int ttft_attention_rows(const float *q, int64_t heads, int64_t kv_heads, int64_t dim, const float *k, const float *v,
+                        int64_t key_stride, int64_t head_stride, const int64_t *index, const int32_t *cu_q,
+                        const int32_t *cu_k, int64_t requests, int64_t max_rows, float scale, int64_t first,
+                        int64_t last, float *out) {
+    (void)q, (void)heads, (void)kv_heads, (void)dim, (void)k, (void)v, (void)key_stride, (void)head_stride;
+    (void)index, (void)cu_q, (void)cu_k, (void)requests, (void)max_rows, (void)scale, (void)first, (void)last;
+    (void)out;
+    return -2; /* built without AVX-512 or AVX2 with FMA */
+}
+#endif
+
+/* The whole step's attention: every row of out (but those of requests of more than max_rows rows). */
 int ttft_paged_attention(const float *q, int64_t heads, int64_t kv_heads, int64_t dim, const float *k,
                          const float *v, int64_t key_stride, int64_t head_stride, const int64_t *index,
                          const int32_t *cu_q, const int32_t *cu_k, int64_t requests, int64_t max_rows, float scale,
                          float *out) {
-    (void)q, (void)heads, (void)kv_heads, (void)dim, (void)k, (void)v, (void)key_stride, (void)head_stride;
-    (void)index, (void)cu_q, (void)cu_k, (void)requests, (void)max_rows, (void)scale, (void)out;
-    return -2; /* built without AVX-512 or AVX2 with FMA */
+    int64_t rows = requests > 0 ? cu_q[requests] : 0;
+    return ttft_attention_rows(q, heads, kv_heads, dim, k, v, key_stride, head_stride, index, cu_q, cu_k, requests,
+                               max_rows, scale, 0, rows, out);
 }
-#endif

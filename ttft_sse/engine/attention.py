@@ -72,6 +72,9 @@ MARK = "ttft_grouped_sdpa"
 PAGED = "ttft_paged_attention"
 """Attribute set on an attention module whose batched steps attend request by request (:func:`page`): the C
 function."""
+PAGED_ROWS = "ttft_attention_rows"
+"""Attribute set with :data:`PAGED`: the same library's function for some query rows of a step only, by which the
+block kernel's helper threads share a batched step's attention (kernel.c, decoder.c)."""
 KV = "ttft_kv"
 """The keyword argument by which a cache that reads in place (:func:`read_in_place`) hands a layer's KV rows and
 the step's key index to the attention function."""
@@ -122,7 +125,8 @@ def page(model: Any, torch: Any, directory: Path) -> int:
     _install()
     probe = modules[0]
     try:
-        function = _function(kernel.build(directory, (SOURCE,), "attention"))
+        function_path = kernel.build(directory, (SOURCE,), "attention")
+        function = _function(function_path)
         heads, dim = probe.config.num_attention_heads, probe.head_dim
         kv_heads = probe.config.num_key_value_heads
         # Past and new rows; the last two, longer than the probe's long_rows, take SDPA (with a past, then without).
@@ -139,7 +143,12 @@ def page(model: Any, torch: Any, directory: Path) -> int:
         reason = "request-by-request attention disagrees with SDPA over the gathered keys"
     except (OSError, RuntimeError, AttributeError, TypeError) as exc:
         agree, reason = False, str(exc)
-    return _settle(modules, PAGED, function if agree else None, "paged", None if agree else reason)
+    marked = _settle(modules, PAGED, function if agree else None, "paged", None if agree else reason)
+    if marked:
+        rows = kernel.load(function_path, "ttft_attention_rows", _ROWS_ARGUMENTS)
+        for module in modules:
+            setattr(module, PAGED_ROWS, rows)
+    return marked
 
 
 def _settle(modules: list[Any], attribute: str, value: Any, name: str, refusal: str | None) -> int:
@@ -164,6 +173,8 @@ def paged(model: Any) -> bool:
 
 # q, heads, kv_heads, dim, k, v, key_stride, head_stride, index, cu_q, cu_k, requests, max_rows, scale, out
 _ARGUMENTS = (_PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, ctypes.c_float, _PTR)
+# the same, then first, last, before out
+_ROWS_ARGUMENTS = (*_ARGUMENTS[:-1], _I64, _I64, _PTR)
 
 
 def _function(path: Path) -> Any:

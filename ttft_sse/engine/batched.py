@@ -227,6 +227,9 @@ class BatchedEngine:
     def _stop_manager(self) -> None:
         # A hard stop: requests still in the loop are failed (nobody reads them any more: close() ended them).
         self._manager.stop(block=True, timeout=30, hard_stop=True)
+        # A helper thread may still be inside a chunk of the last step's attention, taken back from it, reading the
+        # manager's KV cache: the cache must outlive it (kernel.c).
+        self._single.fence_kernel()
 
     # -- requests ----------------------------------------------------------------------------------------------
 

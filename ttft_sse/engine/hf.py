@@ -178,6 +178,12 @@ class HFEngine:
         log.info("weights_arranged", layout=layout)
         return layout
 
+    def fence_kernel(self) -> None:
+        """Wait until no helper thread of the block kernel is inside a chunk (kernel.fence): before a KV cache whose
+        attention they shared is dropped."""
+        if self._helpers and self._library is not None:
+            kernel.fence(self._library)
+
     def kernel_counts(self) -> kernel.HelperCounts | None:
         """What the block kernel's helper threads did so far (every engine of the process together); None without
         them."""

@@ -639,7 +639,12 @@ int ttft_q8_linear(const float *x, int64_t M, int64_t K, const uint8_t *records,
    weights calls ttft_helper_fence first (kernel.py's layers do, as they go). The share's copy of the rows grows
    only while no helper is inside a chunk (a call that finds one there runs alone rather than wait), and a helper's
    buffer holds a whole output, so calls of more than SHARE_OUTPUTS outputs run alone. A forked child starts with
-   no helpers and shares nothing until it starts its own. */
+   no helpers and shares nothing until it starts its own.
+   A batched step's attention (decoder.c) is shared the same way, by query rows (attention.c's ttft_attention_rows:
+   each row computed from its own inputs alone): the helpers read the share's copies of the queries and of the
+   step's key index, and the layer's KV cache, which lives as long as the engine (whoever frees it fences first).
+   Since a helper still inside a taken-back attention chunk could read a key index rewritten under it, an
+   attention call is shared only while no helper is inside an attention chunk. */
 
 #include <linux/futex.h>
 #include <pthread.h>
@@ -660,13 +665,31 @@ int ttft_q8_linear(const float *x, int64_t M, int64_t K, const uint8_t *records,
 enum { FREE, CALLERS, HELD, READY, TAKEN }; /* a chunk's state: the low 3 bits, its helper above them, the call's
                                                generation from bit 8 */
 
+/* attention.c's ttft_attention_rows: the query rows first .. last-1 of a step into the same rows of out. */
+typedef int (*attention_rows)(const float *q, int64_t heads, int64_t kv_heads, int64_t dim, const float *k,
+                              const float *v, int64_t key_stride, int64_t head_stride, const int64_t *index,
+                              const int32_t *cu_q, const int32_t *cu_k, int64_t requests, int64_t max_rows,
+                              float scale, int64_t first, int64_t last, float *out);
+
+struct attention {
+    attention_rows rows;
+    const float *k, *v;       /* the layer's KV cache rows */
+    const int64_t *index;     /* the share's copy of the step's key index */
+    const int32_t *cu_q, *cu_k; /* the share's copies */
+    int64_t heads, kv_heads, dim, key_stride, head_stride, requests, max_rows;
+    float scale;
+};
+
+enum { LINEAR, ATTENTION };
+
 struct job {
-    int int8;
-    const float *rows; /* the share's copy: fp32 rows, or the rows quantised (q8_floats floats) */
-    int64_t M, K, N, panels, per, chunks;
-    const uint8_t *codes; /* panels, or int8 records */
+    int kind, int8;
+    const float *rows; /* the share's copy: fp32 rows, or the rows quantised (q8_floats floats); the queries */
+    int64_t M, K, N, panels, per, chunks; /* attention: N = heads x dim, a chunk `per` query rows */
+    const uint8_t *codes;                 /* panels, or int8 records */
     int bits;
     const float *scale, *zero;
+    struct attention a;
 };
 
 static struct {
@@ -676,9 +699,9 @@ static struct {
     atomic_flag busy;     /* a caller holds the job */
     _Atomic uint64_t gen; /* odd while the job is being written */
     _Atomic uint32_t bell;
-    _Atomic int sleeping, in_chunk;
+    _Atomic int sleeping, in_chunk, in_attention; /* helpers inside a chunk; inside an attention chunk */
     struct job job;
-    struct ttft_buffer rows;
+    struct ttft_buffer rows, keys; /* keys: the step's key index and request starts (attention) */
     float *_Atomic out[HELPERS];
     _Atomic uint64_t state[SHARE_CHUNKS];
     _Atomic int64_t calls, by_caller, by_helpers, taken, pause_us;
@@ -695,20 +718,33 @@ static void sleep_ns(int64_t ns) {
     nanosleep(&t, NULL);
 }
 
-/* Chunk c's panels of y (the caller's output, or a helper's buffer laid out as it). */
-static void run_chunk(const struct job *j, int64_t c, float *y, float *buffer) {
+/* Chunk c's panels of y (the caller's output, or a helper's buffer laid out as it); an attention chunk's rows.
+   Returns 0, or an attention call's error. */
+static int run_chunk(const struct job *j, int64_t c, float *y, float *buffer) {
+    if (j->kind == ATTENTION) {
+        const struct attention *a = &j->a;
+        int64_t first = c * j->per, last = first + j->per < j->M ? first + j->per : j->M;
+        return a->rows(j->rows, a->heads, a->kv_heads, a->dim, a->k, a->v, a->key_stride, a->head_stride, a->index,
+                       a->cu_q, a->cu_k, a->requests, a->max_rows, a->scale, first, last, y);
+    }
     int64_t p0 = c * j->per, p1 = p0 + j->per < j->panels ? p0 + j->per : j->panels;
 #if defined(Q_VNNI) || defined(Q_AVX2)
     if (j->int8) {
         q8_panels(q8_view((float *)j->rows, j->M, j->K), j->M, j->K, j->codes, j->bits, j->N, y, p0, p1);
-        return;
+        return 0;
     }
 #endif
     fp32_panels(j->rows, j->M, j->K, j->codes, j->bits, j->scale, j->zero, j->N, y, p0, p1, buffer);
+    return 0;
 }
 
 /* Chunk c's outputs, computed into `from` (a helper's buffer, laid out as y), into y. */
 static void copy_chunk(const struct job *j, int64_t c, const float *from, float *y) {
+    if (j->kind == ATTENTION) {
+        int64_t first = c * j->per, last = first + j->per < j->M ? first + j->per : j->M;
+        memcpy(y + first * j->N, from + first * j->N, sizeof(float) * (size_t)((last - first) * j->N));
+        return;
+    }
     int64_t first = c * j->per * P, last = (c + 1) * j->per * P < j->N ? (c + 1) * j->per * P : j->N;
     for (int64_t r = 0; r < j->M; r++)
         memcpy(y + r * j->N + first, from + r * j->N + first, sizeof(float) * (size_t)(last - first));
@@ -751,22 +787,27 @@ static void *helper(void *arg) {
         if (atomic_load(&share.gen) != g) continue; /* torn: written meanwhile */
         seen = g;
         float *mine = ttft_grow(&out, j.M * j.N), *buffer = NULL;
-        if (mine == NULL || (!j.int8 && fp32_buffer(j.M, j.K, &buffer) != 0)) continue; /* the caller does it all */
+        if (mine == NULL || (j.kind == LINEAR && !j.int8 && fp32_buffer(j.M, j.K, &buffer) != 0))
+            continue; /* the caller does it all */
         atomic_store(&share.out[id], mine);
         uint64_t tag = g << 8 | (uint64_t)id << 3;
+        _Atomic int *inside = j.kind == ATTENTION ? &share.in_attention : NULL;
         for (int64_t c = j.chunks - 1; c >= 0; c--) {
             atomic_fetch_add(&share.in_chunk, 1);
+            if (inside) atomic_fetch_add(inside, 1);
             uint64_t expect = g << 8 | FREE;
             if (!atomic_compare_exchange_strong(&share.state[c], &expect, tag | HELD)) {
+                if (inside) atomic_fetch_sub(inside, 1);
                 atomic_fetch_sub(&share.in_chunk, 1);
                 if ((expect & 7) == CALLERS || expect >> 8 != g) break; /* met the caller, or the call ended */
                 continue;                                                /* another helper's */
             }
             int64_t pause = atomic_load(&share.pause_us);
             if (pause > 0) sleep_ns(pause * 1000);
-            run_chunk(&j, c, mine, buffer);
             expect = tag | HELD;
-            atomic_compare_exchange_strong(&share.state[c], &expect, tag | READY); /* fails if taken back */
+            if (run_chunk(&j, c, mine, buffer) == 0) /* else left HELD: the caller takes it back and computes it */
+                atomic_compare_exchange_strong(&share.state[c], &expect, tag | READY); /* fails if taken back */
+            if (inside) atomic_fetch_sub(inside, 1);
             atomic_fetch_sub(&share.in_chunk, 1);
         }
         idle_since = now_ns();
@@ -780,6 +821,7 @@ static void forked(void) {
     pthread_mutex_init(&share.starting, NULL);
     atomic_store(&share.helpers, 0);
     atomic_store(&share.in_chunk, 0);
+    atomic_store(&share.in_attention, 0);
     atomic_store(&share.sleeping, 0);
     atomic_flag_clear(&share.busy);
     atomic_store(&share.gen, (atomic_load(&share.gen) + 1) & ~(uint64_t)1);
@@ -821,29 +863,27 @@ int ttft_helper_pause(int64_t microseconds) {
     return 0;
 }
 
-/* Shares the call j (its rows: x, quantised first for int8) with the helpers. Returns 1 if it is not shared (no
-   helper, too small, another caller holds the job): the caller computes it alone; else 0, or -1 if a buffer
-   cannot be allocated. */
-static int share_call(struct job j, const float *x, float *y) {
-    if (atomic_load(&share.helpers) == 0) return 1; /* none started, or a forked child's (forked: reset) */
-    j.panels = (j.N + P - 1) / P;
-    if (j.M * j.K * j.N < SHARE_WORK || j.panels < 2 || j.M * j.N > SHARE_OUTPUTS) return 1;
-    int64_t panel_work = j.M * j.K * P;
-    j.per = (CHUNK_WORK + panel_work - 1) / panel_work;
-    j.per = (j.per + GROUP - 1) / GROUP * GROUP; /* whole groups: the buffered tiles' and int8 tiles' width */
-    while ((j.panels + j.per - 1) / j.per > SHARE_CHUNKS) j.per *= 2;
-    j.chunks = (j.panels + j.per - 1) / j.per;
-    if (j.chunks < 2) return 1;
+/* Runs the call j, cut into j.chunks, with the helpers: its inputs (x: the rows, quantised first for int8; or the
+   queries, with the step's key index and request starts) copied into the share's buffers first. Returns 1 if it
+   is not shared (another caller holds the job; an attention call while a helper is inside an attention chunk):
+   the caller computes it alone; else 0, or -1 if a buffer cannot be allocated or a chunk fails. */
+static int share_run(struct job j, const float *x, const int64_t *index, const int32_t *cu_q, const int32_t *cu_k,
+                     float *y) {
     if (atomic_flag_test_and_set(&share.busy)) return 1;
     float *buffer = NULL;
-    int64_t floats = j.int8 ? q8_floats(j.M, j.K) : j.M * j.K;
-    if (share.rows.capacity < floats && atomic_load(&share.in_chunk) > 0) {
-        /* A helper may still read the rows (a chunk taken back from it): grow them at a later call, not waiting. */
+    int attention = j.kind == ATTENTION;
+    int64_t floats = attention ? j.M * j.N : j.int8 ? q8_floats(j.M, j.K) : j.M * j.K;
+    int64_t keys = attention ? cu_k[j.a.requests] : 0, key_floats = attention ? 2 * keys + 2 * (j.a.requests + 1) : 0;
+    if ((share.rows.capacity < floats && atomic_load(&share.in_chunk) > 0) ||
+        (attention && atomic_load(&share.in_attention) > 0)) {
+        /* A helper may still read the share's copies (a chunk taken back from it): grow the rows, or rewrite (or
+           grow) the key index, at a later call, not waiting. A helper in a linear chunk reads no key index. */
         atomic_flag_clear(&share.busy);
         return 1;
     }
-    if ((!j.int8 && fp32_buffer(j.M, j.K, &buffer) != 0) ||
-        (share.rows.capacity < floats && ttft_grow(&share.rows, floats) == NULL)) {
+    if ((j.kind == LINEAR && !j.int8 && fp32_buffer(j.M, j.K, &buffer) != 0) ||
+        (share.rows.capacity < floats && ttft_grow(&share.rows, floats) == NULL) ||
+        (share.keys.capacity < key_floats && ttft_grow(&share.keys, key_floats) == NULL)) {
         atomic_flag_clear(&share.busy);
         return -1;
     }
@@ -851,8 +891,17 @@ static int share_call(struct job j, const float *x, float *y) {
     atomic_store_explicit(&share.gen, g, memory_order_relaxed);
     atomic_thread_fence(memory_order_release); /* the odd generation before the job's stores */
     g += 1;
+    if (attention) {
+        int64_t *ix = (int64_t *)share.keys.floats;
+        int32_t *starts = (int32_t *)(ix + keys);
+        memcpy(ix, index, sizeof(int64_t) * (size_t)keys);
+        memcpy(starts, cu_q, sizeof(int32_t) * (size_t)(j.a.requests + 1));
+        memcpy(starts + j.a.requests + 1, cu_k, sizeof(int32_t) * (size_t)(j.a.requests + 1));
+        j.a.index = ix, j.a.cu_q = starts, j.a.cu_k = starts + j.a.requests + 1;
+        memcpy(share.rows.floats, x, sizeof(float) * (size_t)floats);
+    } else
 #if defined(Q_VNNI) || defined(Q_AVX2)
-    if (j.int8)
+        if (j.int8)
         q8_quantise(x, j.M, j.K, share.rows.floats);
     else
 #endif
@@ -865,11 +914,12 @@ static int share_call(struct job j, const float *x, float *y) {
         atomic_fetch_add(&share.bell, 1);
         syscall(SYS_futex, &share.bell, FUTEX_WAKE_PRIVATE, HELPERS, NULL, NULL, 0);
     }
+    int failed = 0;
     int64_t c = 0, start = now_ns();
     for (; c < j.chunks; c++) {
         uint64_t expect = g << 8 | FREE;
         if (!atomic_compare_exchange_strong(&share.state[c], &expect, g << 8 | CALLERS)) break;
-        run_chunk(&j, c, y, buffer);
+        failed |= run_chunk(&j, c, y, buffer);
     }
     int64_t mine = c, patience = mine > 0 ? 2 * (now_ns() - start) / mine : 0;
     if (patience < TAKE_BACK_NS) patience = TAKE_BACK_NS;
@@ -882,7 +932,7 @@ static int share_call(struct job j, const float *x, float *y) {
             s = atomic_load(&share.state[d]);
         }
         if ((s & 7) == HELD && atomic_compare_exchange_strong(&share.state[d], &s, (s & ~(uint64_t)7) | TAKEN)) {
-            run_chunk(&j, d, y, buffer);
+            failed |= run_chunk(&j, d, y, buffer);
             taken++;
             continue;
         }
@@ -893,7 +943,53 @@ static int share_call(struct job j, const float *x, float *y) {
     atomic_fetch_add(&share.by_helpers, j.chunks - mine - taken);
     atomic_fetch_add(&share.taken, taken);
     atomic_flag_clear(&share.busy);
-    return 0;
+    return failed ? -1 : 0;
+}
+
+/* A linear call, cut into chunks of whole panels (see share_run). */
+static int share_call(struct job j, const float *x, float *y) {
+    if (atomic_load(&share.helpers) == 0) return 1; /* none started, or a forked child's (forked: reset) */
+    j.panels = (j.N + P - 1) / P;
+    if (j.M * j.K * j.N < SHARE_WORK || j.panels < 2 || j.M * j.N > SHARE_OUTPUTS) return 1;
+    int64_t panel_work = j.M * j.K * P;
+    j.per = (CHUNK_WORK + panel_work - 1) / panel_work;
+    j.per = (j.per + GROUP - 1) / GROUP * GROUP; /* whole groups: the buffered tiles' and int8 tiles' width */
+    while ((j.panels + j.per - 1) / j.per > SHARE_CHUNKS) j.per *= 2;
+    j.chunks = (j.panels + j.per - 1) / j.per;
+    if (j.chunks < 2) return 1;
+    return share_run(j, x, NULL, NULL, NULL, y);
+}
+
+/* A batched step's attention (decoder.c), as attention.c's ttft_paged_attention computes it, shared with the
+   helpers by query rows: `rows` is attention.c's ttft_attention_rows. Returns 1 if it is not shared (no helper,
+   too small, a request of more than max_rows rows, a shape `rows` refuses: the caller computes it alone), else 0,
+   or -1 (share_run). */
+int ttft_share_attention(attention_rows rows, const float *q, int64_t heads, int64_t kv_heads, int64_t dim,
+                         const float *k, const float *v, int64_t key_stride, int64_t head_stride,
+                         const int64_t *index, const int32_t *cu_q, const int32_t *cu_k, int64_t requests,
+                         int64_t max_rows, float scale, float *out) {
+    if (rows == NULL || atomic_load(&share.helpers) == 0 || requests <= 0) return 1;
+    int64_t M = cu_q[requests], N = heads * dim, pairs = 0; /* pairs: (query row, key) */
+    for (int64_t s = 0; s < requests; s++) {
+        int64_t lq = cu_q[s + 1] - cu_q[s], lk = cu_k[s + 1] - cu_k[s];
+        if (lq > max_rows) return 1;
+        pairs += lq * lk - lq * (lq - 1) / 2;
+    }
+    int64_t work = 2 * pairs * N; /* multiply-adds: scores and values */
+    if (M < 2 || work < SHARE_WORK || M * N > SHARE_OUTPUTS) return 1;
+    if (rows(q, heads, kv_heads, dim, k, v, key_stride, head_stride, index, cu_q, cu_k, requests, max_rows, scale, 0,
+             0, out) != 0)
+        return 1;
+    struct job j = {.kind = ATTENTION, .M = M, .N = N};
+    j.a = (struct attention){.rows = rows, .k = k, .v = v, .heads = heads, .kv_heads = kv_heads, .dim = dim,
+                             .key_stride = key_stride, .head_stride = head_stride, .requests = requests,
+                             .max_rows = max_rows, .scale = scale};
+    j.per = (CHUNK_WORK * M + work - 1) / work;
+    if (j.per < 1) j.per = 1;
+    while ((M + j.per - 1) / j.per > SHARE_CHUNKS) j.per *= 2;
+    j.chunks = (M + j.per - 1) / j.per;
+    if (j.chunks < 2) return 1;
+    return share_run(j, q, index, cu_q, cu_k, out);
 }
 
 static int shared_fp32(const float *x, int64_t M, int64_t K, const uint8_t *codes, int bits, const float *scale,

@@ -173,6 +173,12 @@ def helper_counts(path: Path) -> HelperCounts:
     return HelperCounts(int(helpers), *(int(n) for n in counts))
 
 
+def fence(path: Path) -> None:
+    """Return once no helper thread of the library at ``path`` is inside a chunk: before freeing memory a chunk
+    taken back from a helper may still read (a layer's codes, a KV cache its attention reads: kernel.c)."""
+    load(path, "ttft_helper_fence", ())()
+
+
 def takes_int8(path: Path) -> bool:
     """Whether the library at ``path`` multiplies int8 rows (it was built for a CPU with AVX-512 VNNI, or AVX2 and
     F16C)."""
