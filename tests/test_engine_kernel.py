@@ -352,7 +352,10 @@ def test_a_steps_attention_shared_with_a_helper_thread_gives_the_same_bits_as_al
     assert not np.isnan(want).any()
     before = kernel.helper_counts(shared)
     got: list[tuple[int, npt.NDArray[np.float32]]] = []
-    helped(shared, lambda: got.append(attend.computed_shared()), until=lambda c: c.by_helpers > before.by_helpers)
+    try:
+        helped(shared, lambda: got.append(attend.computed_shared()), until=lambda c: c.by_helpers > before.by_helpers)
+    finally:
+        kernel.fence(shared)  # a helper may still read attend's arrays (a chunk taken back from it)
     assert [status for status, _ in got].count(0) >= 1  # shared at least once: the helper computed chunks of it
     assert all(np.array_equal(out, want) for _, out in got)
 
@@ -368,13 +371,15 @@ def test_an_attention_chunk_the_helper_holds_too_long_is_taken_back_and_the_next
     helpers_pause(300_000)  # 0.3 s in each chunk it holds
     before = kernel.helper_counts(shared).taken_back
     got: list[tuple[int, npt.NDArray[np.float32]]] = []
-    helped(shared, lambda: got.append(attend.computed_shared()), until=lambda c: c.taken_back > before)
-    calls = kernel.helper_counts(shared).calls
-    status, right_after = attend.computed_shared()  # well within the helper's 0.3 s
+    try:
+        helped(shared, lambda: got.append(attend.computed_shared()), until=lambda c: c.taken_back > before)
+        calls = kernel.helper_counts(shared).calls
+        status, right_after = attend.computed_shared()  # well within the helper's 0.3 s
+    finally:
+        helpers_pause(0)
+        kernel.fence(shared)  # the helper may still read attend's arrays
     assert (status, kernel.helper_counts(shared).calls) == (1, calls)
     assert all(np.array_equal(out, want) for _, out in [*got, (status, right_after)])
-    helpers_pause(0)
-    kernel.fence(shared)
 
 
 def tiny_model(tmp_path: Path, *, tied: bool = False) -> tuple[Any, Path]:

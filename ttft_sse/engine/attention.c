@@ -242,6 +242,19 @@ static void attend(int heads, int64_t dim, const float *q, const float *k, const
 #undef ATTEND
 }
 
+/* `floats` of room, kept by each thread (the caller's, the kernel's helpers): no allocation a call, and none that
+   could wait on another thread's. */
+static float *scratch(int64_t floats) {
+    static _Thread_local float *kept = NULL;
+    static _Thread_local int64_t capacity = 0;
+    if (capacity < floats) {
+        free(kept);
+        kept = malloc(sizeof(float) * (size_t)floats);
+        capacity = kept ? floats : 0;
+    }
+    return kept;
+}
+
 /* The query rows first .. last-1 of the step (rows of all its requests, in order) into the same rows of out; rows
    of requests of more than max_rows rows are left alone. Each row is computed from its own inputs alone: any split
    of the rows gives the same bits (the kernel's helper threads share a step's rows this way: kernel.c). */
@@ -253,7 +266,7 @@ int ttft_attention_rows(const float *q, int64_t heads, int64_t kv_heads, int64_t
     int64_t groups = heads / kv_heads, longest = 0;
     for (int64_t s = 0; s < requests; s++)
         if (cu_q[s + 1] > first && cu_q[s] < last && cu_k[s + 1] - cu_k[s] > longest) longest = cu_k[s + 1] - cu_k[s];
-    float *p = malloc((size_t)GROUP * (size_t)(longest + 16) * sizeof(float));
+    float *p = scratch(GROUP * (longest + 16));
     if (!p) return -3;
     for (int64_t s = 0; s < requests; s++) {
         int64_t q0 = cu_q[s], lq = cu_q[s + 1] - q0, lk = cu_k[s + 1] - cu_k[s];
@@ -271,7 +284,6 @@ int ttft_attention_rows(const float *q, int64_t heads, int64_t kv_heads, int64_t
             }
         }
     }
-    free(p);
     return 0;
 }
 #else

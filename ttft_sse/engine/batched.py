@@ -226,10 +226,15 @@ class BatchedEngine:
 
     def _stop_manager(self) -> None:
         # A hard stop: requests still in the loop are failed (nobody reads them any more: close() ended them).
-        self._manager.stop(block=True, timeout=30, hard_stop=True)
-        # A helper thread may still be inside a chunk of the last step's attention, taken back from it, reading the
-        # manager's KV cache: the cache must outlive it (kernel.c).
-        self._single.fence_kernel()
+        # The library's stop drops its batch processor, and with it the KV cache, before it returns; a helper thread
+        # of the kernel may still be inside a chunk of the last step's attention, taken back from it, reading that
+        # cache (kernel.c). So the processor is held until the helpers are out of their chunks.
+        processor = getattr(self._manager, "batch_processor", None)
+        try:
+            self._manager.stop(block=True, timeout=30, hard_stop=True)
+        finally:
+            self._single.fence_kernel()
+            del processor
 
     # -- requests ----------------------------------------------------------------------------------------------
 

@@ -180,8 +180,8 @@ class HFEngine:
 
     def fence_kernel(self) -> None:
         """Wait until no helper thread of the block kernel is inside a chunk (kernel.fence): before a KV cache whose
-        attention they shared is dropped."""
-        if self._helpers and self._library is not None:
+        attention they shared is dropped. Helpers are the process's, whichever engine started them."""
+        if self._library is not None:
             kernel.fence(self._library)
 
     def kernel_counts(self) -> kernel.HelperCounts | None:
