@@ -310,7 +310,7 @@ class AttentionStep:
         self.requests = len(requests)
         library = kernel.build(directory, (attention.SOURCE,), "attention")
         self.alone = kernel.load(library, "ttft_paged_attention", _ATTENTION)
-        self.rows = ctypes.cast(kernel.load(library, "ttft_attention_rows", ()), _PTR).value
+        self.part = ctypes.cast(kernel.load(library, "ttft_attention_part", ()), _PTR).value
         self.share = kernel.load(shared, "ttft_share_attention", (_PTR, *_ATTENTION))
 
     def _arguments(self, out: npt.NDArray[np.float32]) -> tuple[Any, ...]:
@@ -330,7 +330,7 @@ class AttentionStep:
     def computed_shared(self) -> tuple[int, npt.NDArray[np.float32]]:
         """ttft_share_attention's status (0: shared, 1: computed alone, by the caller's fallback) and output."""
         out = np.full_like(self.q, np.nan)
-        status = self.share(self.rows, *self._arguments(out))
+        status = self.share(self.part, *self._arguments(out))
         if status == 1:
             assert self.alone(*self._arguments(out)) == 0
         return status, out
@@ -338,6 +338,7 @@ class AttentionStep:
 
 STEPS = {
     "decode-8x200": [(1, 200)] * 8,  # a decode step of 8 streams
+    "decode-1x1000": [(1, 1000)],  # one stream's decode step: one row, shared by its KV heads
     "prefill-mix": [(37, 37), (1, 300), (15, 50), (1, 9)],  # new prompts, one behind a known prefix, and decodes
 }
 

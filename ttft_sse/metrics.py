@@ -350,7 +350,7 @@ def _batch_metrics(engine: object) -> Iterator[Metric]:
     if stats.kernel is not None:
         chunks = CounterMetricFamily(
             "ttft_sse_kernel_chunks",
-            "Chunks of the block kernel's shared calls (and of batched steps' attention, shared by rows), by who "
+            "Chunks of the block kernel's shared calls (and of batched steps' attention, by rows and KV heads), by who "
             "computed them: the calling thread, its helper threads "
             "(on a core nothing else wanted: TTFT_KERNEL_HELPERS), or the caller after taking one back from a helper "
             "that held it too long.",

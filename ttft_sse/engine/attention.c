@@ -255,30 +255,33 @@ static float *scratch(int64_t floats) {
     return kept;
 }
 
-/* The query rows first .. last-1 of the step (rows of all its requests, in order) into the same rows of out; rows
-   of requests of more than max_rows rows are left alone. Each row is computed from its own inputs alone: any split
-   of the rows gives the same bits (the kernel's helper threads share a step's rows this way: kernel.c). */
-int ttft_attention_rows(const float *q, int64_t heads, int64_t kv_heads, int64_t dim, const float *k, const float *v,
+/* Parts first .. last-1 of the step's attention into out, where part u is query row u / kv_heads of the step (rows
+   of all its requests, in order) for the query heads of KV head u % kv_heads: heads / kv_heads x dim floats,
+   contiguous in out, part after part. Parts of requests of more than max_rows rows are left alone. Each head of
+   each row is computed from its own inputs alone: any split of the parts gives the same bits (the kernel's helper
+   threads share a step's attention this way: kernel.c). */
+int ttft_attention_part(const float *q, int64_t heads, int64_t kv_heads, int64_t dim, const float *k, const float *v,
                         int64_t key_stride, int64_t head_stride, const int64_t *index, const int32_t *cu_q,
                         const int32_t *cu_k, int64_t requests, int64_t max_rows, float scale, int64_t first,
                         int64_t last, float *out) {
     if (dim % 16 || dim > MAX_DIM || kv_heads <= 0 || heads % kv_heads) return -1;
     int64_t groups = heads / kv_heads, longest = 0;
     for (int64_t s = 0; s < requests; s++)
-        if (cu_q[s + 1] > first && cu_q[s] < last && cu_k[s + 1] - cu_k[s] > longest) longest = cu_k[s + 1] - cu_k[s];
+        if (cu_q[s + 1] * kv_heads > first && cu_q[s] * kv_heads < last && cu_k[s + 1] - cu_k[s] > longest)
+            longest = cu_k[s + 1] - cu_k[s];
     float *p = scratch(GROUP * (longest + 16));
     if (!p) return -3;
     for (int64_t s = 0; s < requests; s++) {
         int64_t q0 = cu_q[s], lq = cu_q[s + 1] - q0, lk = cu_k[s + 1] - cu_k[s];
-        if (lq > max_rows || q0 + lq <= first || q0 >= last) continue;
+        int64_t u0 = q0 * kv_heads, u1 = (q0 + lq) * kv_heads;
+        if (lq > max_rows || u1 <= first || u0 >= last) continue;
         const int64_t *key = index + cu_k[s];
-        int64_t i0 = first > q0 ? first - q0 : 0, i1 = last < q0 + lq ? last - q0 : lq;
-        for (int64_t i = i0; i < i1; i++) {
-            int64_t count = lk - lq + i + 1;
-            for (int64_t h = 0; h < heads;) {
-                int64_t left = groups - h % groups; /* query heads of this KV head from h on */
+        for (int64_t u = first > u0 ? first : u0; u < (last < u1 ? last : u1); u++) {
+            int64_t i = u / kv_heads - q0, g = u % kv_heads, count = lk - lq + i + 1;
+            for (int64_t h = g * groups; h < (g + 1) * groups;) {
+                int64_t left = (g + 1) * groups - h; /* query heads of this KV head from h on */
                 int n = (int)(left < GROUP ? left : GROUP);
-                int64_t at = ((q0 + i) * heads + h) * dim, kv = (h / groups) * head_stride;
+                int64_t at = ((q0 + i) * heads + h) * dim, kv = g * head_stride;
                 attend(n, dim, q + at, k + kv, v + kv, key, count, key_stride, scale, p, out + at);
                 h += n;
             }
@@ -287,7 +290,7 @@ int ttft_attention_rows(const float *q, int64_t heads, int64_t kv_heads, int64_t
     return 0;
 }
 #else
-int ttft_attention_rows(const float *q, int64_t heads, int64_t kv_heads, int64_t dim, const float *k, const float *v,
+int ttft_attention_part(const float *q, int64_t heads, int64_t kv_heads, int64_t dim, const float *k, const float *v,
                         int64_t key_stride, int64_t head_stride, const int64_t *index, const int32_t *cu_q,
                         const int32_t *cu_k, int64_t requests, int64_t max_rows, float scale, int64_t first,
                         int64_t last, float *out) {
@@ -298,12 +301,12 @@ int ttft_attention_rows(const float *q, int64_t heads, int64_t kv_heads, int64_t
 }
 #endif
 
-/* The whole step's attention: every row of out (but those of requests of more than max_rows rows). */
+/* The whole step's attention: every part of out (but those of requests of more than max_rows rows). */
 int ttft_paged_attention(const float *q, int64_t heads, int64_t kv_heads, int64_t dim, const float *k,
                          const float *v, int64_t key_stride, int64_t head_stride, const int64_t *index,
                          const int32_t *cu_q, const int32_t *cu_k, int64_t requests, int64_t max_rows, float scale,
                          float *out) {
-    int64_t rows = requests > 0 ? cu_q[requests] : 0;
-    return ttft_attention_rows(q, heads, kv_heads, dim, k, v, key_stride, head_stride, index, cu_q, cu_k, requests,
-                               max_rows, scale, 0, rows, out);
+    int64_t parts = requests > 0 ? cu_q[requests] * kv_heads : 0;
+    return ttft_attention_part(q, heads, kv_heads, dim, k, v, key_stride, head_stride, index, cu_q, cu_k, requests,
+                               max_rows, scale, 0, parts, out);
 }

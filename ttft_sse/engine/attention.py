@@ -72,9 +72,10 @@ MARK = "ttft_grouped_sdpa"
 PAGED = "ttft_paged_attention"
 """Attribute set on an attention module whose batched steps attend request by request (:func:`page`): the C
 function."""
-PAGED_ROWS = "ttft_attention_rows"
-"""Attribute set with :data:`PAGED`: the same library's function for some query rows of a step only, by which the
-block kernel's helper threads share a batched step's attention (kernel.c, decoder.c)."""
+PAGED_PART = "ttft_attention_part"
+"""Attribute set with :data:`PAGED`: the same library's function for some parts of a step only (a part: a query
+row's heads of one KV head), by which the block kernel's helper threads share a batched step's attention
+(kernel.c, decoder.c)."""
 KV = "ttft_kv"
 """The keyword argument by which a cache that reads in place (:func:`read_in_place`) hands a layer's KV rows and
 the step's key index to the attention function."""
@@ -145,9 +146,9 @@ def page(model: Any, torch: Any, directory: Path) -> int:
         agree, reason = False, str(exc)
     marked = _settle(modules, PAGED, function if agree else None, "paged", None if agree else reason)
     if marked:
-        rows = kernel.load(function_path, "ttft_attention_rows", _ROWS_ARGUMENTS)
+        part = kernel.load(function_path, "ttft_attention_part", _PART_ARGUMENTS)
         for module in modules:
-            setattr(module, PAGED_ROWS, rows)
+            setattr(module, PAGED_PART, part)
     return marked
 
 
@@ -174,7 +175,7 @@ def paged(model: Any) -> bool:
 # q, heads, kv_heads, dim, k, v, key_stride, head_stride, index, cu_q, cu_k, requests, max_rows, scale, out
 _ARGUMENTS = (_PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, ctypes.c_float, _PTR)
 # the same, then first, last, before out
-_ROWS_ARGUMENTS = (*_ARGUMENTS[:-1], _I64, _I64, _PTR)
+_PART_ARGUMENTS = (*_ARGUMENTS[:-1], _I64, _I64, _PTR)
 
 
 def _function(path: Path) -> Any:

@@ -188,20 +188,20 @@ int ttft_decoder_tail(const struct layer *L, const float *x, const float *a, int
 typedef int (*attend_fn)(const float *q, int64_t heads, int64_t kv_heads, int64_t dim, const float *k, const float *v,
                          int64_t key_stride, int64_t head_stride, const int64_t *index, const int32_t *cu_q,
                          const int32_t *cu_k, int64_t requests, int64_t max_rows, float scale, float *out);
-/* attention.c's ttft_attention_rows: the query rows first .. last-1 only. */
-typedef int (*attend_rows_fn)(const float *q, int64_t heads, int64_t kv_heads, int64_t dim, const float *k,
+/* attention.c's ttft_attention_part: the parts (query row, KV head) first .. last-1 only. */
+typedef int (*attend_part_fn)(const float *q, int64_t heads, int64_t kv_heads, int64_t dim, const float *k,
                               const float *v, int64_t key_stride, int64_t head_stride, const int64_t *index,
                               const int32_t *cu_q, const int32_t *cu_k, int64_t requests, int64_t max_rows,
                               float scale, int64_t first, int64_t last, float *out);
-/* kernel.c's: the attention shared with the kernel's helper threads by rows; 1 where it is not shared. */
-int ttft_share_attention(attend_rows_fn rows, const float *q, int64_t heads, int64_t kv_heads, int64_t dim,
+/* kernel.c's: the attention shared with the kernel's helper threads by parts; 1 where it is not shared. */
+int ttft_share_attention(attend_part_fn part, const float *q, int64_t heads, int64_t kv_heads, int64_t dim,
                          const float *k, const float *v, int64_t key_stride, int64_t head_stride,
                          const int64_t *index, const int32_t *cu_q, const int32_t *cu_k, int64_t requests,
                          int64_t max_rows, float scale, float *out);
 
 struct step { /* decoder.py's Step: what the layers of a batched step share (attention.py's Step) */
     attend_fn attend;
-    attend_rows_fn attend_rows; /* NULL: never shared */
+    attend_part_fn attend_part; /* NULL: never shared */
     const int64_t *write; /* the cache row of each new row's key and value */
     const int64_t *index; /* the keys the attention reads, request after request */
     const int32_t *cu_q, *cu_k;
@@ -234,7 +234,7 @@ int ttft_decoder_layer(const struct layer *L, const struct step *S, const float 
             memcpy(keys + at, k + r * KV + g * L->dim, bytes);
             memcpy(values + at, v + r * KV + g * L->dim, bytes);
         }
-    status = ttft_share_attention(S->attend_rows, q, L->heads, L->kv_heads, L->dim, keys, values, S->key_stride,
+    status = ttft_share_attention(S->attend_part, q, L->heads, L->kv_heads, L->dim, keys, values, S->key_stride,
                                   S->head_stride, S->index, S->cu_q, S->cu_k, S->requests, S->max_rows, S->scale, a);
     if (status == 1) /* not shared: alone */
         status = S->attend(q, L->heads, L->kv_heads, L->dim, keys, values, S->key_stride, S->head_stride, S->index,

@@ -90,7 +90,7 @@ class Step(ctypes.Structure):
 
     _fields_ = [
         ("attend", _PTR),
-        ("attend_rows", _PTR),  # None: the step's attention is not shared with the kernel's helper threads
+        ("attend_part", _PTR),  # None: the step's attention is not shared with the kernel's helper threads
         *((name, _PTR) for name in ("write", "index", "cu_q", "cu_k")),
         *((name, _I64) for name in ("requests", "key_stride", "head_stride", "max_rows")),
         ("scale", ctypes.c_float),
@@ -105,11 +105,11 @@ def c_step(shared: attention.Step, module: Any) -> Step:
     made, step = _last
     if made is not shared:
         function = getattr(module, attention.PAGED)
-        rows = getattr(module, attention.PAGED_ROWS, None)
+        part = getattr(module, attention.PAGED_PART, None)
         arrays = (shared.write, shared.index, shared.cu_q, shared.cu_k)
         step = Step(
             ctypes.cast(function, _PTR).value,
-            None if rows is None else ctypes.cast(rows, _PTR).value,
+            None if part is None else ctypes.cast(part, _PTR).value,
             *(a.data_ptr() for a in arrays),
             shared.requests,
             shared.key_stride,

@@ -640,8 +640,8 @@ int ttft_q8_linear(const float *x, int64_t M, int64_t K, const uint8_t *records,
    only while no helper is inside a chunk (a call that finds one there runs alone rather than wait), and a helper's
    buffer holds a whole output, so calls of more than SHARE_OUTPUTS outputs run alone. A forked child starts with
    no helpers and shares nothing until it starts its own.
-   A batched step's attention (decoder.c) is shared the same way, by query rows (attention.c's ttft_attention_rows:
-   each row computed from its own inputs alone): the helpers read the share's copies of the queries and of the
+   A batched step's attention (decoder.c) is shared the same way, by parts of query rows and KV heads (attention.c's
+   ttft_attention_part: each head of each row computed from its own inputs alone): the helpers read the share's copies of the queries and of the
    step's key index, and the layer's KV cache, which lives as long as the engine (whoever frees it fences first).
    Since a helper still inside a taken-back attention chunk could read a key index rewritten under it, an
    attention call is shared only while no helper is inside an attention chunk. */
@@ -665,14 +665,14 @@ int ttft_q8_linear(const float *x, int64_t M, int64_t K, const uint8_t *records,
 enum { FREE, CALLERS, HELD, READY, TAKEN }; /* a chunk's state: the low 3 bits, its helper above them, the call's
                                                generation from bit 8 */
 
-/* attention.c's ttft_attention_rows: the query rows first .. last-1 of a step into the same rows of out. */
-typedef int (*attention_rows)(const float *q, int64_t heads, int64_t kv_heads, int64_t dim, const float *k,
+/* attention.c's ttft_attention_part: the parts (query row, KV head) first .. last-1 of a step into out. */
+typedef int (*attention_part)(const float *q, int64_t heads, int64_t kv_heads, int64_t dim, const float *k,
                               const float *v, int64_t key_stride, int64_t head_stride, const int64_t *index,
                               const int32_t *cu_q, const int32_t *cu_k, int64_t requests, int64_t max_rows,
                               float scale, int64_t first, int64_t last, float *out);
 
 struct attention {
-    attention_rows rows;
+    attention_part part;
     const float *k, *v;       /* the layer's KV cache rows */
     const int64_t *index;     /* the share's copy of the step's key index */
     const int32_t *cu_q, *cu_k; /* the share's copies */
@@ -685,7 +685,7 @@ enum { LINEAR, ATTENTION };
 struct job {
     int kind, int8;
     const float *rows; /* the share's copy: fp32 rows, or the rows quantised (q8_floats floats); the queries */
-    int64_t M, K, N, panels, per, chunks; /* attention: N = heads x dim, a chunk `per` query rows */
+    int64_t M, K, N, panels, per, chunks; /* attention: M parts of N floats, a chunk `per` parts */
     const uint8_t *codes;                 /* panels, or int8 records */
     int bits;
     const float *scale, *zero;
@@ -724,7 +724,7 @@ static int run_chunk(const struct job *j, int64_t c, float *y, float *buffer) {
     if (j->kind == ATTENTION) {
         const struct attention *a = &j->a;
         int64_t first = c * j->per, last = first + j->per < j->M ? first + j->per : j->M;
-        return a->rows(j->rows, a->heads, a->kv_heads, a->dim, a->k, a->v, a->key_stride, a->head_stride, a->index,
+        return a->part(j->rows, a->heads, a->kv_heads, a->dim, a->k, a->v, a->key_stride, a->head_stride, a->index,
                        a->cu_q, a->cu_k, a->requests, a->max_rows, a->scale, first, last, y);
     }
     int64_t p0 = c * j->per, p1 = p0 + j->per < j->panels ? p0 + j->per : j->panels;
@@ -961,27 +961,28 @@ static int share_call(struct job j, const float *x, float *y) {
 }
 
 /* A batched step's attention (decoder.c), as attention.c's ttft_paged_attention computes it, shared with the
-   helpers by query rows: `rows` is attention.c's ttft_attention_rows. Returns 1 if it is not shared (no helper,
-   too small, a request of more than max_rows rows, a shape `rows` refuses: the caller computes it alone), else 0,
-   or -1 (share_run). */
-int ttft_share_attention(attention_rows rows, const float *q, int64_t heads, int64_t kv_heads, int64_t dim,
+   helpers by parts: `part` is attention.c's ttft_attention_part (a part: a query row's heads of one KV head, so a
+   single row is shared too). Returns 1 if it is not shared (no helper, too small, a request of more than max_rows
+   rows, a shape `part` refuses: the caller computes it alone), else 0, or -1 (share_run). */
+int ttft_share_attention(attention_part part, const float *q, int64_t heads, int64_t kv_heads, int64_t dim,
                          const float *k, const float *v, int64_t key_stride, int64_t head_stride,
                          const int64_t *index, const int32_t *cu_q, const int32_t *cu_k, int64_t requests,
                          int64_t max_rows, float scale, float *out) {
-    if (rows == NULL || atomic_load(&share.helpers) == 0 || requests <= 0) return 1;
-    int64_t M = cu_q[requests], N = heads * dim, pairs = 0; /* pairs: (query row, key) */
+    if (part == NULL || atomic_load(&share.helpers) == 0 || requests <= 0) return 1;
+    if (part(q, heads, kv_heads, dim, k, v, key_stride, head_stride, index, cu_q, cu_k, requests, max_rows, scale, 0,
+             0, out) != 0)
+        return 1; /* a shape it refuses (kv_heads divides heads from here on) */
+    int64_t pairs = 0; /* (query row, key) */
     for (int64_t s = 0; s < requests; s++) {
         int64_t lq = cu_q[s + 1] - cu_q[s], lk = cu_k[s + 1] - cu_k[s];
         if (lq > max_rows) return 1;
         pairs += lq * lk - lq * (lq - 1) / 2;
     }
-    int64_t work = 2 * pairs * N; /* multiply-adds: scores and values */
+    int64_t M = cu_q[requests] * kv_heads, N = heads / kv_heads * dim;
+    int64_t work = 2 * pairs * heads * dim; /* multiply-adds: scores and values */
     if (M < 2 || work < SHARE_WORK || M * N > SHARE_OUTPUTS) return 1;
-    if (rows(q, heads, kv_heads, dim, k, v, key_stride, head_stride, index, cu_q, cu_k, requests, max_rows, scale, 0,
-             0, out) != 0)
-        return 1;
     struct job j = {.kind = ATTENTION, .M = M, .N = N};
-    j.a = (struct attention){.rows = rows, .k = k, .v = v, .heads = heads, .kv_heads = kv_heads, .dim = dim,
+    j.a = (struct attention){.part = part, .k = k, .v = v, .heads = heads, .kv_heads = kv_heads, .dim = dim,
                              .key_stride = key_stride, .head_stride = head_stride, .requests = requests,
                              .max_rows = max_rows, .scale = scale};
     j.per = (CHUNK_WORK * M + work - 1) / work;
