@@ -4,8 +4,8 @@
 #   benchmarks/against_llama_server.sh [ARM...]      # default arms: ours llama-t2 llama-t1 ours
 #
 # "ours" is a ttft-sse server already running at OURS_URL (default http://127.0.0.1:8102, e.g. `ttft-sse serve
-# --port 8102 --threads 1`), "ours@PORT" one on 127.0.0.1:PORT (another setting side by side); "llama-tN" starts llama-server with N threads and 8 slots on LLAMA_PORT (default 8104)
-# for its run and stops it (by its PID) after. Each arm gets `ttft-sse bench` at c=1 and c=8 (the closed loop: one
+# --port 8102 --threads 1`), "ours@PORT" one on 127.0.0.1:PORT (another setting side by side); "llama-tN" starts
+# llama-server with N threads and 8 slots on LLAMA_PORT (default 8104) for its run and stops it (by its PID) after. Each arm gets `ttft-sse bench` at c=1 and c=8 (the closed loop: one
 # server loaded at a time), new conversations of 32-96 tokens from benchmarks/chat-questions.txt; the tables go to
 # stdout, results.json under OUT (default .cache/against-llama-server).
 #

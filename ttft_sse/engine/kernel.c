@@ -881,7 +881,7 @@ static int share_run(struct job j, const float *x, const int64_t *index, const i
         atomic_flag_clear(&share.busy);
         return 1;
     }
-    if ((j.kind == LINEAR && !j.int8 && fp32_buffer(j.M, j.K, &buffer) != 0) ||
+    if ((!attention && !j.int8 && fp32_buffer(j.M, j.K, &buffer) != 0) ||
         (share.rows.capacity < floats && ttft_grow(&share.rows, floats) == NULL) ||
         (share.keys.capacity < key_floats && ttft_grow(&share.keys, key_floats) == NULL)) {
         atomic_flag_clear(&share.busy);
@@ -898,14 +898,13 @@ static int share_run(struct job j, const float *x, const int64_t *index, const i
         memcpy(starts, cu_q, sizeof(int32_t) * (size_t)(j.a.requests + 1));
         memcpy(starts + j.a.requests + 1, cu_k, sizeof(int32_t) * (size_t)(j.a.requests + 1));
         j.a.index = ix, j.a.cu_q = starts, j.a.cu_k = starts + j.a.requests + 1;
-        memcpy(share.rows.floats, x, sizeof(float) * (size_t)floats);
-    } else
+    }
 #if defined(Q_VNNI) || defined(Q_AVX2)
-        if (j.int8)
+    if (j.int8)
         q8_quantise(x, j.M, j.K, share.rows.floats);
     else
 #endif
-        memcpy(share.rows.floats, x, sizeof(float) * (size_t)(j.M * j.K));
+        memcpy(share.rows.floats, x, sizeof(float) * (size_t)floats); /* the fp32 rows, or the queries */
     j.rows = share.rows.floats;
     share.job = j;
     for (int64_t c = 0; c < j.chunks; c++) atomic_store_explicit(&share.state[c], g << 8 | FREE, memory_order_relaxed);
