@@ -138,11 +138,17 @@ def test_a_job_whose_whole_worker_is_killed_is_taken_over_by_another_worker(
     killed = time.time()  # its last heartbeat was before this
     seen: list[tuple[float, str, int]] = []
 
-    def ended(view: dict[str, Any]) -> bool:
-        seen.append((time.time(), view["status"], view.get("attempts", 0)))
-        return view["status"] in FINAL
+    def ended() -> dict[str, Any] | None:
+        # The time the view was asked for: the server judged the heartbeat after it. The time its answer came back
+        # can be later by any stall of this process, whose GIL the two servers share; this test once failed in CI
+        # on views timed that way.
+        asked = time.time()
+        view = cluster.view(job_id)
+        seen.append((asked, view["status"], view.get("attempts", 0)))
+        return view if view["status"] in FINAL else None
 
-    done = cluster.until(job_id, "the other worker to take the job over", ended)
+    done = wait_until(ended, timeout=240, what="the other worker to take the job over", every=0.05)
+    assert isinstance(done, dict)
     assert (done["status"], done["attempts"]) == ("done", 2)
     assert done["note"] == "attempt 1 stopped sending heartbeats; it was run again"
     assert done["text"] == reference["text"]
@@ -150,8 +156,9 @@ def test_a_job_whose_whole_worker_is_killed_is_taken_over_by_another_worker(
     # for a worker, never that attempt 1 runs. How long that lasts depends on when the broker restores the message
     # (twice the lease after it first delivered it): on a slow machine, at the very moment the heartbeat turns
     # stale, so the test does not ask to see it; it asks that every view of attempt 1 then said queued.
-    abandoned = {status for at, status, attempts in seen if attempts == 1 and at > killed + LEASE + 0.25}
-    assert abandoned <= {"queued"}, seen
+    abandoned = [(asked, status) for asked, status, attempts in seen if attempts == 1 and asked > killed + LEASE + 0.25]
+    wrong = [f"{status} {asked - killed:.2f} s after the kill" for asked, status in abandoned if status != "queued"]
+    assert not wrong, ", ".join(wrong)
     survivor = next(w for w in cluster.workers if w is not owner)
     assert survivor.alive()
 

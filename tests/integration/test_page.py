@@ -90,8 +90,12 @@ def test_a_question_streams_in_shows_its_ttft_and_stop_ends_the_generation_on_th
     engine = hf_app.state.runtime.engine
     page.goto(f"{hf_server}/")
     expect(page.locator("#model")).to_have_text("SmolLM2-135M-Instruct · cpu · float32")
+    # An answer that outlasts the test's clicks: greedy, the model writes this story to the 2048-token cap (~70 s
+    # here). The question this test asked before was answered in 11 tokens, and once in CI it ended before Stop
+    # could be clicked.
+    page.fill("#max-tokens", "2048")
     with capture_logs() as logs:
-        stream_id = ask(page, "Count from one to two hundred, one number per line.")
+        stream_id = ask(page, "Write a long story about a dragon who learns to bake bread.")
         seen: list[tuple[int, str]] = []
         for _ in range(4):
             page.wait_for_function(GREW, arg=seen[-1][0] if seen else 0)
