@@ -8,6 +8,7 @@ from collections.abc import Iterator
 import pytest
 from starlette.testclient import TestClient
 
+from tests.servers import eventually
 from ttft_sse.app import create_app
 from ttft_sse.engine.fake import FakeEngine
 from ttft_sse.settings import Settings
@@ -139,7 +140,7 @@ def test_stop_and_max_tokens_through_the_fake(client: TestClient) -> None:
 
 
 def test_generation_is_503_with_retry_after_until_the_model_is_ready() -> None:
-    engine = FakeEngine(load_seconds=0.5)
+    engine = FakeEngine(hold_load=True)  # loading until the test says
     with TestClient(create_app(Settings(), engine)) as c:
         ready = c.get("/readyz")
         assert ready.status_code == 503
@@ -149,3 +150,6 @@ def test_generation_is_503_with_retry_after_until_the_model_is_ready() -> None:
         error = error_of(response, 503)
         assert "still loading" in str(error["message"])
         assert response.headers["retry-after"] == "5"
+        engine.loaded.set()
+        eventually(lambda: c.get("/readyz").status_code == 200)
+        assert c.post("/complete", json={"prompt": "hi"}).status_code == 200

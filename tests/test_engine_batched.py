@@ -25,6 +25,7 @@ from ttft_sse.stages import StageClock
 
 QUESTION = "What is the capital of France?"
 LONG = "List the numbers from 1 to 100, separated by commas."  # greedy: longer than 64 tokens
+STORY = "Write a long story about a dragon who learns to fly."  # greedy: 400 tokens and more
 SYSTEM = (
     "You are a meticulous assistant for a railway company. You answer questions about timetables, tickets, "
     "luggage, bicycles, pets and accessibility. You keep every answer short, you never invent a train that does "
@@ -198,13 +199,13 @@ async def test_each_request_keeps_its_own_max_tokens_and_stop_sequences(engine: 
 async def test_a_client_leaving_cancels_its_request_alone_and_frees_its_slot(
     engine: BatchedEngine, reference: HFEngine
 ) -> None:
-    want, _ = await collect(reference.stream(prompt_of(reference, "Name three colors."), SamplingParams(24)))
+    # The one staying writes to its limit (greedy), far past the leaver's third piece: a stall of the event loop
+    # cannot let it finish first. (It asked "Name three colors." before, 12 tokens: a ~9-step stall was enough.)
+    want, _ = await collect(reference.stream(prompt_of(reference, STORY), SamplingParams(64)))
     engine.batch_log.clear()
     with capture_logs() as logs:
         leaving = engine.stream(prompt_of(engine, LONG), SamplingParams(max_tokens=200))
-        staying = asyncio.create_task(
-            collect(engine.stream(prompt_of(engine, "Name three colors."), SamplingParams(24)))
-        )
+        staying = asyncio.create_task(collect(engine.stream(prompt_of(engine, STORY), SamplingParams(64))))
         async with aclosing(leaving) as items:
             async for item in items:
                 assert isinstance(item, Piece)
@@ -212,7 +213,7 @@ async def test_a_client_leaving_cancels_its_request_alone_and_frees_its_slot(
                     break
         assert engine.active == 1  # the one still reading
         text, finished = await staying
-    assert text == want and finished.usage.completion_tokens == 12
+    assert text == want and finished.usage.completion_tokens == 64
     cancelled = [e for e in logs if e["event"] == "generation_cancelled"]
     assert len(cancelled) == 1 and 3 <= cancelled[0]["completion_tokens"] < 50
 
@@ -309,8 +310,9 @@ async def test_sampled_requests_without_a_seed_share_the_batch_with_greedy_ones(
     for text, finished in draws:
         assert text and finished.usage.completion_tokens <= 16
     assert draws[0][0] != draws[1][0]  # two draws of 16 tokens from one prompt (equal: a chance below 1e-6)
-    # One running batch: the three requests' first tokens came from one step.
-    assert len(engine.batch_log[0]) == 3
+    # One running batch: the three requests shared steps. (Not necessarily the first: the library's loop thread may
+    # take a step before the third request is added, if this thread is preempted between the adds.)
+    assert any(len(step) == 3 for step in engine.batch_log)
 
 
 async def test_sampled_requests_run_on_the_single_engine_with_their_own_seed(

@@ -369,13 +369,13 @@ def test_an_attention_chunk_the_helper_holds_too_long_is_taken_back_and_the_next
     shared = alone_and_shared[1]
     attend = AttentionStep(STEPS["decode-8x200"], tmp_path_factory.mktemp("attention"), shared, seed=7)
     want = attend.computed_alone()
-    helpers_pause(300_000)  # 0.3 s in each chunk it holds
+    helpers_pause(2_000_000)  # 2 s in each chunk it holds: a stall of this thread cannot outlast it
     before = kernel.helper_counts(shared).taken_back
     got: list[tuple[int, npt.NDArray[np.float32]]] = []
     try:
         helped(shared, lambda: got.append(attend.computed_shared()), until=lambda c: c.taken_back > before)
         calls = kernel.helper_counts(shared).calls
-        status, right_after = attend.computed_shared()  # well within the helper's 0.3 s
+        status, right_after = attend.computed_shared()  # well within the helper's 2 s
     finally:
         helpers_pause(0)
         kernel.fence(shared)  # the helper may still read attend's arrays

@@ -257,10 +257,12 @@ def test_invalid_requests_count_invalid_whether_the_route_or_generations_refused
 
 
 def test_requests_before_the_model_is_ready_count_unavailable() -> None:
-    with TestClient(create_app(Settings(), FakeEngine(load_seconds=1.0)), raise_server_exceptions=False) as client:
+    engine = FakeEngine(hold_load=True)  # loading until the test says
+    with TestClient(create_app(Settings(), engine), raise_server_exceptions=False) as client:
         before = scrape(client)
         assert client.post("/complete", json={"prompt": "hi"}).status_code == 503
         after = scrape(client)
+        engine.loaded.set()
     assert outcomes_moved(after, before) == {("complete", "unavailable"): 1}
 
 

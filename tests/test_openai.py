@@ -374,7 +374,8 @@ def test_models_lists_and_retrieves_the_served_model(client: TestClient) -> None
 
 
 def test_everything_is_503_in_the_error_shape_until_the_model_is_ready() -> None:
-    with TestClient(create_app(Settings(), FakeEngine(load_seconds=0.5))) as c:
+    engine = FakeEngine(hold_load=True)  # loading until the test says
+    with TestClient(create_app(Settings(), engine)) as c:
         for response in (
             c.post(CHAT, json={"messages": HELLO}),
             c.post(TEXT, json={"prompt": "hi"}),
@@ -384,3 +385,4 @@ def test_everything_is_503_in_the_error_shape_until_the_model_is_ready() -> None
             assert "still loading" in error["message"]
             assert error["type"] == "unavailable_error"
             assert response.headers["retry-after"] == "5"
+        engine.loaded.set()

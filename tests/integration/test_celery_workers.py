@@ -36,7 +36,7 @@ from ttft_sse.settings import Settings
 
 LEASE = 3  # seconds without a heartbeat before a running job counts as abandoned (visibility timeout: 6 s)
 # A raw prompt the model keeps continuing: greedy decoding runs to max_tokens, long enough to be killed mid-way.
-BODY = {"prompt": "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,", "raw": True, "max_tokens": 96}
+BODY = {"prompt": "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,", "raw": True, "max_tokens": 160}
 FINAL = ("done", "failed", "cancelled")
 
 

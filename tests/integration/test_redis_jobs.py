@@ -145,9 +145,9 @@ def test_a_stale_attempt_is_taken_over_fenced_out_and_given_up_after_the_attempt
     assert shown["status"] == "queued"  # shown as waiting for a worker, not as running
     assert shown["note"] == "its worker stopped sending heartbeats; the job will run again on another worker"
 
-    r.hset(key, "heartbeat", time.time())  # a fresh heartbeat: the attempt is alive, a duplicate must not run
     runner = runner_for(redis_url)
     try:
+        r.hset(key, "heartbeat", time.time())  # a fresh heartbeat: the attempt is alive, a duplicate must not run
         assert runner.run(job_id) == "busy"
         assert r.hget(key, "attempts") == "1"
 

@@ -70,11 +70,12 @@ def test_first_token_arrives_before_generation_ends(hf_server: str, client: http
     events = stream_events(client, "POST", f"{hf_server}/stream", json=body)
     tokens = [e for e in events if e.event == "token"]
     assert len(tokens) > 10
-    # Each token was received as its own event, in the order generated, before the done event: the body was
-    # not buffered into one write (that would give every event the same arrival instant).
+    # The tokens were received in the order generated, before the done event, at many instants: the body was not
+    # buffered into one write (that would give every event the same arrival instant). Not one instant each: when
+    # this process is stalled, events that arrived meanwhile are read in one go.
     arrivals = [e.received for e in events]
     assert arrivals == sorted(arrivals)
-    assert len({round(t, 4) for t in arrivals}) > len(tokens) // 2
+    assert len({round(t, 4) for t in arrivals}) >= 5
     assert events[-1].data["timings"]["ttft_ms"] < events[-1].data["timings"]["total_ms"]
 
 

@@ -47,6 +47,7 @@ class FakeEngine:
         hold_after: int | None = None,
         context_length: int = 64,
         load_seconds: float = 0.0,
+        hold_load: bool = False,
     ) -> None:
         self.pieces = list(pieces)
         self.delay = delay
@@ -54,6 +55,8 @@ class FakeEngine:
         self.hold_after = hold_after
         self.release = threading.Event()
         self.load_seconds = load_seconds
+        self.hold_load = hold_load
+        self.loaded = threading.Event()  # with ``hold_load``: the load ends when this is set
         self.generated: list[int] = []  # completion tokens of every generation, cancelled ones included
         self._workers: Workers[Item] = Workers(name="ttft-fake")
         self._info = ModelInfo(
@@ -71,6 +74,8 @@ class FakeEngine:
     def load(self, clock: StageClock) -> None:
         with clock.stage("model"):
             time.sleep(self.load_seconds)
+            if self.hold_load:
+                self.loaded.wait()
 
     def prepare(self, *, prompt: str | None, messages: Sequence[ChatMessage] | None, raw: bool) -> Prompt:
         text = prompt if prompt is not None else "\n".join(f"{m.role}: {m.content}" for m in messages or ())
