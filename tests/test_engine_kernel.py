@@ -292,12 +292,18 @@ _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _ATTENTION = (_PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, ctypes.c_float, _PTR)
 
 
+@pytest.fixture(scope="module")
+def attention_library(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """engine/attention.c built for this CPU, once for the module's tests."""
+    return kernel.build(tmp_path_factory.mktemp("attention"), (attention.SOURCE,), "attention")
+
+
 class AttentionStep:
     """A batched step's attention for the bundled model's heads (9 query heads on 3 KV heads of 64): ``requests``
     of (new rows, keys) over a KV cache whose rows the step's index reads scattered; computed alone by attention.c
     or shared with the helper threads of the kernel's library ``shared``."""
 
-    def __init__(self, requests: list[tuple[int, int]], directory: Path, shared: Path, seed: int) -> None:
+    def __init__(self, requests: list[tuple[int, int]], library: Path, shared: Path, seed: int) -> None:
         rng = np.random.default_rng(seed)
         self.heads, self.kv_heads, self.dim = 9, 3, 64
         rows, keys = sum(n for n, _ in requests), sum(k for _, k in requests)
@@ -308,7 +314,6 @@ class AttentionStep:
         self.cu_q = np.cumsum([0, *(n for n, _ in requests)]).astype(np.int32)
         self.cu_k = np.cumsum([0, *(k for _, k in requests)]).astype(np.int32)
         self.requests = len(requests)
-        library = kernel.build(directory, (attention.SOURCE,), "attention")
         self.alone = kernel.load(library, "ttft_paged_attention", _ATTENTION)
         self.part = ctypes.cast(kernel.load(library, "ttft_attention_part", ()), _PTR).value
         self.share = kernel.load(shared, "ttft_share_attention", (_PTR, *_ATTENTION))
@@ -345,10 +350,10 @@ STEPS = {
 
 @pytest.mark.parametrize("step", STEPS)
 def test_a_steps_attention_shared_with_a_helper_thread_gives_the_same_bits_as_alone(
-    step: str, alone_and_shared: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
+    step: str, alone_and_shared: tuple[Path, Path], attention_library: Path
 ) -> None:
     shared = alone_and_shared[1]
-    attend = AttentionStep(STEPS[step], tmp_path_factory.mktemp("attention"), shared, seed=len(step))
+    attend = AttentionStep(STEPS[step], attention_library, shared, seed=len(step))
     want = attend.computed_alone()
     assert not np.isnan(want).any()
     before = kernel.helper_counts(shared)
@@ -362,12 +367,12 @@ def test_a_steps_attention_shared_with_a_helper_thread_gives_the_same_bits_as_al
 
 
 def test_an_attention_chunk_the_helper_holds_too_long_is_taken_back_and_the_next_call_runs_alone(
-    alone_and_shared: tuple[Path, Path], helpers_pause: Any, tmp_path_factory: pytest.TempPathFactory
+    alone_and_shared: tuple[Path, Path], helpers_pause: Any, attention_library: Path
 ) -> None:
     # While a helper is still inside a chunk taken back from it, it may read the step's key index: the next
     # attention call must not rewrite the share's copy of it, so it runs alone (kernel.c's share_run).
     shared = alone_and_shared[1]
-    attend = AttentionStep(STEPS["decode-8x200"], tmp_path_factory.mktemp("attention"), shared, seed=7)
+    attend = AttentionStep(STEPS["decode-8x200"], attention_library, shared, seed=7)
     want = attend.computed_alone()
     helpers_pause(2_000_000)  # 2 s in each chunk it holds: a stall of this thread cannot outlast it
     before = kernel.helper_counts(shared).taken_back

@@ -718,16 +718,20 @@ static void sleep_ns(int64_t ns) {
     nanosleep(&t, NULL);
 }
 
+/* The end of chunk c, whose first unit (an attention part, or a panel) is c * j->per, among `units`. */
+static int64_t chunk_end(const struct job *j, int64_t c, int64_t units) {
+    return (c + 1) * j->per < units ? (c + 1) * j->per : units;
+}
+
 /* Chunk c's panels of y (the caller's output, or a helper's buffer laid out as it); an attention chunk's rows.
    Returns 0, or an attention call's error. */
 static int run_chunk(const struct job *j, int64_t c, float *y, float *buffer) {
     if (j->kind == ATTENTION) {
         const struct attention *a = &j->a;
-        int64_t first = c * j->per, last = first + j->per < j->M ? first + j->per : j->M;
         return a->part(j->rows, a->heads, a->kv_heads, a->dim, a->k, a->v, a->key_stride, a->head_stride, a->index,
-                       a->cu_q, a->cu_k, a->requests, a->max_rows, a->scale, first, last, y);
+                       a->cu_q, a->cu_k, a->requests, a->max_rows, a->scale, c * j->per, chunk_end(j, c, j->M), y);
     }
-    int64_t p0 = c * j->per, p1 = p0 + j->per < j->panels ? p0 + j->per : j->panels;
+    int64_t p0 = c * j->per, p1 = chunk_end(j, c, j->panels);
 #if defined(Q_VNNI) || defined(Q_AVX2)
     if (j->int8) {
         q8_panels(q8_view((float *)j->rows, j->M, j->K), j->M, j->K, j->codes, j->bits, j->N, y, p0, p1);
@@ -741,11 +745,12 @@ static int run_chunk(const struct job *j, int64_t c, float *y, float *buffer) {
 /* Chunk c's outputs, computed into `from` (a helper's buffer, laid out as y), into y. */
 static void copy_chunk(const struct job *j, int64_t c, const float *from, float *y) {
     if (j->kind == ATTENTION) {
-        int64_t first = c * j->per, last = first + j->per < j->M ? first + j->per : j->M;
+        int64_t first = c * j->per, last = chunk_end(j, c, j->M);
         memcpy(y + first * j->N, from + first * j->N, sizeof(float) * (size_t)((last - first) * j->N));
         return;
     }
-    int64_t first = c * j->per * P, last = (c + 1) * j->per * P < j->N ? (c + 1) * j->per * P : j->N;
+    int64_t first = c * j->per * P, last = chunk_end(j, c, j->panels) * P;
+    if (last > j->N) last = j->N;
     for (int64_t r = 0; r < j->M; r++)
         memcpy(y + r * j->N + first, from + r * j->N + first, sizeof(float) * (size_t)(last - first));
 }
