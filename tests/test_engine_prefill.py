@@ -37,6 +37,10 @@ QUESTIONS = [
     "Explain in detail how a steam engine works.",
     "Describe your ideal city in detail.",
 ]
+# Whether the prefill process wins a race for a first token depends on its getting a core in time: the tests that
+# ask it to win send new bursts of prompts, up to this many, until it has (tests/integration/test_prefill_server.py
+# does the same).
+RACE_BURSTS = 4
 
 SYSTEM = (
     "You are the assistant of a railway company. You answer questions about timetables, tickets, seat "
@@ -234,16 +238,21 @@ async def test_requests_arriving_at_a_busy_batch_get_the_same_text_whoever_gives
     assert engine.stats().prefill == "ready"
     before = engine.stats().side_first_tokens
     params = SamplingParams(max_tokens=12)
-    want = [await collect(reference.stream(p, params)) for p in prompts(reference)]
-    with capture_logs() as logs:
-        got = await asyncio.gather(*(collect(engine.stream(p, params)) for p in prompts(engine)))
-    assert [text for text, _ in got] == [text for text, _ in want]
-    assert [f.usage for _, f in got] == [f.usage for _, f in want]
-    assert [f.finish_reason for _, f in got] == [f.finish_reason for _, f in want]
     # Eight prompts at once: the batch prefills them in one step of ~300 rows, the child one prompt at a time
-    # (~16 new rows each, behind the template's start it knows): it wins the first few.
-    assert engine.stats().side_first_tokens > before
-    assert not [e for e in logs if e["event"] == "first_token_mismatch"]
+    # (~16 new rows each, behind the template's start it knows): it wins the first few, when it gets a core in time.
+    # On a loaded machine it may not, so new bursts (new prompts) are sent, up to RACE_BURSTS; each must be right.
+    for burst in range(RACE_BURSTS):
+        label = f"({burst}) " if burst else ""
+        want = [await collect(reference.stream(p, params)) for p in prompts(reference, label)]
+        with capture_logs() as logs:
+            got = await asyncio.gather(*(collect(engine.stream(p, params)) for p in prompts(engine, label)))
+        assert [text for text, _ in got] == [text for text, _ in want]
+        assert [f.usage for _, f in got] == [f.usage for _, f in want]
+        assert [f.finish_reason for _, f in got] == [f.finish_reason for _, f in want]
+        assert not [e for e in logs if e["event"] == "first_token_mismatch"]
+        if engine.stats().side_first_tokens > before:
+            break
+    assert engine.stats().side_first_tokens > before, f"the prefill process won no race in {RACE_BURSTS} bursts"
 
 
 async def test_a_one_token_answer_from_the_prefill_process_ends_the_request(
@@ -251,11 +260,15 @@ async def test_a_one_token_answer_from_the_prefill_process_ends_the_request(
 ) -> None:
     before = engine.stats().side_first_tokens
     params = SamplingParams(max_tokens=1)
-    want = [await collect(reference.stream(p, params)) for p in prompts(reference, "Briefly: ")]
-    got = await asyncio.gather(*(collect(engine.stream(p, params)) for p in prompts(engine, "Briefly: ")))
-    assert [text for text, _ in got] == [text for text, _ in want]
-    assert {(f.finish_reason, f.usage.completion_tokens) for _, f in got} == {("length", 1)}
-    assert engine.stats().side_first_tokens > before
+    for burst in range(RACE_BURSTS):  # until the process has given a (whole) answer: see the test above
+        label = f"Briefly ({burst}): "
+        want = [await collect(reference.stream(p, params)) for p in prompts(reference, label)]
+        got = await asyncio.gather(*(collect(engine.stream(p, params)) for p in prompts(engine, label)))
+        assert [text for text, _ in got] == [text for text, _ in want]
+        assert {(f.finish_reason, f.usage.completion_tokens) for _, f in got} == {("length", 1)}
+        if engine.stats().side_first_tokens > before:
+            break
+    assert engine.stats().side_first_tokens > before, f"the prefill process won no race in {RACE_BURSTS} bursts"
     await eventually_idle(engine)
 
 
@@ -288,11 +301,15 @@ async def test_long_new_prompts_at_a_busy_batch_are_left_to_it_and_answered_whol
 async def test_sampled_requests_arriving_at_a_busy_batch_are_raced_too(engine: BatchedEngine) -> None:
     before = engine.stats().side_first_tokens
     params = SamplingParams(max_tokens=4, temperature=1.0, top_p=0.95)
-    with capture_logs() as logs:
-        got = await asyncio.gather(*(collect(engine.stream(p, params)) for p in prompts(engine, "Sampled: ")))
-    assert {f.usage.completion_tokens for _, f in got} == {4}
-    assert engine.stats().side_first_tokens > before
-    assert not [e for e in logs if e["event"] == "first_token_mismatch"]
+    for burst in range(RACE_BURSTS):  # see the first test of the engine
+        with capture_logs() as logs:
+            asked = prompts(engine, f"Sampled ({burst}): ")
+            got = await asyncio.gather(*(collect(engine.stream(p, params)) for p in asked))
+        assert {f.usage.completion_tokens for _, f in got} == {4}
+        assert not [e for e in logs if e["event"] == "first_token_mismatch"]
+        if engine.stats().side_first_tokens > before:
+            break
+    assert engine.stats().side_first_tokens > before, f"the prefill process won no race in {RACE_BURSTS} bursts"
     await eventually_idle(engine)
 
 
@@ -304,10 +321,11 @@ async def test_clients_that_leave_raced_requests_at_any_point_leave_nothing_behi
     leave_after = [(None, 0, None, 1, None, 3)[i % 6] for i in range(18)]  # the sampled half leaves
     whole: dict[int, int] = {}
 
-    async def one(i: int) -> None:
+    async def one(i: int, burst: int) -> None:
         sampled = SamplingParams(12, temperature=1.0, top_p=0.9)
         params = sampled if i % 2 else SamplingParams(12)
-        prompt = engine.prepare(prompt=f"Leaving {i}: {QUESTIONS[i % len(QUESTIONS)]}", messages=None, raw=False)
+        question = f"Leaving {i} ({burst}): {QUESTIONS[i % len(QUESTIONS)]}"
+        prompt = engine.prepare(prompt=question, messages=None, raw=False)
         pieces = 0
         async with aclosing(engine.stream(prompt, params)) as items:
             async for item in items:
@@ -318,19 +336,23 @@ async def test_clients_that_leave_raced_requests_at_any_point_leave_nothing_behi
                 else:
                     pieces += 1
 
-    with capture_logs() as logs:
-        await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(18))), 120)
-    await eventually_idle(engine)
-    assert engine.stats().streams == 0
-    assert (engine._claims._open, engine._claims._side) == (set(), {})
-    # Every client that stayed got its whole answer. One that meant to leave after n pieces can only have had a
-    # whole answer if its draw ended by then (unseeded sampling: rare, not impossible), the end-of-text token
-    # counted but not shown.
     staying = {i for i in range(18) if leave_after[i] is None}
-    assert staying <= set(whole) and all(1 <= whole[i] <= 12 for i in staying)
-    assert all(whole[i] <= (leave_after[i] or 0) + 1 for i in set(whole) - staying), whole
-    assert engine.stats().side_first_tokens > before
-    assert not [e for e in logs if e["event"] in ("first_token_mismatch", "generation_failed")]
+    for burst in range(RACE_BURSTS):  # until the process has raced some of them: see the first test of the engine
+        whole.clear()
+        with capture_logs() as logs:
+            await asyncio.wait_for(asyncio.gather(*(one(i, burst) for i in range(18))), 120)
+        await eventually_idle(engine)
+        assert engine.stats().streams == 0
+        assert (engine._claims._open, engine._claims._side) == (set(), {})
+        # Every client that stayed got its whole answer. One that meant to leave after n pieces can only have had a
+        # whole answer if its draw ended by then (unseeded sampling: rare, not impossible), the end-of-text token
+        # counted but not shown.
+        assert staying <= set(whole) and all(1 <= whole[i] <= 12 for i in staying)
+        assert all(whole[i] <= (leave_after[i] or 0) + 1 for i in set(whole) - staying), whole
+        assert not [e for e in logs if e["event"] in ("first_token_mismatch", "generation_failed")]
+        if engine.stats().side_first_tokens > before:
+            break
+    assert engine.stats().side_first_tokens > before, f"the prefill process won no race in {RACE_BURSTS} bursts"
 
 
 def test_the_child_draws_a_sampled_first_token_from_the_requests_top_p(reference: HFEngine) -> None:
