@@ -287,9 +287,7 @@ def test_a_chunk_the_helper_holds_too_long_is_taken_back_with_the_same_bits(
     assert counts.helpers == 1
 
 
-# ttft_share_attention's and ttft_paged_attention's arguments (kernel.c, attention.c), the first's function first.
-_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
-_ATTENTION = (_PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, ctypes.c_float, _PTR)
+_PTR = ctypes.c_void_p
 
 
 @pytest.fixture(scope="module")
@@ -314,9 +312,10 @@ class AttentionStep:
         self.cu_q = np.cumsum([0, *(n for n, _ in requests)]).astype(np.int32)
         self.cu_k = np.cumsum([0, *(k for _, k in requests)]).astype(np.int32)
         self.requests = len(requests)
-        self.alone = kernel.load(library, "ttft_paged_attention", _ATTENTION)
+        self.alone = attention._function(library)
         self.part = ctypes.cast(kernel.load(library, "ttft_attention_part", ()), _PTR).value
-        self.share = kernel.load(shared, "ttft_share_attention", (_PTR, *_ATTENTION))
+        # ttft_share_attention (kernel.c): attention.c's part function, then ttft_paged_attention's arguments.
+        self.share = kernel.load(shared, "ttft_share_attention", (_PTR, *attention._ARGUMENTS))
 
     def _arguments(self, out: npt.NDArray[np.float32]) -> tuple[Any, ...]:
         def at(a: npt.NDArray[Any]) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import aclosing
 from typing import Any
 
@@ -236,13 +236,12 @@ async def test_requests_arriving_at_a_busy_batch_get_the_same_text_whoever_gives
     engine: BatchedEngine, reference: HFEngine
 ) -> None:
     assert engine.stats().prefill == "ready"
-    before = engine.stats().side_first_tokens
     params = SamplingParams(max_tokens=12)
+
     # Eight prompts at once: the batch prefills them in one step of ~300 rows, the child one prompt at a time
     # (~16 new rows each, behind the template's start it knows): it wins the first few, when it gets a core in time.
-    # On a loaded machine it may not, so new bursts (new prompts) are sent, up to RACE_BURSTS; each must be right.
-    for burst in range(RACE_BURSTS):
-        label = f"({burst}) " if burst else ""
+    async def burst(n: int) -> None:
+        label = f"({n}) " if n else ""
         want = [await collect(reference.stream(p, params)) for p in prompts(reference, label)]
         with capture_logs() as logs:
             got = await asyncio.gather(*(collect(engine.stream(p, params)) for p in prompts(engine, label)))
@@ -250,26 +249,36 @@ async def test_requests_arriving_at_a_busy_batch_get_the_same_text_whoever_gives
         assert [f.usage for _, f in got] == [f.usage for _, f in want]
         assert [f.finish_reason for _, f in got] == [f.finish_reason for _, f in want]
         assert not [e for e in logs if e["event"] == "first_token_mismatch"]
-        if engine.stats().side_first_tokens > before:
-            break
-    assert engine.stats().side_first_tokens > before, f"the prefill process won no race in {RACE_BURSTS} bursts"
+
+    await until_the_process_wins(engine, burst)
 
 
 async def test_a_one_token_answer_from_the_prefill_process_ends_the_request(
     engine: BatchedEngine, reference: HFEngine
 ) -> None:
-    before = engine.stats().side_first_tokens
     params = SamplingParams(max_tokens=1)
-    for burst in range(RACE_BURSTS):  # until the process has given a (whole) answer: see the test above
-        label = f"Briefly ({burst}): "
+
+    async def burst(n: int) -> None:
+        label = f"Briefly ({n}): "
         want = [await collect(reference.stream(p, params)) for p in prompts(reference, label)]
         got = await asyncio.gather(*(collect(engine.stream(p, params)) for p in prompts(engine, label)))
         assert [text for text, _ in got] == [text for text, _ in want]
         assert {(f.finish_reason, f.usage.completion_tokens) for _, f in got} == {("length", 1)}
-        if engine.stats().side_first_tokens > before:
-            break
-    assert engine.stats().side_first_tokens > before, f"the prefill process won no race in {RACE_BURSTS} bursts"
+
+    await until_the_process_wins(engine, burst)  # it gave a whole answer
     await eventually_idle(engine)
+
+
+async def until_the_process_wins(engine: BatchedEngine, burst: Callable[[int], Awaitable[None]]) -> None:
+    """Sends ``burst(0)``, ``burst(1)``, … (each its own new prompts, each checked by ``burst``) until the prefill
+    process has given a first token, at most RACE_BURSTS: whether it wins a race depends on its getting a core in
+    time, which on a loaded machine one burst may not give it."""
+    before = engine.stats().side_first_tokens
+    for n in range(RACE_BURSTS):
+        await burst(n)
+        if engine.stats().side_first_tokens > before:
+            return
+    raise AssertionError(f"the prefill process won no race in {RACE_BURSTS} bursts")
 
 
 async def eventually_idle(engine: BatchedEngine) -> None:
@@ -299,17 +308,17 @@ async def test_long_new_prompts_at_a_busy_batch_are_left_to_it_and_answered_whol
 
 
 async def test_sampled_requests_arriving_at_a_busy_batch_are_raced_too(engine: BatchedEngine) -> None:
-    before = engine.stats().side_first_tokens
     params = SamplingParams(max_tokens=4, temperature=1.0, top_p=0.95)
-    for burst in range(RACE_BURSTS):  # see the first test of the engine
+
+    async def burst(n: int) -> None:
         with capture_logs() as logs:
-            asked = prompts(engine, f"Sampled ({burst}): ")
-            got = await asyncio.gather(*(collect(engine.stream(p, params)) for p in asked))
+            got = await asyncio.gather(
+                *(collect(engine.stream(p, params)) for p in prompts(engine, f"Sampled ({n}): "))
+            )
         assert {f.usage.completion_tokens for _, f in got} == {4}
         assert not [e for e in logs if e["event"] == "first_token_mismatch"]
-        if engine.stats().side_first_tokens > before:
-            break
-    assert engine.stats().side_first_tokens > before, f"the prefill process won no race in {RACE_BURSTS} bursts"
+
+    await until_the_process_wins(engine, burst)
     await eventually_idle(engine)
 
 
@@ -317,7 +326,6 @@ async def test_clients_that_leave_raced_requests_at_any_point_leave_nothing_behi
     """Greedy and sampled requests at a busy batch, half of whose clients leave: at once, after the first piece
     (often the process's), or after a few. Every slot is freed and no claim is left (a leak would grow with every
     client that leaves), and the whole answers are whole."""
-    before = engine.stats().side_first_tokens
     leave_after = [(None, 0, None, 1, None, 3)[i % 6] for i in range(18)]  # the sampled half leaves
     whole: dict[int, int] = {}
 
@@ -337,10 +345,11 @@ async def test_clients_that_leave_raced_requests_at_any_point_leave_nothing_behi
                     pieces += 1
 
     staying = {i for i in range(18) if leave_after[i] is None}
-    for burst in range(RACE_BURSTS):  # until the process has raced some of them: see the first test of the engine
+
+    async def burst(n: int) -> None:
         whole.clear()
         with capture_logs() as logs:
-            await asyncio.wait_for(asyncio.gather(*(one(i, burst) for i in range(18))), 120)
+            await asyncio.wait_for(asyncio.gather(*(one(i, n) for i in range(18))), 120)
         await eventually_idle(engine)
         assert engine.stats().streams == 0
         assert (engine._claims._open, engine._claims._side) == (set(), {})
@@ -350,9 +359,8 @@ async def test_clients_that_leave_raced_requests_at_any_point_leave_nothing_behi
         assert staying <= set(whole) and all(1 <= whole[i] <= 12 for i in staying)
         assert all(whole[i] <= (leave_after[i] or 0) + 1 for i in set(whole) - staying), whole
         assert not [e for e in logs if e["event"] in ("first_token_mismatch", "generation_failed")]
-        if engine.stats().side_first_tokens > before:
-            break
-    assert engine.stats().side_first_tokens > before, f"the prefill process won no race in {RACE_BURSTS} bursts"
+
+    await until_the_process_wins(engine, burst)  # it raced some of them
 
 
 def test_the_child_draws_a_sampled_first_token_from_the_requests_top_p(reference: HFEngine) -> None:

@@ -126,8 +126,8 @@ def page(model: Any, torch: Any, directory: Path) -> int:
     _install()
     probe = modules[0]
     try:
-        function_path = kernel.build(directory, (SOURCE,), "attention")
-        function = _function(function_path)
+        library = kernel.build(directory, (SOURCE,), "attention")
+        function = _function(library)
         heads, dim = probe.config.num_attention_heads, probe.head_dim
         kv_heads = probe.config.num_key_value_heads
         # Past and new rows; the last two, longer than the probe's long_rows, take SDPA (with a past, then without).
@@ -146,7 +146,7 @@ def page(model: Any, torch: Any, directory: Path) -> int:
         agree, reason = False, str(exc)
     marked = _settle(modules, PAGED, function if agree else None, "paged", None if agree else reason)
     if marked:
-        part = kernel.load(function_path, "ttft_attention_part", _PART_ARGUMENTS)
+        part = kernel.load(library, "ttft_attention_part", _PART_ARGUMENTS)
         for module in modules:
             setattr(module, PAGED_PART, part)
     return marked
