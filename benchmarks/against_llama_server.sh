@@ -25,7 +25,7 @@ PY=${PY:-.venv/bin/python}
 GGUF=$("$PY" -c 'from ttft_sse.engine.models import bundled_gguf; print(bundled_gguf())')
 flags=" $(grep -m1 '^flags' /proc/cpuinfo | cut -d: -f2) "
 isa=(-DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON)
-for f in avx512f:AVX512 avx512_vbmi:AVX512_VBMI avx512_vnni:AVX512_VNNI avx512_bf16:AVX512_BF16; do
+for f in avx512f:AVX512 avx512vbmi:AVX512_VBMI avx512_vnni:AVX512_VNNI avx512_bf16:AVX512_BF16; do
     [[ $flags == *" ${f%%:*} "* ]] && isa+=("-DGGML_${f#*:}=ON")
 done
 build=build-$(echo "${isa[*]}" | md5sum | cut -c1-8)
