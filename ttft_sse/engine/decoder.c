@@ -21,14 +21,7 @@
 #include <string.h>
 #include <xmmintrin.h>
 
-int ttft_blocks_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, int bits, const float *scale,
-                       const float *zero, int64_t N, float *y);
-int ttft_q8_linear(const float *x, int64_t M, int64_t K, const uint8_t *records, int bits, int64_t N, float *y);
-struct ttft_buffer {
-    float *floats;
-    int64_t capacity;
-};
-float *ttft_grow(struct ttft_buffer *b, int64_t floats);
+#include "kernel.h"
 
 #if defined(__AVX512F__)
 #define LANES 16
@@ -188,20 +181,10 @@ int ttft_decoder_tail(const struct layer *L, const float *x, const float *a, int
 typedef int (*attend_fn)(const float *q, int64_t heads, int64_t kv_heads, int64_t dim, const float *k, const float *v,
                          int64_t key_stride, int64_t head_stride, const int64_t *index, const int32_t *cu_q,
                          const int32_t *cu_k, int64_t requests, int64_t max_rows, float scale, float *out);
-/* attention.c's ttft_attention_part: the parts (query row, KV head) first .. last-1 only. */
-typedef int (*attend_part_fn)(const float *q, int64_t heads, int64_t kv_heads, int64_t dim, const float *k,
-                              const float *v, int64_t key_stride, int64_t head_stride, const int64_t *index,
-                              const int32_t *cu_q, const int32_t *cu_k, int64_t requests, int64_t max_rows,
-                              float scale, int64_t first, int64_t last, float *out);
-/* kernel.c's: the attention shared with the kernel's helper threads by parts; 1 where it is not shared. */
-int ttft_share_attention(attend_part_fn part, const float *q, int64_t heads, int64_t kv_heads, int64_t dim,
-                         const float *k, const float *v, int64_t key_stride, int64_t head_stride,
-                         const int64_t *index, const int32_t *cu_q, const int32_t *cu_k, int64_t requests,
-                         int64_t max_rows, float scale, float *out);
 
 struct step { /* decoder.py's Step: what the layers of a batched step share (attention.py's Step) */
     attend_fn attend;
-    attend_part_fn attend_part; /* NULL: never shared */
+    ttft_attention_part_fn attend_part; /* NULL: never shared */
     const int64_t *write; /* the cache row of each new row's key and value */
     const int64_t *index; /* the keys the attention reads, request after request */
     const int32_t *cu_q, *cu_k;

@@ -22,6 +22,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernel.h"
+
 #define P 16          /* outputs a panel */
 #define BLOCK 32      /* inputs a block */
 #define GROUP 3       /* panels expanded into the buffer at a time */
@@ -223,13 +225,7 @@ static void expand(const uint8_t *codes, int bits, const float *scale, const flo
    larger ones last: the rows of tile t of `tiles`, r rows before it. */
 static inline int64_t tile_rows(int64_t M, int64_t r, int64_t t, int64_t tiles) { return (M - r) / (tiles - t); }
 
-/* A buffer kept by its owner (one a thread), grown to at least `floats` floats; NULL if it cannot be. Kept, because
-   allocating it at every call would map and fault in fresh pages. The int8 rows and decoder.c keep one too. */
-struct ttft_buffer {
-    float *floats;
-    int64_t capacity;
-};
-
+/* kernel.h's buffers (one a thread, kept): the fp32 and int8 rows keep one, and decoder.c too. */
 float *ttft_grow(struct ttft_buffer *b, int64_t floats) {
     if (b->capacity < floats) {
         float *grown = realloc(b->floats, sizeof(float) * floats);
@@ -665,14 +661,8 @@ int ttft_q8_linear(const float *x, int64_t M, int64_t K, const uint8_t *records,
 enum { FREE, CALLERS, HELD, READY, TAKEN }; /* a chunk's state: the low 3 bits, its helper above them, the call's
                                                generation from bit 8 */
 
-/* attention.c's ttft_attention_part: the parts (query row, KV head) first .. last-1 of a step into out. */
-typedef int (*attention_part)(const float *q, int64_t heads, int64_t kv_heads, int64_t dim, const float *k,
-                              const float *v, int64_t key_stride, int64_t head_stride, const int64_t *index,
-                              const int32_t *cu_q, const int32_t *cu_k, int64_t requests, int64_t max_rows,
-                              float scale, int64_t first, int64_t last, float *out);
-
 struct attention {
-    attention_part part;
+    ttft_attention_part_fn part;
     const float *k, *v;       /* the layer's KV cache rows */
     const int64_t *index;     /* the share's copy of the step's key index */
     const int32_t *cu_q, *cu_k; /* the share's copies */
@@ -968,7 +958,7 @@ static int share_call(struct job j, const float *x, float *y) {
    helpers by parts: `part` is attention.c's ttft_attention_part (a part: a query row's heads of one KV head, so a
    single row is shared too). Returns 1 if it is not shared (no helper, too small, a request of more than max_rows
    rows, a shape `part` refuses: the caller computes it alone), else 0, or -1 (share_run). */
-int ttft_share_attention(attention_part part, const float *q, int64_t heads, int64_t kv_heads, int64_t dim,
+int ttft_share_attention(ttft_attention_part_fn part, const float *q, int64_t heads, int64_t kv_heads, int64_t dim,
                          const float *k, const float *v, int64_t key_stride, int64_t head_stride,
                          const int64_t *index, const int32_t *cu_q, const int32_t *cu_k, int64_t requests,
                          int64_t max_rows, float scale, float *out) {

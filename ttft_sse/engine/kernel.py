@@ -75,6 +75,8 @@ log = structlog.get_logger("ttft_sse.engine")
 SOURCE = Path(__file__).with_name("kernel.c")
 SOURCES = (SOURCE, Path(__file__).with_name("decoder.c"))
 """The kernel's library: the kernel, and decoder layers around it (engine/decoder.py)."""
+HEADERS = (Path(__file__).with_name("kernel.h"),)
+"""What the two share (kernel.h): compiled into them, so part of every library's hash."""
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-std=c11", "-shared", "-fPIC")
 BUILD_SECONDS = 120
 PROBE_ROWS = (1, 9, 17)
@@ -93,7 +95,7 @@ def build(directory: Path, sources: tuple[Path, ...] = SOURCES, name: str = "blo
     key = hashlib.sha256(
         b"\0".join(
             [
-                *(source.read_bytes() for source in sources),
+                *(source.read_bytes() for source in (*sources, *HEADERS)),
                 " ".join(FLAGS).encode(),
                 os.path.realpath(compiler).encode(),
                 _cpu(),
