@@ -106,3 +106,16 @@ def test_defaults_count_the_cores_the_process_may_use_not_the_machines(
             text
         )
     assert Settings(threads=3).torch_threads == 3
+
+
+def test_the_cores_are_read_once_a_settings(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Settings are read once, at the edge: the affinity and the cgroup's quota too, however many defaults ask."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(16)))
+    cpu_max = tmp_path / "cpu.max"
+    cpu_max.write_text("200000 100000\n")
+    monkeypatch.setattr(settings_module, "CGROUP_CPU_MAX", cpu_max)
+    settings = Settings()
+    assert (settings.cores, settings.torch_threads, settings.helper_threads) == (2, 1, 1)
+    cpu_max.write_text("100000 100000\n")  # a quota changed under a running server does not move its settings
+    assert (settings.cores, settings.torch_threads, settings.helper_threads) == (2, 1, 1)
+    assert (Settings().cores, Settings().helper_threads) == (1, 0)

@@ -7,6 +7,7 @@ This module is the only reader of ``os.environ`` in the package. Everything else
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -189,10 +190,10 @@ class Settings:
             except ValueError as exc:
                 raise SettingsError(str(exc)) from None
 
-    @property
+    @functools.cached_property
     def cores(self) -> int:
         """The cores this process may use (:func:`usable_cores`: affinity and cgroup quota), the one count behind
-        every default that depends on them."""
+        every default that depends on them; read once, at the first use."""
         return usable_cores(CGROUP_CPU_MAX)
 
     @property
