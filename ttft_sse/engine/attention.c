@@ -23,6 +23,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "kernel.h" /* ttft_attention_part_fn: decoder.c and kernel.c call ttft_attention_part through it */
+
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #define MAX_DIM 256
 
@@ -300,6 +302,10 @@ int ttft_attention_part(const float *q, int64_t heads, int64_t kv_heads, int64_t
     return -2; /* built without AVX-512 or AVX2 with FMA */
 }
 #endif
+
+/* The kernel's library calls ttft_attention_part through kernel.h's pointer type: they must agree. */
+_Static_assert(__builtin_types_compatible_p(__typeof__(&ttft_attention_part), ttft_attention_part_fn),
+               "ttft_attention_part is not what kernel.h's ttft_attention_part_fn points to");
 
 /* The whole step's attention: every part of out (but those of requests of more than max_rows rows). */
 int ttft_paged_attention(const float *q, int64_t heads, int64_t kv_heads, int64_t dim, const float *k,

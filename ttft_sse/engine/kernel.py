@@ -76,7 +76,7 @@ SOURCE = Path(__file__).with_name("kernel.c")
 SOURCES = (SOURCE, Path(__file__).with_name("decoder.c"))
 """The kernel's library: the kernel, and decoder layers around it (engine/decoder.py)."""
 HEADERS = (Path(__file__).with_name("kernel.h"),)
-"""What the two share (kernel.h): compiled into them, so part of every library's hash."""
+"""kernel.h, which kernel.c, decoder.c and attention.c include: part of every library's hash."""
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-std=c11", "-shared", "-fPIC")
 BUILD_SECONDS = 120
 PROBE_ROWS = (1, 9, 17)
