@@ -39,8 +39,9 @@ QUESTIONS = [
 ]
 # Whether the prefill process wins a race for a first token depends on its getting a core in time: the tests that
 # ask it to win send new bursts of prompts, up to this many, until it has (tests/integration/test_prefill_server.py
-# does the same).
-RACE_BURSTS = 4
+# does the same). Alone it wins the first burst; in one full run of the suite, on a day the machine ran it 1.8x
+# slower, it lost 4 in a row.
+RACE_BURSTS = 8
 
 SYSTEM = (
     "You are the assistant of a railway company. You answer questions about timetables, tickets, seat "

@@ -27,7 +27,7 @@ QUESTIONS = [
     "How does a steam engine work?",
     "Describe your ideal city.",
 ]
-RACE_BURSTS = 4
+RACE_BURSTS = 8
 """Bursts of 8 requests (greedy, then sampled) sent at most until the prefill process has given one of them its
 first token."""
 
