@@ -23,7 +23,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-#include "kernel.h" /* ttft_attention_part_fn: decoder.c and kernel.c call ttft_attention_part through it */
+#include "kernel.h" /* the pointer types decoder.c and kernel.c call this file's two functions through */
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #define MAX_DIM 256
@@ -303,10 +303,6 @@ int ttft_attention_part(const float *q, int64_t heads, int64_t kv_heads, int64_t
 }
 #endif
 
-/* The kernel's library calls ttft_attention_part through kernel.h's pointer type: they must agree. */
-_Static_assert(__builtin_types_compatible_p(__typeof__(&ttft_attention_part), ttft_attention_part_fn),
-               "ttft_attention_part is not what kernel.h's ttft_attention_part_fn points to");
-
 /* The whole step's attention: every part of out (but those of requests of more than max_rows rows). */
 int ttft_paged_attention(const float *q, int64_t heads, int64_t kv_heads, int64_t dim, const float *k,
                          const float *v, int64_t key_stride, int64_t head_stride, const int64_t *index,
@@ -316,3 +312,9 @@ int ttft_paged_attention(const float *q, int64_t heads, int64_t kv_heads, int64_
     return ttft_attention_part(q, heads, kv_heads, dim, k, v, key_stride, head_stride, index, cu_q, cu_k, requests,
                                max_rows, scale, 0, parts, out);
 }
+
+/* The kernel's library calls both functions through kernel.h's pointer types: they must agree. */
+_Static_assert(__builtin_types_compatible_p(__typeof__(&ttft_paged_attention), ttft_attention_fn),
+               "ttft_paged_attention is not what kernel.h's ttft_attention_fn points to");
+_Static_assert(__builtin_types_compatible_p(__typeof__(&ttft_attention_part), ttft_attention_part_fn),
+               "ttft_attention_part is not what kernel.h's ttft_attention_part_fn points to");

@@ -177,13 +177,8 @@ int ttft_decoder_tail(const struct layer *L, const float *x, const float *a, int
     return 0;
 }
 
-/* attention.c's ttft_paged_attention. */
-typedef int (*attend_fn)(const float *q, int64_t heads, int64_t kv_heads, int64_t dim, const float *k, const float *v,
-                         int64_t key_stride, int64_t head_stride, const int64_t *index, const int32_t *cu_q,
-                         const int32_t *cu_k, int64_t requests, int64_t max_rows, float scale, float *out);
-
 struct step { /* decoder.py's Step: what the layers of a batched step share (attention.py's Step) */
-    attend_fn attend;
+    ttft_attention_fn attend;
     ttft_attention_part_fn attend_part; /* NULL: never shared */
     const int64_t *write; /* the cache row of each new row's key and value */
     const int64_t *index; /* the keys the attention reads, request after request */

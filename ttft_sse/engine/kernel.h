@@ -1,6 +1,6 @@
 /* What kernel.c gives decoder.c: the two are built into one library (ttft_sse/engine/kernel.py), and both include
    this, so that a change of one of these declarations is one change, checked by the compiler on both sides. So does
-   attention.c, built into its own library, for the pointer type its ttft_attention_part is called by. */
+   attention.c, built into its own library, for the pointer types its two functions are called by. */
 
 #ifndef TTFT_KERNEL_H
 #define TTFT_KERNEL_H
@@ -21,8 +21,15 @@ int ttft_blocks_linear(const float *x, int64_t M, int64_t K, const uint8_t *code
                        const float *zero, int64_t N, float *y);
 int ttft_q8_linear(const float *x, int64_t M, int64_t K, const uint8_t *records, int bits, int64_t N, float *y);
 
-/* attention.c's ttft_attention_part (built into its own library, handed over as a pointer): the parts (query row,
-   KV head) first .. last-1 of a batched step's attention into out. */
+/* attention.c's ttft_paged_attention (built into its own library, handed over as a pointer): a batched step's
+   attention, whole. */
+typedef int (*ttft_attention_fn)(const float *q, int64_t heads, int64_t kv_heads, int64_t dim, const float *k,
+                                 const float *v, int64_t key_stride, int64_t head_stride, const int64_t *index,
+                                 const int32_t *cu_q, const int32_t *cu_k, int64_t requests, int64_t max_rows,
+                                 float scale, float *out);
+
+/* attention.c's ttft_attention_part (likewise): the parts (query row, KV head) first .. last-1 of a batched step's
+   attention into out. */
 typedef int (*ttft_attention_part_fn)(const float *q, int64_t heads, int64_t kv_heads, int64_t dim, const float *k,
                                       const float *v, int64_t key_stride, int64_t head_stride, const int64_t *index,
                                       const int32_t *cu_q, const int32_t *cu_k, int64_t requests, int64_t max_rows,
