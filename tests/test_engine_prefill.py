@@ -316,7 +316,10 @@ async def test_sampled_requests_arriving_at_a_busy_batch_are_raced_too(engine: B
             got = await asyncio.gather(
                 *(collect(engine.stream(p, params)) for p in prompts(engine, f"Sampled ({n}): "))
             )
-        assert {f.usage.completion_tokens for _, f in got} == {4}
+        # Every answer whole: its 4 tokens, or up to 4 ending on the end-of-text token (unseeded sampling: 2 of 320
+        # draws of these prompts on the single engine did, "Paris." and the end in 3 tokens, and the end as a 4th).
+        ends = [(f.finish_reason, f.usage.completion_tokens) for _, f in got]
+        assert all(end == ("length", 4) or (end[0] == "stop" and 1 <= end[1] <= 4) for end in ends), ends
         assert not [e for e in logs if e["event"] == "first_token_mismatch"]
 
     await until_the_process_wins(engine, burst)
