@@ -326,6 +326,23 @@ async def test_sampled_requests_run_on_the_single_engine_with_their_own_seed(
     assert text == want
 
 
+async def test_a_seeded_request_while_the_batch_decodes_gives_the_text_it_gives_alone(
+    engine: BatchedEngine, reference: HFEngine
+) -> None:
+    # The batch's steps once told the model's config that attention was not causal for as long as each step ran: a
+    # seeded prompt prefilled meanwhile, on the single engine in another thread, attended to its later tokens too.
+    params = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.95, seed=7)
+    asked = "Explain in detail how a steam engine works."
+    want, _ = await collect(reference.stream(prompt_of(reference, asked), params))
+    async with aclosing(engine.stream(prompt_of(engine, STORY), SamplingParams(max_tokens=400))) as story:
+        await anext(story)  # the batch decodes from here on, a step every few ms
+        steps = engine.stats().steps
+        text, _ = await collect(engine.stream(prompt_of(engine, asked), params))
+        assert engine.stats().steps > steps  # it ran beside the batch's steps
+    assert text == want
+    await settle(engine)
+
+
 async def test_a_request_too_long_for_the_shared_cache_runs_on_the_single_engine(settings: Settings) -> None:
     small = BatchedEngine(settings.replace(kv_cache_tokens=64))
     small.load(StageClock())

@@ -158,6 +158,7 @@ class BatchedEngine:
 
     def load(self, clock: StageClock) -> None:
         self._single.load(clock)
+        _keep_config_causal(self.model)
         with clock.stage("batching"):
             self._manager = self._create_manager(paged=attention.paged(self.model))
             self._loop = Resident(
@@ -605,6 +606,25 @@ def _selection(claims: _Claims) -> Any:
     selection = ContinuousBatchingLogitsProcessorList(transformers.LogitsProcessorList(processors))
     selection.tensors_required = len(processors)  # one row of per-request values each (the library counts its own)
     return selection
+
+
+def _keep_config_causal(model: Any) -> None:
+    """Keep the batch's steps from making the single engine's calls non-causal.
+
+    transformers' continuous batching calls the model with ``is_causal=False`` (its mask holds the pattern), and the
+    model's forward writes that into the model's config for the length of the call (``utils/generic.py``), where
+    every other call of the model reads it as its default: a seeded request's prompt on the single engine, in another
+    thread while a step ran, was attended without its causal mask and answered nonsense (a test). The steps do not
+    need the flag (their mask says it all: transformers' SDPA turns it off by itself where a mask is given), so it
+    is dropped before the model sees it."""
+    forward = model.forward
+
+    def step_forward(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("is_causal") is False and kwargs.get("attention_mask") is not None:
+            del kwargs["is_causal"]
+        return forward(*args, **kwargs)
+
+    model.forward = step_forward
 
 
 def _log_failure(future: asyncio.Future[None]) -> None:
