@@ -50,6 +50,7 @@ single engine samples with the request's own generator.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import threading
 import time
@@ -616,9 +617,11 @@ def _keep_config_causal(model: Any) -> None:
     every other call of the model reads it as its default: a seeded request's prompt on the single engine, in another
     thread while a step ran, was attended without its causal mask and answered nonsense (a test). The steps do not
     need the flag (their mask says it all: transformers' SDPA turns it off by itself where a mask is given), so it
-    is dropped before the model sees it."""
+    is dropped before the model sees it. The wrapper keeps the forward's signature (``functools.wraps``): generate
+    reads it to pass ``logits_to_keep``, without which the LM head ran over every row of a prompt (a test)."""
     forward = model.forward
 
+    @functools.wraps(forward)
     def step_forward(*args: Any, **kwargs: Any) -> Any:
         if kwargs.get("is_causal") is False and kwargs.get("attention_mask") is not None:
             del kwargs["is_causal"]
