@@ -16,7 +16,8 @@ engine alike; compare the ratios, and read the load average printed with them. P
 * prefix reuse at c=1: TTFT of prompts sharing a long system prompt already seen (reuse) against the same prompts
   behind a system prompt seen for the first time (miss), and the 37-token chat prompt sent again;
 * the time to the second piece of text (c=1, and c=8 steady state), and how many first tokens came from the
-  prefill process (``TTFT_PREFILL_PROCESS``: it races the batch for them; the batch streams from the second on);
+  prefill process or interludes (``TTFT_PREFILL_PROCESS``, ``TTFT_PREFILL_BETWEEN_LAYERS``: they race the batch's
+  own steps for them);
 * sampled requests (temperature 1, top_p 0.95, no seed: the OpenAI default) at c=8: tokens/s and TTFT;
 * whether every greedy text is the same as the single-request engine's for the same prompt: the single engine's
   with the same variants if it ran (``single:float32:dense`` for ``batched:float32:dense``), else ``single:<dtype>``.
@@ -29,8 +30,10 @@ arranged them), ``:repeat`` with the batched steps' attention as transformers do
 every query head (``grouped_attention`` off; until that setting, ``:gqa`` asked for the grouped heads instead),
 ``:masked`` with the batched steps' attention as one masked SDPA over the step's gathered keys (``paged_attention``
 off: before the request-by-request attention over the cache in place),
-``:noprefill`` without the prefill process (``prefill_process`` off: every first token from the batch; since the
-engine leaves it off while the kernel has helper threads, compare it under ``--kernel-helpers 0``),
+``:noprefill`` without the prefill process (``prefill_process`` off; since the engine leaves it off while the kernel
+has helper threads or interludes run, compare it under ``--kernel-helpers 0`` with ``:nointerludes``),
+``:nointerludes`` without interludes (``prefill_between_layers`` off: before engine/interlude.py; every first token
+from the batch's own steps, or from the prefill process where it runs),
 ``:unfused`` with transformers' decoder layers around the block kernel (``fused_layers`` off: before engine/decoder.py),
 ``:int4`` with the GGUF's Q4 codes on torch's int4 kernel and bf16 copies of the weights (``TTFT_INT4_WEIGHTS``;
 without a ``single:<dtype>:int4`` its greedy text is not checked against ``single:<dtype>``'s, since its answers are
@@ -107,7 +110,7 @@ class Result:
     texts: dict[str, str] = field(default_factory=dict)  # the question asked -> the answer
     mismatches: list[str] = field(default_factory=list)
     checked: int = 0
-    side_first: int = 0  # first tokens that came from the prefill process (warm-up included)
+    side_first: int = 0  # first tokens from the prefill process or interludes (warm-up included)
 
 
 def prompt_of(engine: Engine, question: str, system: str | None = None) -> Prompt:
@@ -175,7 +178,18 @@ def pct(values: Sequence[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered) + 0.5) - 1))]
 
 
-VARIANTS = ("int8rows", "dense", "plain", "rowmajor", "repeat", "masked", "int4", "noprefill", "unfused")
+VARIANTS = (
+    "int8rows",
+    "dense",
+    "plain",
+    "rowmajor",
+    "repeat",
+    "masked",
+    "int4",
+    "noprefill",
+    "unfused",
+    "nointerludes",
+)
 """The variants ``load`` knows (see the module's docstring)."""
 
 
@@ -199,6 +213,7 @@ def load(spec: str, args: argparse.Namespace) -> Engine:
         grouped_attention="repeat" not in variants,
         paged_attention="masked" not in variants,
         prefill_process="noprefill" not in variants,
+        prefill_between_layers="nointerludes" not in variants,
         fused_layers="unfused" not in variants,
         threads=args.threads,
         kernel_helpers=args.kernel_helpers,
@@ -274,7 +289,8 @@ async def bench(args: argparse.Namespace) -> None:
                 result.mismatches.append(f"{spec} {ask!r}: {text!r} != {want!r}")
     for spec, engine in engines.items():
         if isinstance(engine, BatchedEngine):
-            results[spec].side_first = engine.stats().side_first_tokens
+            stats = engine.stats()
+            results[spec].side_first = stats.side_first_tokens + stats.interlude_first_tokens
     report(results, args)
     for engine in engines.values():
         await engine.close()
@@ -308,7 +324,8 @@ def report(results: dict[str, Result], args: argparse.Namespace) -> None:
         )
     print()
     print(
-        f"| engine | c=1 / c={c} (steady) time to the 2nd piece p50 / p99 ms | first tokens from the prefill process |"
+        f"| engine | c=1 / c={c} (steady) time to the 2nd piece p50 / p99 ms "
+        "| first tokens from the prefill process or interludes |"
     )
     print("|---|---|---|")
     for spec, r in results.items():

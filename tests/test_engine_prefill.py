@@ -180,7 +180,7 @@ def test_a_prompt_learned_a_chunk_at_a_time_gives_the_logits_of_the_whole_prompt
 
 @pytest.fixture(scope="module")
 def child(settings: Settings) -> Iterator[PrefillProcess]:
-    process = PrefillProcess(settings.replace(prefill_process=True, kernel_helpers=0))
+    process = PrefillProcess(settings.replace(prefill_process=True, prefill_between_layers=False, kernel_helpers=0))
     process.start()
     eventually(lambda: process.state != "loading", timeout=180)
     yield process
@@ -226,7 +226,7 @@ async def test_the_child_declines_a_long_new_prompt_learns_it_and_then_answers_t
 
 @pytest.fixture(scope="module")
 def engine(settings: Settings) -> Iterator[BatchedEngine]:
-    engine = BatchedEngine(settings.replace(prefill_process=True, kernel_helpers=0))
+    engine = BatchedEngine(settings.replace(prefill_process=True, prefill_between_layers=False, kernel_helpers=0))
     engine.load(StageClock())
     eventually(lambda: engine.stats().prefill != "loading", timeout=180)
     yield engine
@@ -419,7 +419,7 @@ async def test_the_batch_goes_on_from_the_first_token_the_process_gave(
     monkeypatch.setattr(batched, "PrefillProcess", ScriptedProcess)
     forced = reference.tokenizer.encode(" Banana", add_special_tokens=False)[0]
     monkeypatch.setattr(ScriptedProcess, "token", forced)
-    own = BatchedEngine(settings.replace(prefill_process=True, kernel_helpers=0))
+    own = BatchedEngine(settings.replace(prefill_process=True, prefill_between_layers=False, kernel_helpers=0))
     own.load(StageClock())
     try:
         asked = prompts(own, "Forced: ")
@@ -452,7 +452,7 @@ async def test_no_race_where_the_batchs_cache_does_not_read_in_place(
     from ttft_sse.engine import attention
 
     monkeypatch.setattr(attention, "read_in_place", lambda cache: False)
-    own = BatchedEngine(settings.replace(prefill_process=True, kernel_helpers=0))
+    own = BatchedEngine(settings.replace(prefill_process=True, prefill_between_layers=False, kernel_helpers=0))
     own.load(StageClock())
     try:
         eventually(lambda: own.stats().prefill != "loading", timeout=180)
@@ -470,7 +470,7 @@ async def test_no_race_where_the_batchs_cache_does_not_read_in_place(
 async def test_a_dead_child_leaves_every_request_answered_and_close_stops_it(
     settings: Settings, reference: HFEngine
 ) -> None:
-    own = BatchedEngine(settings.replace(prefill_process=True, kernel_helpers=0))
+    own = BatchedEngine(settings.replace(prefill_process=True, prefill_between_layers=False, kernel_helpers=0))
     own.load(StageClock())
     process = own.prefill_process
     assert process is not None and process.pid is not None
@@ -494,7 +494,7 @@ async def test_a_dead_child_leaves_every_request_answered_and_close_stops_it(
 
 
 async def test_close_stops_a_running_child(settings: Settings) -> None:
-    own = BatchedEngine(settings.replace(prefill_process=True, kernel_helpers=0))
+    own = BatchedEngine(settings.replace(prefill_process=True, prefill_between_layers=False, kernel_helpers=0))
     own.load(StageClock())
     process = own.prefill_process
     assert process is not None and process.pid is not None
@@ -537,7 +537,7 @@ async def test_no_prefill_process_where_it_would_not_help_and_the_log_says_why(
     settings: Settings, changes: dict[str, Any], cores: int, reason: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(cores)))
-    engine = BatchedEngine(settings.replace(prefill_process=True, **changes))
+    engine = BatchedEngine(settings.replace(prefill_process=True, prefill_between_layers=False, **changes))
     with capture_logs() as logs:
         engine.load(StageClock())
     try:

@@ -347,6 +347,12 @@ def _batch_metrics(engine: object) -> Iterator[Metric]:
         "First tokens that the prefill process (a second process, on another core) gave before the batch did.",
         value=stats.side_first_tokens,
     )
+    yield CounterMetricFamily(
+        "ttft_sse_interlude_first_tokens",
+        "First tokens computed between two layers of the batch's step in flight (TTFT_PREFILL_BETWEEN_LAYERS), "
+        "for requests that arrived while the batch was busy.",
+        value=stats.interlude_first_tokens,
+    )
     if stats.kernel is not None:
         chunks = CounterMetricFamily(
             "ttft_sse_kernel_chunks",

@@ -93,6 +93,10 @@ class Settings:
     # On CPU, the batched engine: a second process with its own copy of the model computes the first token of a
     # request that arrives while the batch is busy, on another core (engine/prefill.py).
     prefill_process: bool = True
+    # On CPU, the batched engine with the decoder layers in C: a request that arrives while the batch is busy has its
+    # prompt computed between two layers of the step in flight, and the batch reuses its KV (engine/interlude.py).
+    # Where it runs, the prefill process does not.
+    prefill_between_layers: bool = True
     threads: int = 0
     # The block kernel's helper threads (engine/kernel.py): a linear layer's panels shared with threads that run
     # only on a core nothing else wants (SCHED_IDLE). -1: one, where the process may use two cores or more.

@@ -40,7 +40,9 @@ def child_pid(log: str) -> int | None:
 
 
 def test_a_server_answers_a_busy_batch_from_the_prefill_process_and_stops_it(tmp_path: Path) -> None:
-    with serve(tmp_path, {"TTFT_PREFILL_PROCESS": "true", "TTFT_KERNEL_HELPERS": "0"}) as (base, proc):
+    with serve(
+        tmp_path, {"TTFT_PREFILL_PROCESS": "true", "TTFT_PREFILL_BETWEEN_LAYERS": "false", "TTFT_KERNEL_HELPERS": "0"}
+    ) as (base, proc):
         wait_until(lambda: '"prefill_process_ready"' in proc.log(), timeout=180, what="the prefill process")
         pid = child_pid(proc.log())
         assert pid is not None

@@ -312,6 +312,9 @@ class InPlace:
         # The step in flight: its kwargs' index list and query starts (held, so that their identity names the step)
         # and its Step for each allocator group.
         self._step: tuple[Any, Any, dict[int, Step]] = (None, None, {})
+        self.between: Callable[[InPlace], None] | None = None
+        """Called with this cache before each layer of a batched step that the decoder layers in C compute whole
+        (engine/decoder.py): the batched engine's interludes (engine/interlude.py), where it runs them."""
 
     def step(self, module: Any, kwargs: dict[str, Any]) -> Step | None:
         """For a layer's call in a batched step that :func:`paged_attention` computes whole (``module`` marked by

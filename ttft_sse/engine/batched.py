@@ -55,7 +55,7 @@ import itertools
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -63,9 +63,10 @@ from typing import Any, ClassVar
 import structlog
 
 from ttft_sse.bridge import Mailboxes, Resident
-from ttft_sse.engine import attention, kernel, sampling
+from ttft_sse.engine import attention, decoder, kernel, sampling
 from ttft_sse.engine.base import ChatMessage, Finished, ModelInfo, Piece, Prompt, SamplingParams, Usage
 from ttft_sse.engine.hf import CacheJanitor, HFEngine
+from ttft_sse.engine.interlude import Interlude
 from ttft_sse.engine.prefill import PrefillProcess
 from ttft_sse.engine.text import TokenText
 from ttft_sse.errors import EngineError
@@ -102,7 +103,9 @@ class BatchStats:
     kv_tokens_cached: int  # KV capacity held only for reuse (evicted when the cache runs short)
     kv_tokens_capacity: int
     prefill: str = "off"  # the prefill process (engine/prefill.py): off, loading, ready, failed or stopped
+    interludes: str = "off"  # interludes (engine/interlude.py): off, ready, failed or stopped
     side_first_tokens: int = 0  # first tokens the prefill process gave before the batch did
+    interlude_first_tokens: int = 0  # first tokens interludes gave (engine/interlude.py)
     kernel: kernel.HelperCounts | None = None  # the block kernel's helper threads (None without them)
 
 
@@ -124,10 +127,11 @@ class BatchedEngine:
         self.batch_log: deque[tuple[str, ...]] = deque(maxlen=BATCH_LOG_STEPS)
         """The request ids that received a token, step by step (the most recent ``BATCH_LOG_STEPS`` steps)."""
         self._steps = 0
-        self._prefill: PrefillProcess | None = None
+        self._prefill: PrefillProcess | Interlude | None = None  # what races the batch for first tokens, if any
         self._claims = _Claims()
         self._side_tasks: set[asyncio.Task[None]] = set()
         self._side_first = 0
+        self._interlude_first = 0
 
     @property
     def info(self) -> ModelInfo:
@@ -153,13 +157,19 @@ class BatchedEngine:
     @property
     def prefill_process(self) -> PrefillProcess | None:
         """The prefill process, if the engine started one (engine/prefill.py)."""
-        return self._prefill
+        return self._prefill if isinstance(self._prefill, PrefillProcess) else None
+
+    @property
+    def interludes(self) -> Interlude | None:
+        """The interludes, if the engine runs them (engine/interlude.py)."""
+        return self._prefill if isinstance(self._prefill, Interlude) else None
 
     # -- loading -----------------------------------------------------------------------------------------------
 
     def load(self, clock: StageClock) -> None:
         self._single.load(clock)
         _keep_config_causal(self.model)
+        self._start_prefill()  # before the loop: its scheduler hands its cache the interludes
         with clock.stage("batching"):
             self._manager = self._create_manager(paged=attention.paged(self.model))
             self._loop = Resident(
@@ -169,11 +179,20 @@ class BatchedEngine:
                 alive=lambda: bool(self._manager.is_running()),
             )
             self._loop.start()
-        if self._settings.prefill_process:
-            self._start_prefill()
 
     def _start_prefill(self) -> None:
-        """The prefill process (engine/prefill.py), where it can help: on CPU, with a core of its own."""
+        """Interludes (engine/interlude.py) where asked and possible; else the prefill process (engine/prefill.py),
+        where it can help: on CPU, with a core of its own."""
+        if self._settings.prefill_between_layers:
+            reason = self._no_interludes()
+            if reason is None:
+                self._prefill = Interlude(self.model)
+                self._counters.between = self._prefill.serve
+                log.info("interludes_on")
+                return
+            log.info("interludes_off", reason=reason)
+        if not self._settings.prefill_process:
+            return
         if self._settings.cores < 2:
             reason = "one core only (affinity and CPU quota)"
         elif not attention.paged(self.model) or not self.info.weights.startswith("gguf-blocks"):
@@ -188,6 +207,18 @@ class BatchedEngine:
             self._prefill.start()
             return
         log.info("prefill_process_off", reason=reason)
+
+    def _no_interludes(self) -> str | None:
+        """Why interludes cannot run here, or None. They compute a step of their own through the decoder layers in
+        C over the paged cache read in place, and hand their KV over by the library's prefix sharing."""
+        layers = getattr(self.model.base_model, "layers", [])
+        if not attention.paged(self.model) or not self.info.weights.startswith("gguf-blocks"):
+            return "they need the block kernel and the C attention (a GGUF model, on CPU, in fp32)"
+        if not layers or not all(isinstance(layer, decoder.fused_layer_class()) for layer in layers):
+            return "they need the decoder layers in C (TTFT_FUSED_LAYERS)"
+        if not self._settings.prefix_cache:
+            return "they hand their KV to the batch through the prefix cache (TTFT_PREFIX_CACHE)"
+        return None
 
     def _create_manager(self, *, paged: bool) -> Any:
         import math
@@ -291,7 +322,10 @@ class BatchedEngine:
                 if isinstance(output, _FirstToken):
                     # The prefill process's first token, claimed before the batch's step picked one: that step picks
                     # it too (_selection), and the batch's is skipped below.
-                    self._side_first += 1
+                    if isinstance(self._prefill, Interlude):
+                        self._interlude_first += 1
+                    else:
+                        self._side_first += 1
                     side_token = output.token
                     fresh = [side_token]
                 else:
@@ -337,6 +371,8 @@ class BatchedEngine:
             )
         finally:
             self._claims.close(request_id)
+            if isinstance(self._prefill, Interlude):
+                self._prefill.sweep()
             inbox.close()
             if self.janitor.count():
                 # On CUDA, every N generations: empty the allocator's cache in a worker thread (it synchronises
@@ -359,8 +395,13 @@ class BatchedEngine:
         temperature = 0.0 if params.greedy else float(params.temperature)
         top_p = 1.0 if params.greedy else float(params.top_p)
 
+        def wanted() -> bool:
+            if isinstance(prefill, Interlude):  # not once a step in flight computes it
+                return claims.beside(request_id)
+            return claims.wanted(request_id)
+
         async def ask() -> None:
-            token = await prefill.first_token(prompt.token_ids, lambda: claims.wanted(request_id), temperature, top_p)
+            token = await prefill.first_token(prompt.token_ids, wanted, temperature, top_p)
             if token is not None and claims.side(request_id, token):
                 self._mailboxes.deliver([(request_id, _FirstToken(token))])
 
@@ -411,8 +452,10 @@ class BatchedEngine:
             kv_tokens_in_use=in_use,
             kv_tokens_cached=cached,
             kv_tokens_capacity=self._capacity,
-            prefill=self._prefill.state if self._prefill is not None else "off",
+            prefill=self.prefill_process.state if self.prefill_process is not None else "off",
+            interludes=self.interludes.state if self.interludes is not None else "off",
             side_first_tokens=self._side_first,
+            interlude_first_tokens=self._interlude_first,
             kernel=self._single.kernel_counts(),
         )
 
@@ -422,6 +465,8 @@ class BatchedEngine:
         if not outputs:
             return
         self._steps += 1
+        if isinstance(self._prefill, Interlude):
+            self._prefill.sweep()
         self.batch_log.append(tuple(output.request_id for output in outputs))
         self._mailboxes.deliver((output.request_id, output) for output in outputs)
 
@@ -442,6 +487,7 @@ class _Claims:
         self._lock = threading.Lock()
         self._open: set[str] = set()  # raced, not settled
         self._side: dict[str, int] = {}  # settled by the process: its token, until the batch's step picks it
+        self._stepping: frozenset[str] = frozenset()  # first tokens the step in flight computes
 
     def open(self, request_id: str) -> None:
         with self._lock:
@@ -451,6 +497,16 @@ class _Claims:
         """Not settled yet: the process's token would still be used."""
         with self._lock:
             return request_id in self._open
+
+    def beside(self, request_id: str) -> bool:
+        """Not settled, and not computed by the step in flight."""
+        with self._lock:
+            return request_id in self._open and request_id not in self._stepping
+
+    def scheduled(self, request_ids: Sequence[str]) -> None:
+        """The step being prepared computes these requests' first tokens."""
+        with self._lock:
+            self._stepping = frozenset(request_ids)
 
     def side(self, request_id: str, token: int) -> bool:
         """The process has ``token``: True if it came first (the client gets it, and the batch's step will pick
@@ -586,6 +642,7 @@ def _selection(claims: _Claims) -> Any:
         def prepare_tensor_args(self, requests_with_new_token: list[Any]) -> Any:
             rows = enumerate(requests_with_new_token)
             self.firsts = [(row, r.state.request_id) for row, r in rows if not r.state.generated_tokens]
+            claims.scheduled([request_id for _, request_id in self.firsts])
             return torch.zeros(len(requests_with_new_token), dtype=torch.int32)
 
         def __call__(self, scores: Any, tensor_arg: Any) -> Any:
@@ -657,6 +714,7 @@ class _PrefixCounters:
     hits: int = 0
     hit_tokens: int = 0
     in_place: bool = False  # the loop's cache hands the attention its rows in place (attention.read_in_place)
+    between: Callable[[Any], None] | None = None  # called between a batched step's layers (attention.InPlace.between)
 
 
 def _register_scheduler(counters: _PrefixCounters, *, paged: bool) -> str:
@@ -677,6 +735,8 @@ def _register_scheduler(counters: _PrefixCounters, *, paged: bool) -> str:
         def __init__(self, cache: Any, *args: Any, **kwargs: Any) -> None:
             super().__init__(cache, *args, **kwargs)
             counters.in_place = paged and attention.read_in_place(cache)
+            if counters.in_place:
+                getattr(cache, attention.IN_PLACE).between = counters.between
 
         def _infer_request_tokens(self, state: Any, removed: set[str]) -> Any:
             # A prefix match moves a pending request to PREFILLING here, once.

@@ -259,6 +259,8 @@ def fused_layer_class() -> type[Any]:
             if in_place is not None and shared is not None:
                 # A batched step over the paged cache read in place: one call writes this layer's keys and values
                 # into its cache rows and attends by attention.c's function, as the calls below would.
+                if in_place.between is not None:
+                    in_place.between(in_place)  # an interlude (engine/interlude.py), if a newcomer waits
                 keys, values = in_place.rows[self_attn.layer_idx]
                 step = c_step(shared, self_attn)  # held until the call returns: decoder.c reads it
                 y = torch.empty_like(x)

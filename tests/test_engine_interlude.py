@@ -1,0 +1,210 @@
+"""Interludes (engine/interlude.py): first tokens computed between two layers of the batch's step in flight, whose
+KV the batch then reuses from its paged cache, with the single engine's text either way.
+
+Whether an interlude or the batch's own step gives a request its first token depends on where the step in flight
+is when the request arrives; the texts must not. The tests read which one did from the interlude's counters and
+the prefix hits from ``stats()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+from contextlib import aclosing, asynccontextmanager
+
+import pytest
+from structlog.testing import capture_logs
+
+from tests.test_engine_batched import STORY, collect, prompt_of
+from tests.test_engine_prefill import QUESTIONS, SYSTEM, eventually_idle
+from ttft_sse.engine import interlude
+from ttft_sse.engine.base import Finished, Piece, SamplingParams, Usage
+from ttft_sse.engine.batched import BLOCK_TOKENS, BatchedEngine
+from ttft_sse.engine.hf import HFEngine
+from ttft_sse.engine.interlude import Interlude
+from ttft_sse.settings import Settings
+from ttft_sse.stages import StageClock
+
+NEWCOMERS = 6
+"""Requests sent, one after another, to a batch that decodes a long answer: each arrives during a step, and an
+interlude computes it unless the next step was being prepared at that instant (then the step does)."""
+
+
+@pytest.fixture(scope="module")
+def engine(settings: Settings) -> Iterator[BatchedEngine]:
+    engine = BatchedEngine(settings.replace(prefill_between_layers=True))
+    engine.load(StageClock())
+    yield engine
+    asyncio.run(engine.close())
+
+
+def answer(result: tuple[str, Finished]) -> tuple[str, str, Usage]:
+    text, finished = result
+    return text, finished.finish_reason, finished.usage
+
+
+def served(engine: BatchedEngine) -> int:
+    assert engine.interludes is not None
+    return engine.interludes.served
+
+
+@asynccontextmanager
+async def busy(engine: BatchedEngine) -> AsyncIterator[None]:
+    """The batch decodes a long greedy answer for as long as the block runs."""
+    async with aclosing(engine.stream(prompt_of(engine, STORY), SamplingParams(max_tokens=400))) as story:
+        assert isinstance(await anext(story), Piece)
+        yield
+
+
+async def test_newcomers_at_a_busy_batch_get_the_single_engines_text_and_their_prompt_is_computed_once(
+    engine: BatchedEngine, reference: HFEngine
+) -> None:
+    params = SamplingParams(max_tokens=10)
+    asks = [f"Newcomer {i}: {QUESTIONS[i % len(QUESTIONS)]}" for i in range(NEWCOMERS)]
+    want = [await collect(reference.stream(prompt_of(reference, ask, SYSTEM), params)) for ask in asks]
+    await collect(engine.stream(prompt_of(engine, "Hi", SYSTEM), SamplingParams(max_tokens=1)))  # the prefix known
+    by_interlude = 0
+    with capture_logs() as logs:
+        async with busy(engine):
+            for ask, expected in zip(asks, want, strict=True):
+                prompt = prompt_of(engine, ask, SYSTEM)
+                before, hits = served(engine), engine.stats().prefix_hit_tokens
+                assert answer(await collect(engine.stream(prompt, params))) == answer(expected)
+                if served(engine) > before:
+                    by_interlude += 1
+                    # The batch took the interlude's KV: it computed only the prompt's last block, 1 to 4 rows.
+                    assert engine.stats().prefix_hit_tokens - hits >= prompt.n_tokens - BLOCK_TOKENS
+    assert by_interlude >= 1
+    assert not [e for e in logs if e["event"] in ("first_token_mismatch", "interlude_failed", "generation_failed")]
+    await eventually_idle(engine)
+    assert (engine._claims._open, engine._claims._side) == (set(), {})
+
+
+async def test_a_one_token_answer_from_an_interlude_ends_the_request(
+    engine: BatchedEngine, reference: HFEngine
+) -> None:
+    params = SamplingParams(max_tokens=1)
+    before = served(engine)
+    async with busy(engine):
+        for i in range(NEWCOMERS):
+            ask = f"Briefly ({i}): {QUESTIONS[i % len(QUESTIONS)]}"
+            want = answer(await collect(reference.stream(prompt_of(reference, ask), params)))
+            assert want[1] == "length"
+            assert answer(await collect(engine.stream(prompt_of(engine, ask), params))) == want
+    assert served(engine) > before
+    await eventually_idle(engine)
+
+
+async def test_sampled_newcomers_are_drawn_in_an_interlude_and_the_batch_goes_on_from_that_token(
+    engine: BatchedEngine,
+) -> None:
+    params = SamplingParams(max_tokens=4, temperature=1.0, top_p=0.95)
+    before = served(engine)
+    with capture_logs() as logs:
+        async with busy(engine):
+            ends = []
+            for i in range(NEWCOMERS):
+                _, finished = await collect(engine.stream(prompt_of(engine, f"Sampled ({i}): {QUESTIONS[i]}"), params))
+                ends.append((finished.finish_reason, finished.usage.completion_tokens))
+    # Every answer whole: its 4 tokens, or up to 4 ending on the end-of-text token (unseeded sampling).
+    assert all(end == ("length", 4) or (end[0] == "stop" and 1 <= end[1] <= 4) for end in ends), ends
+    assert served(engine) > before
+    assert not [e for e in logs if e["event"] in ("first_token_mismatch", "interlude_failed")]
+    await eventually_idle(engine)
+
+
+async def test_a_prompt_of_many_new_tokens_is_left_to_the_batch(engine: BatchedEngine, reference: HFEngine) -> None:
+    params = SamplingParams(max_tokens=6)
+    ask = ("Summarise this.", f"A case of its own. {SYSTEM} {SYSTEM}")  # ~200 tokens new to the cache
+    assert prompt_of(engine, *ask).n_tokens > interlude.NEW_TOKENS + 40
+    want = answer(await collect(reference.stream(prompt_of(reference, *ask), params)))
+    interludes = engine.interludes
+    assert interludes is not None
+    before, declined = interludes.served, interludes.declined
+    async with busy(engine):
+        assert answer(await collect(engine.stream(prompt_of(engine, *ask), params))) == want
+    assert interludes.served == before
+    assert interludes.declined in (declined, declined + 1)  # declined, unless the next step took it first
+
+
+async def test_a_failing_interlude_leaves_the_batch_to_answer_and_says_so(
+    settings: Settings, reference: HFEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(*args: object) -> int:
+        raise RuntimeError("broken on purpose")
+
+    monkeypatch.setattr(interlude, "first_tokens", broken)
+    own = BatchedEngine(settings.replace(prefill_between_layers=True))
+    own.load(StageClock())
+    try:
+        params = SamplingParams(max_tokens=8)
+        with capture_logs() as logs:
+            async with busy(own):
+                for i in range(NEWCOMERS):
+                    ask = QUESTIONS[i]
+                    want = answer(await collect(reference.stream(prompt_of(reference, ask), params)))
+                    assert answer(await collect(own.stream(prompt_of(own, ask), params))) == want
+        failures = [e for e in logs if e["event"] == "interlude_failed"]
+        assert len(failures) == 1 and "broken on purpose" in failures[0]["error"]
+        assert own.stats().interludes == "failed"
+    finally:
+        await own.close()
+
+
+async def test_waiting_prompts_are_answered_none_when_nobody_wants_them_or_the_engine_stops() -> None:
+    side = Interlude(model=None)
+    wanted = {"a": True, "b": False}
+    a = asyncio.ensure_future(side.first_token((1, 2, 3), lambda: wanted["a"]))
+    b = asyncio.ensure_future(side.first_token((4, 5, 6), lambda: wanted["b"]))
+    await asyncio.sleep(0)
+    side.sweep()
+    assert await asyncio.wait_for(b, 5) is None
+    assert not a.done()
+    side.stop()
+    assert await asyncio.wait_for(a, 5) is None
+    assert await side.first_token((7,), lambda: True) is None  # stopped: not even queued
+    assert side.state == "stopped"
+
+
+def test_interludes_are_off_unless_asked(settings: Settings) -> None:
+    off = BatchedEngine(settings)  # the suite's settings
+    assert off.interludes is None and off.stats().interludes == "off"
+
+
+async def test_where_interludes_run_the_prefill_process_does_not(settings: Settings) -> None:
+    both = BatchedEngine(settings.replace(prefill_process=True, kernel_helpers=0))  # interludes by default
+    with capture_logs() as logs:
+        both.load(StageClock())
+    try:
+        assert both.interludes is not None and both.prefill_process is None
+        assert (both.stats().interludes, both.stats().prefill) == ("ready", "off")
+        assert [e["event"] for e in logs if "interludes" in e["event"] or "prefill_process" in e["event"]] == [
+            "interludes_on"
+        ]
+    finally:
+        await both.close()
+
+
+@pytest.mark.parametrize(
+    ("changes", "reason"),
+    [
+        ({"fused_layers": False}, "they need the decoder layers in C (TTFT_FUSED_LAYERS)"),
+        ({"prefix_cache": False}, "they hand their KV to the batch through the prefix cache (TTFT_PREFIX_CACHE)"),
+        (
+            {"paged_attention": False},
+            "they need the block kernel and the C attention (a GGUF model, on CPU, in fp32)",
+        ),
+    ],
+    ids=["unfused", "no-prefix-cache", "masked-attention"],
+)
+async def test_no_interludes_where_they_cannot_run_and_the_log_says_why(
+    settings: Settings, changes: dict[str, bool], reason: str
+) -> None:
+    engine = BatchedEngine(settings.replace(**changes))
+    with capture_logs() as logs:
+        engine.load(StageClock())
+    try:
+        assert engine.interludes is None and engine.stats().interludes == "off"
+        assert [e["reason"] for e in logs if e["event"] == "interludes_off"] == [reason]
+    finally:
+        await engine.close()
