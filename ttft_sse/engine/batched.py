@@ -387,8 +387,8 @@ class BatchedEngine:
                     log.info("generation_cancelled", completion_tokens=text.count, max_tokens=params.max_tokens)
 
     def _race(self, request_id: str, prompt: Prompt, params: SamplingParams) -> None:
-        """Ask the prefill process for the request's first token too; it goes to the request's inbox if it comes
-        before the batch's step has picked one (:class:`_Claims`)."""
+        """Ask the interludes or the prefill process for the request's first token too; it goes to the request's
+        inbox if it comes before the batch's step has picked one (:class:`_Claims`)."""
         assert self._prefill is not None
         prefill, claims = self._prefill, self._claims
         claims.open(request_id)
