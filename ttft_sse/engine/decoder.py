@@ -125,6 +125,22 @@ _last: tuple[attention.Step | None, Step] = (None, Step())
 """The last :func:`c_step` made, and what it was made of (held, so that its arrays stay alive)."""
 
 
+def whole(layer: Any, shared: attention.Step, x: Any, rows: int, cos: Any, sin: Any, keys: Any, values: Any) -> Any:
+    """``layer``'s (a :func:`fused_layer_class` one) output for the ``rows`` rows of ``x``, in one C call that writes
+    their keys and values into the paged cache's rows ``keys`` and ``values`` by ``shared`` and attends over them."""
+    import torch
+
+    step = c_step(shared, layer.self_attn)  # held until the call returns: decoder.c reads it
+    y = torch.empty_like(x)
+    status = layer.whole(
+        layer.address, ctypes.addressof(step), x.data_ptr(), rows, cos.data_ptr(), sin.data_ptr(),
+        keys.data_ptr(), values.data_ptr(), y.data_ptr(),
+    )  # fmt: skip
+    if status != 0:
+        raise RuntimeError(f"the C decoder layer failed ({status})")
+    return y
+
+
 def function(path: Path, name: str) -> Any:
     """The function ``name`` of the kernel's library at ``path``."""
     return kernel.load(path, name, _ARGUMENTS[name])
@@ -262,15 +278,7 @@ def fused_layer_class() -> type[Any]:
                 if in_place.between is not None:
                     in_place.between(in_place)  # an interlude (engine/interlude.py), if a newcomer waits
                 keys, values = in_place.rows[self_attn.layer_idx]
-                step = c_step(shared, self_attn)  # held until the call returns: decoder.c reads it
-                y = torch.empty_like(x)
-                status = self.whole(
-                    self.address, ctypes.addressof(step), x.data_ptr(), rows, cos.data_ptr(), sin.data_ptr(),
-                    keys.data_ptr(), values.data_ptr(), y.data_ptr(),
-                )  # fmt: skip
-                if status != 0:
-                    raise RuntimeError(f"the C decoder layer failed ({status})")
-                return y
+                return whole(self, shared, x, rows, cos, sin, keys, values)
             q = torch.empty((*shape, layer.heads * layer.dim))
             k, v = torch.empty((*shape, layer.kv_heads * layer.dim)), torch.empty((*shape, layer.kv_heads * layer.dim))
             status = self.head(

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import itertools
 import threading
 from collections.abc import Callable, Sequence
@@ -188,10 +187,7 @@ def first_tokens(
             cache.free_blocks(name)  # whole blocks stay cached for the requests' own prefix match; the rest is freed
     for row, (i, _, _) in enumerate(planned):
         _, temperature, top_p = asks[i]
-        if temperature > 0:
-            tokens[i] = int(sampling.draw(logits[row : row + 1], temperature, top_p, generator).item())
-        else:
-            tokens[i] = int(logits[row].argmax())
+        tokens[i] = sampling.first_token(logits[row], temperature, top_p, generator)
     return tokens
 
 
@@ -230,17 +226,8 @@ def _step(model: Any, torch: Any, in_place: Any, prompts: Sequence[tuple[str, li
         count = int(cu_q[-1])
         for layer in base.layers:
             index = layer.self_attn.layer_idx
-            shared = steps[cache.layer_to_allocator[index].index]
-            step = decoder.c_step(shared, layer.self_attn)  # held until the call returns: decoder.c reads it
             keys, values = in_place.rows[index]
-            y = torch.empty_like(x)
-            status = layer.whole(
-                layer.address, ctypes.addressof(step), x.data_ptr(), count, cos.data_ptr(), sin.data_ptr(),
-                keys.data_ptr(), values.data_ptr(), y.data_ptr(),
-            )  # fmt: skip
-            if status != 0:
-                raise RuntimeError(f"the C decoder layer failed in an interlude ({status})")
-            x = y
+            x = decoder.whole(layer, steps[cache.layer_to_allocator[index].index], x, count, cos, sin, keys, values)
         last = (cu_q[1:] - 1).to(torch.int64)
         return model.get_output_embeddings()(base.norm(x)[0, last])
 

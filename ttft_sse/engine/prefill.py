@@ -348,10 +348,7 @@ def first_tokens(
     logits = last_logits(model, torch, prefixes, [asks[i][0] for i in taken])
     for row, i in enumerate(taken):
         _, temperature, top_p = asks[i]
-        if temperature > 0:
-            tokens[i] = int(sampling.draw(logits[row : row + 1], temperature, top_p, generator).item())
-        else:
-            tokens[i] = int(logits[row].argmax())
+        tokens[i] = sampling.first_token(logits[row], temperature, top_p, generator)
     return tokens
 
 

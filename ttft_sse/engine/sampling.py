@@ -52,6 +52,14 @@ def pick(probs: Any, generator: Any = None) -> Any:
     return chosen.clamp_(max=probs.size(-1) - 1)
 
 
+def first_token(logits: Any, temperature: float, top_p: float, generator: Any) -> int:
+    """The token a prompt's last row of ``logits`` gives: its argmax at temperature 0 (greedy), else one
+    :func:`draw`; as the batch's step would choose it (the prefill process's and interludes' first tokens)."""
+    if temperature > 0:
+        return int(draw(logits[None], temperature, top_p, generator).item())
+    return int(logits.argmax())
+
+
 def draw(logits: Any, temperature: float, top_p: float, generator: Any = None) -> Any:
     """One token per row of ``logits``, drawn at ``temperature`` (above 0) from the rows' top-p, with
     ``generator`` (torch's global one if None): a column of token ids."""
