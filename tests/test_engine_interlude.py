@@ -146,7 +146,7 @@ async def test_a_failing_interlude_leaves_the_batch_to_answer_and_says_so(
                     assert answer(await collect(own.stream(prompt_of(own, ask), params))) == want
         failures = [e for e in logs if e["event"] == "interlude_failed"]
         assert len(failures) == 1 and "broken on purpose" in failures[0]["error"]
-        assert own.stats().interludes == "failed"
+        assert (own.stats().interludes, own.info.beside_batch) == ("failed", "interludes failed")
     finally:
         await own.close()
 
@@ -166,11 +166,6 @@ async def test_waiting_prompts_are_answered_none_when_nobody_wants_them_or_the_e
     assert side.state == "stopped"
 
 
-def test_interludes_are_off_unless_asked(settings: Settings) -> None:
-    off = BatchedEngine(settings)  # the suite's settings
-    assert off.interludes is None and off.stats().interludes == "off"
-
-
 async def test_where_interludes_run_the_prefill_process_does_not(settings: Settings) -> None:
     both = BatchedEngine(settings.replace(prefill_process=True, kernel_helpers=0))  # interludes by default
     with capture_logs() as logs:
@@ -178,6 +173,7 @@ async def test_where_interludes_run_the_prefill_process_does_not(settings: Setti
     try:
         assert both.interludes is not None and both.prefill_process is None
         assert (both.stats().interludes, both.stats().prefill) == ("ready", "off")
+        assert both.info.beside_batch == "interludes ready"
         assert [e["event"] for e in logs if "interludes" in e["event"] or "prefill_process" in e["event"]] == [
             "interludes_on"
         ]
@@ -205,6 +201,7 @@ async def test_no_interludes_where_they_cannot_run_and_the_log_says_why(
         engine.load(StageClock())
     try:
         assert engine.interludes is None and engine.stats().interludes == "off"
+        assert engine.info.beside_batch == "none"  # the suite's settings: no prefill process
         assert [e["reason"] for e in logs if e["event"] == "interludes_off"] == [reason]
     finally:
         await engine.close()

@@ -99,6 +99,7 @@ def test_a_server_answers_a_busy_batch_between_two_layers_by_default(tmp_path: P
     from them and the text they get alone."""
     with serve(tmp_path, {}) as (base, proc):
         wait_until(lambda: '"interludes_on"' in proc.log(), timeout=10, what="interludes")
+        assert httpx.get(f"{base}/readyz").json()["beside_batch"] == "interludes ready"
         greedy_side = greedy_races(base, "ttft_sse_interlude_first_tokens_total")
         sampled_races(base, "ttft_sse_interlude_first_tokens_total", greedy_side)
         os.kill(proc.pid, signal.SIGTERM)
@@ -111,6 +112,7 @@ def test_a_server_answers_a_busy_batch_from_the_prefill_process_and_stops_it(tmp
         tmp_path, {"TTFT_PREFILL_PROCESS": "true", "TTFT_PREFILL_BETWEEN_LAYERS": "false", "TTFT_KERNEL_HELPERS": "0"}
     ) as (base, proc):
         wait_until(lambda: '"prefill_process_ready"' in proc.log(), timeout=180, what="the prefill process")
+        assert httpx.get(f"{base}/readyz").json()["beside_batch"] == "prefill-process ready"
         pid = child_pid(proc.log())
         assert pid is not None
         os.kill(pid, 0)  # running

@@ -37,6 +37,7 @@ async def readyz(request: Request) -> JSONResponse:
             "context_length": info.context_length,
             "threads": info.threads,
             "kernel_helpers": info.kernel_helpers,
+            "beside_batch": info.beside_batch,
             "startup": runtime.startup_report(),
             "running": runtime.gate.running,
             "waiting": runtime.gate.waiting,

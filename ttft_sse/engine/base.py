@@ -99,6 +99,9 @@ class ModelInfo:
     weights: str = "as loaded"
     # The block kernel's helper threads (engine/kernel.py), 0 without them.
     kernel_helpers: int = 0
+    # Who else may give the first token of a request that arrives while the batched engine's step runs, and its
+    # state: "interludes ready" (engine/interlude.py), "prefill-process loading" (engine/prefill.py), ..., or "none".
+    beside_batch: str = "none"
 
 
 class Engine(Protocol):

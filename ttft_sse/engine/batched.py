@@ -50,6 +50,7 @@ single engine samples with the request's own generator.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import itertools
 import threading
@@ -135,7 +136,13 @@ class BatchedEngine:
 
     @property
     def info(self) -> ModelInfo:
-        return self._single.info
+        if self.interludes is not None:
+            beside = f"interludes {self.interludes.state}"
+        elif self.prefill_process is not None:
+            beside = f"prefill-process {self.prefill_process.state}"
+        else:
+            beside = "none"
+        return dataclasses.replace(self._single.info, beside_batch=beside)
 
     @property
     def active(self) -> int:
