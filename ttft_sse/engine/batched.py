@@ -202,8 +202,7 @@ class BatchedEngine:
             return
         if self._settings.cores < 2:
             reason = "one core only (affinity and CPU quota)"
-        elif not attention.paged(self.model) or not self.info.weights.startswith("gguf-blocks"):
-            # Its first token must be the batch's, bit for bit: each row computed from its own inputs alone.
+        elif not self._rows_alone():
             reason = "it needs the block kernel and the C attention (a GGUF model, on CPU, in fp32)"
         elif self.info.kernel_helpers > 0:
             # Both want the second core; the batch on two cores gave more tokens/s and a lower TTFT p99 at c=8
@@ -215,11 +214,16 @@ class BatchedEngine:
             return
         log.info("prefill_process_off", reason=reason)
 
+    def _rows_alone(self) -> bool:
+        """Each row of a forward pass is computed from its own inputs alone (the block kernel's linear layers, the C
+        attention): a first token computed beside the batch is then the batch's, bit for bit."""
+        return attention.paged(self.model) and self.info.weights.startswith("gguf-blocks")
+
     def _no_interludes(self) -> str | None:
         """Why interludes cannot run here, or None. They compute a step of their own through the decoder layers in
         C over the paged cache read in place, and hand their KV over by the library's prefix sharing."""
         layers = getattr(self.model.base_model, "layers", [])
-        if not attention.paged(self.model) or not self.info.weights.startswith("gguf-blocks"):
+        if not self._rows_alone():
             return "they need the block kernel and the C attention (a GGUF model, on CPU, in fp32)"
         if not layers or not all(isinstance(layer, decoder.fused_layer_class()) for layer in layers):
             return "they need the decoder layers in C (TTFT_FUSED_LAYERS)"
@@ -402,10 +406,8 @@ class BatchedEngine:
         temperature = 0.0 if params.greedy else float(params.temperature)
         top_p = 1.0 if params.greedy else float(params.top_p)
 
-        def wanted() -> bool:
-            if isinstance(prefill, Interlude):  # not once a step in flight computes it
-                return claims.beside(request_id)
-            return claims.wanted(request_id)
+        # Interludes compute it only while no step in flight does; the process races that step too.
+        wanted = functools.partial(claims.beside if isinstance(prefill, Interlude) else claims.wanted, request_id)
 
         async def ask() -> None:
             token = await prefill.first_token(prompt.token_ids, wanted, temperature, top_p)
