@@ -139,6 +139,17 @@ def hypercorn_config(settings: Settings) -> Config:
     return config
 
 
+def _check_listen(config: Config) -> None:
+    """Bind the addresses once and let them go, before anything loads: hypercorn binds them only after the
+    lifespan's start, and a port in use then ends the process with hypercorn's traceback."""
+    try:
+        sockets = config.create_sockets()
+    except OSError as exc:
+        raise StartupError(f"cannot listen on {', '.join(config.bind)}: {exc.strerror or exc}") from None
+    for sock in (*sockets.secure_sockets, *sockets.insecure_sockets, *sockets.quic_sockets):
+        sock.close()
+
+
 async def shutdown_trigger(runtime: Runtime, stop: asyncio.Event) -> None:
     """Hypercorn's shutdown trigger: wait for ``stop`` (SIGTERM / SIGINT) or a failed load, then drain.
 
@@ -176,6 +187,7 @@ async def _serve(settings: Settings) -> int:
         loop.add_signal_handler(sig, on_signal)
 
     asgi: Any = app  # hypercorn's own ASGI types do not name Starlette; it is a plain ASGI app
+    _check_listen(config)
     await serve(asgi, config, shutdown_trigger=partial(shutdown_trigger, runtime, stop))
     structlog.get_logger("ttft_sse.main").info("stopped", state=runtime.state)
     if runtime.state == "failed":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -80,3 +81,15 @@ def test_a_bad_setting_exits_2_naming_it() -> None:
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 2
     assert "TTFT_PORT must be an integer, got 'eighty'" in out
+
+
+def test_a_port_in_use_exits_1_naming_it_before_loading_the_model() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = serve("--port", str(port))
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 1
+    # One sentence, and nothing before it: no model was loaded, no traceback.
+    assert out == f"ttft-sse: cannot listen on 127.0.0.1:{port}: Address already in use\n"
