@@ -34,6 +34,7 @@ off: before the request-by-request attention over the cache in place),
 has helper threads or interludes run, compare it under ``--kernel-helpers 0`` with ``:nointerludes``),
 ``:nointerludes`` without interludes (``prefill_between_layers`` off: before engine/interlude.py; every first token
 from the batch's own steps, or from the prefill process where it runs),
+``:midstep`` with interludes between a step's layers only (before the twenty-third stop: not between two steps too),
 ``:unfused`` with transformers' decoder layers around the block kernel (``fused_layers`` off: before engine/decoder.py),
 ``:int4`` with the GGUF's Q4 codes on torch's int4 kernel and bf16 copies of the weights (``TTFT_INT4_WEIGHTS``;
 without a ``single:<dtype>:int4`` its greedy text is not checked against ``single:<dtype>``'s, since its answers are
@@ -189,6 +190,7 @@ VARIANTS = (
     "noprefill",
     "unfused",
     "nointerludes",
+    "midstep",
 )
 """The variants ``load`` knows (see the module's docstring)."""
 
@@ -222,6 +224,8 @@ def load(spec: str, args: argparse.Namespace) -> Engine:
     )
     engine: BatchedEngine | HFEngine = BatchedEngine(settings) if kind == "batched" else HFEngine(settings)
     engine.load(StageClock())
+    if "midstep" in variants and isinstance(engine, BatchedEngine):
+        engine._counters.boundary = False  # interludes between a step's layers only, not between two steps
     if "rowmajor" in variants:
         # The layout before the engine stored fp32 linear weights transposed (engine/weights.py).
         import torch

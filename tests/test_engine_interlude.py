@@ -9,6 +9,7 @@ the prefix hits from ``stats()``.
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections.abc import AsyncIterator, Iterator
 from contextlib import aclosing, asynccontextmanager
 
@@ -17,7 +18,7 @@ from structlog.testing import capture_logs
 
 from tests.test_engine_batched import STORY, collect, prompt_of
 from tests.test_engine_prefill import QUESTIONS, SYSTEM, eventually_idle
-from ttft_sse.engine import interlude
+from ttft_sse.engine import attention, interlude
 from ttft_sse.engine.base import Finished, Piece, SamplingParams, Usage
 from ttft_sse.engine.batched import BLOCK_TOKENS, BatchedEngine
 from ttft_sse.engine.hf import HFEngine
@@ -78,6 +79,44 @@ async def test_newcomers_at_a_busy_batch_get_the_single_engines_text_and_their_p
     assert not [e for e in logs if e["event"] in ("first_token_mismatch", "interlude_failed", "generation_failed")]
     await eventually_idle(engine)
     assert (engine._claims._open, engine._claims._side) == (set(), {})
+
+
+async def test_a_newcomer_after_a_steps_last_layer_gets_its_first_token_between_two_steps(
+    engine: BatchedEngine, reference: HFEngine
+) -> None:
+    """Interludes run before each layer of a step, and before the next step is scheduled: a newcomer that comes
+    after a step's last layer (its output layer, sampling, the next step's preparation) is computed there, not in
+    the next step beside the streams' rows. Here the layers' interludes are left out, so that every newcomer comes
+    after the last one."""
+    params = SamplingParams(max_tokens=10)
+    asks = [f"Late {i}: {QUESTIONS[i % len(QUESTIONS)]}" for i in range(NEWCOMERS)]
+    want = [await collect(reference.stream(prompt_of(reference, ask, SYSTEM), params)) for ask in asks]
+    await collect(engine.stream(prompt_of(engine, "Hi", SYSTEM), SamplingParams(max_tokens=1)))  # the prefix known
+    by_interlude = 0
+    with capture_logs() as logs:
+        async with busy(engine):
+            in_place = getattr(engine._manager.batch_processor.cache, attention.IN_PLACE)
+            serve = in_place.between
+
+            def between_steps_only(cache: attention.InPlace) -> None:
+                if sys._getframe(1).f_code.co_name == "schedule_batch":
+                    serve(cache)
+
+            in_place.between = between_steps_only
+            try:
+                for ask, expected in zip(asks, want, strict=True):
+                    prompt = prompt_of(engine, ask, SYSTEM)
+                    before, hits = served(engine), engine.stats().prefix_hit_tokens
+                    assert answer(await collect(engine.stream(prompt, params))) == answer(expected)
+                    if served(engine) > before:
+                        by_interlude += 1
+                        assert engine.stats().prefix_hit_tokens - hits >= prompt.n_tokens - BLOCK_TOKENS
+            finally:
+                in_place.between = serve
+    # Each one is computed between two steps unless it came while the next one was being scheduled (5 of 6 here).
+    assert by_interlude >= NEWCOMERS // 2
+    assert not [e for e in logs if e["event"] in ("first_token_mismatch", "interlude_failed", "generation_failed")]
+    await eventually_idle(engine)
 
 
 async def test_a_one_token_answer_from_an_interlude_ends_the_request(

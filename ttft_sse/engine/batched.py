@@ -724,6 +724,7 @@ class _PrefixCounters:
     hit_tokens: int = 0
     in_place: bool = False  # the loop's cache hands the attention its rows in place (attention.read_in_place)
     between: Callable[[Any], None] | None = None  # called between a batched step's layers (attention.InPlace.between)
+    boundary: bool = True  # and between two steps (CountingScheduler.schedule_batch); False only to compare
 
 
 def _register_scheduler(counters: _PrefixCounters, *, paged: bool) -> str:
@@ -746,6 +747,17 @@ def _register_scheduler(counters: _PrefixCounters, *, paged: bool) -> str:
             counters.in_place = paged and attention.read_in_place(cache)
             if counters.in_place:
                 getattr(cache, attention.IN_PLACE).between = counters.between
+
+        def schedule_batch(self, token_budget: int, cache_budget: int) -> Any:
+            # A newcomer that came after the last layer of the step just done (its output layer, sampling, this
+            # preparation: the interludes' checks come before each layer) gets its first token from an interlude
+            # here, between two steps, rather than in the coming step beside the streams' rows: its prompt is then
+            # a prefix hit below. Only while streams decode: an idle batch's burst is the coming step's.
+            in_place = getattr(self.cache, attention.IN_PLACE, None)
+            decoding = any(state.status == RequestStatus.DECODING for state in self.active_requests.values())
+            if in_place is not None and in_place.between is not None and counters.boundary and decoding:
+                in_place.between(in_place)
+            return super().schedule_batch(token_budget, cache_budget)
 
         def _infer_request_tokens(self, state: Any, removed: set[str]) -> Any:
             # A prefix match moves a pending request to PREFILLING here, once.

@@ -6,7 +6,9 @@ holds its prompt's rows beside the others': about two steps, where an idle serve
 (:meth:`Interlude.serve`, called by the decoder layers in C before each layer of a batched step), computes the
 newcomer's prompt alone, with the kernel's helper threads as an idle server would, gives its first token, and
 takes the step up again where it stopped. The newcomer waits for one layer of the step in flight (~1/30 of it), not
-for the whole step and another.
+for the whole step and another. One that comes after a step's last layer (during its output layer, its sampling,
+the next step's preparation) is computed the same way just before the next step is scheduled, while streams decode
+(``CountingScheduler.schedule_batch`` in engine/batched.py), rather than in that step beside their rows.
 
 Its prompt is computed once. The rows already in the batch's paged KV cache (the chat template's system prompt, a
 conversation's earlier turns) are read from there; the KV of its new rows is written into blocks of that cache and
