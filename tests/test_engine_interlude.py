@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import sys
 from collections.abc import AsyncIterator, Iterator
-from contextlib import aclosing, asynccontextmanager
+from contextlib import aclosing, asynccontextmanager, contextmanager, nullcontext
 
 import pytest
 from structlog.testing import capture_logs
@@ -57,28 +57,52 @@ async def busy(engine: BatchedEngine) -> AsyncIterator[None]:
         yield
 
 
-async def test_newcomers_at_a_busy_batch_get_the_single_engines_text_and_their_prompt_is_computed_once(
-    engine: BatchedEngine, reference: HFEngine
-) -> None:
+async def newcomers(engine: BatchedEngine, reference: HFEngine, label: str, *, between_steps_only: bool = False) -> int:
+    """Newcomers sent one after another to a busy batch: each gets the single engine's text, and each whose first
+    token an interlude computed is then a prefix hit in the batch. Returns how many an interlude computed."""
     params = SamplingParams(max_tokens=10)
-    asks = [f"Newcomer {i}: {QUESTIONS[i % len(QUESTIONS)]}" for i in range(NEWCOMERS)]
+    asks = [f"{label} {i}: {QUESTIONS[i % len(QUESTIONS)]}" for i in range(NEWCOMERS)]
     want = [await collect(reference.stream(prompt_of(reference, ask, SYSTEM), params)) for ask in asks]
     await collect(engine.stream(prompt_of(engine, "Hi", SYSTEM), SamplingParams(max_tokens=1)))  # the prefix known
     by_interlude = 0
     with capture_logs() as logs:
         async with busy(engine):
-            for ask, expected in zip(asks, want, strict=True):
-                prompt = prompt_of(engine, ask, SYSTEM)
-                before, hits = served(engine), engine.stats().prefix_hit_tokens
-                assert answer(await collect(engine.stream(prompt, params))) == answer(expected)
-                if served(engine) > before:
-                    by_interlude += 1
-                    # The batch took the interlude's KV: it computed only the prompt's last block, 1 to 4 rows.
-                    assert engine.stats().prefix_hit_tokens - hits >= prompt.n_tokens - BLOCK_TOKENS
-    assert by_interlude >= 1
+            with steps_only(engine) if between_steps_only else nullcontext():
+                for ask, expected in zip(asks, want, strict=True):
+                    prompt = prompt_of(engine, ask, SYSTEM)
+                    before, hits = served(engine), engine.stats().prefix_hit_tokens
+                    assert answer(await collect(engine.stream(prompt, params))) == answer(expected)
+                    if served(engine) > before:
+                        by_interlude += 1
+                        # The batch took the interlude's KV: it computed only the prompt's last block, 1 to 4 rows.
+                        assert engine.stats().prefix_hit_tokens - hits >= prompt.n_tokens - BLOCK_TOKENS
     assert not [e for e in logs if e["event"] in ("first_token_mismatch", "interlude_failed", "generation_failed")]
     await eventually_idle(engine)
     assert (engine._claims._open, engine._claims._side) == (set(), {})
+    return by_interlude
+
+
+@contextmanager
+def steps_only(engine: BatchedEngine) -> Iterator[None]:
+    """The running batch's interludes before each layer of a step left out: only those between two steps run."""
+    in_place = getattr(engine._manager.batch_processor.cache, attention.IN_PLACE)
+    serve = in_place.between
+
+    def between_steps_only(cache: attention.InPlace) -> None:
+        if sys._getframe(1).f_code.co_name == "schedule_batch":
+            serve(cache)
+
+    in_place.between = between_steps_only
+    try:
+        yield
+    finally:
+        in_place.between = serve
+
+
+async def test_newcomers_at_a_busy_batch_get_the_single_engines_text_and_their_prompt_is_computed_once(
+    engine: BatchedEngine, reference: HFEngine
+) -> None:
+    assert await newcomers(engine, reference, "Newcomer") >= 1
 
 
 async def test_a_newcomer_after_a_steps_last_layer_gets_its_first_token_between_two_steps(
@@ -87,36 +111,9 @@ async def test_a_newcomer_after_a_steps_last_layer_gets_its_first_token_between_
     """Interludes run before each layer of a step, and before the next step is scheduled: a newcomer that comes
     after a step's last layer (its output layer, sampling, the next step's preparation) is computed there, not in
     the next step beside the streams' rows. Here the layers' interludes are left out, so that every newcomer comes
-    after the last one."""
-    params = SamplingParams(max_tokens=10)
-    asks = [f"Late {i}: {QUESTIONS[i % len(QUESTIONS)]}" for i in range(NEWCOMERS)]
-    want = [await collect(reference.stream(prompt_of(reference, ask, SYSTEM), params)) for ask in asks]
-    await collect(engine.stream(prompt_of(engine, "Hi", SYSTEM), SamplingParams(max_tokens=1)))  # the prefix known
-    by_interlude = 0
-    with capture_logs() as logs:
-        async with busy(engine):
-            in_place = getattr(engine._manager.batch_processor.cache, attention.IN_PLACE)
-            serve = in_place.between
-
-            def between_steps_only(cache: attention.InPlace) -> None:
-                if sys._getframe(1).f_code.co_name == "schedule_batch":
-                    serve(cache)
-
-            in_place.between = between_steps_only
-            try:
-                for ask, expected in zip(asks, want, strict=True):
-                    prompt = prompt_of(engine, ask, SYSTEM)
-                    before, hits = served(engine), engine.stats().prefix_hit_tokens
-                    assert answer(await collect(engine.stream(prompt, params))) == answer(expected)
-                    if served(engine) > before:
-                        by_interlude += 1
-                        assert engine.stats().prefix_hit_tokens - hits >= prompt.n_tokens - BLOCK_TOKENS
-            finally:
-                in_place.between = serve
-    # Each one is computed between two steps unless it came while the next one was being scheduled (5 of 6 here).
-    assert by_interlude >= NEWCOMERS // 2
-    assert not [e for e in logs if e["event"] in ("first_token_mismatch", "interlude_failed", "generation_failed")]
-    await eventually_idle(engine)
+    after the last one; each is computed between two steps unless it came while the next one was being scheduled
+    (5 of 6 here; none without them)."""
+    assert await newcomers(engine, reference, "Late", between_steps_only=True) >= NEWCOMERS // 2
 
 
 async def test_a_one_token_answer_from_an_interlude_ends_the_request(
