@@ -10,7 +10,7 @@
 # stdout, results.json under OUT (default .cache/against-llama-server).
 #
 # There is no llama-server package here and no hub to fetch one from, so the first run builds it from the llama.cpp
-# tree that llama-cpp-python's source distribution on PyPI carries (3.5 min on 2 cores here), into LLAMA_DIR, for the
+# tree that llama-cpp-python's source distribution on PyPI carries (3.5 min on 2 cores, 16 on a slower pair), into LLAMA_DIR, for the
 # vector extensions this CPU's flags list (a build dir for each set). Without AMX: GGML_NATIVE crashed in ggml-cpu's
 # AMX tile code (general protection fault at ldtilecfg) on a VM that does not let processes use the tiles.
 set -euo pipefail
