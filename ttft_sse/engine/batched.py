@@ -745,17 +745,23 @@ def _register_scheduler(counters: _PrefixCounters, *, paged: bool) -> str:
         def __init__(self, cache: Any, *args: Any, **kwargs: Any) -> None:
             super().__init__(cache, *args, **kwargs)
             counters.in_place = paged and attention.read_in_place(cache)
+            self._in_place: attention.InPlace | None = None
             if counters.in_place:
-                getattr(cache, attention.IN_PLACE).between = counters.between
+                self._in_place = getattr(cache, attention.IN_PLACE)
+                self._in_place.between = counters.between
 
         def schedule_batch(self, token_budget: int, cache_budget: int) -> Any:
             # A newcomer that came after the last layer of the step just done (its output layer, sampling, this
             # preparation: the interludes' checks come before each layer) gets its first token from an interlude
             # here, between two steps, rather than in the coming step beside the streams' rows: its prompt is then
             # a prefix hit below. Only while streams decode: an idle batch's burst is the coming step's.
-            in_place = getattr(self.cache, attention.IN_PLACE, None)
-            decoding = any(state.status == RequestStatus.DECODING for state in self.active_requests.values())
-            if in_place is not None and in_place.between is not None and counters.boundary and decoding:
+            in_place = self._in_place
+            if (
+                in_place is not None
+                and in_place.between is not None
+                and counters.boundary
+                and any(state.status == RequestStatus.DECODING for state in self.active_requests.values())
+            ):
                 in_place.between(in_place)
             return super().schedule_batch(token_budget, cache_budget)
 
