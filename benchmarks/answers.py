@@ -23,6 +23,8 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.engine_speed import QUESTIONS  # noqa: E402
+from ttft_sse.bench import prompts  # noqa: E402
 from ttft_sse.engine.models import bundled_gguf  # noqa: E402
 
 MORE = [
@@ -36,13 +38,8 @@ MORE = [
     "Why is the sky blue?",
     "Translate 'good morning' into Spanish.",
     "What is a noun?",
-    "Write a long story about a dragon who learns to bake bread.",
-    "Explain in detail how a steam engine works.",
-    "Describe your ideal city in detail.",
-    "What is Python?",
-    "Write a letter to a friend about your summer holidays.",
-    "Describe the history of the bicycle.",
 ]
+"""Short questions beside the file's and engine_speed.py's."""
 
 
 def main() -> None:
@@ -58,8 +55,8 @@ def main() -> None:
 
     gguf = bundled_gguf()
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    questions = [line.strip() for line in (ROOT / "benchmarks" / "chat-questions.txt").open() if line.strip()]
-    questions += [q for q in MORE if q not in questions]
+    questions = [p.messages[-1]["content"] for p in prompts.load(ROOT / "benchmarks" / "chat-questions.txt")]
+    questions += [q for q in dict.fromkeys([*MORE, *QUESTIONS]) if q not in questions]
 
     answers: dict[str, list[str]] = {name: [] for name in servers}
     with httpx.Client(timeout=300) as client:

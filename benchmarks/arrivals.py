@@ -18,7 +18,6 @@ import argparse
 import asyncio
 import os
 import random
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -27,6 +26,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.engine_speed import load  # noqa: E402
+from ttft_sse.bench import prompts  # noqa: E402
+from ttft_sse.bench.stats import percentile  # noqa: E402
 from ttft_sse.engine.base import ChatMessage, Engine, SamplingParams  # noqa: E402
 from ttft_sse.engine.batched import BatchedEngine  # noqa: E402
 
@@ -35,7 +36,7 @@ CLIENTS, REQUESTS = 8, 10
 
 async def scenario(engine: Engine, seed: int, pause: float) -> tuple[list[float], int, float]:
     """TTFTs in ms of the requests that found the batch busy, pieces of text, and seconds taken."""
-    questions = [line.strip() for line in (ROOT / "benchmarks" / "chat-questions.txt").open() if line.strip()]
+    questions = [p.messages[-1]["content"] for p in prompts.load(ROOT / "benchmarks" / "chat-questions.txt")]
     rng = random.Random(seed)
     ttfts: list[float] = []
     pieces = 0
@@ -79,11 +80,11 @@ async def bench(args: argparse.Namespace) -> None:
     print("| engine | at a busy batch | TTFT p50 / p90 / p99 / max ms | pieces/s | first tokens from interludes |")
     print("|---|---|---|---|---|")
     for spec, engine in engines.items():
-        got = sorted(ttfts[spec])
-        cuts = statistics.quantiles(got, n=100)
+        got = ttfts[spec]
+        p50, p90, p99 = (percentile(got, q) for q in (50, 90, 99))
         side = engine.stats().interlude_first_tokens if isinstance(engine, BatchedEngine) else 0
         print(
-            f"| {spec} | {len(got)} | {statistics.median(got):.0f} / {cuts[89]:.0f} / {cuts[98]:.0f} / {got[-1]:.0f} "
+            f"| {spec} | {len(got)} | {p50:.0f} / {p90:.0f} / {p99:.0f} / {max(got):.0f} "
             f"| {pieces[spec] / seconds[spec]:.1f} | {side} |"
         )
     for engine in engines.values():
