@@ -100,6 +100,19 @@ static inline pv pv_codes(__m128i q, pv scale, pv zero) {
 /* A panel's weights for inputs 2i and 2i+1. */
 static inline void pair(const uint8_t *codes, int bits, int64_t i, pv scale, pv zero, pv *w0, pv *w1) {
     __m128i a, b;
+#if defined(__AVX512F__)
+    if (bits == 4) {
+        /* q - 8 as a float, from a table of -8..7 by vpermps, which reads only a lane's low 4 bits: each byte
+           zero-extended to its lane gives the low nibble's value, and shifted right by 4 the high nibble's. The
+           same floats as converting q - 8, in 4 instructions for two inputs where the conversion took 9 (the
+           kernel alone, one thread: 1.3-1.5x faster at 1 row, 1.05-1.1x at 8, unchanged through the buffer). */
+        const __m512 table = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+        __m512i raw = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(codes + P * i)));
+        *w0 = _mm512_fmadd_ps(_mm512_permutexvar_ps(raw, table), scale, zero);
+        *w1 = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(raw, 4), table), scale, zero);
+        return;
+    }
+#endif
     if (bits == 4) {
         const __m128i low = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
         __m128i raw = _mm_loadu_si128((const __m128i *)(codes + P * i));
