@@ -36,6 +36,9 @@ has helper threads or interludes run, compare it under ``--kernel-helpers 0`` wi
 from the batch's own steps, or from the prefill process where it runs),
 ``:midstep`` with interludes between a step's layers only (before the twenty-third stop: not between two steps too),
 ``:unfused`` with transformers' decoder layers around the block kernel (``fused_layers`` off: before engine/decoder.py),
+``:kernelfrom`` with the block kernel built from the C files (kernel.c, decoder.c, kernel.h) in ``--kernel-from DIR``
+instead of the package's, so that a change of the kernel is timed beside the kernel before it in one process
+(``git show HEAD~1:ttft_sse/engine/kernel.c > DIR/kernel.c``, and the other two),
 ``:int4`` with the GGUF's Q4 codes on torch's int4 kernel and bf16 copies of the weights (``TTFT_INT4_WEIGHTS``;
 without a ``single:<dtype>:int4`` its greedy text is not checked against ``single:<dtype>``'s, since its answers are
 not the fp32 ones). Variants combine with ``+``: ``batched:float32:int4+repeat``.
@@ -49,12 +52,14 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from ttft_sse.engine import kernel
 from ttft_sse.engine.base import ChatMessage, Engine, Finished, Piece, Prompt, SamplingParams
 from ttft_sse.engine.batched import BatchedEngine
 from ttft_sse.engine.hf import HFEngine
@@ -191,6 +196,7 @@ VARIANTS = (
     "unfused",
     "nointerludes",
     "midstep",
+    "kernelfrom",
 )
 """The variants ``load`` knows (see the module's docstring)."""
 
@@ -223,7 +229,8 @@ def load(spec: str, args: argparse.Namespace) -> Engine:
         log_level="warning",
     )
     engine: BatchedEngine | HFEngine = BatchedEngine(settings) if kind == "batched" else HFEngine(settings)
-    engine.load(StageClock())
+    with kernel_from(args.kernel_from if "kernelfrom" in variants else None):
+        engine.load(StageClock())
     if "midstep" in variants and isinstance(engine, BatchedEngine):
         engine._counters.boundary = False  # interludes between a step's layers only, not between two steps
     if "rowmajor" in variants:
@@ -234,6 +241,29 @@ def load(spec: str, args: argparse.Namespace) -> Engine:
             if isinstance(module, torch.nn.Linear):
                 module.weight.data = module.weight.data.contiguous()
     return engine
+
+
+@contextmanager
+def kernel_from(directory: Path | None) -> Iterator[None]:
+    """While an engine loads: the block kernel built from ``directory``'s copies of its C files, if given. The
+    library has its own helper threads (its own copy of kernel.c's state), so each engine keeps to its own."""
+    if directory is None:
+        yield
+        return
+    sources = tuple(directory / source.name for source in kernel.SOURCES)
+    missing = [str(path) for path in (*sources, *(directory / h.name for h in kernel.HEADERS)) if not path.is_file()]
+    if missing:
+        raise SystemExit(f"--kernel-from: missing {', '.join(missing)}")
+    build = kernel.build
+
+    def from_directory(target: Path, chosen: tuple[Path, ...] = kernel.SOURCES, name: str = "blocks") -> Path:
+        return build(target, sources if chosen == kernel.SOURCES else chosen, name)
+
+    kernel.build = from_directory
+    try:
+        yield
+    finally:
+        kernel.build = build
 
 
 async def bench(args: argparse.Namespace) -> None:
@@ -372,7 +402,16 @@ def main() -> None:
         help="the block kernel's helper threads (TTFT_KERNEL_HELPERS; -1: the default). They are the process's: the "
         "first engine that starts them shares them with every engine of the run, so compare helpers across runs",
     )
-    asyncio.run(bench(parser.parse_args()))
+    parser.add_argument(
+        "--kernel-from",
+        type=Path,
+        default=None,
+        help="a directory holding kernel.c, decoder.c and kernel.h, for the :kernelfrom variant",
+    )
+    args = parser.parse_args()
+    if "kernelfrom" in args.engines and args.kernel_from is None:
+        parser.error("the :kernelfrom variant needs --kernel-from DIR")
+    asyncio.run(bench(args))
 
 
 if __name__ == "__main__":
