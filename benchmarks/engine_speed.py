@@ -38,7 +38,9 @@ from the batch's own steps, or from the prefill process where it runs),
 ``:unfused`` with transformers' decoder layers around the block kernel (``fused_layers`` off: before engine/decoder.py),
 ``:kernelfrom`` with the block kernel built from the C files (kernel.c, decoder.c, kernel.h) in ``--kernel-from DIR``
 instead of the package's, so that a change of the kernel is timed beside the kernel before it in one process
-(``git show HEAD~1:ttft_sse/engine/kernel.c > DIR/kernel.c``, and the other two),
+(``git show HEAD~1:ttft_sse/engine/kernel.c > DIR/kernel.c``, and the other two; run both orders: with the same
+kernel on both sides the engine listed first was 1-5 % faster, and a kernel's few per cent are better timed alone
+by kernel_layers.py),
 ``:int4`` with the GGUF's Q4 codes on torch's int4 kernel and bf16 copies of the weights (``TTFT_INT4_WEIGHTS``;
 without a ``single:<dtype>:int4`` its greedy text is not checked against ``single:<dtype>``'s, since its answers are
 not the fp32 ones). Variants combine with ``+``: ``batched:float32:int4+repeat``.
