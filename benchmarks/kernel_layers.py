@@ -19,6 +19,7 @@ as it is (shared machines vary from run to run; compare the two columns of one r
 from __future__ import annotations
 
 import argparse
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -98,7 +99,10 @@ def compile_side(directory: Path, into: Path, label: str) -> Path:
     source.write_text(HARNESS % {"kernel": (directory / "kernel.c").resolve()})
     program = into / label
     flags = [flag for flag in kernel.FLAGS if flag not in ("-shared", "-fPIC", "-std=c11")]
-    subprocess.run(["cc", *flags, "-std=gnu11", "-o", str(program), str(source), "-lpthread"], check=True)
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise SystemExit("no C compiler (cc or gcc) on PATH")
+    subprocess.run([compiler, *flags, "-std=gnu11", "-o", str(program), str(source), "-lpthread"], check=True)
     return program
 
 
