@@ -61,6 +61,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks import kernel_layers
 from ttft_sse.engine import kernel
 from ttft_sse.engine.base import ChatMessage, Engine, Finished, Piece, Prompt, SamplingParams
 from ttft_sse.engine.batched import BatchedEngine
@@ -252,10 +253,7 @@ def kernel_from(directory: Path | None) -> Iterator[None]:
     if directory is None:
         yield
         return
-    sources = tuple(directory / source.name for source in kernel.SOURCES)
-    missing = [str(path) for path in (*sources, *(directory / h.name for h in kernel.HEADERS)) if not path.is_file()]
-    if missing:
-        raise SystemExit(f"--kernel-from: missing {', '.join(missing)}")
+    sources = kernel_layers.kernel_files(directory)
     build = kernel.build
 
     def from_directory(target: Path, chosen: tuple[Path, ...] = kernel.SOURCES, name: str = "blocks") -> Path:

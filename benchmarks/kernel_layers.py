@@ -20,7 +20,6 @@ as it is (shared machines vary from run to run; compare the two columns of one r
 from __future__ import annotations
 
 import argparse
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -92,17 +91,26 @@ int main(int argc, char **argv) {
 """
 
 
+def kernel_files(directory: Path) -> tuple[Path, ...]:
+    """``directory``'s copies of the block kernel's sources (kernel.py's ``SOURCES``: kernel.c, decoder.c); exits
+    naming any of them, or of the headers they include, that is not there."""
+    sources = tuple(directory / source.name for source in kernel.SOURCES)
+    missing = [str(path) for path in (*sources, *(directory / h.name for h in kernel.HEADERS)) if not path.is_file()]
+    if missing:
+        raise SystemExit(f"missing {', '.join(missing)}")
+    return sources
+
+
 def compile_side(directory: Path, into: Path, label: str) -> Path:
-    for name in ("kernel.c", "decoder.c", "kernel.h"):
-        if not (directory / name).is_file():
-            raise SystemExit(f"{directory}: no {name}")
     source = into / f"{label}.c"
-    source.write_text(HARNESS % {"kernel": (directory / "kernel.c").resolve()})
+    kernel_files(directory)
+    source.write_text(HARNESS % {"kernel": (directory / kernel.SOURCE.name).resolve()})
     program = into / label
     flags = [flag for flag in kernel.FLAGS if flag not in ("-shared", "-fPIC", "-std=c11")]
-    compiler = shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise SystemExit("no C compiler (cc or gcc) on PATH")
+    try:
+        compiler = kernel.c_compiler()
+    except RuntimeError as exc:
+        raise SystemExit(str(exc)) from None
     subprocess.run([compiler, *flags, "-std=gnu11", "-o", str(program), str(source), "-lpthread"], check=True)
     return program
 

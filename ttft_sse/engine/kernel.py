@@ -85,13 +85,20 @@ panels expanded once and reused by them) and seventeen (the panels expanded once
 ``FUSED_ROWS``)."""
 
 
+def c_compiler() -> str:
+    """The C compiler the kernels are built with: ``cc``, else ``gcc``. Raises ``RuntimeError`` if neither is on
+    PATH."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise RuntimeError("no C compiler (cc or gcc) on PATH")
+    return compiler
+
+
 def build(directory: Path, sources: tuple[Path, ...] = SOURCES, name: str = "blocks") -> Path:
     """The C files ``sources`` (this kernel's library, or engine/attention.c) compiled for this CPU into one library
     in ``directory``, ``name-<hash>.so``, compiled now if it is not there yet. Raises ``OSError`` (``RuntimeError``
     for a failed compile) with the reason."""
-    compiler = shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise RuntimeError("no C compiler (cc or gcc) on PATH")
+    compiler = c_compiler()
     key = hashlib.sha256(
         b"\0".join(
             [
