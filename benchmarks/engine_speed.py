@@ -36,6 +36,8 @@ has helper threads or interludes run, compare it under ``--kernel-helpers 0`` wi
 from the batch's own steps, or from the prefill process where it runs),
 ``:midstep`` with interludes between a step's layers only (before the twenty-third stop: not between two steps too),
 ``:unfused`` with transformers' decoder layers around the block kernel (``fused_layers`` off: before engine/decoder.py),
+``:perlayer`` with a batched step's decoder layers one C call each (before the twenty-fifth stop, when the step's first
+layer began to run them all in one call: decoder.run_layers),
 ``:kernelfrom`` with the block kernel built from the C files (kernel.c, decoder.c, kernel.h) in ``--kernel-from DIR``
 instead of the package's, so that a change of the kernel is timed beside the kernel before it in one process
 (``git show HEAD~1:ttft_sse/engine/kernel.c > DIR/kernel.c``, and the other two; run both orders: with the same
@@ -200,6 +202,7 @@ VARIANTS = (
     "nointerludes",
     "midstep",
     "kernelfrom",
+    "perlayer",
 )
 """The variants ``load`` knows (see the module's docstring)."""
 
@@ -236,6 +239,10 @@ def load(spec: str, args: argparse.Namespace) -> Engine:
         engine.load(StageClock())
     if "midstep" in variants and isinstance(engine, BatchedEngine):
         engine._counters.boundary = False  # interludes between a step's layers only, not between two steps
+    if "perlayer" in variants:
+        # One C call a decoder layer in a batched step, as before decoder.run_layers ran them all in one.
+        for layer in engine.model.model.layers:
+            layer.chain = None
     if "rowmajor" in variants:
         # The layout before the engine stored fp32 linear weights transposed (engine/weights.py).
         import torch

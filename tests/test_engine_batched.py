@@ -15,7 +15,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from tests.servers import eventually
-from ttft_sse.engine import attention
+from ttft_sse.engine import attention, decoder
 from ttft_sse.engine.base import ChatMessage, Finished, Piece, Prompt, SamplingParams
 from ttft_sse.engine.batched import BLOCK_TOKENS, BatchedEngine
 from ttft_sse.engine.hf import CacheJanitor, HFEngine
@@ -115,15 +115,17 @@ async def test_concurrent_greedy_requests_give_the_single_engines_text(
         return real(query, key, value, *args, **kwargs)
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
-    whole: list[int] = []  # decoder layer calls that wrote their keys and values and attended in one C call
-    shared = attention.InPlace.step
+    # Steps whose decoder layers all ran in one C call (engine/decoder.py's run_layers), and layers run alone.
+    stacked: list[int] = []
+    alone: list[int] = []
+    run_layers, whole = decoder.run_layers, decoder.whole
 
-    def step(self: attention.InPlace, module: Any, kwargs: dict[str, Any]) -> attention.Step | None:
-        found = shared(self, module, kwargs)
-        whole.extend([1] if found is not None else [])
-        return found
+    def stack(*arguments: Any, between: bool) -> Any:
+        stacked.extend([1] if between else [])  # a step's, not an interlude's pass
+        return run_layers(*arguments, between=between)
 
-    monkeypatch.setattr(attention.InPlace, "step", step)
+    monkeypatch.setattr(decoder, "run_layers", stack)
+    monkeypatch.setattr(decoder, "whole", lambda *arguments: alone.append(1) or whole(*arguments))
     asks = [
         (QUESTION, 32),
         ("Name three colors.", 24),
@@ -138,10 +140,10 @@ async def test_concurrent_greedy_requests_give_the_single_engines_text(
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", real)
     steps = engine.stats().steps - before
     # Every attention call of the batch went the way asked; paged, the library gathered nothing (and no prompt is
-    # long enough for SDPA), and every layer of every step ran in one C call (engine/decoder.py). The other ways
+    # long enough for SDPA), and every step ran its 30 layers in one C call (engine/decoder.py). The other ways
     # gather in engine/attention.py: the engine's cache reads in place.
     assert heads == {"paged": set(), "grouped-kv": {3}, "repeated-kv": {9}}[way]
-    assert len(whole) == (30 * steps if way == "paged" else 0)
+    assert (len(stacked), alone) == ((steps if way == "paged" else 0), [])
     if way == "paged":
         assert gathers == []
     for (question, max_tokens), (text, finished) in zip(asks, got, strict=True):

@@ -77,8 +77,12 @@ def test_every_decoder_layer_of_the_bundled_model_runs_in_c_and_the_log_says_so(
     engine, logs = loaded
     layers = list(engine.model.model.layers)
     assert len(layers) == 30 and all(type(layer) is decoder.fused_layer_class() for layer in layers)
-    assert {"event": "decoder_fused", "log_level": "info", "layers": 30, "of": 30} in logs
+    assert {"event": "decoder_fused", "log_level": "info", "layers": 30, "of": 30, "one_call": True} in logs
     assert engine.info.weights == "gguf-blocks"
+    # All of them, in order: a batched step's first layer runs them in one call (run_layers).
+    chain = layers[0].chain
+    assert chain is not None and chain.layers == tuple(layers) and all(layer.chain is chain for layer in layers)
+    assert list(chain.addresses) == [layer.address for layer in layers]
 
 
 def test_the_fused_model_gives_the_librarys_logits_within_roundings_and_the_same_next_tokens(
@@ -119,7 +123,7 @@ def test_with_int8_rows_every_decoder_layer_runs_in_c_too_and_predicts_what_the_
     layers = list(engine.model.model.layers)
     assert all(type(layer) is decoder.fused_layer_class() for layer in layers)
     assert all(layer.arithmetic.q.int8 == 1 and layer.arithmetic.down.int8 == 1 for layer in layers)
-    assert {"event": "decoder_fused", "log_level": "info", "layers": 30, "of": 30} in logs
+    assert {"event": "decoder_fused", "log_level": "info", "layers": 30, "of": 30, "one_call": True} in logs
     assert engine.info.weights == "gguf-blocks-int8"
     ids = engine.tokenizer(PASSAGE, return_tensors="pt").input_ids
     with torch.inference_mode():
@@ -211,6 +215,69 @@ def test_a_batched_steps_layer_in_one_call_is_its_head_cache_write_attention_and
     assert torch.equal(got, want)
     assert all(torch.equal(g, w) for g, w in zip(got_cache, want_cache, strict=True))
     assert not torch.equal(got_cache[0], cache[0]) and bool(want.abs().sum() > 0)
+
+
+def test_a_steps_layers_in_one_call_are_each_layers_call_in_turn_and_stop_where_the_flag_says(
+    loaded: tuple[HFEngine, list[dict[str, Any]]],
+) -> None:
+    """decoder.c's ttft_decoder_stack over four layers of the bundled model against ttft_decoder_layer called for
+    each in turn: the same bits, in the output and in each layer's cache rows. With the flag raised it stops before
+    the second layer, the first one's output in out; taken up from there (x and out the same tensor), it ends with
+    the same bits."""
+    engine, _ = loaded
+    layers = list(engine.model.model.layers)[4:8]
+    module, numbers = layers[0].self_attn, layers[0].arithmetic
+    requests = [(1, 6), (4, 4), (2, 9)]
+    rows, keys = sum(r for r, _ in requests), sum(k for _, k in requests)
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(rows, numbers.hidden, generator=generator)
+    cos, sin = (torch.rand(rows, numbers.dim, generator=generator) for _ in range(2))
+    caches = [[torch.randn(40, numbers.kv_heads, numbers.dim, generator=generator) for _ in range(2)] for _ in layers]
+    index = torch.randperm(40, generator=generator)[:keys]
+    cu_q, cu_k = attention.starts(torch, requests)
+    write = torch.cat([index[int(cu_k[s + 1]) - n : int(cu_k[s + 1])] for s, (n, _) in enumerate(requests)])
+    shared = attention.Step(write, index, cu_q, cu_k, len(requests), caches[0][0].stride(0), caches[0][0].stride(1), 40)
+    step = decoder.c_step(shared, module)
+
+    def one_by_one(count: int) -> tuple[Any, list[list[Any]]]:
+        cache = [[t.clone() for t in pair] for pair in caches]
+        y = x
+        for layer, (k, v) in zip(layers[:count], cache, strict=False):
+            out = torch.empty(rows, numbers.hidden)
+            status = layer.whole(
+                layer.address, ctypes.addressof(step), y.data_ptr(), rows, cos.data_ptr(), sin.data_ptr(),
+                k.data_ptr(), v.data_ptr(), out.data_ptr(),
+            )  # fmt: skip
+            assert status == 0
+            y = out
+        return y, cache
+
+    got_cache = [[t.clone() for t in pair] for pair in caches]
+    pointers = [(ctypes.c_void_p * len(layers))(*values) for values in (
+        [layer.address for layer in layers],
+        [ctypes.addressof(step)] * len(layers),
+        [pair[0].data_ptr() for pair in got_cache],
+        [pair[1].data_ptr() for pair in got_cache],
+    )]  # fmt: skip
+    waiting = ctypes.c_int32(1)
+    stack = decoder.Stack(len(layers), *(ctypes.addressof(p) for p in pointers), ctypes.addressof(waiting))
+    run = decoder.function(kernel.build(DIRECTORY), decoder.STACK)
+    y = torch.empty(rows, numbers.hidden)
+    arguments = (rows, cos.data_ptr(), sin.data_ptr(), y.data_ptr())
+    assert run(ctypes.addressof(stack), 0, x.data_ptr(), *arguments) == 1  # stopped before the second layer
+    first, first_cache = one_by_one(1)
+    assert torch.equal(y, first)
+    assert all(
+        torch.equal(g, w) for gp, wp in zip(got_cache, first_cache, strict=True) for g, w in zip(gp, wp, strict=True)
+    )
+    waiting.value = 0
+    assert run(ctypes.addressof(stack), 1, y.data_ptr(), *arguments) == len(layers)
+    want, want_cache = one_by_one(len(layers))
+    assert torch.equal(y, want) and not torch.equal(want, first)
+    assert all(
+        torch.equal(g, w) for gp, wp in zip(got_cache, want_cache, strict=True) for g, w in zip(gp, wp, strict=True)
+    )
+    assert not torch.equal(got_cache[-1][0], caches[-1][0])
 
 
 def test_silu_times_up_is_within_roundings_of_fp64_over_the_whole_range(library: Path) -> None:

@@ -18,7 +18,7 @@ from structlog.testing import capture_logs
 
 from tests.test_engine_batched import STORY, collect, prompt_of
 from tests.test_engine_prefill import QUESTIONS, SYSTEM, eventually_idle
-from ttft_sse.engine import attention, interlude
+from ttft_sse.engine import attention, decoder, interlude
 from ttft_sse.engine.base import Finished, Piece, SamplingParams, Usage
 from ttft_sse.engine.batched import BLOCK_TOKENS, BatchedEngine
 from ttft_sse.engine.hf import HFEngine
@@ -103,6 +103,86 @@ async def test_newcomers_at_a_busy_batch_get_the_single_engines_text_and_their_p
     engine: BatchedEngine, reference: HFEngine
 ) -> None:
     assert await newcomers(engine, reference, "Newcomer") >= 1
+
+
+@contextmanager
+def recorded(engine: BatchedEngine, calls: list[tuple[int, int]], *, flag: bool = False) -> Iterator[decoder.Chain]:
+    """The model's layers run in one call through a wrapper that records each call's first layer and what it
+    returned; with ``flag``, the interludes' flag is raised before each call from the first layer, as a newcomer that
+    came during it would."""
+    layers = list(engine.model.model.layers)
+    chain = layers[0].chain
+    assert chain is not None and all(layer.chain is chain for layer in layers)
+    assert engine.interludes is not None
+    waiting = engine.interludes.waiting
+
+    def run(stack: int, start: int, *arguments: int) -> int:
+        if flag and start == 0:
+            waiting.value = 1
+        status = int(chain.run(stack, start, *arguments))
+        calls.append((start, status))
+        return status
+
+    recording = decoder.Chain(chain.layers, chain.addresses, run)
+    for layer in layers:
+        layer.chain = recording
+    try:
+        yield chain
+    finally:
+        for layer in layers:
+            layer.chain = chain
+        waiting.value = 0
+
+
+async def test_a_steps_layers_run_in_one_call_that_stops_where_a_newcomer_waits_and_goes_on_from_there(
+    engine: BatchedEngine, reference: HFEngine
+) -> None:
+    """Every decoder layer is fused, so a batched step's first layer runs them all in one C call (decoder.run_layers).
+    The interludes' flag, raised while it runs the first layer, stops it before the second: the interlude runs
+    there, and the call goes on from that layer. The text is the single engine's."""
+    params = SamplingParams(max_tokens=12)
+    want = answer(await collect(reference.stream(prompt_of(reference, STORY, SYSTEM), params)))
+    in_place = getattr(engine._manager.batch_processor.cache, attention.IN_PLACE)
+    serve = in_place.between
+    flags: list[int] = []
+
+    def between(cache: attention.InPlace) -> None:
+        if sys._getframe(1).f_code.co_name == "run_layers":  # not between two steps (schedule_batch)
+            flags.append(in_place.waiting.value)
+        in_place.waiting.value = 0  # as the interlude's serving a newcomer would
+        serve(cache)
+
+    calls: list[tuple[int, int]] = []
+    in_place.between = between
+    try:
+        with recorded(engine, calls, flag=True) as chain:
+            assert answer(await collect(engine.stream(prompt_of(engine, STORY, SYSTEM), params))) == want
+    finally:
+        in_place.between = serve
+    count = len(chain.layers)
+    # Each step: a call from the first layer that stops before the second, then one from the second to the end.
+    assert len(calls) >= 2 * params.max_tokens - 2 and len(calls) % 2 == 0
+    assert calls == [(0, 1), (1, count)] * (len(calls) // 2)
+    # Within the steps, the interlude ran before each one's first layer (no flag), and where the call stopped.
+    assert flags == [0, 1] * (len(calls) // 2)
+
+
+async def test_in_one_call_newcomers_get_the_single_engines_text_and_no_layer_is_called_on_its_own(
+    engine: BatchedEngine, reference: HFEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With real newcomers at a busy batch: the steps and the interludes' own passes run their layers in one call,
+    never one layer alone (decoder.whole), and where a newcomer stopped a call it went on from that layer."""
+    alone: list[int] = []
+    whole = decoder.whole
+    monkeypatch.setattr(decoder, "whole", lambda *arguments: alone.append(1) or whole(*arguments))
+    calls: list[tuple[int, int]] = []
+    with recorded(engine, calls) as chain:
+        assert await newcomers(engine, reference, "Stopped") >= 1
+    count = len(chain.layers)
+    assert calls and alone == []
+    assert all(0 <= start < status <= count for start, status in calls)
+    stopped = [i for i, (_, status) in enumerate(calls) if status < count]
+    assert all(any(start == calls[i][1] for start, _ in calls[i + 1 :]) for i in stopped)
 
 
 async def test_a_newcomer_after_a_steps_last_layer_gets_its_first_token_between_two_steps(
@@ -190,16 +270,19 @@ async def test_a_failing_interlude_leaves_the_batch_to_answer_and_says_so(
 async def test_waiting_prompts_are_answered_none_when_nobody_wants_them_or_the_engine_stops() -> None:
     side = Interlude(model=None)
     wanted = {"a": True, "b": False}
+    assert side.waiting.value == 0
     a = asyncio.ensure_future(side.first_token((1, 2, 3), lambda: wanted["a"]))
     b = asyncio.ensure_future(side.first_token((4, 5, 6), lambda: wanted["b"]))
     await asyncio.sleep(0)
+    assert side.waiting.value == 2  # what the decoder layers in one call read: stop, a newcomer waits
     side.sweep()
     assert await asyncio.wait_for(b, 5) is None
-    assert not a.done()
+    assert not a.done() and side.waiting.value == 1
     side.stop()
     assert await asyncio.wait_for(a, 5) is None
+    assert side.waiting.value == 0
     assert await side.first_token((7,), lambda: True) is None  # stopped: not even queued
-    assert side.state == "stopped"
+    assert side.state == "stopped" and side.waiting.value == 0
 
 
 async def test_where_interludes_run_the_prefill_process_does_not(settings: Settings) -> None:

@@ -315,6 +315,13 @@ class InPlace:
         self.between: Callable[[InPlace], None] | None = None
         """Called with this cache before each layer of a batched step that the decoder layers in C compute whole
         (engine/decoder.py): the batched engine's interludes (engine/interlude.py), where it runs them."""
+        self.waiting: Any = None
+        """With :attr:`between`, a ctypes int that is not 0 while it has something to do (a newcomer waits): the
+        decoder layers run in one call (engine/decoder.py's ``run_layers``) read it before each layer, and stop
+        there for it. None: they run one by one, ``between`` called before each."""
+        self.stacked: Any = None
+        """The output of the step in flight's decoder layers, computed in one call by its first layer: the later
+        layers pass it on."""
 
     def step(self, module: Any, kwargs: dict[str, Any]) -> Step | None:
         """For a layer's call in a batched step that :func:`paged_attention` computes whole (``module`` marked by

@@ -195,6 +195,7 @@ class BatchedEngine:
             if reason is None:
                 self._prefill = Interlude(self.model)
                 self._counters.between = self._prefill.serve
+                self._counters.waiting = self._prefill.waiting
                 log.info("interludes_on")
                 return
             log.info("interludes_off", reason=reason)
@@ -724,6 +725,7 @@ class _PrefixCounters:
     hit_tokens: int = 0
     in_place: bool = False  # the loop's cache hands the attention its rows in place (attention.read_in_place)
     between: Callable[[Any], None] | None = None  # called between a batched step's layers (attention.InPlace.between)
+    waiting: Any = None  # a ctypes int, not 0 while between has work (attention.InPlace.waiting)
     boundary: bool = True  # and between two steps (CountingScheduler.schedule_batch); False only to compare
 
 
@@ -749,6 +751,7 @@ def _register_scheduler(counters: _PrefixCounters, *, paged: bool) -> str:
             if counters.in_place:
                 self._in_place = getattr(cache, attention.IN_PLACE)
                 self._in_place.between = counters.between
+                self._in_place.waiting = counters.waiting
 
         def schedule_batch(self, token_budget: int, cache_budget: int) -> Any:
             # A newcomer that came after the last layer of the step just done (its output layer, sampling, this

@@ -6,7 +6,8 @@
      x = x + a.Wo;  h = norm(x);  x = x + (silu(h.Wg) * h.Wu).Wd                  (ttft_decoder_tail)
    In a batched step over a paged KV cache read in place, ttft_decoder_layer does all three in one call: the head,
    the new keys and values written into the cache's rows, the attention by attention.c's function (handed over as
-   a pointer: it is built into its own library), the tail.
+   a pointer: it is built into its own library), the tail; and ttft_decoder_stack runs a step's layers one after
+   another in one call, stopping between two of them when a newcomer waits (decoder.py's stack).
    with norm(x) = w * (x * (1 / sqrt(mean(x^2) + eps))) and silu(g) = g / (1 + exp(-g)). Every linear layer is the
    block kernel's (kernel.c), on the layer's GGUF blocks, with fp32 rows or rows quantised to int8. Each step is one
    row's own arithmetic, so a row's result does not depend on the other rows of the call, as with the kernel alone.
@@ -219,4 +220,47 @@ int ttft_decoder_layer(const struct layer *L, const struct step *S, const float 
                            S->cu_q, S->cu_k, S->requests, S->max_rows, S->scale, a);
     if (status != 0) return -3;
     return ttft_decoder_tail(L, x, a, M, out);
+}
+
+struct stack { /* decoder.py's Stack: a batched step's layers, in order */
+    int64_t count;
+    const struct layer *const *layers;
+    const struct step *const *steps; /* each layer's */
+    float *const *keys, *const *values; /* each layer's cache rows */
+    const volatile int32_t *waiting;    /* nonzero: a newcomer waits (the interludes' flag); NULL: never */
+};
+
+/* One buffer a thread for the rows between two layers of a stack (two halves, in turn), kept. */
+static float *stack_scratch(int64_t floats) {
+    static _Thread_local struct ttft_buffer kept = {NULL, 0};
+    return ttft_grow(&kept, floats);
+}
+
+/* Layers from .. count-1 of S, each ttft_decoder_layer on the previous one's output (x for the first), the last
+   one's output into out (which may be x). Before each layer after the first, a nonzero *waiting stops it: out
+   then holds the output of the layers done, and it returns the layer it stopped before, for the caller to go on
+   from there. Returns count once all are done, or the error of a layer (negative: ttft_decoder_layer's, or -1 if
+   a buffer cannot be allocated). The same calls as the layers one by one, so the same bits. */
+int ttft_decoder_stack(const struct stack *S, int64_t from, const float *x, int64_t M, const float *cos,
+                       const float *sin, float *out) {
+    if (from >= S->count || M <= 0) { /* nothing to compute: out is x */
+        if (M > 0 && S->count > 0 && out != x) memcpy(out, x, sizeof(float) * (size_t)(M * S->layers[0]->hidden));
+        return (int)S->count;
+    }
+    int64_t H = S->layers[0]->hidden;
+    float *halves = stack_scratch(2 * M * H);
+    if (halves == NULL) return -1;
+    const float *in = x;
+    float *next = halves;
+    int64_t i = from;
+    for (; i < S->count; i++) {
+        if (i > from && S->waiting != NULL && *S->waiting != 0) break;
+        int status =
+            ttft_decoder_layer(S->layers[i], S->steps[i], in, M, cos, sin, S->keys[i], S->values[i], next);
+        if (status != 0) return status;
+        in = next;
+        next = next == halves ? halves + M * H : halves;
+    }
+    if (in != out) memcpy(out, in, sizeof(float) * (size_t)(M * H));
+    return (int)i;
 }

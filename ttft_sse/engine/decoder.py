@@ -22,6 +22,15 @@ index arrays a step's layers share are made once, by its first layer (:meth:`att
 arithmetic in the same order as the calls it replaces, so the same bits (a test); other calls (the single engine's
 dense cache, the prefill process's, long prompts, a softcap or sliding window) keep the two halves.
 
+Even so, the Python around each layer's call (the library's module calls, the rotary tables made contiguous, the
+output allocated, the call's arguments, the GIL taken back after it) was 3.5 ms of a 12 ms pass over the 30 layers
+at one stream and 5 ms of 25 at eight (`/tmp` script timing the calls inside the model's forward). So where every
+decoder layer of the model is fused, a batched step's first layer computes them all in one call
+(``ttft_decoder_stack``, :func:`run_layers`): each layer's ``ttft_decoder_layer`` in turn, the same calls, so the
+same bits; the step's later layers hand its output on. The interludes still run between two layers: the call
+stops before a layer when their flag says a newcomer waits (:attr:`attention.InPlace.waiting`), and goes on from
+there after them. The interludes' own passes use it too.
+
 The results are within roundings of the library's layer (the norm's mean sums in another order; exp is a
 polynomial): checked against it on a probe at load, else the layers stay as they were (``decoder_not_fused`` in the
 log, with the reason). Each row's result is its own arithmetic alone, as with the kernel: a stream's answer does not
@@ -34,6 +43,8 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import weakref
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +55,7 @@ from ttft_sse.engine import attention, kernel, weights
 log = structlog.get_logger("ttft_sse.engine")
 
 HEAD, TAIL, LAYER, SILU_MUL = "ttft_decoder_head", "ttft_decoder_tail", "ttft_decoder_layer", "ttft_silu_mul"
+STACK = "ttft_decoder_stack"
 """decoder.c's functions."""
 LINEARS = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj"}
 LINEARS |= {"gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
@@ -55,6 +67,7 @@ _ARGUMENTS = {
     TAIL: (_PTR, _PTR, _PTR, _I64, _PTR),  # layer, x, attention's output, rows, out
     LAYER: (_PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR),  # layer, step, x, rows, cos, sin, keys, values, out
     SILU_MUL: (_PTR, _PTR, _I64),  # g, u, n
+    STACK: (_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR),  # stack, from, x, rows, cos, sin, out
 }
 
 
@@ -97,6 +110,125 @@ class Step(ctypes.Structure):
     ]
 
 
+class Stack(ctypes.Structure):
+    """decoder.c's ``struct stack``: a batched step's layers in order, each with its step and its cache rows, and
+    the flag that stops the call between two of them."""
+
+    _fields_ = [("count", _I64), *((name, _PTR) for name in ("layers", "steps", "keys", "values", "waiting"))]
+
+
+@dataclass(frozen=True)
+class Chain:
+    """Every decoder layer of a model, fused, in order (:func:`fuse` gives each of them the model's): what
+    :func:`run_layers` computes in one call."""
+
+    layers: tuple[Any, ...]
+    addresses: Any  # a ctypes array of each layer's ``Layer``
+    run: Any  # ttft_decoder_stack
+
+
+@dataclass(frozen=True)
+class _Rows:
+    """A chain's layers' cache rows in one paged cache, as decoder.c reads them; the cache's allocator group of each
+    layer, and the first layer's attention module of each group (it names the group's step)."""
+
+    keys: Any
+    values: Any
+    groups: tuple[int, ...]
+    firsts: dict[int, Any]
+
+
+_rows_of: weakref.WeakKeyDictionary[attention.InPlace, _Rows] = weakref.WeakKeyDictionary()
+"""Each paged cache's :class:`_Rows`, made at its first step that runs the layers in one call."""
+
+
+def _rows(chain: Chain, in_place: attention.InPlace) -> _Rows:
+    found = _rows_of.get(in_place)
+    if found is None:
+        indices = [layer.self_attn.layer_idx for layer in chain.layers]
+        keys, values = ((_PTR * len(indices))(*(in_place.rows[i][n].data_ptr() for i in indices)) for n in (0, 1))
+        groups = tuple(in_place.cache.layer_to_allocator[i].index for i in indices)
+        firsts: dict[int, Any] = {}
+        for layer, group in zip(chain.layers, groups, strict=True):
+            firsts.setdefault(group, layer.self_attn)
+        found = _rows_of[in_place] = _Rows(keys, values, groups, firsts)
+    return found
+
+
+def step_groups(chain: Chain, in_place: attention.InPlace, kwargs: dict[str, Any]) -> dict[int, attention.Step] | None:
+    """The step of each allocator group of ``chain``'s layers in the batched step ``kwargs`` describe
+    (:meth:`attention.InPlace.step`), or None if one of them is not computed in one call."""
+    steps: dict[int, attention.Step] = {}
+    for group, module in _rows(chain, in_place).firsts.items():
+        shared = in_place.step(module, kwargs)
+        if shared is None:
+            return None
+        steps[group] = shared
+    return steps
+
+
+def run_layers(
+    chain: Chain,
+    in_place: attention.InPlace,
+    steps: dict[int, attention.Step],
+    x: Any,
+    rows: int,
+    cos: Any,
+    sin: Any,
+    *,
+    between: bool,
+) -> Any:
+    """The output of ``chain``'s layers for the ``rows`` rows of ``x``, in one C call (``ttft_decoder_stack``): each
+    layer's one call (as :func:`whole`) in turn over the paged cache of ``in_place``, by the step of its allocator
+    group (``steps``). With ``between``, ``in_place.between`` runs before the first layer and wherever the call
+    stops because ``in_place.waiting`` says a newcomer waits; the call then goes on from that layer."""
+    import torch
+
+    found = _rows(chain, in_place)
+    made = {group: _c_step(shared, found.firsts[group]) for group, shared in steps.items()}  # held: C reads them
+    pointers = (_PTR * len(found.groups))(*(ctypes.addressof(made[group]) for group in found.groups))
+    waiting = in_place.waiting if between else None
+    stack = Stack(
+        len(chain.layers), ctypes.addressof(chain.addresses), ctypes.addressof(pointers),
+        ctypes.addressof(found.keys), ctypes.addressof(found.values),
+        None if waiting is None else ctypes.addressof(waiting),
+    )  # fmt: skip
+    serve = in_place.between if between else None
+    if serve is not None:
+        serve(in_place)  # an interlude (engine/interlude.py), if a newcomer waits
+    y = torch.empty_like(x)
+    at, source = 0, x
+    while True:
+        status = chain.run(
+            ctypes.addressof(stack), at, source.data_ptr(), rows, cos.data_ptr(), sin.data_ptr(), y.data_ptr()
+        )
+        if status < 0:
+            raise RuntimeError(f"the C decoder layers failed ({status})")
+        if status >= len(chain.layers):
+            return y
+        at, source = status, y  # stopped before layer `status`: y holds the output of the layers before it
+        if serve is not None:
+            serve(in_place)
+
+
+def _c_step(shared: attention.Step, module: Any) -> Step:
+    """``shared`` as decoder.c reads it, for the layers of ``module``'s kind (marked by :func:`attention.page`); the
+    arrays stay ``shared``'s (the caller holds both while C reads them)."""
+    function = getattr(module, attention.PAGED)
+    part = getattr(module, attention.PAGED_PART, None)
+    arrays = (shared.write, shared.index, shared.cu_q, shared.cu_k)
+    return Step(
+        ctypes.cast(function, _PTR).value,
+        None if part is None else ctypes.cast(part, _PTR).value,
+        *(a.data_ptr() for a in arrays),
+        shared.requests,
+        shared.key_stride,
+        shared.head_stride,
+        attention.LONG_ROWS,
+        module.scaling,
+    )
+
+
 def c_step(shared: attention.Step, module: Any) -> Step:
     """``shared`` as decoder.c reads it, for the layers of ``module``'s kind (marked by :func:`attention.page`); the
     arrays stay ``shared``'s (the caller holds both while C reads them). The last one made is kept, for the step's
@@ -104,19 +236,7 @@ def c_step(shared: attention.Step, module: Any) -> Step:
     global _last
     made, step = _last
     if made is not shared:
-        function = getattr(module, attention.PAGED)
-        part = getattr(module, attention.PAGED_PART, None)
-        arrays = (shared.write, shared.index, shared.cu_q, shared.cu_k)
-        step = Step(
-            ctypes.cast(function, _PTR).value,
-            None if part is None else ctypes.cast(part, _PTR).value,
-            *(a.data_ptr() for a in arrays),
-            shared.requests,
-            shared.key_stride,
-            shared.head_stride,
-            attention.LONG_ROWS,
-            module.scaling,
-        )
+        step = _c_step(shared, module)
         _last = (shared, step)
     return step
 
@@ -166,10 +286,16 @@ def fuse(model: Any, torch: Any, library: Path) -> int:
     except (AttributeError, RuntimeError, TypeError) as exc:  # a model unlike Llama's around its layers
         for layer in layers:
             layer.__class__ = LlamaDecoderLayer
-            del layer.arithmetic, layer.norms, layer.address, layer.head, layer.tail, layer.whole
+            del layer.arithmetic, layer.norms, layer.address, layer.head, layer.tail, layer.whole, layer.chain
         log.warning("decoder_not_fused", reason=str(exc))
         return 0
-    log.info("decoder_fused", layers=len(layers), of=len(candidates))
+    # All of them, in the model's order (its layers' list, each at its own cache index): a step runs them in one call.
+    ordered = list(getattr(model.base_model, "layers", []))
+    if ordered == candidates == layers and all(m.self_attn.layer_idx == i for i, m in enumerate(ordered)):
+        chain = Chain(tuple(layers), (_PTR * len(layers))(*(m.address for m in layers)), function(library, STACK))
+        for layer in layers:
+            layer.chain = chain
+    log.info("decoder_fused", layers=len(layers), of=len(candidates), one_call=layers[0].chain is not None)
     return len(layers)
 
 
@@ -217,6 +343,7 @@ def _attach(layer: Any, head: Any, tail: Any, whole: Any) -> None:
     )
     layer.address = ctypes.addressof(layer.arithmetic)
     layer.head, layer.tail, layer.whole = head, tail, whole
+    layer.chain = None  # fuse() gives it the model's, if every layer is fused
     layer.__class__ = fused_layer_class()
 
 
@@ -252,6 +379,7 @@ def fused_layer_class() -> type[Any]:
         head: Any
         tail: Any
         whole: Any  # ttft_decoder_layer: head, cache write, attention and tail in one call
+        chain: Chain | None  # every layer of the model, where all are fused: a batched step's first runs them all
 
         def forward(
             self,
@@ -263,6 +391,9 @@ def fused_layer_class() -> type[Any]:
             position_embeddings: tuple[Any, Any] | None = None,
             **kwargs: Any,
         ) -> Any:
+            in_place: attention.InPlace | None = getattr(cache, attention.IN_PLACE, None)
+            if in_place is not None and hidden_states is in_place.stacked:
+                return hidden_states  # the step's first layer computed this one too (run_layers)
             assert position_embeddings is not None, "Llama's model passes every layer its rotary embedding"
             self_attn, layer = self.self_attn, self.arithmetic
             shape = hidden_states.shape[:-1]
@@ -270,11 +401,19 @@ def fused_layer_class() -> type[Any]:
             # A row of positions for several sequences side by side (the prefill process's) serves each of them.
             cos, sin = (t.expand(*shape, layer.dim).contiguous() for t in position_embeddings)
             rows = x.numel() // layer.hidden
-            in_place: attention.InPlace | None = getattr(cache, attention.IN_PLACE, None)
             shared = None if in_place is None else in_place.step(self_attn, kwargs)
             if in_place is not None and shared is not None:
                 # A batched step over the paged cache read in place: one call writes this layer's keys and values
-                # into its cache rows and attends by attention.c's function, as the calls below would.
+                # into its cache rows and attends by attention.c's function, as the calls below would. Where the
+                # model's layers are all fused, its first one runs them all in one call; an interlude needs the
+                # flag that stops that call, or it runs before each layer here.
+                chain = self.chain
+                stoppable = in_place.between is None or in_place.waiting is not None
+                if chain is not None and self is chain.layers[0] and stoppable:
+                    steps = step_groups(chain, in_place, kwargs)
+                    if steps is not None:
+                        in_place.stacked = run_layers(chain, in_place, steps, x, rows, cos, sin, between=True)
+                        return in_place.stacked
                 if in_place.between is not None:
                     in_place.between(in_place)  # an interlude (engine/interlude.py), if a newcomer waits
                 keys, values = in_place.rows[self_attn.layer_idx]

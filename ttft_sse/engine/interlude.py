@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import itertools
 import threading
 from collections.abc import Callable, Sequence
@@ -85,6 +86,9 @@ class Interlude:
         """First tokens computed."""
         self.declined = 0
         """Prompts left to the batch: too many new tokens, or no room in the cache."""
+        self.waiting = ctypes.c_int32(0)
+        """How many prompts wait (0 when none), for the decoder layers run in one call to read before each layer
+        (:attr:`attention.InPlace.waiting`)."""
 
     @property
     def state(self) -> str:
@@ -103,6 +107,7 @@ class Interlude:
         answer: asyncio.Future[int | None] = loop.create_future()
         with self._lock:
             self._waiting.append(_Waiting((tuple(token_ids), float(temperature), float(top_p)), wanted, loop, answer))
+            self.waiting.value = len(self._waiting)
         return await asyncio.shield(answer)
 
     def sweep(self) -> None:
@@ -124,6 +129,7 @@ class Interlude:
     def _take(self, *, serve: Any) -> None:
         with self._lock:
             waiting, self._waiting = self._waiting, []
+            self.waiting.value = 0
         computed: list[_Waiting] = []
         kept: list[_Waiting] = []
         for one in waiting:
@@ -134,6 +140,7 @@ class Interlude:
         if kept:
             with self._lock:
                 self._waiting[:0] = kept  # ahead of any that came meanwhile
+                self.waiting.value = len(self._waiting)
         if not computed:
             return
         tokens = self._compute(serve, [one.ask for one in computed])
@@ -226,10 +233,14 @@ def _step(model: Any, torch: Any, in_place: Any, prompts: Sequence[tuple[str, li
         )
         x = x.contiguous()
         count = int(cu_q[-1])
-        for layer in base.layers:
-            index = layer.self_attn.layer_idx
-            keys, values = in_place.rows[index]
-            x = decoder.whole(layer, steps[cache.layer_to_allocator[index].index], x, count, cos, sin, keys, values)
+        chain = getattr(base.layers[0], "chain", None)
+        if chain is not None:  # every layer in one call
+            x = decoder.run_layers(chain, in_place, steps, x, count, cos, sin, between=False)
+        else:
+            for layer in base.layers:
+                index = layer.self_attn.layer_idx
+                keys, values = in_place.rows[index]
+                x = decoder.whole(layer, steps[cache.layer_to_allocator[index].index], x, count, cos, sin, keys, values)
         last = (cu_q[1:] - 1).to(torch.int64)
         return model.get_output_embeddings()(base.norm(x)[0, last])
 
