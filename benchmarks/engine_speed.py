@@ -38,6 +38,8 @@ from the batch's own steps, or from the prefill process where it runs),
 ``:unfused`` with transformers' decoder layers around the block kernel (``fused_layers`` off: before engine/decoder.py),
 ``:perlayer`` with a batched step's decoder layers one C call each (before the twenty-fifth stop, when the step's first
 layer began to run them all in one call: decoder.run_layers),
+``:torchargmax`` with greedy tokens picked by the library's ``torch.argmax`` (before the twenty-sixth stop's
+engine/argmax.py),
 ``:kernelfrom`` with the block kernel built from the C files (kernel.c, decoder.c, kernel.h) in ``--kernel-from DIR``
 instead of the package's, so that a change of the kernel is timed beside the kernel before it in one process
 (``git show HEAD~1:ttft_sse/engine/kernel.c > DIR/kernel.c``, and the other two; run both orders: with the same
@@ -203,6 +205,7 @@ VARIANTS = (
     "midstep",
     "kernelfrom",
     "perlayer",
+    "torchargmax",
 )
 """The variants ``load`` knows (see the module's docstring)."""
 
@@ -243,6 +246,14 @@ def load(spec: str, args: argparse.Namespace) -> Engine:
         # One C call a decoder layer in a batched step, as before decoder.run_layers ran them all in one.
         for layer in engine.model.model.layers:
             layer.chain = None
+    if "torchargmax" in variants and isinstance(engine, BatchedEngine):
+        # Greedy tokens picked by the library's torch.argmax, as before engine/argmax.py: its own _sample again.
+        deadline = time.monotonic() + 30
+        while getattr(engine._manager, "batch_processor", None) is None and time.monotonic() < deadline:
+            time.sleep(0.01)  # the loop's thread builds its batch processor as it starts
+        runner = engine._manager.batch_processor.model_runner
+        if "_sample" in vars(runner):
+            del runner._sample
     if "rowmajor" in variants:
         # The layout before the engine stored fp32 linear weights transposed (engine/weights.py).
         import torch

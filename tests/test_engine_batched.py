@@ -15,7 +15,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from tests.servers import eventually
-from ttft_sse.engine import attention, decoder
+from ttft_sse.engine import argmax, attention, decoder
 from ttft_sse.engine.base import ChatMessage, Finished, Piece, Prompt, SamplingParams
 from ttft_sse.engine.batched import BLOCK_TOKENS, BatchedEngine
 from ttft_sse.engine.hf import CacheJanitor, HFEngine
@@ -126,6 +126,11 @@ async def test_concurrent_greedy_requests_give_the_single_engines_text(
 
     monkeypatch.setattr(decoder, "run_layers", stack)
     monkeypatch.setattr(decoder, "whole", lambda *arguments: alone.append(1) or whole(*arguments))
+    picks: list[int] = []  # rows of each step's greedy pick in C (engine/argmax.py)
+    rows = argmax.Argmax.rows
+    monkeypatch.setattr(
+        argmax.Argmax, "rows", lambda self, scores, torch: picks.append(len(scores)) or rows(self, scores, torch)
+    )
     asks = [
         (QUESTION, 32),
         ("Name three colors.", 24),
@@ -144,6 +149,8 @@ async def test_concurrent_greedy_requests_give_the_single_engines_text(
     # gather in engine/attention.py: the engine's cache reads in place.
     assert heads == {"paged": set(), "grouped-kv": {3}, "repeated-kv": {9}}[way]
     assert (len(stacked), alone) == ((steps if way == "paged" else 0), [])
+    # Every step picked its tokens in C, one row a request that had a token to pick (torch.argmax: none).
+    assert len(picks) == steps and max(picks) == len(asks) and min(picks) >= 1
     if way == "paged":
         assert gathers == []
     for (question, max_tokens), (text, finished) in zip(asks, got, strict=True):

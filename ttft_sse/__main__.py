@@ -95,12 +95,16 @@ def _prepare(settings: Settings) -> int:
     source = models.resolve(settings.model)
     location = models.materialize(source, settings.cache_dir, clock)
     if source.kind == "gguf":
-        from ttft_sse.engine.hf import HFEngine
+        from ttft_sse.engine import argmax
+        from ttft_sse.engine.hf import KERNEL_DIR, HFEngine
 
         # Loaded once here too: on CPU that finds the file's blocks behind the layers and builds the block kernel
         # and the attention (engine/codes.py, engine/kernel.py, engine/attention.py), kept in the cache directory
-        # for the server's start.
-        HFEngine(settings).load(clock)
+        # for the server's start; and the batched engine's greedy pick (engine/argmax.py).
+        engine = HFEngine(settings)
+        engine.load(clock)
+        if engine.model.device.type == "cpu":
+            argmax.build(settings.cache_dir / KERNEL_DIR)
     structlog.get_logger("ttft_sse.prepare").info("prepared", model=settings.model, path=location, **clock.as_dict())
     print(location)
     return 0

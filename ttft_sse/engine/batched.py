@@ -64,9 +64,9 @@ from typing import Any, ClassVar
 import structlog
 
 from ttft_sse.bridge import Mailboxes, Resident
-from ttft_sse.engine import attention, decoder, kernel, sampling
+from ttft_sse.engine import argmax, attention, decoder, kernel, sampling
 from ttft_sse.engine.base import ChatMessage, Finished, ModelInfo, Piece, Prompt, SamplingParams, Usage
-from ttft_sse.engine.hf import CacheJanitor, HFEngine
+from ttft_sse.engine.hf import KERNEL_DIR, CacheJanitor, HFEngine
 from ttft_sse.engine.interlude import Interlude
 from ttft_sse.engine.prefill import PrefillProcess
 from ttft_sse.engine.text import TokenText
@@ -260,6 +260,10 @@ class BatchedEngine:
         )
         manager.output_router = _router(self)
         manager.logit_processor = _selection(self._claims)  # before the loop builds its batch processor from it
+        if self.model.device.type == "cpu":
+            picker = argmax.build(settings.cache_dir / KERNEL_DIR)
+            if picker is not None:
+                _pick_greedy_with(manager, picker)
         return manager
 
     def _start_manager(self) -> None:
@@ -674,6 +678,21 @@ def _selection(claims: _Claims) -> Any:
     selection = ContinuousBatchingLogitsProcessorList(transformers.LogitsProcessorList(processors))
     selection.tensors_required = len(processors)  # one row of per-request values each (the library counts its own)
     return selection
+
+
+def _pick_greedy_with(manager: Any, picker: argmax.Argmax) -> None:
+    """Have each batch processor ``manager`` builds (in its loop's thread, when the loop starts) pick greedy tokens
+    with ``picker`` (engine/argmax.py) instead of ``torch.argmax``."""
+    import torch
+
+    create = manager._create_batch_processor
+
+    def created() -> Any:
+        processor = create()
+        argmax.pick_greedy(processor.model_runner, picker, torch)
+        return processor
+
+    manager._create_batch_processor = created
 
 
 def _keep_config_causal(model: Any) -> None:
