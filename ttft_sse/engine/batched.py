@@ -36,10 +36,11 @@ The library does the batching, the paged cache and the prefix sharing. Written h
 
 * **per-request token selection** (:func:`_selection`): the library's own warpers sort the whole vocabulary of
   every row every step (measured: 43 ms a step for 8 rows, a quarter of a decode step), and its draw runs over
-  every row, whether a row samples or not. Ours leaves greedy rows to the library's argmax and cuts and draws
+  every row, whether a row samples or not. Ours leaves greedy rows to the step's argmax and cuts and draws
   only the rows that sample (top-p: only those that ask for it), by engine/sampling.py: top-p over the 1024 most
   probable tokens first, a draw through the cumulative weights (8 sampled rows: 6.9 ms a step, against 41.7 ms
-  sorting whole rows and drawing with ``torch.multinomial``).
+  sorting whole rows and drawing with ``torch.multinomial``). On CPU the argmax is engine/argmax.py's, in C, by
+  ``torch.argmax``'s rule (0.06 ms for 8 rows against 0.9).
 
 Not batched, on purpose: requests with a ``seed`` and requests too long for the shared cache run on the
 single-request engine (:class:`~ttft_sse.engine.hf.HFEngine`, same model, same weights). The library draws a whole
@@ -558,8 +559,8 @@ def _selection(claims: _Claims) -> Any:
     the first tokens the prefill process gave (``claims``).
 
     Four of the library's per-request processors (each has a row of the step's per-request values), applied to the
-    step's logits before the library's argmax (``do_sample=False``). Greedy rows pass through untouched: the argmax
-    picks their token (the first index on a tie, as ``generate``). A sampled row is
+    step's logits before the step's argmax (``do_sample=False``; engine/argmax.py's on CPU). Greedy rows pass through
+    untouched: the argmax picks their token (the first index on a tie, as ``generate``). A sampled row is
 
     * divided by its temperature;
     * cut to its top-p, only if its ``top_p < 1``: a token stays while the probability before it is below ``top_p``
