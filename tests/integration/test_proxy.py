@@ -118,7 +118,8 @@ def test_a_client_leaving_at_the_proxy_cancels_the_generation_upstream() -> None
         # The client hung up on nginx; nginx must close its upstream connection, and the server cancel.
         eventually(lambda: engine.active == 0)
         assert engine.generated == [1]  # one of four scripted pieces: cancelled, not finished
-        assert app.state.runtime.gate.running == 0
+        # The request's slot is given back as its handler unwinds, just after the generation ends (CI once saw 1).
+        eventually(lambda: app.state.runtime.gate.running == 0)
 
 
 def test_a_client_leaving_at_the_proxy_ends_the_real_models_generation(hf_server: str, hf_app: Starlette) -> None:

@@ -10,7 +10,7 @@ import pytest
 from starlette.applications import Starlette
 from structlog.testing import capture_logs
 
-from tests.servers import parse_sse, stream_events
+from tests.servers import eventually, parse_sse, stream_events
 
 QUESTION = "What is the capital of France?"
 
@@ -95,7 +95,7 @@ def test_disconnect_stops_generation_and_leaves_no_thread(
             time.sleep(0.05)
     assert engine.active == 0
     assert not [t for t in threading.enumerate() if t.name.startswith("ttft-gen")]
-    assert hf_app.state.runtime.gate.running == 0
+    eventually(lambda: hf_app.state.runtime.gate.running == 0)  # given back as the handler unwinds, just after
     # It was cancelled, not run to the end: the thread logged how far it got, far short of max_tokens.
     cancelled = [e for e in logs if e["event"] == "generation_cancelled"]
     assert len(cancelled) == 1 and cancelled[0]["completion_tokens"] < 100
