@@ -40,6 +40,8 @@ from the batch's own steps, or from the prefill process where it runs),
 layer began to run them all in one call: decoder.run_layers),
 ``:torchargmax`` with greedy tokens picked by the library's ``torch.argmax`` (before the twenty-sixth stop's
 engine/argmax.py),
+``:apart`` with each decoder layer's q, k and v (and gate and up) a kernel call each (before the twenty-sixth
+stop's kernel.join: one call for the three, one for the two),
 ``:kernelfrom`` with the block kernel built from the C files (kernel.c, decoder.c, kernel.h) in ``--kernel-from DIR``
 instead of the package's, so that a change of the kernel is timed beside the kernel before it in one process
 (``git show HEAD~1:ttft_sse/engine/kernel.c > DIR/kernel.c``, and the other two; run both orders: with the same
@@ -206,6 +208,7 @@ VARIANTS = (
     "kernelfrom",
     "perlayer",
     "torchargmax",
+    "apart",
 )
 """The variants ``load`` knows (see the module's docstring)."""
 
@@ -254,6 +257,13 @@ def load(spec: str, args: argparse.Namespace) -> Engine:
         runner = engine._manager.batch_processor.model_runner
         if "_sample" in vars(runner):
             del runner._sample
+    if "apart" in variants:
+        # Decoder layers computing q, k, v (and gate, up) in a call each, as before kernel.join.
+        from ttft_sse.engine import decoder
+
+        for layer in engine.model.model.layers:
+            if hasattr(layer, "arithmetic"):
+                layer.arithmetic.qkv, layer.arithmetic.gate_up = decoder.Linear(), decoder.Linear()
     if "rowmajor" in variants:
         # The layout before the engine stored fp32 linear weights transposed (engine/weights.py).
         import torch

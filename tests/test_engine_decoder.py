@@ -169,6 +169,49 @@ def test_each_row_is_the_same_bits_whatever_else_the_call_holds(
     assert all(bool(t.abs().sum() > 0) for t in together)
 
 
+@pytest.mark.parametrize("count", [1, 8, 150])
+def test_q_k_v_and_gate_up_joined_give_the_same_bits_as_the_layers_one_by_one(
+    loaded: tuple[HFEngine, list[dict[str, Any]]], count: int
+) -> None:
+    """kernel.join: each decoder layer of the bundled model computes q, k and v in one call of the kernel, and gate
+    and up in another, over the layers' own panels (the layers compute on views of them: the codes are held once).
+    decoder.c's halves give the same bits with the joined calls as with the layers one by one."""
+    engine, _ = loaded
+    layer = engine.model.model.layers[3]
+    numbers = layer.arithmetic
+    hidden, dim, intermediate = numbers.hidden, numbers.dim, numbers.intermediate
+    assert (numbers.qkv.outputs, numbers.gate_up.outputs) == (
+        (numbers.heads + 2 * numbers.kv_heads) * dim,
+        2 * intermediate,
+    )
+    qkv, gate_up = layer.joined
+    panels = numbers.heads * dim // 16  # q's panels come first, then k's
+    q, k = (layer.get_submodule(decoder.LINEARS[name]) for name in ("q", "k"))
+    assert q.arrays[0].data_ptr() == qkv[0].data_ptr() == numbers.qkv.codes
+    assert k.arrays[0].data_ptr() == qkv[0][panels].data_ptr()
+    up = layer.get_submodule(decoder.LINEARS["up"])
+    assert up.arrays[0].data_ptr() == gate_up[0][intermediate // 16].data_ptr() and numbers.gate_up.codes
+    apart = decoder.Layer.from_buffer_copy(numbers)
+    apart.qkv, apart.gate_up = decoder.Linear(), decoder.Linear()  # codes NULL: one call a layer, as before
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(count, hidden, generator=generator)
+    cos, sin = (torch.rand(count, dim, generator=generator) for _ in range(2))
+    a = torch.randn(count, numbers.heads * dim, generator=generator)
+
+    def halves(address: int) -> list[Any]:
+        out = [torch.empty(count, n * dim) for n in (numbers.heads, numbers.kv_heads, numbers.kv_heads)]
+        pointers = [t.data_ptr() for t in (x, cos, sin, *out)]
+        assert layer.head(address, pointers[0], count, *pointers[1:]) == 0
+        y = torch.empty(count, hidden)
+        assert layer.tail(address, x.data_ptr(), a.data_ptr(), count, y.data_ptr()) == 0
+        return [*out, y]
+
+    joined, one_by_one = halves(layer.address), halves(ctypes.addressof(apart))
+    for got, want in zip(joined, one_by_one, strict=True):
+        assert torch.equal(got, want)
+    assert all(bool(t.abs().sum() > 0) for t in joined)
+
+
 def test_a_batched_steps_layer_in_one_call_is_its_head_cache_write_attention_and_tail_in_turn(
     loaded: tuple[HFEngine, list[dict[str, Any]]],
 ) -> None:

@@ -121,6 +121,10 @@ struct layer { /* decoder.py's Layer */
     double eps;
     const float *input_norm, *post_norm; /* weights */
     struct linear q, k, v, o, gate, up, down;
+    /* q, k and v side by side, and gate and up (kernel.py's join: the same panels, so each output the same bits),
+       one call each instead of three and two: a call shared with the kernel's helpers costs its rows' copy and a
+       start whatever its size. codes NULL: not joined, the layers one by one. */
+    struct linear qkv, gate_up;
 };
 
 static int multiply(const struct linear *l, const float *x, int64_t M, float *y) {
@@ -143,13 +147,21 @@ static float *scratch(int64_t floats) {
 int ttft_decoder_head(const struct layer *L, const float *x, int64_t M, const float *cos, const float *sin, float *q,
                       float *k, float *v) {
     if (L->dim > 512) return -2;
-    int64_t H = L->hidden, Q = L->heads * L->dim, KV = L->kv_heads * L->dim;
-    float *h = scratch(CHUNK * H);
+    int64_t H = L->hidden, Q = L->heads * L->dim, KV = L->kv_heads * L->dim, J = Q + 2 * KV;
+    float *h = scratch(CHUNK * (H + J)), *t = h + CHUNK * H; /* t: the joined call's rows, q k v side by side */
     if (h == NULL) return -1;
     for (int64_t r = 0; r < M; r += CHUNK) {
         int64_t m = M - r < CHUNK ? M - r : CHUNK;
         norm(x + r * H, m, H, L->input_norm, (float)L->eps, h);
-        if (multiply(&L->q, h, m, q + r * Q) || multiply(&L->k, h, m, k + r * KV) || multiply(&L->v, h, m, v + r * KV))
+        if (L->qkv.codes != NULL) {
+            if (multiply(&L->qkv, h, m, t)) return -1;
+            for (int64_t i = 0; i < m; i++) {
+                memcpy(q + (r + i) * Q, t + i * J, sizeof(float) * (size_t)Q);
+                memcpy(k + (r + i) * KV, t + i * J + Q, sizeof(float) * (size_t)KV);
+                memcpy(v + (r + i) * KV, t + i * J + Q + KV, sizeof(float) * (size_t)KV);
+            }
+        } else if (multiply(&L->q, h, m, q + r * Q) || multiply(&L->k, h, m, k + r * KV) ||
+                   multiply(&L->v, h, m, v + r * KV))
             return -1;
         rotary(q + r * Q, m, L->heads, L->dim, cos + r * L->dim, sin + r * L->dim);
         rotary(k + r * KV, m, L->kv_heads, L->dim, cos + r * L->dim, sin + r * L->dim);
@@ -160,9 +172,10 @@ int ttft_decoder_head(const struct layer *L, const float *x, int64_t M, const fl
 /* out = the layer's output for rows x, given a (the attention's output, heads x dim a row). */
 int ttft_decoder_tail(const struct layer *L, const float *x, const float *a, int64_t M, float *out) {
     int64_t H = L->hidden, I = L->intermediate, A = L->heads * L->dim;
-    float *h = scratch(CHUNK * (H + 3 * I));
+    int64_t D = H > I ? H : I; /* d's room: the down layer's outputs */
+    float *h = scratch(CHUNK * (H + 4 * I + D));
     if (h == NULL) return -1;
-    float *g = h + CHUNK * H, *u = g + CHUNK * I, *d = u + CHUNK * I;
+    float *g = h + CHUNK * H, *u = g + CHUNK * I, *d = u + CHUNK * I, *t = d + CHUNK * D; /* t: gate, up joined */
     for (int64_t r = 0; r < M; r += CHUNK) {
         int64_t m = M - r < CHUNK ? M - r : CHUNK;
         float *y = out + r * H;
@@ -170,7 +183,14 @@ int ttft_decoder_tail(const struct layer *L, const float *x, const float *a, int
         if (multiply(&L->o, a + r * A, m, y)) return -1;
         for (int64_t i = 0; i < m * H; i++) y[i] = xr[i] + y[i];
         norm(y, m, H, L->post_norm, (float)L->eps, h);
-        if (multiply(&L->gate, h, m, g) || multiply(&L->up, h, m, u)) return -1;
+        if (L->gate_up.codes != NULL) {
+            if (multiply(&L->gate_up, h, m, t)) return -1;
+            for (int64_t i = 0; i < m; i++) {
+                memcpy(g + i * I, t + i * 2 * I, sizeof(float) * (size_t)I);
+                memcpy(u + i * I, t + i * 2 * I + I, sizeof(float) * (size_t)I);
+            }
+        } else if (multiply(&L->gate, h, m, g) || multiply(&L->up, h, m, u))
+            return -1;
         ttft_silu_mul(g, u, m * I);
         if (multiply(&L->down, g, m, d)) return -1;
         for (int64_t i = 0; i < m * H; i++) y[i] = y[i] + d[i];

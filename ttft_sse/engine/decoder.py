@@ -31,6 +31,10 @@ same bits; the step's later layers hand its output on. The interludes still run 
 stops before a layer when their flag says a newcomer waits (:attr:`attention.InPlace.waiting`), and goes on from
 there after them. The interludes' own passes use it too.
 
+Each layer computes q, k and v in one call of the kernel and gate and up in another, over their panels side by
+side (:func:`kernel.join`; the same bits as one call a layer): a call shared with the kernel's helper threads costs
+the rows' copy and a start whatever its size (3-4 % of a forward pass, docs/benchmarks.md, twenty-sixth stop).
+
 The results are within roundings of the library's layer (the norm's mean sums in another order; exp is a
 polynomial): checked against it on a probe at load, else the layers stay as they were (``decoder_not_fused`` in the
 log, with the reason). Each row's result is its own arithmetic alone, as with the kernel: a stream's answer does not
@@ -60,6 +64,8 @@ STACK = "ttft_decoder_stack"
 LINEARS = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj"}
 LINEARS |= {"gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
 """decoder.c's linear layers and the submodules of a Llama decoder layer that hold them."""
+JOINED = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")}
+"""decoder.c's joined layers (kernel.join): one call each where the layers they join would take three and two."""
 PROBE_ROWS = 5
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _ARGUMENTS = {
@@ -94,6 +100,7 @@ class Layer(ctypes.Structure):
         ("input_norm", _PTR),
         ("post_norm", _PTR),
         *((name, Linear) for name in LINEARS),
+        *((name, Linear) for name in JOINED),
     ]
 
 
@@ -280,13 +287,14 @@ def fuse(model: Any, torch: Any, library: Path) -> int:
         return 0
     calls = (function(library, HEAD), function(library, TAIL), function(library, LAYER))
     for layer in layers:
-        _attach(layer, *calls)
+        _attach(layer, torch, *calls)
     try:
         _check(layers[0], model, torch)
     except (AttributeError, RuntimeError, TypeError) as exc:  # a model unlike Llama's around its layers
         for layer in layers:
             layer.__class__ = LlamaDecoderLayer
-            del layer.arithmetic, layer.norms, layer.address, layer.head, layer.tail, layer.whole, layer.chain
+            del layer.arithmetic, layer.norms, layer.joined, layer.address, layer.head, layer.tail, layer.whole
+            del layer.chain
         log.warning("decoder_not_fused", reason=str(exc))
         return 0
     # All of them, in the model's order (its layers' list, each at its own cache index): a step runs them in one call.
@@ -319,7 +327,7 @@ def _fits(layer: Any, torch: Any) -> bool:
     )
 
 
-def _attach(layer: Any, head: Any, tail: Any, whole: Any) -> None:
+def _attach(layer: Any, torch: Any, head: Any, tail: Any, whole: Any) -> None:
     attention, config = layer.self_attn, layer.self_attn.config
 
     def linear(module: Any) -> Linear:
@@ -328,6 +336,21 @@ def _attach(layer: Any, head: Any, tail: Any, whole: Any) -> None:
         pointers = [a.data_ptr() for a in module.arrays]
         codes, scales, zeros = (pointers[0], 0, 0) if int8 else pointers
         return Linear(codes, scales, zeros, module.in_features, module.out_features, module.bits, int8)
+
+    # Joined first: the layers then compute on views of the joined arrays (their own panels of them).
+    joined = {
+        name: kernel.join([layer.get_submodule(LINEARS[part]) for part in parts], torch)
+        for name, parts in JOINED.items()
+    }
+    layer.joined = tuple(joined.values())  # kept alive: decoder.c holds their addresses
+
+    def joined_linear(name: str) -> Linear:
+        arrays = joined[name]
+        if arrays is None:
+            return Linear()  # codes NULL: the layers one by one
+        parts = [layer.get_submodule(LINEARS[part]) for part in JOINED[name]]
+        outputs = sum(m.out_features for m in parts)
+        return Linear(*(a.data_ptr() for a in arrays), parts[0].in_features, outputs, parts[0].bits, 0)
 
     # The norms' weights as decoder.c reads them, kept alive should their parameters be given other tensors.
     layer.norms = (layer.input_layernorm.weight.data, layer.post_attention_layernorm.weight.data)
@@ -340,6 +363,7 @@ def _attach(layer: Any, head: Any, tail: Any, whole: Any) -> None:
         float(layer.input_layernorm.variance_epsilon),
         *(weight.data_ptr() for weight in layer.norms),
         *(linear(layer.get_submodule(path)) for path in LINEARS.values()),
+        *(joined_linear(name) for name in JOINED),
     )
     layer.address = ctypes.addressof(layer.arithmetic)
     layer.head, layer.tail, layer.whole = head, tail, whole

@@ -355,19 +355,45 @@ def _by_panel(per_block: npt.NDArray[np.float32], dtype: type[np.floating[Any]])
 
 def _attach(layer: Any, codes: gguf_codes.Codes, library: Path, activations: str, torch: Any) -> None:
     """Make ``layer`` a ``BlockLinear`` on ``codes`` with the kernel of the library at ``library``."""
-    kernel = function(library, INT8 if activations == "int8" else FP32)
+    layer.kernel = function(library, INT8 if activations == "int8" else FP32)
     layer.fence = load(library, "ttft_helper_fence", ())
+    layer.bits = codes.bits
+    layer.activations = activations
     arrays = (records(codes),) if activations == "int8" else panels(codes)
-    layer.arrays = tuple(torch.from_numpy(a) for a in arrays)
-    pointers = [a.data_ptr() for a in layer.arrays]
-    inputs, outputs, bits = layer.in_features, layer.out_features, codes.bits
-    if activations == "int8":
+    _hold(layer, tuple(torch.from_numpy(a) for a in arrays))
+    layer.__class__ = block_linear_class()
+
+
+def _hold(layer: Any, arrays: tuple[Any, ...]) -> None:
+    """``layer`` (being made a ``BlockLinear``) on ``arrays``, its codes in the kernel's layout."""
+    kernel, inputs, outputs, bits = layer.kernel, layer.in_features, layer.out_features, layer.bits
+    layer.arrays = arrays
+    pointers = [a.data_ptr() for a in arrays]
+    if layer.activations == "int8":
         layer.multiply = lambda x, m, y: kernel(x, m, inputs, pointers[0], bits, outputs, y)
     else:
         layer.multiply = lambda x, m, y: kernel(x, m, inputs, pointers[0], bits, pointers[1], pointers[2], outputs, y)
-    layer.bits = bits
-    layer.activations = activations
-    layer.__class__ = block_linear_class()
+
+
+def join(layers: list[Any], torch: Any) -> tuple[Any, ...] | None:
+    """One layer's arrays (codes, scales, zeros) holding the outputs of ``layers`` (``BlockLinear`` layers with fp32
+    rows, on the same inputs, with codes of the same bits) one after the other, panel after panel; each layer then
+    computes on its own panels of them, so the codes are held once. A panel's outputs are computed from its own
+    codes alone, so each output has the same bits from the joined layer as from its own. None where they cannot be
+    joined: int8 rows (records), other inputs or bits, or a layer before the last whose last panel is padded."""
+    first = layers[0]
+    if any(
+        m.activations != "fp32" or m.in_features != first.in_features or m.bits != first.bits for m in layers
+    ) or any(m.out_features % PANEL for m in layers[:-1]):
+        return None
+    joined = tuple(torch.cat([m.arrays[i] for m in layers]) for i in range(3))
+    start = 0
+    for m in layers:
+        count = m.arrays[0].shape[0]  # panels
+        m.fence()  # no helper thread still reads its arrays (kernel.c)
+        _hold(m, tuple(a[start : start + count] for a in joined))
+        start += count
+    return joined
 
 
 @functools.cache
@@ -378,6 +404,7 @@ def block_linear_class() -> type[Any]:
     class BlockLinear(torch.nn.Linear):  # type: ignore[misc]
         arrays: tuple[Any, ...]  # the codes in the kernel's layout (kept alive: multiply holds their addresses)
         multiply: Callable[[int, int, int], int]  # (rows' address, row count, output's address) -> status
+        kernel: Any  # kernel.c's function for its rows (fp32 or int8)
         bits: int
         activations: str
         fence: Callable[[], int]  # kernel.c's ttft_helper_fence
