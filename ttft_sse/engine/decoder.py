@@ -338,19 +338,16 @@ def _attach(layer: Any, torch: Any, head: Any, tail: Any, whole: Any) -> None:
         return Linear(codes, scales, zeros, module.in_features, module.out_features, module.bits, int8)
 
     # Joined first: the layers then compute on views of the joined arrays (their own panels of them).
-    joined = {
-        name: kernel.join([layer.get_submodule(LINEARS[part]) for part in parts], torch)
-        for name, parts in JOINED.items()
-    }
+    parts = {name: [layer.get_submodule(LINEARS[part]) for part in names] for name, names in JOINED.items()}
+    joined = {name: kernel.join(modules, torch) for name, modules in parts.items()}
     layer.joined = tuple(joined.values())  # kept alive: decoder.c holds their addresses
 
     def joined_linear(name: str) -> Linear:
-        arrays = joined[name]
+        arrays, modules = joined[name], parts[name]
         if arrays is None:
             return Linear()  # codes NULL: the layers one by one
-        parts = [layer.get_submodule(LINEARS[part]) for part in JOINED[name]]
-        outputs = sum(m.out_features for m in parts)
-        return Linear(*(a.data_ptr() for a in arrays), parts[0].in_features, outputs, parts[0].bits, 0)
+        outputs = sum(m.out_features for m in modules)
+        return Linear(*(a.data_ptr() for a in arrays), modules[0].in_features, outputs, modules[0].bits, 0)
 
     # The norms' weights as decoder.c reads them, kept alive should their parameters be given other tensors.
     layer.norms = (layer.input_layernorm.weight.data, layer.post_attention_layernorm.weight.data)
