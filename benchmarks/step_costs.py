@@ -81,7 +81,7 @@ def instrument(clock: Clock) -> None:
         try:
             return compute(self, *args)
         finally:
-            if clock.on:
+            if clock.on:  # one that ends in the window
                 clock.interludes.append((started, time.perf_counter() - started))
 
     setattr(model_runner.ModelRunner, "_forward_process_and_sample", timed_forward)  # noqa: B010
@@ -114,11 +114,12 @@ class Window:
 
 
 async def window(engine: BatchedEngine, clock: Clock, c: int, seconds: float, tokens: int, warm: float) -> Window:
-    """``c`` clients in a closed loop for ``warm`` seconds, then ``seconds`` timed (the answers in flight at the
-    end are finished and counted, their time too)."""
+    """``c`` clients in a closed loop: ``warm`` seconds, then ``seconds`` timed (the tokens and steps in them
+    counted), then each client's answer in flight finished, untimed."""
     stop = False
     count = 0
     numbers = iter(range(1_000_000))
+    span = [0.0, 0.0]
 
     async def client(seed: int) -> None:
         nonlocal count
@@ -131,26 +132,25 @@ async def window(engine: BatchedEngine, clock: Clock, c: int, seconds: float, to
                 if isinstance(out, Piece) and clock.on:
                     count += 1
 
-    async def until(after: float) -> None:
+    async def timer() -> None:
         nonlocal stop
-        await asyncio.sleep(after)
+        await asyncio.sleep(warm)
+        clock.clear()
+        clock.on = True
+        span[0] = time.perf_counter()
+        await asyncio.sleep(seconds)
+        clock.on = False
+        span[1] = time.perf_counter()
         stop = True
 
-    await asyncio.gather(until(warm), *(client(1000 * c + i) for i in range(c)))
-    stop = False
-    clock.clear()
-    clock.on = True
-    began = time.perf_counter()
-    await asyncio.gather(until(seconds), *(client(2000 * c + i) for i in range(c)))
-    ended = time.perf_counter()
-    clock.on = False
+    await asyncio.gather(timer(), *(client(1000 * c + i) for i in range(c)))
     # A step's period runs to the next step's start (the last step's is left out), less the interludes in it:
     # between two of its layers, or between it and the next step.
     periods: dict[int, list[float]] = defaultdict(list)
     for (start, rows), (following, _) in itertools.pairwise(clock.steps):
-        inside = sum(seconds for at, seconds in clock.interludes if start <= at < following)
+        inside = sum(length for at, length in clock.interludes if start <= at < following)
         periods[rows].append(following - start - inside)
-    return Window(c, ended - began, count, dict(periods), [seconds for _, seconds in clock.interludes])
+    return Window(c, span[1] - span[0], count, dict(periods), [length for _, length in clock.interludes])
 
 
 def line(windows: list[Window], most: int) -> tuple[float, float]:
