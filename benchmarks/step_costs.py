@@ -18,7 +18,7 @@ token computed between two steps or two layers: engine/interlude.py). Prints:
   with ``T(b') = T + rows * (b' - b)``, where an interlude's rows are its time past ``a`` over ``b``;
 * the multiply-adds a row takes in the linear layers and the output layer (from the model's config), and the rate
   that ``b'`` would ask of them if nothing else in a row cost anything: compare it with the machine's fp32
-  multiply-add rate (docs/benchmarks.md: ~65 GMAC/s a core on the AVX-512 machines of these runs).
+  multiply-add rate (docs/benchmarks.md: 65-70 GMAC/s a core on the AVX-512 machines of these runs).
 
 Shared machines vary from run to run: the rows' costs and the ratio come from the same run, side by side.
 """
