@@ -387,10 +387,10 @@ def join(layers: list[Any], torch: Any) -> tuple[Any, ...] | None:
     ) or any(m.out_features % PANEL for m in layers[:-1]):
         return None
     joined = tuple(torch.cat([m.arrays[i] for m in layers]) for i in range(3))
+    first.fence()  # no helper thread still reads the layers' arrays (kernel.c: one fence for every layer)
     start = 0
     for m in layers:
         count = m.arrays[0].shape[0]  # panels
-        m.fence()  # no helper thread still reads its arrays (kernel.c)
         _hold(m, tuple(a[start : start + count] for a in joined))
         start += count
     return joined
