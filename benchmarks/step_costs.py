@@ -4,10 +4,10 @@
     python benchmarks/step_costs.py --seconds 40 --tokens 64
 
 Engine level (no HTTP), the defaults (``Settings()`` with ``threads=1``), a closed loop: each client sends its next
-question as soon as its last answer has ended (engine_speed.py's questions and answer lengths, each one new).
-Every step of the library's batching loop is timed (start to start, less the interludes in it: its forward pass,
-pick, bookkeeping and the next step's preparation) with its row count, and every interlude (a newcomer's first
-token computed between two steps or two layers: engine/interlude.py). Prints:
+question as soon as its last answer has ended (engine_speed.py's ``asks``: its questions, each one new, and its
+answer lengths). Every step of the library's batching loop is timed (start to start, less the interludes in it:
+its forward pass, pick, bookkeeping and the next step's preparation) with its row count, and every interlude (a
+newcomer's first token computed between two steps or two layers: engine/interlude.py). Prints:
 
 * tokens/s at c=1 and c=8, and their ratio;
 * the step's period by rows (medians), and a least-squares line ``a + b * rows`` over the decode steps of 1 to 8
@@ -29,7 +29,6 @@ import argparse
 import asyncio
 import itertools
 import os
-import random
 import statistics
 import sys
 import time
@@ -41,7 +40,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.engine_speed import QUESTIONS, prompt_of
+from benchmarks.engine_speed import asks, prompt_of
 from ttft_sse.engine import interlude
 from ttft_sse.engine.base import Piece, SamplingParams
 from ttft_sse.engine.batched import BatchedEngine
@@ -118,17 +117,14 @@ async def window(engine: BatchedEngine, clock: Clock, c: int, seconds: float, to
     counted), then each client's answer in flight finished, untimed."""
     stop = False
     count = 0
-    numbers = iter(range(1_000_000))
+    questions = iter(asks(f"c{c}-", 100_000, tokens))  # each new; more than a window asks
     span = [0.0, 0.0]
 
-    async def client(seed: int) -> None:
+    async def client() -> None:
         nonlocal count
-        rng = random.Random(seed)
         while not stop:
-            question = f"s{next(numbers)}: {rng.choice(QUESTIONS)}"
-            prompt = prompt_of(engine, question)
-            max_tokens = rng.randint(tokens // 2, tokens * 11 // 8)
-            async for out in engine.stream(prompt, SamplingParams(max_tokens)):
+            question, max_tokens = next(questions)
+            async for out in engine.stream(prompt_of(engine, question), SamplingParams(max_tokens)):
                 if isinstance(out, Piece) and clock.on:
                     count += 1
 
@@ -143,7 +139,7 @@ async def window(engine: BatchedEngine, clock: Clock, c: int, seconds: float, to
         span[1] = time.perf_counter()
         stop = True
 
-    await asyncio.gather(timer(), *(client(1000 * c + i) for i in range(c)))
+    await asyncio.gather(timer(), *(client() for _ in range(c)))
     # A step's period runs to the next step's start (the last step's is left out), less the interludes in it:
     # between two of its layers, or between it and the next step.
     periods: dict[int, list[float]] = defaultdict(list)
