@@ -22,7 +22,7 @@ LLAMA_CPP_PYTHON=${LLAMA_CPP_PYTHON:-0.3.36}
 OUT=${OUT:-.cache/against-llama-server}
 REQUESTS=${REQUESTS:-64}
 PY=${PY:-.venv/bin/python}
-GGUF=$("$PY" -c 'from ttft_sse.engine.models import bundled_gguf; print(bundled_gguf())')
+GGUF=$("$PY" -c 'from ttft_sse.engine.loading.sources import bundled_gguf; print(bundled_gguf())')
 flags=" $(grep -m1 '^flags' /proc/cpuinfo | cut -d: -f2) "
 isa=(-DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON)
 for f in avx512f:AVX512 avx512vbmi:AVX512_VBMI avx512_vnni:AVX512_VNNI avx512_bf16:AVX512_BF16; do

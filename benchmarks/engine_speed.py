@@ -32,14 +32,16 @@ every query head (``grouped_attention`` off; until that setting, ``:gqa`` asked 
 off: before the request-by-request attention over the cache in place),
 ``:noprefill`` without the prefill process (``prefill_process`` off; since the engine leaves it off while the kernel
 has helper threads or interludes run, compare it under ``--kernel-helpers 0`` with ``:nointerludes``),
-``:nointerludes`` without interludes (``prefill_between_layers`` off: before engine/interlude.py; every first token
+``:nointerludes`` without interludes (``prefill_between_layers`` off: before engine/batched/interlude.py; every first
+token
 from the batch's own steps, or from the prefill process where it runs),
 ``:midstep`` with interludes between a step's layers only (before the twenty-third stop: not between two steps too),
-``:unfused`` with transformers' decoder layers around the block kernel (``fused_layers`` off: before engine/decoder.py),
+``:unfused`` with transformers' decoder layers around the block kernel (``fused_layers`` off: before
+engine/cpu/decoder.py),
 ``:perlayer`` with a batched step's decoder layers one C call each (before the twenty-fifth stop, when the step's first
 layer began to run them all in one call: decoder.run_layers),
 ``:torchargmax`` with greedy tokens picked by the library's ``torch.argmax`` (before the twenty-sixth stop's
-engine/argmax.py),
+engine/cpu/argmax.py),
 ``:apart`` with each decoder layer's q, k and v (and gate and up) a kernel call each (before the twenty-sixth
 stop's kernel.join: one call for the three, one for the two),
 ``:kernelfrom`` with the block kernel built from the C files (kernel.c, decoder.c, kernel.h) in ``--kernel-from DIR``
@@ -68,10 +70,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import kernel_layers
-from ttft_sse.engine import kernel
 from ttft_sse.engine.base import ChatMessage, Engine, Finished, Piece, Prompt, SamplingParams
-from ttft_sse.engine.batched import BatchedEngine
-from ttft_sse.engine.hf import HFEngine
+from ttft_sse.engine.batched.engine import BatchedEngine
+from ttft_sse.engine.cpu import kernel
+from ttft_sse.engine.single import SingleEngine
 from ttft_sse.settings import Settings
 from ttft_sse.stages import StageClock
 
@@ -240,7 +242,7 @@ def load(spec: str, args: argparse.Namespace) -> Engine:
         max_concurrency=args.concurrency,
         log_level="warning",
     )
-    engine: BatchedEngine | HFEngine = BatchedEngine(settings) if kind == "batched" else HFEngine(settings)
+    engine: BatchedEngine | SingleEngine = BatchedEngine(settings) if kind == "batched" else SingleEngine(settings)
     with kernel_from(args.kernel_from if "kernelfrom" in variants else None):
         engine.load(StageClock())
     if "midstep" in variants and isinstance(engine, BatchedEngine):
@@ -250,7 +252,7 @@ def load(spec: str, args: argparse.Namespace) -> Engine:
         for layer in engine.model.model.layers:
             layer.chain = None
     if "torchargmax" in variants and isinstance(engine, BatchedEngine):
-        # Greedy tokens picked by the library's torch.argmax, as before engine/argmax.py: its own _sample again.
+        # Greedy tokens picked by the library's torch.argmax, as before engine/cpu/argmax.py: its own _sample again.
         deadline = time.monotonic() + 30
         while getattr(engine._manager, "batch_processor", None) is None and time.monotonic() < deadline:
             time.sleep(0.01)  # the loop's thread builds its batch processor as it starts
@@ -259,13 +261,13 @@ def load(spec: str, args: argparse.Namespace) -> Engine:
             del runner._sample
     if "apart" in variants:
         # Decoder layers computing q, k, v (and gate, up) in a call each, as before kernel.join.
-        from ttft_sse.engine import decoder
+        from ttft_sse.engine.cpu import decoder
 
         for layer in engine.model.model.layers:
             if hasattr(layer, "arithmetic"):
                 layer.arithmetic.qkv, layer.arithmetic.gate_up = decoder.Linear(), decoder.Linear()
     if "rowmajor" in variants:
-        # The layout before the engine stored fp32 linear weights transposed (engine/weights.py).
+        # The layout before the engine stored fp32 linear weights transposed (engine/cpu/weights.py).
         import torch
 
         for module in engine.model.modules():

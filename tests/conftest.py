@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from ttft_sse.engine.hf import HFEngine
+from ttft_sse.engine.single import SingleEngine
 from ttft_sse.settings import Settings
 from ttft_sse.stages import StageClock
 
@@ -16,15 +16,15 @@ CACHE_DIR = Path(Settings.from_env().cache_dir)
 
 @pytest.fixture(scope="session")
 def settings() -> Settings:
-    # No prefill process (a second copy of the model, engine/prefill.py) unless a test asks for one: the suite's
+    # No prefill process (a second copy of the model, engine/batched/prefill.py) unless a test asks for one: the suite's
     # engines and servers would each start one.
     return Settings(cache_dir=CACHE_DIR, threads=1, log_format="console", prefill_process=False)
 
 
 @pytest.fixture(scope="module")
-def reference(settings: Settings) -> HFEngine:
+def reference(settings: Settings) -> SingleEngine:
     """The single-request engine, loaded: the texts and tokens the other engines are checked against."""
-    engine = HFEngine(settings)
+    engine = SingleEngine(settings)
     engine.load(StageClock())
     return engine
 

@@ -20,9 +20,9 @@ from starlette.testclient import TestClient
 from tests.scrape import Scrape, parse, scrape
 from tests.servers import StreamReader, parse_sse, running, serving
 from ttft_sse.app import create_app
-from ttft_sse.engine import kernel
 from ttft_sse.engine.base import Prompt
-from ttft_sse.engine.batched import BatchedEngine, BatchStats
+from ttft_sse.engine.batched.engine import BatchedEngine, BatchStats
+from ttft_sse.engine.cpu import kernel
 from ttft_sse.engine.fake import FakeEngine
 from ttft_sse.lifespan import Runtime
 from ttft_sse.metrics import BATCH_METRICS, CUDA_METRICS, KERNEL_METRICS, LATENCY_BUCKETS, GpuProbe, Metrics, outcome_of

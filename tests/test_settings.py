@@ -17,7 +17,6 @@ def test_environment_values_are_parsed_by_type() -> None:
         "TTFT_QUEUE_TIMEOUT_SECONDS": "2.5",
         "TTFT_CACHE_DIR": "/tmp/c",
         "TTFT_REDIS_URL": "",
-        "TTFT_INT4_WEIGHTS": "true",
         "TTFT_GROUPED_ATTENTION": "off",
         "TTFT_PAGED_ATTENTION": "no",
         "TTFT_GGUF_KERNEL": "0",
@@ -28,7 +27,6 @@ def test_environment_values_are_parsed_by_type() -> None:
     assert (s.port, s.model, s.warmup, s.queue_timeout_seconds) == (9001, "/models/x.gguf", False, 2.5)
     assert s.cache_dir == Path("/tmp/c")
     assert s.redis_url is None
-    assert s.int4_weights is True and Settings().int4_weights is False
     assert s.grouped_attention is False and Settings().grouped_attention is True
     assert s.paged_attention is False and Settings().paged_attention is True
     assert s.gguf_kernel is False and Settings().gguf_kernel is True

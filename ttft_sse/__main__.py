@@ -88,20 +88,22 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _prepare(settings: Settings) -> int:
-    from ttft_sse.engine import models
+    from ttft_sse.engine.loading import sources
     from ttft_sse.stages import StageClock
 
     clock = StageClock()
-    source = models.resolve(settings.model)
-    location = models.materialize(source, settings.cache_dir, clock)
+    source = sources.resolve(settings.model)
+    location = sources.materialize(source, settings.cache_dir, clock)
     if source.kind == "gguf":
-        from ttft_sse.engine import argmax
-        from ttft_sse.engine.hf import KERNEL_DIR, HFEngine
+        from ttft_sse.engine.cpu import argmax
+        from ttft_sse.engine.loading.model import KERNEL_DIR
+        from ttft_sse.engine.single import SingleEngine
 
         # Loaded once here too: on CPU that finds the file's blocks behind the layers and builds the block kernel
-        # and the attention (engine/codes.py, engine/kernel.py, engine/attention.py), kept in the cache directory
-        # for the server's start; and the batched engine's greedy pick (engine/argmax.py).
-        engine = HFEngine(settings)
+        # and the attention (engine/cpu/codes.py, engine/cpu/kernel.py, engine/cpu/attention.py), kept in the cache
+        # directory
+        # for the server's start; and the batched engine's greedy pick (engine/cpu/argmax.py).
+        engine = SingleEngine(settings)
         engine.load(clock)
         if engine.model.device.type == "cpu":
             argmax.build(settings.cache_dir / KERNEL_DIR)
@@ -114,10 +116,10 @@ def _worker(settings: Settings) -> int:
     if not settings.redis_url:
         print("ttft-sse: worker needs the queue's Redis: set TTFT_REDIS_URL or pass --redis-url", file=sys.stderr)
         return 2
-    from ttft_sse.engine import models
+    from ttft_sse.engine.loading import sources
     from ttft_sse.redis_jobs import run_worker
 
-    models.resolve(settings.model)  # a model that cannot be found fails here, not in every pool process
+    sources.resolve(settings.model)  # a model that cannot be found fails here, not in every pool process
     return run_worker(settings, concurrency=settings.job_runners)
 
 

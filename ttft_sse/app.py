@@ -31,13 +31,13 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
     settings = settings or Settings()
     if engine is None:
         if settings.engine == "batched":
-            from ttft_sse.engine.batched import BatchedEngine
+            from ttft_sse.engine.batched.engine import BatchedEngine
 
             engine = BatchedEngine(settings)
         else:
-            from ttft_sse.engine.hf import HFEngine
+            from ttft_sse.engine.single import SingleEngine
 
-            engine = HFEngine(settings)
+            engine = SingleEngine(settings)
     app = Starlette(
         routes=[
             Route("/", page, methods=["GET"]),

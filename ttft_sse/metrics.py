@@ -51,7 +51,7 @@ from ttft_sse.engine.base import Finished
 from ttft_sse.errors import ClientError, Overloaded, ShuttingDown, Unavailable
 
 if TYPE_CHECKING:
-    from ttft_sse.engine.batched import BatchStats
+    from ttft_sse.engine.batched.engine import BatchStats
     from ttft_sse.lifespan import Runtime
 
 log = structlog.get_logger("ttft_sse.metrics")

@@ -310,10 +310,10 @@ class JobRunner:
         """Load and warm the model, and connect to Redis. Raises ``RuntimeError`` when the model cannot load."""
         from redis.asyncio import Redis
 
-        from ttft_sse.engine.hf import HFEngine
+        from ttft_sse.engine.single import SingleEngine
         from ttft_sse.lifespan import Runtime
 
-        self.runtime = Runtime(self.settings, self._engine or HFEngine(self.settings))
+        self.runtime = Runtime(self.settings, self._engine or SingleEngine(self.settings))
         self.loop.run_until_complete(self.runtime.start())
         if not self.runtime.ready:
             raise RuntimeError(f"the model failed to load: {self.runtime.error}")

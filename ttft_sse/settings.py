@@ -69,36 +69,34 @@ class Settings:
     engine: str = "batched"
     device: str = "auto"
     dtype: str = "auto"
-    # fp32 on CPU: keep a oneDNN pre-packed copy of every linear weight for 2-32 rows (engine/weights.py).
+    # fp32 on CPU: keep a oneDNN pre-packed copy of every linear weight for 2-32 rows (engine/cpu/weights.py).
     packed_weights: bool = True
     # fp32 on CPU, a GGUF model: layers stored as Q4_0/Q4_1/Q8_0 run on the block kernel from the file's own
-    # blocks, in fp32 (engine/kernel.py).
+    # blocks, in fp32 (engine/cpu/kernel.py).
     gguf_kernel: bool = True
     # The block kernel's rows: "fp32", the fp32 model's arithmetic; "int8", quantised per block of 32 inputs as
     # llama.cpp does (AVX-512 VNNI or AVX2): faster, other answers.
     gguf_activations: str = "fp32"
     # With the block kernel (fp32 or int8 rows): each Llama decoder layer's norms, projections, rotary embedding and
     # MLP in two C calls around its attention instead of ~40 torch calls; in the batched engine's steps, the whole
-    # layer, cache write and attention included, in one (engine/decoder.py).
+    # layer, cache write and attention included, in one (engine/cpu/decoder.py).
     fused_layers: bool = True
-    # fp32 on CPU, a GGUF model: layers stored as Q4_0/Q4_1 run on torch's int4 kernel from the file's blocks, in
-    # bf16 (engine/int4.py); before the block kernel when both are on.
-    int4_weights: bool = False
-    # On CPU: masked attention (the batched engine's steps) reads grouped KV heads in place (engine/attention.py).
+    # On CPU: masked attention (the batched engine's steps) reads grouped KV heads in place (engine/cpu/attention.py).
     grouped_attention: bool = True
     # On CPU, fp32: the batched engine's steps attend request by request, reading the paged KV cache in place
-    # (engine/attention.py), instead of one masked attention over the whole step's gathered keys; the single engine
+    # (engine/cpu/attention.py), instead of one masked attention over the whole step's gathered keys; the single engine
     # attends with the same C function, so both give a request the same text.
     paged_attention: bool = True
     # On CPU, the batched engine: a second process with its own copy of the model computes the first token of a
-    # request that arrives while the batch is busy, on another core (engine/prefill.py).
+    # request that arrives while the batch is busy, on another core (engine/batched/prefill.py).
     prefill_process: bool = True
     # On CPU, the batched engine with the decoder layers in C: a request that arrives while the batch is busy has its
-    # prompt computed between two layers of the step in flight, and the batch reuses its KV (engine/interlude.py).
+    # prompt computed between two layers of the step in flight, and the batch reuses its KV
+    # (engine/batched/interlude.py).
     # Where it runs, the prefill process does not.
     prefill_between_layers: bool = True
     threads: int = 0
-    # The block kernel's helper threads (engine/kernel.py): a linear layer's panels shared with threads that run
+    # The block kernel's helper threads (engine/cpu/kernel.py): a linear layer's panels shared with threads that run
     # only on a core nothing else wants (SCHED_IDLE). -1: one, where the process may use two cores or more.
     kernel_helpers: int = -1
     cache_dir: Path = field(default_factory=_default_cache_dir)

@@ -1,7 +1,7 @@
 """On a CUDA machine only: CUDA memory and GPU utilisation on ``/metrics``, and the allocator-cache janitor.
 
 Skipped where torch sees no GPU (CI has none). The stand-in model is a tiny random Llama with the bundled model's
-tokenizer: what is checked is the plumbing (HFEngine on CUDA, GpuProbe, CacheJanitor), not the text.
+tokenizer: what is checked is the plumbing (SingleEngine on CUDA, GpuProbe, CacheJanitor), not the text.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from tests.conftest import CACHE_DIR
 from tests.scrape import scrape
 from tests.servers import eventually, running
 from ttft_sse.app import create_app
-from ttft_sse.engine import models
+from ttft_sse.engine.loading import sources
 from ttft_sse.settings import Settings
 
 torch = pytest.importorskip("torch")
@@ -33,7 +33,7 @@ EVERY = 3
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     import transformers
 
-    tokenizer_dir = Path(models.converted_dir(models.bundled_gguf(), CACHE_DIR))
+    tokenizer_dir = Path(sources.converted_dir(sources.bundled_gguf(), CACHE_DIR))
     target = tmp_path_factory.mktemp("tiny-llama")
     tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
     config = transformers.LlamaConfig(

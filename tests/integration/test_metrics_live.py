@@ -16,7 +16,7 @@ from starlette.testclient import TestClient
 from tests.scrape import Scrape, scrape
 from tests.servers import eventually, parse_sse
 from ttft_sse.app import create_app
-from ttft_sse.engine.batched import BLOCK_TOKENS, BatchedEngine
+from ttft_sse.engine.batched.engine import BLOCK_TOKENS, BatchedEngine
 from ttft_sse.metrics import BATCH_METRICS
 from ttft_sse.settings import Settings
 

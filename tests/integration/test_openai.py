@@ -16,12 +16,12 @@ import pytest
 
 from tests.servers import running
 from ttft_sse.app import create_app
-from ttft_sse.engine import models
 from ttft_sse.engine.fake import FakeEngine
+from ttft_sse.engine.loading import sources
 from ttft_sse.settings import Settings
 from ttft_sse.stages import StageClock
 
-MODEL = models.BUNDLED_NAME
+MODEL = sources.BUNDLED_NAME
 STORY = [{"role": "user", "content": "Write a long story about a dragon who learns to fly."}]
 STORY_TOKENS = 24  # far too few for a long story: every STORY request below ends on its limit
 TIMINGS = {"queue_ms", "prefill_ms", "ttft_ms", "total_ms"}
@@ -91,7 +91,7 @@ async def test_completions_streamed_text_equals_non_streamed_text_with_the_async
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(
-        models.materialize(models.resolve("bundled"), settings.cache_dir, StageClock())
+        sources.materialize(sources.resolve("bundled"), settings.cache_dir, StageClock())
     )
     assert whole.usage.prompt_tokens == len(tokenizer(prompt)["input_ids"])
 

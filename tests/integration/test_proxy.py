@@ -19,7 +19,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from tests.nginx import DEFAULT_PROXY, nginx
 from tests.servers import SSEEvent, StreamReader, eventually, fake_app, parse_sse, running, serving, stream_events
-from ttft_sse.engine.batched import BatchedEngine
+from ttft_sse.engine.batched.engine import BatchedEngine
 from ttft_sse.engine.fake import FakeEngine
 from ttft_sse.settings import Settings
 

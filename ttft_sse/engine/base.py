@@ -94,13 +94,15 @@ class ModelInfo:
     context_length: int
     threads: int
     # How the weights are laid out for the kernels (shown by /readyz): "as loaded", "column-major",
-    # "column-major+packed" (engine/weights.py), "gguf-blocks" (engine/kernel.py; "gguf-blocks+column-major+packed"
-    # when some layers are not stored as blocks), or "int4+bf16-packed" (engine/int4.py).
+    # "column-major+packed" (engine/cpu/weights.py), "gguf-blocks" (engine/cpu/kernel.py;
+    # "gguf-blocks+column-major+packed"
+    # when some layers are not stored as blocks).
     weights: str = "as loaded"
-    # The block kernel's helper threads (engine/kernel.py), 0 without them.
+    # The block kernel's helper threads (engine/cpu/kernel.py), 0 without them.
     kernel_helpers: int = 0
     # Who else may give the first token of a request that arrives while the batched engine's step runs, and its
-    # state: "interludes ready" (engine/interlude.py), "prefill-process loading" (engine/prefill.py), ..., or "none".
+    # state: "interludes ready" (engine/batched/interlude.py), "prefill-process loading" (engine/batched/prefill.py),
+    # ..., or "none".
     beside_batch: str = "none"
 
 

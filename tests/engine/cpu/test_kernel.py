@@ -1,0 +1,576 @@
+"""The block kernel: fp32 rows, or rows quantised to int8, times a GGUF file's own blocks (engine/cpu/kernel.py,
+engine/cpu/kernel.c)."""
+
+from __future__ import annotations
+
+import ctypes
+import subprocess
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+from structlog.testing import capture_logs
+
+from tests.conftest import CACHE_DIR
+from tests.test_engine_batched import collect, prompt_of
+from tests.test_engine_codes import KINDS, layers_of, quantised
+from ttft_sse.engine.base import SamplingParams
+from ttft_sse.engine.batched.engine import BatchedEngine
+from ttft_sse.engine.cpu import attention, codes, kernel
+from ttft_sse.engine.loading.model import KERNEL_DIR
+from ttft_sse.engine.single import SingleEngine
+from ttft_sse.settings import Settings
+from ttft_sse.stages import StageClock
+
+torch = pytest.importorskip("torch")
+gguf = pytest.importorskip("gguf")
+
+DIRECTORY = CACHE_DIR / KERNEL_DIR  # the one the engine builds in: built once for the whole run
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Any:
+    """The kernel is applied only with one torch thread (as the suite's engines run)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def skip_without_int8() -> None:
+    """Int8 rows are built for CPUs with AVX-512 VNNI or AVX2 and F16C (elsewhere the engine keeps fp32 rows and
+    says so: the test of that runs everywhere)."""
+    if not kernel.takes_int8(kernel.build(DIRECTORY)):
+        pytest.skip("the CPU has neither AVX-512 VNNI nor AVX2 with F16C: the kernel has no int8 rows here")
+
+
+def block_layer(
+    kind: str, shape: tuple[int, int], library: Path | None = None, activations: str = "fp32"
+) -> tuple[Any, np.ndarray]:
+    """A linear layer on the kernel (``library``, else this CPU's build) with a random ``shape`` weight quantised as
+    ``kind``; and its fp32 weight."""
+    blocks, dense = quantised(shape, kind)
+    return block_layer_from(blocks, kind, shape, library or kernel.build(DIRECTORY), activations), dense
+
+
+def block_layer_from(blocks: np.ndarray, kind: str, shape: tuple[int, int], library: Path, activations: str) -> Any:
+    """A linear layer on the kernel of ``library`` with gguf's blocks ``blocks``."""
+    if activations == "int8":
+        skip_without_int8()
+    layer = torch.nn.Linear(shape[1], shape[0], bias=False)
+    kernel._attach(layer, codes.decode(blocks, int(KINDS[kind]), shape), library, activations, torch)
+    return layer
+
+
+def int8_steps(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Rows as the int8 kernel quantises them, as llama.cpp's Q8_0 does: each block of 32 inputs as whole steps
+    (rows x blocks x 32), rounded (halves to even) from x * (127 / max|x|) in fp32, and the step d = max|x| / 127 in
+    fp32 (rows x blocks)."""
+    blocks = x.astype(np.float32).reshape(x.shape[0], -1, 32)
+    largest = np.abs(blocks).max(axis=-1)
+    inverse = np.divide(np.float32(127), largest, out=np.zeros_like(largest), where=largest > 0)
+    steps = np.rint(blocks * inverse[..., None]).astype(np.int64)
+    assert np.abs(steps).max() <= 127
+    return steps, largest / np.float32(127)
+
+
+def rows_as_int8(x: np.ndarray) -> np.ndarray:
+    """What the int8 kernel multiplies, in fp64: each block's steps times its d."""
+    steps, d = int8_steps(x)
+    return (steps.astype(np.float64) * d[..., None].astype(np.float64)).reshape(x.shape)
+
+
+@pytest.fixture(scope="module")
+def avx2_build(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The kernel's AVX2 side, built without AVX-512 (what a CPU without it gets)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(kernel, "FLAGS", (*kernel.FLAGS, "-mno-avx512f"))
+        return kernel.build(tmp_path_factory.mktemp("avx2"))
+
+
+@pytest.mark.parametrize("build", ["native", "avx2"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 13])
+def test_the_kernel_gives_the_fp32_product_of_the_files_weights(
+    kind: str, rows: int, build: str, avx2_build: Path
+) -> None:
+    layer, dense = block_layer(kind, (38, 96), avx2_build if build == "avx2" else None)  # 38 outputs: 9 x 4 + 2
+    x = torch.randn(rows, 96, dtype=torch.float64)
+    with torch.no_grad():
+        got = layer(x.float())
+    want = x @ torch.from_numpy(dense).double().T  # in fp64: the kernel's own rounding is all that differs
+    assert got.dtype == torch.float32 and got.shape == (rows, 38)
+    assert float((got.double() - want).abs().max()) <= 1e-5 * float(want.abs().max())
+
+
+@pytest.mark.parametrize("build", ["native", "avx2"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+def test_the_kernels_weights_are_the_files_dequantised_weights_bit_for_bit(
+    kind: str, build: str, avx2_build: Path
+) -> None:
+    """Rows of the identity read the weights back: fma(1, w, 0) is w, and fma(0, w, acc) leaves acc. In calls of
+    4 rows (codes expanded in registers) and of all 96 (expanded into the buffer)."""
+    layer, dense = block_layer(kind, (38, 96), avx2_build if build == "avx2" else None)
+    eye = torch.eye(96)
+    with torch.no_grad():
+        tiles = torch.cat([layer(eye[i : i + 4]) for i in range(0, 96, 4)])
+        whole = layer(eye)
+    want = torch.from_numpy(dense).T  # gguf's own dequantisation, which transformers' loader uses
+    assert torch.equal(tiles, want) and torch.equal(whole, want)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 9, 13])
+def test_int8_rows_give_the_product_of_the_weights_and_the_rows_quantised_per_block(kind: str, rows: int) -> None:
+    layer, dense = block_layer(kind, (38, 96), activations="int8")  # 38 outputs: 2 panels and a padded one
+    x = np.random.default_rng(rows).standard_normal((rows, 96)).astype(np.float32)
+    x[0, :32] *= 50  # a block with an outlier gets its own, coarser steps
+    x[-1, 32:64] = 0  # a block of zeros
+    with torch.no_grad():
+        got = layer(torch.from_numpy(x)).double().numpy()
+    want = rows_as_int8(x) @ dense.astype(np.float64).T
+    assert got.shape == (rows, 38)
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()  # only the kernel's fp32 sums differ
+    fp32 = x.astype(np.float64) @ dense.astype(np.float64).T
+    assert np.abs(got - fp32).max() > 1e-4 * np.abs(fp32).max()  # the rows really were quantised
+
+
+def exact_fma32(a: float, b: float, c: float) -> np.float32:
+    """fma(a, b, c) in fp32: a * b + c exactly, rounded once to the nearest fp32 (halves to even)."""
+    exact = Fraction(a) * Fraction(b) + Fraction(c)
+    near = np.float32(float(exact))  # within one fp32 step of the exact value (rounded twice)
+    candidates = [np.nextafter(near, np.float32(-np.inf)), near, np.nextafter(near, np.float32(np.inf))]
+    return min(candidates, key=lambda v: (abs(Fraction(float(v)) - exact), int(v.view(np.uint32)) & 1))
+
+
+def int8_rows_exactly(x: np.ndarray, blocks_of: codes.Codes) -> np.ndarray:
+    """What kernel.c's int8 rows must give, bit for bit, on every build: the rows quantised in fp32 (steps d =
+    max|x| / 127 of a block), the exact integer sums of unsigned codes times steps, then per block
+    acc = fma(sum, fp32(scale * d), acc) and acc = fma(offset, fp32(d * sum(steps)), acc), from zero."""
+    rows, inputs = x.shape
+    out = blocks_of.q.shape[0]
+    shift = 8 if blocks_of.bits == 4 else 128
+    unsigned = blocks_of.q.astype(np.int64) + shift
+    scale = blocks_of.scale.astype(np.float16).astype(np.float32)
+    offset = (blocks_of.zero - shift * blocks_of.scale).astype(np.float16).astype(np.float32)
+    steps, d = int8_steps(x)
+    ds = d * steps.sum(-1).astype(np.float32)
+    got = np.zeros((rows, out), np.float32)
+    for b in range(inputs // 32):
+        sums = steps[:, b] @ unsigned[:, 32 * b : 32 * b + 32].T  # exact integers
+        for r in range(rows):
+            for n in range(out):
+                acc = exact_fma32(float(sums[r, n]), float(scale[n, b] * d[r, b]), float(got[r, n]))
+                got[r, n] = exact_fma32(float(offset[n, b]), float(ds[r, b]), float(acc))
+    return got
+
+
+@pytest.mark.parametrize("build", ["native", "avx2"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+def test_int8_rows_are_the_same_bits_on_every_build(kind: str, build: str, avx2_build: Path) -> None:
+    """The integer sums are exact on both builds (AVX-512 VNNI, and AVX2's 16-bit sums and signed 8-bit codes), and
+    the fp32 operations after them are the same in the same order: the same bits as the exact reference, so as
+    each other. 38 outputs (a padded panel), 9 rows (uneven tiles), and blocks of outliers, zeros and halves."""
+    blocks, _ = quantised((38, 96), kind)
+    found = codes.decode(blocks, int(KINDS[kind]), (38, 96))
+    layer, _ = block_layer(kind, (38, 96), avx2_build if build == "avx2" else None, "int8")
+    x = np.random.default_rng(3).standard_normal((9, 96)).astype(np.float32)
+    x[0, :32] *= 50
+    x[-1, 32:64] = 0
+    x[2, 64:96] = np.arange(-16, 16) / np.float32(2)  # steps of exactly k + 1/2 (127 / 8 a step): halves to even
+    with torch.no_grad():
+        got = layer(torch.from_numpy(x)).numpy()
+    assert np.array_equal(got.view(np.uint32), int8_rows_exactly(x, found).view(np.uint32))
+
+
+def test_a_layer_keeps_its_input_shape_and_adds_its_bias() -> None:
+    layer, dense = block_layer("Q4_1", (40, 64))
+    layer.bias = torch.nn.Parameter(torch.linspace(-1, 1, 40), requires_grad=False)
+    x = torch.randn(2, 3, 64)  # [batch, tokens, features], as the model calls it
+    with torch.no_grad():
+        got = layer(x)
+    want = torch.nn.functional.linear(x, torch.from_numpy(dense), layer.bias)
+    assert got.shape == (2, 3, 40)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_strided_or_other_dtype_input_gives_what_its_contiguous_fp32_copy_gives_in_its_own_dtype() -> None:
+    layer, _ = block_layer("Q4_1", (40, 64))
+    x = torch.randn(64, 3)  # its transpose is not contiguous
+    with torch.no_grad():
+        want = layer(x.T.contiguous())
+        strided = layer(x.T)
+        double = layer(x.T.double())
+    assert torch.equal(strided, want)
+    assert double.dtype == torch.float64 and torch.equal(double, want.double())
+
+
+@pytest.mark.parametrize("build", ["native", "avx2", "int8"])
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+def test_each_row_is_the_same_bits_whatever_else_the_call_holds(kind: str, build: str, avx2_build: Path) -> None:
+    activations = "int8" if build == "int8" else "fp32"
+    layer, _ = block_layer(kind, (70, 576), avx2_build if build == "avx2" else None, activations)
+    x = torch.randn(20, 576)
+    with torch.no_grad():
+        alone = torch.cat([layer(x[i : i + 1]) for i in range(20)])
+        for count in range(2, 21):
+            assert torch.equal(layer(x[:count]), alone[:count]), count
+            assert torch.equal(layer(x[count - 2 : count]), alone[count - 2 : count]), count
+
+
+@pytest.fixture(scope="module")
+def alone_and_shared(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """Two copies of this CPU's build, each its own library (its own helpers): the second with a helper thread."""
+    alone, shared = (kernel.build(tmp_path_factory.mktemp(name)) for name in ("alone", "shared"))
+    assert kernel.start_helpers(shared, 1) == 1
+    return alone, shared
+
+
+@pytest.fixture
+def helpers_pause(alone_and_shared: tuple[Path, Path]) -> Any:
+    """Sets how long the shared build's helpers sleep in every chunk they hold (µs); back to 0 after the test."""
+    pause = kernel.load(alone_and_shared[1], "ttft_helper_pause", (ctypes.c_int64,))
+    yield pause
+    pause(0)
+
+
+def helped(library: Path, call: Any, *, until: Any) -> kernel.HelperCounts:
+    """Makes ``call`` again (at most 400 times) until the library's helper counts satisfy ``until``; returns them.
+    A helper runs only on a core nothing else wants: on a busy machine it may take a few calls."""
+    for _ in range(400):
+        call()
+        counts = kernel.helper_counts(library)
+        if until(counts):
+            return counts
+    raise AssertionError(f"the helper thread did not take part in 400 calls: {counts}")
+
+
+@pytest.mark.parametrize("activations", ["fp32", "int8"])
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("rows", [1, 4, 5, 8, 37])
+def test_a_call_shared_with_a_helper_thread_gives_the_same_bits_as_alone(
+    kind: str, rows: int, activations: str, alone_and_shared: tuple[Path, Path]
+) -> None:
+    alone, shared = alone_and_shared
+    seed = rows * 10 + (activations == "int8")
+    blocks, _ = quantised((1000, 576), kind, seed=seed)  # 63 panels, the last 8 outputs of 16 real
+    layers = [block_layer_from(blocks, kind, (1000, 576), library, activations) for library in (alone, shared)]
+    x = torch.from_numpy(np.random.default_rng(seed).standard_normal((rows, 576)).astype(np.float32))
+    with torch.no_grad():
+        want = layers[0](x)
+        before = kernel.helper_counts(shared).by_helpers
+        got: list[Any] = []
+
+        def call() -> None:
+            got.append(layers[1](x))
+
+        helped(shared, call, until=lambda counts: counts.by_helpers > before)
+    assert all(torch.equal(y, want) for y in got)
+
+
+def test_a_chunk_the_helper_holds_too_long_is_taken_back_with_the_same_bits(
+    alone_and_shared: tuple[Path, Path], helpers_pause: Any
+) -> None:
+    alone, shared = alone_and_shared
+    blocks, _ = quantised((1536, 576), "Q4_1", seed=3)
+    layers = [block_layer_from(blocks, "Q4_1", (1536, 576), library, "fp32") for library in (alone, shared)]
+    x = torch.randn(8, 576)
+    helpers_pause(100_000)  # 0.1 s in each chunk it holds: the caller's patience is twice its own time a chunk
+    with torch.no_grad():
+        want = layers[0](x)
+        before = kernel.helper_counts(shared).taken_back
+        got: list[Any] = []
+        counts = helped(shared, lambda: got.append(layers[1](x)), until=lambda counts: counts.taken_back > before)
+    assert all(torch.equal(y, want) for y in got)
+    assert counts.helpers == 1
+
+
+_PTR = ctypes.c_void_p
+
+
+@pytest.fixture(scope="module")
+def attention_library(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """engine/cpu/attention.c built for this CPU, once for the module's tests."""
+    return kernel.build(tmp_path_factory.mktemp("attention"), (attention.SOURCE,), "attention")
+
+
+class AttentionStep:
+    """A batched step's attention for the bundled model's heads (9 query heads on 3 KV heads of 64): ``requests``
+    of (new rows, keys) over a KV cache whose rows the step's index reads scattered; computed alone by attention.c
+    or shared with the helper threads of the kernel's library ``shared``."""
+
+    def __init__(self, requests: list[tuple[int, int]], library: Path, shared: Path, seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        self.heads, self.kv_heads, self.dim = 9, 3, 64
+        rows, keys = sum(n for n, _ in requests), sum(k for _, k in requests)
+        slots = 2 * keys
+        self.q = rng.standard_normal((rows, self.heads * self.dim)).astype(np.float32)
+        self.k, self.v = (rng.standard_normal((slots, self.kv_heads * self.dim)).astype(np.float32) for _ in "kv")
+        self.index = rng.permutation(slots)[:keys].astype(np.int64)
+        self.cu_q = np.cumsum([0, *(n for n, _ in requests)]).astype(np.int32)
+        self.cu_k = np.cumsum([0, *(k for _, k in requests)]).astype(np.int32)
+        self.requests = len(requests)
+        self.alone = attention._function(library)
+        self.part = ctypes.cast(kernel.load(library, "ttft_attention_part", ()), _PTR).value
+        # ttft_share_attention (kernel.c): attention.c's part function, then ttft_paged_attention's arguments.
+        self.share = kernel.load(shared, "ttft_share_attention", (_PTR, *attention._ARGUMENTS))
+
+    def _arguments(self, out: npt.NDArray[np.float32]) -> tuple[Any, ...]:
+        def at(a: npt.NDArray[Any]) -> int:
+            return int(a.ctypes.data)
+
+        return (
+            at(self.q), self.heads, self.kv_heads, self.dim, at(self.k), at(self.v), self.kv_heads * self.dim,
+            self.dim, at(self.index), at(self.cu_q), at(self.cu_k), self.requests, 512, 0.125, at(out),
+        )  # fmt: skip
+
+    def computed_alone(self) -> npt.NDArray[np.float32]:
+        out = np.full_like(self.q, np.nan)
+        assert self.alone(*self._arguments(out)) == 0
+        return out
+
+    def computed_shared(self) -> tuple[int, npt.NDArray[np.float32]]:
+        """ttft_share_attention's status (0: shared, 1: computed alone, by the caller's fallback) and output."""
+        out = np.full_like(self.q, np.nan)
+        status = self.share(self.part, *self._arguments(out))
+        if status == 1:
+            assert self.alone(*self._arguments(out)) == 0
+        return status, out
+
+
+STEPS = {
+    "decode-8x200": [(1, 200)] * 8,  # a decode step of 8 streams
+    "decode-1x1000": [(1, 1000)],  # one stream's decode step: one row, shared by its KV heads
+    "prefill-mix": [(37, 37), (1, 300), (15, 50), (1, 9)],  # new prompts, one behind a known prefix, and decodes
+}
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_a_steps_attention_shared_with_a_helper_thread_gives_the_same_bits_as_alone(
+    step: str, alone_and_shared: tuple[Path, Path], attention_library: Path
+) -> None:
+    shared = alone_and_shared[1]
+    attend = AttentionStep(STEPS[step], attention_library, shared, seed=len(step))
+    want = attend.computed_alone()
+    assert not np.isnan(want).any()
+    before = kernel.helper_counts(shared)
+    got: list[tuple[int, npt.NDArray[np.float32]]] = []
+    try:
+        helped(shared, lambda: got.append(attend.computed_shared()), until=lambda c: c.by_helpers > before.by_helpers)
+    finally:
+        kernel.fence(shared)  # a helper may still read attend's arrays (a chunk taken back from it)
+    assert [status for status, _ in got].count(0) >= 1  # shared at least once: the helper computed chunks of it
+    assert all(np.array_equal(out, want) for _, out in got)
+
+
+def test_an_attention_chunk_the_helper_holds_too_long_is_taken_back_and_the_next_call_runs_alone(
+    alone_and_shared: tuple[Path, Path], helpers_pause: Any, attention_library: Path
+) -> None:
+    # While a helper is still inside a chunk taken back from it, it may read the step's key index: the next
+    # attention call must not rewrite the share's copy of it, so it runs alone (kernel.c's share_run).
+    shared = alone_and_shared[1]
+    attend = AttentionStep(STEPS["decode-8x200"], attention_library, shared, seed=7)
+    want = attend.computed_alone()
+    helpers_pause(2_000_000)  # 2 s in each chunk it holds: a stall of this thread cannot outlast it
+    before = kernel.helper_counts(shared).taken_back
+    got: list[tuple[int, npt.NDArray[np.float32]]] = []
+    try:
+        helped(shared, lambda: got.append(attend.computed_shared()), until=lambda c: c.taken_back > before)
+        calls = kernel.helper_counts(shared).calls
+        status, right_after = attend.computed_shared()  # well within the helper's 2 s
+    finally:
+        helpers_pause(0)
+        kernel.fence(shared)  # the helper may still read attend's arrays
+    assert (status, kernel.helper_counts(shared).calls) == (1, calls)
+    assert all(np.array_equal(out, want) for _, out in [*got, (status, right_after)])
+
+
+def tiny_model(tmp_path: Path, *, tied: bool = False) -> tuple[Any, Path]:
+    """The layers of tests/test_engine_codes.py (stored as Q4_1, Q8_0 and F32) as a model; with ``tied``, an
+    embedding sharing the Q8_0 layer's weight, as a tied LM head does."""
+    layers, path = layers_of(tmp_path)
+    model = torch.nn.Sequential(*layers.values())
+    if tied:
+        model.append(torch.nn.Embedding(32, 96))
+        model[3].weight = model[1].weight
+    return model, path
+
+
+@pytest.mark.parametrize(("activations", "least", "most"), [("fp32", 0.0, 1e-5), ("int8", 1e-5, 0.05)])
+def test_apply_puts_exactly_the_layers_the_file_holds_as_blocks_on_the_kernel(
+    tmp_path: Path, activations: str, least: float, most: float
+) -> None:
+    if activations == "int8":
+        skip_without_int8()
+    model, path = tiny_model(tmp_path)
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        want = model(x)
+    with capture_logs() as logs:
+        assert kernel.apply(model, path, torch, directory=DIRECTORY, activations=activations) == activations
+    blocks = {"event": "weights_blocks", "log_level": "info", "layers": 2, "q4": 1, "q8": 1}
+    assert {**blocks, "activations": activations} in logs
+    assert [type(layer).__name__ for layer in model] == ["BlockLinear", "BlockLinear", "Linear"]
+    assert [getattr(layer, "activations", None) for layer in model] == [activations, activations, None]
+    assert [layer.weight.numel() for layer in model] == [0, 0, 16 * 32]  # fp32 weights on codes are dropped
+    with torch.no_grad():
+        got = model(x)
+    # Against the largest value (an output near zero after sums of values near 1e3 keeps their rounding). Int8
+    # rows add their steps' error: more than fp32 sums, far less than the values.
+    error = float((got - want).abs().max() / want.abs().max())
+    assert least <= error <= most, error
+
+
+def test_on_a_cpu_without_avx512_vnni_or_f16c_int8_rows_fall_back_to_fp32_and_the_log_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model, path = tiny_model(tmp_path)
+    monkeypatch.setattr(kernel, "FLAGS", (*kernel.FLAGS, "-mno-avx512vnni", "-mno-f16c"))
+    with capture_logs() as logs:
+        got = kernel.apply(model, path, torch, directory=tmp_path / "kernels", activations="int8")
+    assert got == "fp32"
+    assert [entry["event"] for entry in logs] == ["kernel_built", "activations_not_int8", "weights_blocks"]
+    assert logs[1] == {
+        "event": "activations_not_int8",
+        "log_level": "warning",
+        "reason": "the CPU has neither AVX-512 VNNI nor AVX2 with F16C: the rows stay fp32",
+    }
+    assert [getattr(layer, "activations", None) for layer in model] == ["fp32", "fp32", None]
+
+
+def test_a_weight_another_module_shares_is_kept(tmp_path: Path) -> None:
+    model, path = tiny_model(tmp_path, tied=True)
+    with capture_logs():
+        assert kernel.apply(model, path, torch, directory=DIRECTORY) == "fp32"
+    assert type(model[1]).__name__ == "BlockLinear"
+    assert model[1].weight is model[3].weight and model[3].weight.shape == (32, 96)  # the embedding still reads it
+    assert model[0].weight.numel() == 0
+
+
+def wrong_zeros(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = kernel.function(kernel.build(DIRECTORY))
+    wrong = lambda x, m, k, c, bits, scale, zero, n, y: real(x, m, k, c, bits, scale, scale, n, y)  # noqa: E731
+    monkeypatch.setattr(kernel, "function", lambda _path, _name: wrong)  # the scales taken for the zeros
+
+
+def no_compiler(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kernel.shutil, "which", lambda _name: None)
+    monkeypatch.setattr(kernel.Path, "is_file", lambda _path: False)  # not even a build from an earlier run
+
+
+def four_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
+
+
+@pytest.mark.parametrize(
+    ("cause", "reason"),
+    [
+        (wrong_zeros, "the block kernel disagrees with its fp64 reference at 1 rows"),
+        (no_compiler, "the kernel was not built: no C compiler (cc or gcc) on PATH"),
+        (four_threads, "the block kernel runs on one thread; torch has 4"),
+    ],
+    ids=["kernel-disagrees", "no-compiler", "four-threads"],
+)
+def test_where_the_kernel_cannot_serve_every_layer_stays_as_it_was_and_the_log_says_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cause: Any, reason: str
+) -> None:
+    model, path = tiny_model(tmp_path)
+    cause(monkeypatch)
+    with capture_logs() as logs:
+        assert kernel.apply(model, path, torch, directory=DIRECTORY) is None
+    assert [type(layer) for layer in model] == [torch.nn.Linear] * 3
+    assert not hasattr(model[0], "arrays") and model[0].weight.shape == (96, 64)
+    assert logs == [{"event": "weights_not_blocks", "log_level": "warning", "reason": reason}]
+
+
+def test_a_source_that_does_not_compile_is_reported_with_the_compilers_error(tmp_path: Path) -> None:
+    source = tmp_path / "kernel.c"
+    source.write_text('#error "no such CPU"\n')
+    with pytest.raises(RuntimeError, match=r"failed: .*error: #error \"no such CPU\""):
+        kernel.build(tmp_path / "kernels", (source,))
+    assert list((tmp_path / "kernels").iterdir()) == []  # no partial file left
+
+
+def test_the_kernel_is_built_once_for_a_source_and_cpu_then_loaded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    directory = tmp_path / "kernels"
+    with capture_logs() as logs:
+        built = kernel.build(directory)
+    assert built.parent == directory and built.name.startswith("blocks-") and built.suffix == ".so"
+    assert [entry["event"] for entry in logs] == ["kernel_built"]
+
+    def compile_again(*_args: Any, **_kwargs: Any) -> subprocess.CompletedProcess[str]:
+        raise AssertionError("compiled again")
+
+    monkeypatch.setattr(kernel.subprocess, "run", compile_again)
+    assert kernel.build(directory) == built
+    monkeypatch.setattr(kernel, "_cpu", lambda: b"flags : another cpu")
+    with pytest.raises(AssertionError, match="compiled again"):  # another CPU gets its own build
+        kernel.build(directory)
+
+
+async def test_the_bundled_model_runs_every_linear_layer_on_the_kernel(settings: Settings) -> None:
+    """The decoders' layers (Q4_1) and the LM head (Q8_0, tied to the embedding) all take the kernel; the answer
+    is right and each decode step goes through it."""
+    engine = BatchedEngine(settings)
+    with capture_logs() as logs:
+        engine.load(StageClock())
+    try:
+        model = engine.model
+        on_kernel = [m for m in model.modules() if isinstance(m, kernel.block_linear_class())]
+        assert len(on_kernel) == 7 * model.config.num_hidden_layers + 1  # q, k, v, o, gate, up, down; LM head
+        assert model.lm_head.bits == 8 and model.lm_head.weight is model.get_input_embeddings().weight
+        assert engine.info.weights == "gguf-blocks"
+        blocks = {"event": "weights_blocks", "log_level": "info", "layers": len(on_kernel), "q4": 210, "q8": 1}
+        assert {**blocks, "activations": "fp32"} in logs
+        rows: list[int] = []
+        head: list[int] = []
+        first = model.model.layers[0]  # its linear layers run inside it, in C (engine/cpu/decoder.py)
+        hooks = [
+            first.register_forward_hook(lambda _m, args, _out: rows.append(args[0].numel() // 576)),
+            model.lm_head.register_forward_hook(lambda _m, args, _out: head.append(args[0].numel() // 576)),
+        ]
+        text, finished = await collect(
+            engine.stream(prompt_of(engine, "What is the capital of France?"), SamplingParams(max_tokens=12))
+        )
+        for hook in hooks:
+            hook.remove()
+    finally:
+        await engine.close()
+    assert text == "The capital of France is Paris.", text
+    steps = finished.usage.completion_tokens
+    assert rows.count(1) == steps - 1 and len(rows) == steps  # the prompt's step, then one row a decode step
+    assert head == [1] * steps  # the LM head sees the last position of each step only
+
+
+PASSAGE = (
+    "The city of Paris is the capital of France. It lies on the river Seine, in the north of the country, and is "
+    "known for its museums, its cafes and the Eiffel Tower, which was built for the world fair of 1889. Every year "
+    "millions of visitors walk along its boulevards, climb the hill of Montmartre and cross its many bridges."
+)
+
+
+def test_with_int8_rows_the_bundled_model_predicts_nearly_what_it_predicts_in_fp32(settings: Settings) -> None:
+    """Int8 rows change the answers (and make them depend on the batch, as bf16 does), not what the model knows:
+    teacher-forced on a passage, the next-token choice agrees with fp32 rows' at nearly every position."""
+    skip_without_int8()
+    logits = {}
+    for activations in ("fp32", "int8"):
+        engine = SingleEngine(settings.replace(gguf_activations=activations))
+        with capture_logs():
+            engine.load(StageClock())
+        suffix = "-int8" if activations == "int8" else ""
+        assert engine.info.weights == f"gguf-blocks{suffix}"
+        ids = engine.tokenizer(PASSAGE, return_tensors="pt").input_ids
+        with torch.inference_mode():
+            logits[activations] = engine.model(ids).logits[0].double()
+    fp32, int8 = logits["fp32"], logits["int8"]
+    agreement = float((fp32.argmax(-1) == int8.argmax(-1)).double().mean())
+    p, q = fp32.log_softmax(-1), int8.log_softmax(-1)
+    divergence = float((p.exp() * (p - q)).sum(-1).mean())
+    assert agreement >= 0.9 and divergence <= 0.01, (agreement, divergence)
+    assert not torch.equal(fp32, int8)  # the rows really were quantised

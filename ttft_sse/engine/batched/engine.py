@@ -1,0 +1,513 @@
+"""The batched engine: concurrent requests share the forward passes of transformers' continuous batching.
+
+One long-lived loop (transformers' ``ContinuousBatchingManager``, started by ``model.init_continuous_batching``)
+runs a forward pass per step over every request it holds: prompts being prefilled and answers being decoded, each
+with its own paged KV cache. A request that arrives while others decode is scheduled into the very next step. Its
+KV blocks are hashed once complete, and a later prompt that starts with the same tokens (the chat template's system
+prompt, a conversation's earlier turns) shares those blocks instead of computing them again: its time to first
+token is driven by its new tokens only. Memory is bounded by ``kv_cache_tokens``: blocks no request uses stay
+cached for reuse until the cache runs short, then they are evicted.
+
+The library does the batching, the paged cache and the prefix sharing. Written here, because it lacks them:
+
+* **routing** (``_router`` → :class:`~ttft_sse.bridge.Mailboxes`): the library's router hands results to callbacks
+  and forgets a callback only when its request finishes; a cancelled request's callback stays registered for ever,
+  and results nobody claims pile up in a queue nobody reads. Ours delivers each step's results to the event loop in
+  one ``call_soon_threadsafe`` and drops those of requests that have left;
+* **stop sequences and text**: the library knows token ids; :class:`~ttft_sse.engine.text.TokenText` frames text
+  exactly as the single-request engine does, and a stop sequence cancels the request in the library;
+* **a loop that died**: the library fails the requests it knows about when its loop crashes, but a request added
+  in the same instant can wait for ever (the manager's own ``get_result`` loops only while the thread lives). Every
+  waiting request also checks that the loop is alive (``Mailboxes``); the next request restarts a dead loop;
+* **prefix-hit counting**: a FIFO scheduler subclass, registered in the library's scheduler table, counts prompt
+  tokens served from shared blocks (:meth:`BatchedEngine.stats`).
+
+* **attention request by request, in place** (engine/cpu/attention.py, on CPU in fp32): the library gathers a step's
+  keys and values out of its paged cache in every layer and attends every query row to every key of the step under
+  a mask; the engine's cache writes only, and each request's rows attend to its own keys, read in place;
+
+* **first tokens beside the batch** (engine/batched/prefill.py, on CPU with the block kernel and that attention): a
+  request that arrives while the batch is busy is also sent to a second process, with its own copy of the model,
+  on the other core. Whichever has its first token first gives it (:class:`Claims`): if the process does, the
+  batch's step that computes the request's first token is made to pick the process's token
+  (:func:`~ttft_sse.engine.batched.selection.selection`),
+  so the batch goes on from the token the client saw, greedy or sampled. A greedy one is the same token anyway
+  (every row is computed from its own inputs alone in both). The batch otherwise runs as without it: a newcomer's
+  TTFT is no longer the step in flight plus its own, and no step waits for anything;
+
+* **per-request token selection** (:func:`~ttft_sse.engine.batched.selection.selection`): the library's own warpers
+sort the whole vocabulary of
+  every row every step (measured: 43 ms a step for 8 rows, a quarter of a decode step), and its draw runs over
+  every row, whether a row samples or not. Ours leaves greedy rows to the step's argmax and cuts and draws
+  only the rows that sample (top-p: only those that ask for it), by engine/sampling.py: top-p over the 1024 most
+  probable tokens first, a draw through the cumulative weights (8 sampled rows: 6.9 ms a step, against 41.7 ms
+  sorting whole rows and drawing with ``torch.multinomial``). On CPU the argmax is engine/cpu/argmax.py's, in C, by
+  ``torch.argmax``'s rule (0.06 ms for 8 rows against 0.9).
+
+Not batched, on purpose: requests with a ``seed`` and requests too long for the shared cache run on the
+single-request engine (:class:`~ttft_sse.engine.single.SingleEngine`, same model, same weights). The library draws a
+whole
+batch's tokens from one global random generator, so a request's ``seed`` could not reproduce anything there; the
+single engine samples with the request's own generator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import itertools
+import time
+from collections import deque
+from collections.abc import AsyncGenerator, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+from ttft_sse.bridge import Mailboxes, Resident
+from ttft_sse.engine.base import ChatMessage, Finished, ModelInfo, Piece, Prompt, SamplingParams, Usage
+from ttft_sse.engine.batched.hooks import keep_config_causal, missing_internals, pick_greedy_with, router
+from ttft_sse.engine.batched.interlude import Interlude
+from ttft_sse.engine.batched.prefill import PrefillProcess
+from ttft_sse.engine.batched.scheduler import PrefixCounters, register_scheduler, unregister_scheduler
+from ttft_sse.engine.batched.selection import Claims, FirstToken, selection
+from ttft_sse.engine.cpu import argmax, attention, decoder, kernel
+from ttft_sse.engine.loading.model import KERNEL_DIR
+from ttft_sse.engine.single import CacheJanitor, SingleEngine
+from ttft_sse.engine.text import TokenText
+from ttft_sse.errors import EngineError
+from ttft_sse.settings import Settings
+from ttft_sse.stages import StageClock
+
+log = structlog.get_logger("ttft_sse.engine")
+
+Item = Piece | Finished
+
+# Tokens per KV block: the unit of prefix sharing. A prompt reuses every whole block it shares with an earlier one,
+# short of its last token. Measured on the bundled model (fp32, interleaved, 3 rounds): 8 streams decode as fast
+# with blocks of 4, 16 or 64 tokens (45.5, 46.8, 44.2 tok/s), while the 37-token chat prompt, sent again, reuses 36
+# tokens with blocks of 4 (TTFT 79 ms), 32 with 16 (108 ms) and none with 64 (164 ms). 4 is the library's minimum.
+BLOCK_TOKENS = 4
+# How many recent steps ``batch_log`` keeps.
+BATCH_LOG_STEPS = 512
+
+
+@dataclass(frozen=True)
+class BatchStats:
+    """A snapshot of the batching loop, for tests, the benchmark and metrics. Counters only grow."""
+
+    running: bool  # the loop's thread is alive
+    requests: int  # requests the library holds now (prefilling, decoding, or waiting to be scheduled)
+    streams: int  # requests whose client is still reading
+    steps: int  # forward passes that produced at least one token
+    prompt_tokens: int  # prompt tokens scheduled, shared or computed
+    prefix_hits: int  # prompts that reused shared blocks
+    prefix_hit_tokens: int  # prompt tokens served from shared blocks instead of computed
+    kv_tokens_in_use: int  # KV capacity held by live requests
+    kv_tokens_cached: int  # KV capacity held only for reuse (evicted when the cache runs short)
+    kv_tokens_capacity: int
+    prefill: str = "off"  # the prefill process (engine/batched/prefill.py): off, loading, ready, failed or stopped
+    interludes: str = "off"  # interludes (engine/batched/interlude.py): off, ready, failed or stopped
+    side_first_tokens: int = 0  # first tokens the prefill process gave before the batch did
+    interlude_first_tokens: int = 0  # first tokens interludes gave (engine/batched/interlude.py)
+    kernel: kernel.HelperCounts | None = None  # the block kernel's helper threads (None without them)
+
+
+class BatchedEngine:
+    """Engine over transformers' continuous batching. Model, tokenizer and the non-batched paths come from an
+    :class:`SingleEngine` it owns."""
+
+    def __init__(self, settings: Settings) -> None:
+        self._settings = settings
+        self._single = SingleEngine(settings)
+        self._manager: Any = None
+        self._loop: Resident | None = None
+        self._mailboxes: Mailboxes[str, Any] = Mailboxes(alive=self._alive, dead=self._dead)
+        self._ids = itertools.count(1)
+        self._closed = False
+        self._capacity = 0
+        self._counters = PrefixCounters()
+        self._scheduler = ""
+        self.batch_log: deque[tuple[str, ...]] = deque(maxlen=BATCH_LOG_STEPS)
+        """The request ids that received a token, step by step (the most recent ``BATCH_LOG_STEPS`` steps)."""
+        self._steps = 0
+        self._prefill: PrefillProcess | Interlude | None = None  # what races the batch for first tokens, if any
+        self._claims = Claims()
+        self._side_tasks: set[asyncio.Task[None]] = set()
+        self._side_first = 0
+        self._interlude_first = 0
+        self._batching_off: str | None = None  # why requests run on the single engine, where they must
+
+    @property
+    def info(self) -> ModelInfo:
+        if self._batching_off is not None:
+            beside = f"none: one generate per request ({self._batching_off})"
+        elif self.interludes is not None:
+            beside = f"interludes {self.interludes.state}"
+        elif self.prefill_process is not None:
+            beside = f"prefill-process {self.prefill_process.state}"
+        else:
+            beside = "none"
+        return dataclasses.replace(self._single.info, beside_batch=beside)
+
+    @property
+    def active(self) -> int:
+        return self._single.active + self._mailboxes.count
+
+    @property
+    def model(self) -> Any:
+        return self._single.model
+
+    @property
+    def janitor(self) -> CacheJanitor:
+        """The single engine's: batched and unbatched generations count towards the same N."""
+        return self._single.janitor
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._single.tokenizer
+
+    @property
+    def prefill_process(self) -> PrefillProcess | None:
+        """The prefill process, if the engine started one (engine/batched/prefill.py)."""
+        return self._prefill if isinstance(self._prefill, PrefillProcess) else None
+
+    @property
+    def interludes(self) -> Interlude | None:
+        """The interludes, if the engine runs them (engine/batched/interlude.py)."""
+        return self._prefill if isinstance(self._prefill, Interlude) else None
+
+    # -- loading -----------------------------------------------------------------------------------------------
+
+    def load(self, clock: StageClock) -> None:
+        self._single.load(clock)
+        missing = missing_internals()
+        if missing:
+            # Every request then runs on the single engine (its capacity stays 0): slower, never wrong.
+            import transformers
+
+            self._batching_off = f"transformers {transformers.__version__} lacks what the batching hooks use"
+            log.warning("batching_off", reason=self._batching_off, missing=missing)
+            return
+        keep_config_causal(self.model)
+        self._start_prefill()  # before the loop: its scheduler hands its cache the interludes
+        with clock.stage("batching"):
+            self._manager = self._create_manager(paged=attention.paged(self.model))
+            self._loop = Resident(
+                name="ttft-batch",
+                start=self._start_manager,
+                stop=self._stop_manager,
+                alive=lambda: bool(self._manager.is_running()),
+            )
+            self._loop.start()
+
+    def _start_prefill(self) -> None:
+        """Interludes (engine/batched/interlude.py) where asked and possible; else the prefill process
+        (engine/batched/prefill.py),
+        where it can help: on CPU, with a core of its own."""
+        if self._settings.prefill_between_layers:
+            reason = self._no_interludes()
+            if reason is None:
+                self._prefill = Interlude(self.model)
+                self._counters.between = self._prefill.serve
+                self._counters.waiting = self._prefill.waiting
+                log.info("interludes_on")
+                return
+            log.info("interludes_off", reason=reason)
+        if not self._settings.prefill_process:
+            return
+        if self._settings.cores < 2:
+            reason = "one core only (affinity and CPU quota)"
+        elif not self._rows_alone():
+            reason = "it needs the block kernel and the C attention (a GGUF model, on CPU, in fp32)"
+        elif self.info.kernel_helpers > 0:
+            # Both want the second core; the batch on two cores gave more tokens/s and a lower TTFT p99 at c=8
+            # (docs/benchmarks.md, seventeenth stop).
+            reason = "the block kernel's helper threads use the other cores (TTFT_KERNEL_HELPERS=0 gives them to it)"
+        else:
+            self._prefill = PrefillProcess(self._settings)
+            self._prefill.start()
+            return
+        log.info("prefill_process_off", reason=reason)
+
+    def _rows_alone(self) -> bool:
+        """Each row of a forward pass is computed from its own inputs alone (the block kernel's linear layers, the C
+        attention): a first token computed beside the batch is then the batch's, bit for bit."""
+        return attention.paged(self.model) and self.info.weights.startswith("gguf-blocks")
+
+    def _no_interludes(self) -> str | None:
+        """Why interludes cannot run here, or None. They compute a step of their own through the decoder layers in
+        C over the paged cache read in place, and hand their KV over by the library's prefix sharing."""
+        layers = getattr(self.model.base_model, "layers", [])
+        if not self._rows_alone():
+            return "they need the block kernel and the C attention (a GGUF model, on CPU, in fp32)"
+        if not layers or not all(isinstance(layer, decoder.fused_layer_class()) for layer in layers):
+            return "they need the decoder layers in C (TTFT_FUSED_LAYERS)"
+        if not self._settings.prefix_cache:
+            return "they hand their KV to the batch through the prefix cache (TTFT_PREFIX_CACHE)"
+        return None
+
+    def _create_manager(self, *, paged: bool) -> Any:
+        import math
+
+        import transformers
+
+        settings = self._settings
+        blocks = math.ceil(settings.kv_cache_tokens / BLOCK_TOKENS)
+        self._capacity = blocks * BLOCK_TOKENS
+        eos = sorted(self._single.eos)
+        self._scheduler = register_scheduler(self._counters, paged=paged)
+        generation = transformers.GenerationConfig(
+            do_sample=False,  # an argmax per row; sampled rows are drawn before it (see _selection)
+            eos_token_id=eos or -1,
+            pad_token_id=self._single.tokenizer.pad_token_id,
+        )
+        batching = transformers.ContinuousBatchingConfig(
+            page_size=BLOCK_TOKENS,
+            num_blocks=blocks,
+            max_batch_tokens=settings.batch_tokens,
+            max_requests_per_batch=settings.max_concurrency,
+            allow_block_sharing=settings.prefix_cache,
+            scheduler_type=self._scheduler,
+        )
+        manager = self._single.model.init_continuous_batching(
+            generation_config=generation, continuous_batching_config=batching
+        )
+        manager.output_router = router(self._deliver)
+        manager.logit_processor = selection(self._claims)  # before the loop builds its batch processor from it
+        if self.model.device.type == "cpu":
+            picker = argmax.build(settings.cache_dir / KERNEL_DIR)
+            if picker is not None:
+                pick_greedy_with(manager, picker)
+        return manager
+
+    def _start_manager(self) -> None:
+        import torch
+
+        # The loop runs in the inference mode of the thread that starts it.
+        with torch.inference_mode():
+            self._manager.start()
+
+    def _stop_manager(self) -> None:
+        # A hard stop: requests still in the loop are failed (nobody reads them any more: close() ended them).
+        # The library's stop drops its batch processor, and with it the KV cache, before it returns; a helper thread
+        # of the kernel may still be inside a chunk of the last step's attention, taken back from it, reading that
+        # cache (kernel.c). So the processor is held until the helpers are out of their chunks.
+        processor = getattr(self._manager, "batch_processor", None)
+        try:
+            self._manager.stop(block=True, timeout=30, hard_stop=True)
+        finally:
+            self._single.fence_kernel()
+            del processor
+
+    # -- requests ----------------------------------------------------------------------------------------------
+
+    def prepare(self, *, prompt: str | None, messages: Sequence[ChatMessage] | None, raw: bool) -> Prompt:
+        return self._single.prepare(prompt=prompt, messages=messages, raw=raw)
+
+    async def stream(self, prompt: Prompt, params: SamplingParams) -> AsyncGenerator[Item, None]:
+        # The last prompt token and every generated token but the last need a cache slot; keep one block of slack.
+        fits = prompt.n_tokens + params.max_tokens <= self._capacity - BLOCK_TOKENS
+        batched = fits and (params.greedy or params.seed is None)
+        source = self._batched(prompt, params) if batched else self._single.stream(prompt, params)
+        async with aclosing(source) as items:
+            async for item in items:
+                yield item
+
+    async def _batched(self, prompt: Prompt, params: SamplingParams) -> AsyncGenerator[Item, None]:
+        if self._closed or self._loop is None:
+            raise EngineError("the engine is not running: it was closed, or never loaded")
+        if self._down():
+            log.warning("batching_loop_restarted", reason="the loop had stopped (see the error logged before)")
+            await self._loop.restart(self._down)
+        request_id = f"ttft-{next(self._ids)}"
+        tokenizer = self._single.tokenizer
+        text = TokenText(lambda ids: tokenizer.decode(ids, skip_special_tokens=True), params.stop, self._single.eos)
+        inbox = self._mailboxes.open(request_id)
+        side_token: int | None = None
+        started = time.perf_counter()
+        first_at: float | None = None
+        index = 0
+        in_library = False
+        try:
+            # Only where the batch's steps attend request by request (a cache that reads in place): there its greedy
+            # first token is the process's, bit for bit. Raced before the library has the request, so that no step
+            # picks its first token before the race is open.
+            if self._prefill is not None and self._counters.in_place and self._mailboxes.count > 1:
+                self._race(request_id, prompt, params)
+            added = self._manager.add_request(
+                list(prompt.token_ids),
+                request_id=request_id,
+                max_new_tokens=params.max_tokens,
+                streaming=True,
+                eos_token_id=sorted(self._single.eos) or -1,
+                temperature=float(params.temperature),
+                top_p=float(params.top_p) if not params.greedy else 1.0,
+            )
+            if added is None:
+                raise EngineError("generation failed: the batching loop is not accepting requests")
+            in_library = True
+            seen = 0
+            async for output in inbox:
+                finished = False
+                if isinstance(output, FirstToken):
+                    # The prefill process's first token, claimed before the batch's step picked one: that step picks
+                    # it too (selection), and the batch's is skipped below.
+                    if isinstance(self._prefill, Interlude):
+                        self._interlude_first += 1
+                    else:
+                        self._side_first += 1
+                    side_token = output.token
+                    fresh = [side_token]
+                else:
+                    if output.error is not None:
+                        in_library = False
+                        log.error("generation_failed", error=output.error, request_id=request_id)
+                        raise EngineError("generation failed: the batched forward pass raised an error")
+                    tokens = output.generated_tokens
+                    if side_token is not None and seen == 0 and tokens:
+                        seen = 1
+                        if tokens[0] != side_token:  # not expected: the step was made to pick it (selection)
+                            log.error("first_token_mismatch", request_id=request_id, side=side_token, batch=tokens[0])
+                    fresh, seen = tokens[seen:], len(tokens)
+                    finished = output.is_finished()
+                    in_library = not finished
+                for token in fresh:
+                    if first_at is None:
+                        first_at = time.perf_counter()
+                    piece = text.push(token)
+                    if piece:
+                        yield Piece(index=index, text=piece)
+                        index += 1
+                    if text.stopped:
+                        break
+                if text.stopped or finished:
+                    break
+            else:
+                # The inbox ended without a result: close() is ending every generation. No Finished, as with
+                # the single engine's cancel_all (the generation layer tells the client why).
+                return
+            tail = text.finish()
+            if tail:
+                yield Piece(index=index, text=tail)
+            ended = time.perf_counter()
+            first = first_at or ended
+            yield Finished(
+                finish_reason=text.finish_reason(params.max_tokens),
+                usage=Usage(prompt_tokens=prompt.n_tokens, completion_tokens=text.count),
+                timings={
+                    "prefill_ms": round((first - started) * 1000, 1),
+                    "decode_ms": round((ended - first) * 1000, 1),
+                },
+            )
+        finally:
+            self._claims.close(request_id)
+            if isinstance(self._prefill, Interlude):
+                self._prefill.sweep()
+            inbox.close()
+            if self.janitor.count():
+                # On CUDA, every N generations: empty the allocator's cache in a worker thread (it synchronises
+                # the device), as the single engine does in its generation thread.
+                emptying = asyncio.get_running_loop().run_in_executor(None, self.janitor.empty)
+                emptying.add_done_callback(_log_failure)
+            if in_library:
+                # A stop sequence matched or the client left: the library frees the request's slot and blocks at
+                # its next step. Results of a step already in flight are dropped by the closed inbox.
+                self._manager.cancel_request(request_id)
+                if not text.stopped:
+                    log.info("generation_cancelled", completion_tokens=text.count, max_tokens=params.max_tokens)
+
+    def _race(self, request_id: str, prompt: Prompt, params: SamplingParams) -> None:
+        """Ask the interludes or the prefill process for the request's first token too; it goes to the request's
+        inbox if it comes before the batch's step has picked one (:class:`Claims`)."""
+        assert self._prefill is not None
+        prefill, claims = self._prefill, self._claims
+        claims.open(request_id)
+        temperature = 0.0 if params.greedy else float(params.temperature)
+        top_p = 1.0 if params.greedy else float(params.top_p)
+
+        # Interludes compute it only while no step in flight does; the process races that step too.
+        wanted = functools.partial(claims.beside if isinstance(prefill, Interlude) else claims.wanted, request_id)
+
+        async def ask() -> None:
+            token = await prefill.first_token(prompt.token_ids, wanted, temperature, top_p)
+            if token is not None and claims.side(request_id, token):
+                self._mailboxes.deliver([(request_id, FirstToken(token))])
+
+        # The task is never cancelled (see PrefillProcess.first_token); a strong reference keeps it until it ends.
+        task = asyncio.get_running_loop().create_task(ask(), name=f"ttft-prefill-{request_id}")
+        self._side_tasks.add(task)
+        task.add_done_callback(self._side_tasks.discard)
+
+    def _down(self) -> bool:
+        """The loop has ended, or is ending after a failure (it refuses new requests then)."""
+        if self._closed or self._loop is None:
+            return False
+        refusal = self._manager.background_thread_status.can_accept_new_requests()
+        return not self._loop.alive or refusal is not None
+
+    async def close(self) -> None:
+        """End every generation (batched ones end without a ``Finished``), then stop the loop's thread."""
+        self._closed = True
+        self._mailboxes.end_all()
+        if self._loop is not None and self._loop.alive:
+            await self._loop.stop()
+        unregister_scheduler(self._scheduler)
+        if self._prefill is not None:
+            await asyncio.to_thread(self._prefill.stop)  # the waits in flight end: the child is gone
+            await asyncio.gather(*self._side_tasks, return_exceptions=True)
+        await self._single.close()
+
+    # -- state -------------------------------------------------------------------------------------------------
+
+    def stats(self) -> BatchStats:
+        manager = self._manager
+        processor = getattr(manager, "batch_processor", None) if manager is not None else None
+        scheduler = getattr(processor, "scheduler", None)
+        cache = getattr(processor, "cache", None)
+        in_use = cached = 0
+        if cache is not None:
+            for allocator in list(cache.cache_allocators.values()):
+                in_use += sum(len(blocks) for blocks in list(allocator.block_table.values())) * BLOCK_TOKENS
+                cached += len(allocator.ledger.cached_blocks) * BLOCK_TOKENS
+        return BatchStats(
+            running=self._loop is not None and self._loop.alive,
+            requests=len(scheduler.active_requests) + len(scheduler.waiting_requests) if scheduler else 0,
+            streams=self._mailboxes.count,
+            steps=self._steps,
+            prompt_tokens=self._counters.prompt_tokens,
+            prefix_hits=self._counters.hits,
+            prefix_hit_tokens=self._counters.hit_tokens,
+            kv_tokens_in_use=in_use,
+            kv_tokens_cached=cached,
+            kv_tokens_capacity=self._capacity,
+            prefill=self.prefill_process.state if self.prefill_process is not None else "off",
+            interludes=self.interludes.state if self.interludes is not None else "off",
+            side_first_tokens=self._side_first,
+            interlude_first_tokens=self._interlude_first,
+            kernel=self._single.kernel_counts(),
+        )
+
+    # -- called from the loop's thread -------------------------------------------------------------------------
+
+    def _deliver(self, outputs: Sequence[Any]) -> None:
+        if not outputs:
+            return
+        self._steps += 1
+        if isinstance(self._prefill, Interlude):
+            self._prefill.sweep()
+        self.batch_log.append(tuple(output.request_id for output in outputs))
+        self._mailboxes.deliver((output.request_id, output) for output in outputs)
+
+    def _alive(self) -> bool:
+        return self._loop is not None and self._loop.alive
+
+    def _dead(self) -> BaseException:
+        return EngineError("generation failed: the batching loop stopped")
+
+
+def _log_failure(future: asyncio.Future[None]) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        log.error("cuda_cache_empty_failed", error=repr(future.exception()))

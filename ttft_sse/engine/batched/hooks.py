@@ -1,0 +1,116 @@
+"""Where the batched engine reaches into transformers' continuous batching, and the check that those places exist.
+
+The engine builds on private parts of transformers' continuous batching: the manager's batch-processor factory and
+output router, the runner's sampler, the per-request logits processors, the scheduler table and the FIFO scheduler's
+hooks, the paged cache's allocators. ``pyproject.toml`` pins the transformers versions this was tested with;
+:func:`missing_internals` checks at load that every name the engine uses is there, so that another version makes the
+engine fall back to one ``model.generate`` per request (the library's public path) with one log line, rather than
+crash mid-request or compute wrongly.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ttft_sse.engine.cpu import argmax
+
+INTERNALS: dict[str, tuple[str, ...]] = {
+    "transformers.generation.continuous_batching.continuous_api": (
+        "ContinuousBatchingManager._create_batch_processor",
+        "ContinuousBatchingManager.add_request",
+        "ContinuousBatchingManager.cancel_request",
+        "ContinuousBatchingManager.is_running",
+        "OutputRouter.deliver",
+        "OutputRouter.deliver_batch",
+    ),
+    "transformers.generation.continuous_batching.cb_logits_processors": (
+        "ContinuousBatchingLogitsProcessor.fill_defaults",
+        "ContinuousBatchingLogitsProcessor.prepare_tensor_args",
+        "ContinuousBatchingLogitsProcessorList",
+    ),
+    "transformers.generation.continuous_batching.scheduler": (
+        "SCHEDULER_MAPPING",
+        "FIFOScheduler.schedule_batch",
+        "FIFOScheduler._infer_request_tokens",
+        "FIFOScheduler._schedule_request",
+    ),
+    "transformers.generation.continuous_batching.requests": ("RequestStatus.PENDING", "RequestStatus.DECODING"),
+    "transformers.generation.continuous_batching.model_runner": ("ModelRunner._sample",),
+    "transformers.generation.continuous_batching.cache": ("PagedAttentionCache.update",),
+    "transformers.generation.continuous_batching.cache_allocators.full_attention": ("FullAttentionCacheAllocator",),
+    "transformers": ("ContinuousBatchingConfig", "GenerationConfig"),
+}
+"""Every module and attribute path of the library the batched engine uses beyond its public API."""
+
+
+def missing_internals(internals: dict[str, tuple[str, ...]] = INTERNALS) -> list[str]:
+    """The dotted names of ``internals`` that the installed transformers lacks (empty when all are there)."""
+    missing: list[str] = []
+    for module_name, paths in internals.items():
+        try:
+            module: Any = importlib.import_module(module_name)
+        except ImportError:
+            missing.append(module_name)
+            continue
+        for path in paths:
+            found: Any = module
+            for part in path.split("."):
+                found = getattr(found, part, None)
+                if found is None:
+                    missing.append(f"{module_name}.{path}")
+                    break
+    return missing
+
+
+def pick_greedy_with(manager: Any, picker: argmax.Argmax) -> None:
+    """Have each batch processor ``manager`` builds (in its loop's thread, when the loop starts) pick greedy tokens
+    with ``picker`` (engine/cpu/argmax.py) instead of ``torch.argmax``."""
+    import torch
+
+    create = manager._create_batch_processor
+
+    def created() -> Any:
+        processor = create()
+        argmax.pick_greedy(processor.model_runner, picker, torch)
+        return processor
+
+    manager._create_batch_processor = created
+
+
+def keep_config_causal(model: Any) -> None:
+    """Keep the batch's steps from making the single engine's calls non-causal.
+
+    transformers' continuous batching calls the model with ``is_causal=False`` (its mask holds the pattern), and the
+    model's forward writes that into the model's config for the length of the call (``utils/generic.py``), where
+    every other call of the model reads it as its default: a seeded request's prompt on the single engine, in another
+    thread while a step ran, was attended without its causal mask and answered nonsense (a test). The steps do not
+    need the flag (their mask says it all: transformers' SDPA turns it off by itself where a mask is given), so it
+    is dropped before the model sees it. The wrapper keeps the forward's signature (``functools.wraps``): generate
+    reads it to pass ``logits_to_keep``, without which the LM head ran over every row of a prompt (a test)."""
+    forward = model.forward
+
+    @functools.wraps(forward)
+    def step_forward(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("is_causal") is False and kwargs.get("attention_mask") is not None:
+            del kwargs["is_causal"]
+        return forward(*args, **kwargs)
+
+    model.forward = step_forward
+
+
+def router(deliver: Callable[[Sequence[Any]], None]) -> Any:
+    """The library's output router, handing each step's outputs to ``deliver`` instead of to callbacks and a shared
+    queue."""
+    from transformers.generation.continuous_batching.continuous_api import OutputRouter
+
+    class Router(OutputRouter):  # type: ignore[misc]
+        def deliver(self, output: Any) -> None:
+            deliver([output])
+
+        def deliver_batch(self, outputs: list[Any]) -> None:
+            deliver(outputs)
+
+    return Router()

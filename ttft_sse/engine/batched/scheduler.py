@@ -1,0 +1,93 @@
+"""The batching loop's scheduler: the library's FIFO scheduler, counting what prefix sharing saves, and handing the
+cache read in place (engine/cpu/attention.py) the interludes (engine/batched/interlude.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ttft_sse.engine.cpu import attention
+
+SCHEDULER = "ttft_fifo"
+"""The prefix of the scheduler names the engine registers with transformers (see :func:`register_scheduler`)."""
+
+
+@dataclass
+class PrefixCounters:
+    """Written by the loop's scheduler, read by :meth:`BatchedEngine.stats`. They outlive a restarted loop."""
+
+    prompt_tokens: int = 0
+    hits: int = 0
+    hit_tokens: int = 0
+    in_place: bool = False  # the loop's cache hands the attention its rows in place (attention.read_in_place)
+    between: Callable[[Any], None] | None = None  # called between a batched step's layers (attention.InPlace.between)
+    waiting: Any = None  # a ctypes int, not 0 while between has work (attention.InPlace.waiting)
+    boundary: bool = True  # and between two steps (CountingScheduler.schedule_batch); False only to compare
+
+
+def register_scheduler(counters: PrefixCounters, *, paged: bool) -> str:
+    """Register with the library a FIFO scheduler that counts into ``counters``, and return the name to ask for.
+    With ``paged``, it also makes the cache it is given hand the attention its rows in place
+    (:func:`~ttft_sse.engine.cpu.attention.read_in_place`): the scheduler is the one object of the engine's that the
+    library gives its cache to, once per loop.
+
+    The library builds its scheduler from a name in its ``SCHEDULER_MAPPING``, with fixed arguments; a class per
+    engine is how the counts reach the engine that asked. ``unregister_scheduler`` removes it again.
+    """
+    from transformers.generation.continuous_batching import scheduler as schedulers
+    from transformers.generation.continuous_batching.requests import RequestStatus
+
+    class CountingScheduler(schedulers.FIFOScheduler):  # type: ignore[misc]
+        """FIFO (decoding requests first, then new ones in arrival order), counting what prefix sharing saved."""
+
+        def __init__(self, cache: Any, *args: Any, **kwargs: Any) -> None:
+            super().__init__(cache, *args, **kwargs)
+            counters.in_place = paged and attention.read_in_place(cache)
+            self._in_place: attention.InPlace | None = None
+            if counters.in_place:
+                self._in_place = getattr(cache, attention.IN_PLACE)
+                self._in_place.between = counters.between
+                self._in_place.waiting = counters.waiting
+
+        def schedule_batch(self, token_budget: int, cache_budget: int) -> Any:
+            # A newcomer that came after the last layer of the step just done (its output layer, sampling, this
+            # preparation: the interludes' checks come before each layer) gets its first token from an interlude
+            # here, between two steps, rather than in the coming step beside the streams' rows: its prompt is then
+            # a prefix hit below. Only while streams decode: an idle batch's burst is the coming step's.
+            in_place = self._in_place
+            if (
+                in_place is not None
+                and in_place.between is not None
+                and counters.boundary
+                and any(state.status == RequestStatus.DECODING for state in self.active_requests.values())
+            ):
+                in_place.between(in_place)
+            return super().schedule_batch(token_budget, cache_budget)
+
+        def _infer_request_tokens(self, state: Any, removed: set[str]) -> Any:
+            # A prefix match moves a pending request to PREFILLING here, once.
+            fresh = state.status == RequestStatus.PENDING and not state.is_cpu_offloaded
+            before = state.position_offset
+            tokens = super()._infer_request_tokens(state, removed)
+            if fresh and state.position_offset > before:
+                counters.prompt_tokens += len(state.initial_tokens)
+                counters.hits += 1
+                counters.hit_tokens += state.position_offset - before
+            return tokens
+
+        def _schedule_request(self, state: Any, tokens: Any, budget: int, removed: set[str]) -> None:
+            # A request without a prefix match is still PENDING when it is first scheduled.
+            if state.status == RequestStatus.PENDING:
+                counters.prompt_tokens += len(state.initial_tokens)
+            super()._schedule_request(state, tokens, budget, removed)
+
+    name = f"{SCHEDULER}_{id(counters):x}"
+    schedulers.SCHEDULER_MAPPING[name] = CountingScheduler
+    return name
+
+
+def unregister_scheduler(name: str) -> None:
+    from transformers.generation.continuous_batching import scheduler as schedulers
+
+    schedulers.SCHEDULER_MAPPING.pop(name, None)

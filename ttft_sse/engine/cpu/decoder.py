@@ -1,0 +1,469 @@
+"""Decoder layers in C around the library's cache and attention, on the block kernel (``TTFT_FUSED_LAYERS``).
+
+With the block kernel (engine/cpu/kernel.py) the matrix products of a decode step of the bundled model take a quarter
+of it on one stream: the rest is the ~40 torch calls and the Python of each of its 30 decoder layers (norms,
+projections, the rotary embedding, the MLP's activation, residual sums), each call a few µs whatever its size
+(measured with py-spy on the batching loop's thread, docs/benchmarks.md). :func:`fuse` makes each Llama decoder
+layer whose seven linear layers run on the kernel compute all of that in two C calls (``decoder.c``, built into the
+kernel's library): before its attention (norm, q/k/v, rotary) and after it (o, residual, norm, gate/up, SiLU times
+up, down, residual). Between them the layer calls the model's KV cache and attention function exactly as
+transformers' ``LlamaAttention`` does, so the batched engine's paged cache, the single engine's dense one and the
+prefill process's all work as before, and every engine runs the same arithmetic: a request's text is the same on
+each.
+
+Measured on 2 AVX2 cores (docs/benchmarks.md): one stream's decode step 31-37 -> 21-26 ms, eight streams' 76-82 ->
+67-74 ms; over HTTP 1.40x one stream's tokens/s and 1.16x eight's.
+
+In the batched engine's steps over its paged cache read in place (engine/cpu/attention.py's :class:`~attention.InPlace`)
+the Python between the two halves was still a fifth to a third of a step (py-spy: the cache's update, the attention's
+wrapper, the tensors between them). There a layer is one C call (``ttft_decoder_layer``): the head, the new keys and
+values copied into the layer's cache rows, attention.c's function (a pointer into its own library), the tail. The
+index arrays a step's layers share are made once, by its first layer (:meth:`attention.InPlace.step`). The same
+arithmetic in the same order as the calls it replaces, so the same bits (a test); other calls (the single engine's
+dense cache, the prefill process's, long prompts, a softcap or sliding window) keep the two halves.
+
+Even so, the Python around each layer's call (the library's module calls, the rotary tables made contiguous, the
+output allocated, the call's arguments, the GIL taken back after it) was 3.5 ms of a 12 ms pass over the 30 layers
+at one stream and 5 ms of 25 at eight (`/tmp` script timing the calls inside the model's forward). So where every
+decoder layer of the model is fused, a batched step's first layer computes them all in one call
+(``ttft_decoder_stack``, :func:`run_layers`): each layer's ``ttft_decoder_layer`` in turn, the same calls, so the
+same bits; the step's later layers hand its output on. The interludes still run between two layers: the call
+stops before a layer when their flag says a newcomer waits (:attr:`attention.InPlace.waiting`), and goes on from
+there after them. The interludes' own passes use it too.
+
+Each layer computes q, k and v in one call of the kernel and gate and up in another, over their panels side by
+side (:func:`kernel.join`; the same bits as one call a layer): a call shared with the kernel's helper threads costs
+the rows' copy and a start whatever its size (3-4 % of a forward pass, docs/benchmarks.md, twenty-sixth stop).
+
+The results are within roundings of the library's layer (the norm's mean sums in another order; exp is a
+polynomial): checked against it on a probe at load, else the layers stay as they were (``decoder_not_fused`` in the
+log, with the reason). Each row's result is its own arithmetic alone, as with the kernel: a stream's answer does not
+depend on its batch. With int8 rows (``TTFT_GGUF_ACTIVATIONS=int8``) each linear layer calls the int8 kernel; a
+rounding of the norm or of exp can then move an activation across a step (1/127 of its block's largest), so the
+probe allows 1e-2 of the largest value instead of 1e-4.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from ttft_sse.engine.cpu import attention, kernel, weights
+
+log = structlog.get_logger("ttft_sse.engine")
+
+HEAD, TAIL, LAYER, SILU_MUL = "ttft_decoder_head", "ttft_decoder_tail", "ttft_decoder_layer", "ttft_silu_mul"
+STACK = "ttft_decoder_stack"
+"""decoder.c's functions."""
+LINEARS = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj"}
+LINEARS |= {"gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
+"""decoder.c's linear layers and the submodules of a Llama decoder layer that hold them."""
+JOINED = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")}
+"""decoder.c's joined layers (kernel.join): one call each where the layers they join would take three and two."""
+PROBE_ROWS = 5
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+_ARGUMENTS = {
+    HEAD: (_PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR),  # layer, x, rows, cos, sin, q, k, v
+    TAIL: (_PTR, _PTR, _PTR, _I64, _PTR),  # layer, x, attention's output, rows, out
+    LAYER: (_PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR),  # layer, step, x, rows, cos, sin, keys, values, out
+    SILU_MUL: (_PTR, _PTR, _I64),  # g, u, n
+    STACK: (_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR),  # stack, from, x, rows, cos, sin, out
+}
+
+
+class Linear(ctypes.Structure):
+    """decoder.c's ``struct linear``: a layer in the block kernel's layout."""
+
+    _fields_ = [
+        ("codes", _PTR),
+        ("scale", _PTR),
+        ("zero", _PTR),
+        ("inputs", _I64),
+        ("outputs", _I64),
+        ("bits", _I64),
+        ("int8", _I64),
+    ]
+
+
+class Layer(ctypes.Structure):
+    """decoder.c's ``struct layer``: a decoder layer's sizes, norm weights and linear layers."""
+
+    _fields_ = [
+        *((name, _I64) for name in ("hidden", "heads", "kv_heads", "dim", "intermediate")),
+        ("eps", ctypes.c_double),
+        ("input_norm", _PTR),
+        ("post_norm", _PTR),
+        *((name, Linear) for name in LINEARS),
+        *((name, Linear) for name in JOINED),
+    ]
+
+
+class Step(ctypes.Structure):
+    """decoder.c's ``struct step``: what the layers of a batched step share (:class:`attention.Step`), and the
+    attention function they call (attention.c's, from its own library)."""
+
+    _fields_ = [
+        ("attend", _PTR),
+        ("attend_part", _PTR),  # None: the step's attention is not shared with the kernel's helper threads
+        *((name, _PTR) for name in ("write", "index", "cu_q", "cu_k")),
+        *((name, _I64) for name in ("requests", "key_stride", "head_stride", "max_rows")),
+        ("scale", ctypes.c_float),
+    ]
+
+
+class Stack(ctypes.Structure):
+    """decoder.c's ``struct stack``: a batched step's layers in order, each with its step and its cache rows, and
+    the flag that stops the call between two of them."""
+
+    _fields_ = [("count", _I64), *((name, _PTR) for name in ("layers", "steps", "keys", "values", "waiting"))]
+
+
+@dataclass(frozen=True)
+class Chain:
+    """Every decoder layer of a model, fused, in order (:func:`fuse` gives each of them the model's): what
+    :func:`run_layers` computes in one call."""
+
+    layers: tuple[Any, ...]
+    addresses: Any  # a ctypes array of each layer's ``Layer``
+    run: Any  # ttft_decoder_stack
+
+
+@dataclass(frozen=True)
+class _Rows:
+    """A chain's layers' cache rows in one paged cache, as decoder.c reads them; the cache's allocator group of each
+    layer, and the first layer's attention module of each group (it names the group's step)."""
+
+    keys: Any
+    values: Any
+    groups: tuple[int, ...]
+    firsts: dict[int, Any]
+
+
+_rows_of: weakref.WeakKeyDictionary[attention.InPlace, _Rows] = weakref.WeakKeyDictionary()
+"""Each paged cache's :class:`_Rows`, made at its first step that runs the layers in one call."""
+
+
+def _rows(chain: Chain, in_place: attention.InPlace) -> _Rows:
+    found = _rows_of.get(in_place)
+    if found is None:
+        indices = [layer.self_attn.layer_idx for layer in chain.layers]
+        keys, values = ((_PTR * len(indices))(*(in_place.rows[i][n].data_ptr() for i in indices)) for n in (0, 1))
+        groups = tuple(in_place.cache.layer_to_allocator[i].index for i in indices)
+        firsts: dict[int, Any] = {}
+        for layer, group in zip(chain.layers, groups, strict=True):
+            firsts.setdefault(group, layer.self_attn)
+        found = _rows_of[in_place] = _Rows(keys, values, groups, firsts)
+    return found
+
+
+def step_groups(chain: Chain, in_place: attention.InPlace, kwargs: dict[str, Any]) -> dict[int, attention.Step] | None:
+    """The step of each allocator group of ``chain``'s layers in the batched step ``kwargs`` describe
+    (:meth:`attention.InPlace.step`), or None if one of them is not computed in one call."""
+    steps: dict[int, attention.Step] = {}
+    for group, module in _rows(chain, in_place).firsts.items():
+        shared = in_place.step(module, kwargs)
+        if shared is None:
+            return None
+        steps[group] = shared
+    return steps
+
+
+def run_layers(
+    chain: Chain,
+    in_place: attention.InPlace,
+    steps: dict[int, attention.Step],
+    x: Any,
+    rows: int,
+    cos: Any,
+    sin: Any,
+    *,
+    between: bool,
+) -> Any:
+    """The output of ``chain``'s layers for the ``rows`` rows of ``x``, in one C call (``ttft_decoder_stack``): each
+    layer's one call (as :func:`whole`) in turn over the paged cache of ``in_place``, by the step of its allocator
+    group (``steps``). With ``between``, ``in_place.between`` runs before the first layer and wherever the call
+    stops because ``in_place.waiting`` says a newcomer waits; the call then goes on from that layer."""
+    import torch
+
+    found = _rows(chain, in_place)
+    made = {group: _c_step(shared, found.firsts[group]) for group, shared in steps.items()}  # held: C reads them
+    pointers = (_PTR * len(found.groups))(*(ctypes.addressof(made[group]) for group in found.groups))
+    waiting = in_place.waiting if between else None
+    stack = Stack(
+        len(chain.layers), ctypes.addressof(chain.addresses), ctypes.addressof(pointers),
+        ctypes.addressof(found.keys), ctypes.addressof(found.values),
+        None if waiting is None else ctypes.addressof(waiting),
+    )  # fmt: skip
+    serve = in_place.between if between else None
+    if serve is not None:
+        serve(in_place)  # an interlude (engine/batched/interlude.py), if a newcomer waits
+    y = torch.empty_like(x)
+    at, source = 0, x
+    while True:
+        status = chain.run(
+            ctypes.addressof(stack), at, source.data_ptr(), rows, cos.data_ptr(), sin.data_ptr(), y.data_ptr()
+        )
+        if status < 0:
+            raise RuntimeError(f"the C decoder layers failed ({status})")
+        if status >= len(chain.layers):
+            return y
+        at, source = status, y  # stopped before layer `status`: y holds the output of the layers before it
+        if serve is not None:
+            serve(in_place)
+
+
+def _c_step(shared: attention.Step, module: Any) -> Step:
+    """``shared`` as decoder.c reads it, for the layers of ``module``'s kind (marked by :func:`attention.page`); the
+    arrays stay ``shared``'s (the caller holds both while C reads them)."""
+    function = getattr(module, attention.PAGED)
+    part = getattr(module, attention.PAGED_PART, None)
+    arrays = (shared.write, shared.index, shared.cu_q, shared.cu_k)
+    return Step(
+        ctypes.cast(function, _PTR).value,
+        None if part is None else ctypes.cast(part, _PTR).value,
+        *(a.data_ptr() for a in arrays),
+        shared.requests,
+        shared.key_stride,
+        shared.head_stride,
+        attention.LONG_ROWS,
+        module.scaling,
+    )
+
+
+def c_step(shared: attention.Step, module: Any) -> Step:
+    """``shared`` as decoder.c reads it, for the layers of ``module``'s kind (marked by :func:`attention.page`); the
+    arrays stay ``shared``'s (the caller holds both while C reads them). The last one made is kept, for the step's
+    next layers; another engine's step in another thread only makes it again."""
+    global _last
+    made, step = _last
+    if made is not shared:
+        step = _c_step(shared, module)
+        _last = (shared, step)
+    return step
+
+
+_last: tuple[attention.Step | None, Step] = (None, Step())
+"""The last :func:`c_step` made, and what it was made of (held, so that its arrays stay alive)."""
+
+
+def whole(layer: Any, shared: attention.Step, x: Any, rows: int, cos: Any, sin: Any, keys: Any, values: Any) -> Any:
+    """``layer``'s (a :func:`fused_layer_class` one) output for the ``rows`` rows of ``x``, in one C call that writes
+    their keys and values into the paged cache's rows ``keys`` and ``values`` by ``shared`` and attends over them."""
+    import torch
+
+    step = c_step(shared, layer.self_attn)  # held until the call returns: decoder.c reads it
+    y = torch.empty_like(x)
+    status = layer.whole(
+        layer.address, ctypes.addressof(step), x.data_ptr(), rows, cos.data_ptr(), sin.data_ptr(),
+        keys.data_ptr(), values.data_ptr(), y.data_ptr(),
+    )  # fmt: skip
+    if status != 0:
+        raise RuntimeError(f"the C decoder layer failed ({status})")
+    return y
+
+
+def function(path: Path, name: str) -> Any:
+    """The function ``name`` of the kernel's library at ``path``."""
+    return kernel.load(path, name, _ARGUMENTS[name])
+
+
+def fuse(model: Any, torch: Any, library: Path) -> int:
+    """Make every Llama decoder layer of ``model`` whose linear layers all run on the block kernel (built at
+    ``library``) a ``FusedDecoderLayer``, after checking one against the library's layer on a probe; returns how
+    many changed (0, logged with the reason, where none can or the probe disagrees)."""
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    candidates = [m for m in model.modules() if type(m) is LlamaDecoderLayer]
+    layers = [m for m in candidates if _fits(m, torch)]
+    if not layers:
+        reason = "no Llama decoder layer" if not candidates else "no decoder layer is all on the block kernel"
+        log.info("decoder_not_fused", reason=reason)
+        return 0
+    calls = (function(library, HEAD), function(library, TAIL), function(library, LAYER))
+    for layer in layers:
+        _attach(layer, torch, *calls)
+    try:
+        _check(layers[0], model, torch)
+    except (AttributeError, RuntimeError, TypeError) as exc:  # a model unlike Llama's around its layers
+        for layer in layers:
+            layer.__class__ = LlamaDecoderLayer
+            del layer.arithmetic, layer.norms, layer.joined, layer.address, layer.head, layer.tail, layer.whole
+            del layer.chain
+        log.warning("decoder_not_fused", reason=str(exc))
+        return 0
+    # All of them, in the model's order (its layers' list, each at its own cache index): a step runs them in one call.
+    ordered = list(getattr(model.base_model, "layers", []))
+    if ordered == candidates == layers and all(m.self_attn.layer_idx == i for i, m in enumerate(ordered)):
+        chain = Chain(tuple(layers), (_PTR * len(layers))(*(m.address for m in layers)), function(library, STACK))
+        for layer in layers:
+            layer.chain = chain
+    log.info("decoder_fused", layers=len(layers), of=len(candidates), one_call=layers[0].chain is not None)
+    return len(layers)
+
+
+def _fits(layer: Any, torch: Any) -> bool:
+    """Whether decoder.c computes ``layer``: its linear layers on the block kernel without biases, RMS norms,
+    SiLU, heads of at most 256 values."""
+    from transformers.activations import SiLUActivation
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    block = kernel.block_linear_class()
+    linears = [layer.get_submodule(path) for path in LINEARS.values()]
+    return (
+        all(type(m) is block and m.activations in ("fp32", "int8") and m.bias is None for m in linears)
+        and all(
+            type(n) is LlamaRMSNorm and n.weight.dtype == torch.float32 and n.weight.is_contiguous()
+            for n in (layer.input_layernorm, layer.post_attention_layernorm)
+        )
+        and type(layer.mlp.act_fn) in (torch.nn.SiLU, SiLUActivation)
+        and layer.self_attn.head_dim % 2 == 0
+        and layer.self_attn.head_dim <= 256
+    )
+
+
+def _attach(layer: Any, torch: Any, head: Any, tail: Any, whole: Any) -> None:
+    attention, config = layer.self_attn, layer.self_attn.config
+
+    def linear(module: Any) -> Linear:
+        # fp32 rows: codes, scales and zeros (kernel.panels); int8 rows: the records alone (kernel.records).
+        int8 = module.activations == "int8"
+        pointers = [a.data_ptr() for a in module.arrays]
+        codes, scales, zeros = (pointers[0], 0, 0) if int8 else pointers
+        return Linear(codes, scales, zeros, module.in_features, module.out_features, module.bits, int8)
+
+    # Joined first: the layers then compute on views of the joined arrays (their own panels of them).
+    parts = {name: [layer.get_submodule(LINEARS[part]) for part in names] for name, names in JOINED.items()}
+    joined = {name: kernel.join(modules, torch) for name, modules in parts.items()}
+    layer.joined = tuple(joined.values())  # kept alive: decoder.c holds their addresses
+
+    def joined_linear(name: str) -> Linear:
+        arrays, modules = joined[name], parts[name]
+        if arrays is None:
+            return Linear()  # codes NULL: the layers one by one
+        outputs = sum(m.out_features for m in modules)
+        return Linear(*(a.data_ptr() for a in arrays), modules[0].in_features, outputs, modules[0].bits, 0)
+
+    # The norms' weights as decoder.c reads them, kept alive should their parameters be given other tensors.
+    layer.norms = (layer.input_layernorm.weight.data, layer.post_attention_layernorm.weight.data)
+    layer.arithmetic = Layer(
+        layer.norms[0].shape[0],
+        config.num_attention_heads,
+        config.num_key_value_heads,
+        attention.head_dim,
+        layer.mlp.gate_proj.out_features,
+        float(layer.input_layernorm.variance_epsilon),
+        *(weight.data_ptr() for weight in layer.norms),
+        *(linear(layer.get_submodule(path)) for path in LINEARS.values()),
+        *(joined_linear(name) for name in JOINED),
+    )
+    layer.address = ctypes.addressof(layer.arithmetic)
+    layer.head, layer.tail, layer.whole = head, tail, whole
+    layer.chain = None  # fuse() gives it the model's, if every layer is fused
+    layer.__class__ = fused_layer_class()
+
+
+def _check(layer: Any, model: Any, torch: Any) -> None:
+    """``layer`` against the library's layer it was, on a probe of causal rows without a cache."""
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    hidden = layer.arithmetic.hidden
+    rows = weights.probe_rows(torch, PROBE_ROWS, hidden)[None] * 4.0
+    positions = torch.arange(PROBE_ROWS)[None]
+    embeddings = model.model.rotary_emb(rows, position_ids=positions)
+    with torch.no_grad():
+        want = LlamaDecoderLayer.forward(layer, rows, position_ids=positions, position_embeddings=embeddings)
+        got = layer(rows, position_ids=positions, position_embeddings=embeddings)
+    # With int8 rows a rounding of the norm or of exp can move a value across a step (1/127 of its block's largest),
+    # so 1e-2 of the largest value is allowed then; a broken C half still fails it (a test).
+    int8 = any(getattr(m, "activations", None) == "int8" for m in layer.modules())
+    if not weights.agrees(got, want, within=1e-2 if int8 else 1e-4):
+        raise RuntimeError("the C decoder layer disagrees with the library's on a probe")
+
+
+@functools.cache
+def fused_layer_class() -> type[Any]:
+    """transformers' ``LlamaDecoderLayer`` with its arithmetic in decoder.c, its cache and attention the model's."""
+    import torch
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, eager_attention_forward
+
+    class FusedDecoderLayer(LlamaDecoderLayer):  # type: ignore[misc]
+        arithmetic: Layer  # what decoder.c reads (its pointers: the norm weights and the kernel's arrays)
+        norms: tuple[Any, Any]  # the tensors behind arithmetic's norm weights
+        address: int  # arithmetic's
+        head: Any
+        tail: Any
+        whole: Any  # ttft_decoder_layer: head, cache write, attention and tail in one call
+        chain: Chain | None  # every layer of the model, where all are fused: a batched step's first runs them all
+
+        def forward(
+            self,
+            hidden_states: Any,
+            attention_mask: Any = None,
+            position_ids: Any = None,
+            cache: Any = None,
+            use_cache: bool | None = False,
+            position_embeddings: tuple[Any, Any] | None = None,
+            **kwargs: Any,
+        ) -> Any:
+            in_place: attention.InPlace | None = getattr(cache, attention.IN_PLACE, None)
+            if in_place is not None and hidden_states is in_place.stacked:
+                return hidden_states  # the step's first layer computed this one too (run_layers)
+            assert position_embeddings is not None, "Llama's model passes every layer its rotary embedding"
+            self_attn, layer = self.self_attn, self.arithmetic
+            shape = hidden_states.shape[:-1]
+            x = hidden_states.contiguous()  # fp32: fuse() takes only layers on the kernel
+            # A row of positions for several sequences side by side (the prefill process's) serves each of them.
+            cos, sin = (t.expand(*shape, layer.dim).contiguous() for t in position_embeddings)
+            rows = x.numel() // layer.hidden
+            shared = None if in_place is None else in_place.step(self_attn, kwargs)
+            if in_place is not None and shared is not None:
+                # A batched step over the paged cache read in place: one call writes this layer's keys and values
+                # into its cache rows and attends by attention.c's function, as the calls below would. Where the
+                # model's layers are all fused, its first one runs them all in one call; an interlude needs the
+                # flag that stops that call, or it runs before each layer here.
+                chain = self.chain
+                stoppable = in_place.between is None or in_place.waiting is not None
+                if chain is not None and self is chain.layers[0] and stoppable:
+                    steps = step_groups(chain, in_place, kwargs)
+                    if steps is not None:
+                        in_place.stacked = run_layers(chain, in_place, steps, x, rows, cos, sin, between=True)
+                        return in_place.stacked
+                if in_place.between is not None:
+                    in_place.between(in_place)  # an interlude (engine/batched/interlude.py), if a newcomer waits
+                keys, values = in_place.rows[self_attn.layer_idx]
+                return whole(self, shared, x, rows, cos, sin, keys, values)
+            q = torch.empty((*shape, layer.heads * layer.dim))
+            k, v = torch.empty((*shape, layer.kv_heads * layer.dim)), torch.empty((*shape, layer.kv_heads * layer.dim))
+            status = self.head(
+                self.address, x.data_ptr(), rows, cos.data_ptr(), sin.data_ptr(), q.data_ptr(), k.data_ptr(),
+                v.data_ptr(),
+            )  # fmt: skip
+            if status != 0:
+                raise RuntimeError(f"the C decoder layer failed before its attention ({status})")
+            # From here as transformers' LlamaAttention: the model's cache and attention function, the same arguments.
+            heads = (*shape, -1, layer.dim)
+            query, key, value = (t.view(heads).transpose(1, 2) for t in (q, k, v))
+            kwargs = {"position_ids": position_ids, "use_cache": use_cache, **kwargs}
+            if cache is not None:
+                key, value = cache.update(key, value, self_attn.layer_idx, kwargs=kwargs)
+            attend = ALL_ATTENTION_FUNCTIONS.get_interface(
+                self_attn.config._attn_implementation, eager_attention_forward
+            )
+            out, _ = attend(
+                self_attn, query, key, value, attention_mask, dropout=0.0, scaling=self_attn.scaling, **kwargs
+            )
+            out = out.reshape(*shape, -1).contiguous()
+            y = torch.empty_like(x)
+            status = self.tail(self.address, x.data_ptr(), out.data_ptr(), rows, y.data_ptr())
+            if status != 0:
+                raise RuntimeError(f"the C decoder layer failed after its attention ({status})")
+            return y
+
+    return FusedDecoderLayer

@@ -1,0 +1,431 @@
+"""The block kernel: fp32 rows times linear weights kept in a GGUF file's own blocks, on CPU (``TTFT_GGUF_KERNEL``).
+
+transformers expands a GGUF's Q4_0/Q4_1/Q8_0 weights to fp32, and a decode step then reads 32 bits an input from
+memory. ``kernel.c`` multiplies fp32 rows by the file's codes instead (engine/cpu/codes.py: 4.5 to 8.5 bits an input),
+laid out by :func:`panels` in panels of 16 outputs. For each input it expands a panel's 16 codes to exactly the
+fp32 weights transformers' loader gives and multiplies them into 16 outputs with one fused multiply-add, input
+after input. Measured on this machine (one thread, AVX-512, ms for 30 weights of 576x1536 as many as a forward
+pass streams through, ``/tmp`` script, best of 3x7; oneDNN: the pre-packed copy for 2-32 rows, column-major
+otherwise, as engine/cpu/weights.py lays them out; the first version of the kernel summed each output across vector
+lanes):
+
+====== ================ ============= ============
+rows   oneDNN, fp32     first version block kernel
+====== ================ ============= ============
+1      5.7              2.6           2.1
+8      9.7              4.6           3.9
+32     19.9             14.6          14.2
+128    55.0             60.2          56.8
+400    193.4            232.8         214.1
+====== ================ ============= ============
+
+Decode steps and short prompts gain; long prompts lose up to ~10 %, where both are near the core's fp32 peak.
+
+The answers are the fp32 model's: the same weights and fp32 arithmetic, summed in another order than oneDNN's.
+And each row's result is the same bits whatever else the call holds (checked at load): a stream's answer does not
+depend on the batch it shares steps with, which oneDNN's GEMMs, whose blocking depends on the row count, do not
+promise.
+
+``TTFT_GGUF_ACTIVATIONS=int8`` (off by default) quantises each row first, per block of 32 inputs, to int8 steps of
+max|x| / 127, as llama.cpp does for these formats, and multiplies by the codes in integers (AVX-512 VNNI, or AVX2
+with F16C; laid out by :func:`records`; both builds give the same bits). The bundled model's 211 layers, one
+thread, ms a pass, fp32 rows against int8 rows (best of 5, alternated, ``/tmp`` script), AVX-512 VNNI: 1 row 15.9
+against 9.1, 8 rows 26.2 against 13.7, 37 rows 71.7 against 36.1, 128 rows 219.5 against 113.1; AVX2: see
+docs/benchmarks.md. Each row's result is still independent of the others in the call, but not of rounding:
+an activation that moves by an fp32 rounding can cross a step and move by 1/127 of its block. So the answers are
+the int8 model's, not the fp32 model's: off by default (docs/benchmarks.md). With the masked attention they also
+changed with the batch (its sums depend on the batch by fp32 roundings, which fp32 rows absorb); with attention
+request by request (engine/cpu/attention.py, the default) they no longer do.
+
+The kernel is C, built at the first start by the system's C compiler for this CPU (``-march=native``: AVX-512 or
+AVX2 with FMA) into the cache directory, named by a hash of the source, the flags, the compiler and the CPU's
+flags, and loaded with ctypes (which lets go of the GIL during a call). Without a compiler, on another CPU family,
+or if the kernel disagrees with its fp64 reference on a probe, the engine says why (``weights_not_blocks``) and keeps
+the fp32 layers. So it does with more than one torch thread (``TTFT_THREADS``): the kernel runs on one thread, and
+on several oneDNN's fp32 GEMMs compute a long prompt faster (a decode step, bound by the bytes it reads, would
+still gain).
+
+The kernel's own helper threads (:func:`start_helpers`, ``TTFT_KERNEL_HELPERS``) take a share of each large call's
+panels, but only on a core nothing else wants: they run at ``SCHED_IDLE``, and the calling thread takes back a chunk
+a helper holds too long, so it never waits on one that does not run (where torch's spinning threads fall 9-16x
+behind). The same bits shared or not. On 2 cores: 1.6x one row's pass, 1.8x eight rows' (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+import numpy.typing as npt
+import structlog
+
+from ttft_sse.engine.cpu import codes as gguf_codes
+from ttft_sse.engine.cpu import weights
+
+log = structlog.get_logger("ttft_sse.engine")
+
+SOURCE = Path(__file__).with_name("kernel.c")
+SOURCES = (SOURCE, Path(__file__).with_name("decoder.c"))
+"""The kernel's library: the kernel, and decoder layers around it (engine/cpu/decoder.py)."""
+HEADERS = (Path(__file__).with_name("kernel.h"),)
+"""kernel.h, which kernel.c, decoder.c and attention.c include: part of every library's hash."""
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-std=c11", "-shared", "-fPIC")
+BUILD_SECONDS = 120
+PROBE_ROWS = (1, 9, 17)
+"""Row counts the load probe checks: one (one tile, codes expanded in registers), nine (two tiles; with AVX2 the
+panels expanded once and reused by them) and seventeen (the panels expanded once on every build: kernel.c's
+``FUSED_ROWS``)."""
+
+
+def c_compiler() -> str:
+    """The C compiler the kernels are built with: ``cc``, else ``gcc``. Raises ``RuntimeError`` if neither is on
+    PATH."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise RuntimeError("no C compiler (cc or gcc) on PATH")
+    return compiler
+
+
+def build(directory: Path, sources: tuple[Path, ...] = SOURCES, name: str = "blocks") -> Path:
+    """The C files ``sources`` (this kernel's library, or engine/cpu/attention.c) compiled for this CPU into one library
+    in ``directory``, ``name-<hash>.so``, compiled now if it is not there yet. Raises ``OSError`` (``RuntimeError``
+    for a failed compile) with the reason."""
+    compiler = c_compiler()
+    key = hashlib.sha256(
+        b"\0".join(
+            [
+                *(source.read_bytes() for source in (*sources, *HEADERS)),
+                " ".join(FLAGS).encode(),
+                os.path.realpath(compiler).encode(),
+                _cpu(),
+            ]
+        )
+    ).hexdigest()[:16]
+    target = directory / f"{name}-{key}.so"
+    if target.is_file():
+        return target
+    directory.mkdir(parents=True, exist_ok=True)
+    partial = directory / f".{target.name}.{os.getpid()}.partial"
+    try:
+        done = subprocess.run(
+            [compiler, *FLAGS, "-o", str(partial), *map(str, sources)],
+            capture_output=True,
+            text=True,
+            timeout=BUILD_SECONDS,
+        )
+        if done.returncode != 0:
+            lines = [line for line in done.stderr.splitlines() if "error" in line] or done.stderr.splitlines()
+            raise RuntimeError(f"{Path(compiler).name} failed: {lines[0] if lines else done.returncode}")
+        partial.replace(target)
+    except subprocess.TimeoutExpired as exc:
+        raise RuntimeError(f"{Path(compiler).name} took more than {BUILD_SECONDS} s") from exc
+    finally:
+        partial.unlink(missing_ok=True)
+    log.info("kernel_built", path=str(target))
+    return target
+
+
+def _cpu() -> bytes:
+    """The CPU's feature flags (a build for one CPU must not be loaded on another)."""
+    try:
+        with open("/proc/cpuinfo", "rb") as info:
+            return next((line for line in info if line.startswith(b"flags")), b"")
+    except OSError:
+        return os.uname().machine.encode()
+
+
+FP32, INT8 = "ttft_blocks_linear", "ttft_q8_linear"
+"""The kernel's two functions: fp32 rows (:func:`panels`), and rows quantised to int8 (:func:`records`)."""
+_I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+_ARGUMENTS = {
+    FP32: [_PTR, _I64, _I64, _PTR, _INT, _PTR, _PTR, _I64, _PTR],  # x, M, K, codes, bits, scales, zeros, N, y
+    INT8: [_PTR, _I64, _I64, _PTR, _INT, _I64, _PTR],  # x, M, K, records, bits, N, y
+}
+
+
+def function(path: Path, name: str = FP32) -> Any:
+    """The function ``name`` (:data:`FP32` or :data:`INT8`) of the library at ``path``."""
+    return load(path, name, tuple(_ARGUMENTS[name]))
+
+
+class HelperCounts(NamedTuple):
+    """What the helper threads did since they started (kernel.c's ``ttft_helper_stats``)."""
+
+    helpers: int
+    calls: int  # calls shared
+    by_caller: int  # chunks the calling thread computed
+    by_helpers: int  # chunks the helpers computed
+    taken_back: int  # chunks a helper held too long, computed by the caller instead
+
+
+def start_helpers(path: Path, count: int) -> int:
+    """Start ``count`` helper threads in the library at ``path`` (once a process: later calls add none); returns how
+    many run. From then on a call of the kernel large enough shares its panels with them (kernel.c). They run at
+    SCHED_IDLE, on a core nothing else wants, and the caller never waits for one that does not run."""
+    if count <= 0:
+        return 0
+    return max(0, int(load(path, "ttft_helper_start", (ctypes.c_int,))(count)))
+
+
+def helper_counts(path: Path) -> HelperCounts:
+    """What the helper threads of the library at ``path`` did so far."""
+    counts = (ctypes.c_int64 * 4)()
+    helpers = load(path, "ttft_helper_stats", (ctypes.c_void_p,))(ctypes.addressof(counts))
+    return HelperCounts(int(helpers), *(int(n) for n in counts))
+
+
+def fence(path: Path) -> None:
+    """Return once no helper thread of the library at ``path`` is inside a chunk: before freeing memory a chunk
+    taken back from a helper may still read (a layer's codes, a KV cache its attention reads: kernel.c)."""
+    load(path, "ttft_helper_fence", ())()
+
+
+def takes_int8(path: Path) -> bool:
+    """Whether the library at ``path`` multiplies int8 rows (it was built for a CPU with AVX-512 VNNI, or AVX2 and
+    F16C)."""
+    return bool(function(path, INT8)(None, 0, gguf_codes.BLOCK, None, 4, 0, None) == 0)
+
+
+@functools.cache
+def load(path: Path, name: str, arguments: tuple[Any, ...]) -> Any:
+    """The function ``name`` of a library :func:`build` made (at ``path``), taking ``arguments`` (ctypes types) and
+    returning an ``int`` status; loaded once."""
+    fn = getattr(ctypes.CDLL(str(path)), name)
+    fn.argtypes = list(arguments)
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def apply(
+    model: Any,
+    gguf_path: str | Path,
+    torch: Any,
+    *,
+    directory: Path,
+    cache: Path | None = None,
+    activations: str = "fp32",
+) -> str | None:
+    """Make every fp32 linear layer of ``model`` whose weight the GGUF file at ``gguf_path`` holds as Q4_0, Q4_1 or
+    Q8_0 a ``BlockLinear`` on those codes, with the kernel built in ``directory``; the codes are kept in ``cache``
+    for the next start (engine/cpu/codes.py). ``activations``: ``"int8"`` quantises each row per block of 32 inputs
+    first, as llama.cpp does (on a CPU with neither AVX-512 VNNI nor AVX2 and F16C the log says so and the rows stay
+    fp32); ``"fp32"`` keeps the fp32 model's arithmetic.
+
+    Returns the activations the layers use, or None when nothing changed: logged with the reason when the kernel
+    cannot be built or disagrees with its reference on a probe. A changed layer drops its fp32 weight unless
+    another module shares it (a tied LM head's is the embedding's). Nothing changes either when torch runs on more
+    than one thread: the kernel runs on one, and oneDNN's fp32 GEMMs on all of them are faster for prompts."""
+    threads = torch.get_num_threads()
+    if threads > 1:
+        log.warning("weights_not_blocks", reason=f"the block kernel runs on one thread; torch has {threads}")
+        return None
+    try:
+        library = build(directory)
+    except (OSError, RuntimeError) as exc:
+        log.warning("weights_not_blocks", reason=f"the kernel was not built: {exc}")
+        return None
+    if activations == "int8" and not takes_int8(library):
+        reason = "the CPU has neither AVX-512 VNNI nor AVX2 with F16C: the rows stay fp32"
+        log.warning("activations_not_int8", reason=reason)
+        activations = "fp32"
+    layers = {
+        name: m
+        for name, m in model.named_modules()
+        if type(m) is torch.nn.Linear and m.weight.dtype == torch.float32 and m.in_features % gguf_codes.BLOCK == 0
+    }
+    found = gguf_codes.of_layers(layers, gguf_path, cache)
+    if not found:
+        log.warning("weights_not_blocks", reason="no linear weight of the model is stored as Q4_0, Q4_1 or Q8_0")
+        return None
+    changed = [layers[name] for name in found]
+    for name, layer in zip(found, changed, strict=True):
+        _attach(layer, found[name], library, activations, torch)
+    try:
+        for bits in sorted({codes.bits for codes in found.values()}):
+            _check(next(layer for layer in changed if layer.bits == bits), torch)
+    except RuntimeError as exc:
+        for layer in changed:  # back to the plain fp32 layers they were
+            layer.fence()  # as BlockLinear's __del__ does: a helper may still read the codes (kernel.c)
+            layer.__class__ = torch.nn.Linear
+            del layer.arrays, layer.multiply, layer.bits, layer.activations, layer.fence
+        log.warning("weights_not_blocks", reason=str(exc))
+        return None
+    others = (m for m in model.modules() if not isinstance(m, block_linear_class()))
+    shared = {id(p) for m in others for p in m.parameters(recurse=False)}
+    for layer in changed:
+        if id(layer.weight) not in shared:  # never read again: 424 MB for the bundled model
+            layer.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+    counts = {bits: sum(codes.bits == bits for codes in found.values()) for bits in (4, 8)}
+    log.info("weights_blocks", layers=len(changed), q4=counts[4], q8=counts[8], activations=activations)
+    return activations
+
+
+def _check(layer: Any, torch: Any) -> None:
+    """The layer against its reference in fp64 (the fp32 weights times the rows, quantised first for int8
+    activations), and each row of a call against the same row alone (bit for bit)."""
+    for count in PROBE_ROWS:
+        rows = weights.probe_rows(torch, count, layer.in_features)
+        with torch.no_grad():
+            seen = quantised_rows(rows, torch) if layer.activations == "int8" else rows.double()
+            bias = None if layer.bias is None else layer.bias.double()
+            want = torch.nn.functional.linear(seen, layer.weight.double(), bias)
+            got = layer(rows)
+            alone = torch.cat([layer(rows[i : i + 1]) for i in range(count)])
+        if not weights.agrees(got, want):
+            raise RuntimeError(f"the block kernel disagrees with its fp64 reference at {count} rows")
+        if not torch.equal(got, alone):
+            raise RuntimeError(f"the block kernel's rows depend on the other rows at {count} rows")
+
+
+def quantised_rows(rows: Any, torch: Any) -> Any:
+    """``rows`` (fp32) as the int8 kernel sees them, in fp64: each block of 32 inputs rounded to multiples of
+    d = max|x| / 127 (llama.cpp's Q8_0, halves to even)."""
+    blocks = rows.reshape(rows.shape[0], -1, gguf_codes.BLOCK)
+    largest = blocks.abs().amax(dim=-1, keepdim=True)
+    inverse = torch.where(largest > 0, 127.0 / largest, torch.zeros_like(largest))
+    steps = torch.round(blocks * inverse)
+    return (steps.double() * (largest / 127.0).double()).reshape(rows.shape)
+
+
+PANEL = 16
+"""Outputs a panel of kernel.c's layout."""
+
+
+def panels(codes: gguf_codes.Codes) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.float32], npt.NDArray[np.float32]]:
+    """``codes`` in kernel.c's layout: panels of :data:`PANEL` outputs (the last one padded with zero weights), the
+    codes of each input's 16 outputs side by side (4-bit ones two inputs a byte, plus 8), and a block's 16 scales
+    and zeros likewise."""
+    out, inputs = codes.q.shape
+    padded = _padded(out)
+    q = np.zeros((padded, inputs), np.int8)
+    q[:out] = codes.q
+    by_input = q.reshape(padded // PANEL, PANEL, inputs).transpose(0, 2, 1)  # panels x inputs x 16
+    if codes.bits == 4:
+        unsigned = (by_input.astype(np.int16) + 8).astype(np.uint8)
+        packed = unsigned[:, 0::2] | (unsigned[:, 1::2] << 4)
+    else:
+        packed = by_input.view(np.uint8)
+    scales, zeros = (_by_panel(values, np.float32) for values in (codes.scale, codes.zero))
+    return np.ascontiguousarray(packed), scales, zeros
+
+
+def records(codes: gguf_codes.Codes) -> npt.NDArray[np.uint8]:
+    """``codes`` in the int8 kernel's layout (kernel.c): panels of :data:`PANEL` outputs (the last one padded with
+    zero weights), each a record a block of 32 inputs: the unsigned codes four inputs a lane (4-bit ones: inputs
+    8g..8g+3 in the low nibbles, 8g+4..8g+7 in the high ones), then the 16 scales and the 16 offsets in fp16
+    (w = scale * code + offset; both are the file's own fp16 values)."""
+    out, inputs = codes.q.shape
+    padded, blocks = _padded(out), inputs // gguf_codes.BLOCK
+    unsigned = np.zeros((padded, inputs), np.uint8)
+    shift = 8 if codes.bits == 4 else 128
+    unsigned[:out] = (codes.q.astype(np.int16) + shift).astype(np.uint8)
+    lanes: npt.NDArray[np.integer[Any]]  # uint8 (numpy types the shifted nibbles as signed)
+    if codes.bits == 4:
+        pairs = unsigned.reshape(padded // PANEL, PANEL, inputs // 8, 2, 4)  # panel, output, group, half, input
+        lanes = (pairs[:, :, :, 0] | (pairs[:, :, :, 1] << 4)).transpose(0, 2, 1, 3)  # panel, group, output, input
+    else:
+        lanes = unsigned.reshape(padded // PANEL, PANEL, inputs // 4, 4).transpose(0, 2, 1, 3)
+    by_block = np.ascontiguousarray(lanes).reshape(padded // PANEL, blocks, -1)
+    offset = codes.zero - shift * codes.scale
+    scales, offsets = (_by_panel(values, np.float16).view(np.uint8) for values in (codes.scale, offset))
+    return np.ascontiguousarray(np.concatenate([by_block, scales, offsets], axis=2))
+
+
+def _padded(outputs: int) -> int:
+    """``outputs`` rounded up to whole panels."""
+    return -(-outputs // PANEL) * PANEL
+
+
+def _by_panel(per_block: npt.NDArray[np.float32], dtype: type[np.floating[Any]]) -> npt.NDArray[Any]:
+    """A value per output and block (outputs x blocks) as ``dtype``, panel by panel: panels x blocks x 16, the
+    padding outputs zero."""
+    out, blocks = per_block.shape
+    full = np.zeros((_padded(out), blocks), dtype)
+    full[:out] = per_block
+    return np.ascontiguousarray(full.reshape(-1, PANEL, blocks).transpose(0, 2, 1))
+
+
+def _attach(layer: Any, codes: gguf_codes.Codes, library: Path, activations: str, torch: Any) -> None:
+    """Make ``layer`` a ``BlockLinear`` on ``codes`` with the kernel of the library at ``library``."""
+    layer.kernel = function(library, INT8 if activations == "int8" else FP32)
+    layer.fence = load(library, "ttft_helper_fence", ())
+    layer.bits = codes.bits
+    layer.activations = activations
+    arrays = (records(codes),) if activations == "int8" else panels(codes)
+    _hold(layer, tuple(torch.from_numpy(a) for a in arrays))
+    layer.__class__ = block_linear_class()
+
+
+def _hold(layer: Any, arrays: tuple[Any, ...]) -> None:
+    """``layer`` (being made a ``BlockLinear``) on ``arrays``, its codes in the kernel's layout."""
+    kernel, inputs, outputs, bits = layer.kernel, layer.in_features, layer.out_features, layer.bits
+    layer.arrays = arrays
+    pointers = [a.data_ptr() for a in arrays]
+    if layer.activations == "int8":
+        layer.multiply = lambda x, m, y: kernel(x, m, inputs, pointers[0], bits, outputs, y)
+    else:
+        layer.multiply = lambda x, m, y: kernel(x, m, inputs, pointers[0], bits, pointers[1], pointers[2], outputs, y)
+
+
+def join(layers: list[Any], torch: Any) -> tuple[Any, ...] | None:
+    """One layer's arrays (codes, scales, zeros) holding the outputs of ``layers`` (``BlockLinear`` layers with fp32
+    rows, on the same inputs, with codes of the same bits) one after the other, panel after panel; each layer then
+    computes on its own panels of them, so the codes are held once. A panel's outputs are computed from its own
+    codes alone, so each output has the same bits from the joined layer as from its own. None where they cannot be
+    joined: int8 rows (records), other inputs or bits, or a layer before the last whose last panel is padded."""
+    first = layers[0]
+    if any(
+        m.activations != "fp32" or m.in_features != first.in_features or m.bits != first.bits for m in layers
+    ) or any(m.out_features % PANEL for m in layers[:-1]):
+        return None
+    joined = tuple(torch.cat([m.arrays[i] for m in layers]) for i in range(3))
+    first.fence()  # no helper thread still reads the layers' arrays (kernel.c: one fence for every layer)
+    start = 0
+    for m in layers:
+        count = m.arrays[0].shape[0]  # panels
+        _hold(m, tuple(a[start : start + count] for a in joined))
+        start += count
+    return joined
+
+
+@functools.cache
+def block_linear_class() -> type[Any]:
+    """``torch.nn.Linear`` computed by the block kernel from its codes (fp32 in, fp32 out)."""
+    import torch
+
+    class BlockLinear(torch.nn.Linear):  # type: ignore[misc]
+        arrays: tuple[Any, ...]  # the codes in the kernel's layout (kept alive: multiply holds their addresses)
+        multiply: Callable[[int, int, int], int]  # (rows' address, row count, output's address) -> status
+        kernel: Any  # kernel.c's function for its rows (fp32 or int8)
+        bits: int
+        activations: str
+        fence: Callable[[], int]  # kernel.c's ttft_helper_fence
+
+        def __del__(self) -> None:
+            # Before the codes go: a helper thread may still be reading them (a chunk the caller took back from it,
+            # kernel.c), and it is done within a chunk once it runs.
+            fence = self.__dict__.get("fence")
+            if fence is not None:
+                fence()
+
+        def forward(self, x: Any) -> Any:
+            # As few torch calls as it takes: a forward pass of the bundled model makes 211 of these, and each torch
+            # call costs a few µs even when it changes nothing (no reshape or view: the output is made in its
+            # shape; measured 13-17 µs a call before, 9-10 after, ~3 of them the kernel's ctypes call).
+            if x.dtype != torch.float32 or not x.is_contiguous():
+                y = self.forward(x.to(torch.float32).contiguous())
+                return y if x.dtype == torch.float32 else y.to(x.dtype)
+            y = torch.empty((*x.shape[:-1], self.out_features))
+            if self.multiply(x.data_ptr(), x.numel() // self.in_features, y.data_ptr()) != 0:
+                raise MemoryError("the block kernel could not allocate its buffer")
+            return y if self.bias is None else y + self.bias
+
+    return BlockLinear

@@ -1,0 +1,147 @@
+"""Loading a model: weights found (engine/loading/sources.py), tokenizer and model read by transformers, the weights
+laid out for the CPU kernels, and what the engines need to know of the result.
+
+Torch and transformers are imported here, inside :func:`load_model`, so that importing an engine costs nothing and
+the ``imports`` stage of a cold start is timed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from ttft_sse.engine.base import ModelInfo
+from ttft_sse.engine.cpu import attention, codes, decoder, kernel, weights
+from ttft_sse.engine.loading import sources
+from ttft_sse.errors import StartupError
+from ttft_sse.settings import Settings
+from ttft_sse.stages import StageClock
+
+log = structlog.get_logger("ttft_sse.engine")
+
+KERNEL_DIR = "kernels"
+"""Where in the cache directory the C kernels are built (engine/cpu/kernel.py)."""
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """A model ready to run: its tokenizer, its end-of-sequence ids, what ``/readyz`` says of it, and the block
+    kernel's library where the kernel serves its layers (None elsewhere)."""
+
+    torch: Any
+    tokenizer: Any
+    model: Any
+    eos: frozenset[int]
+    info: ModelInfo
+    library: Path | None
+
+
+def load_model(settings: Settings, clock: StageClock) -> Loaded:
+    """Load ``settings.model`` on ``settings.device`` in ``settings.dtype``, timing each stage on ``clock``."""
+    with clock.stage("imports"):
+        import torch
+        import transformers
+    threads = settings.torch_threads
+    torch.set_num_threads(threads)
+    source = sources.resolve(settings.model)
+    location = sources.materialize(source, settings.cache_dir, clock)
+    device = _pick_device(settings, torch)
+    dtype = _pick_dtype(settings, torch, device)
+    try:
+        with clock.stage("tokenizer"):
+            tokenizer = transformers.AutoTokenizer.from_pretrained(location)
+        with clock.stage("model"):
+            kwargs: dict[str, Any] = {"dtype": dtype}
+            if device.startswith("cuda"):
+                # accelerate places the weights; "auto" spreads a model too big for one GPU.
+                kwargs["device_map"] = "auto" if settings.device == "auto" else device
+            model = transformers.AutoModelForCausalLM.from_pretrained(location, **kwargs)
+            if "device_map" not in kwargs:
+                model = model.to(device)
+            model.eval()
+            on_cpu_in_fp32 = device == "cpu" and dtype == torch.float32
+            layout, library, helpers = _arrange(settings, model, torch, source, location, on_cpu_in_fp32)
+            if device == "cpu" and settings.grouped_attention:
+                attention.group(model, torch)
+            if on_cpu_in_fp32 and settings.paged_attention:  # both engines' attention, request by request
+                attention.page(model, torch, settings.cache_dir / KERNEL_DIR)
+    except OSError as exc:
+        raise StartupError(f"cannot load model {settings.model!r}: {exc}") from exc
+    gen = model.generation_config
+    eos = gen.eos_token_id if gen.eos_token_id is not None else tokenizer.eos_token_id
+    context: Any = getattr(model.config, "max_position_embeddings", None) or getattr(
+        tokenizer, "model_max_length", 2048
+    )
+    info = ModelInfo(
+        name=source.name,
+        source=source.location,
+        device=str(model.device),
+        dtype=str(dtype).removeprefix("torch."),
+        context_length=int(context),
+        threads=threads,
+        weights=layout,
+        kernel_helpers=helpers,
+    )
+    return Loaded(
+        torch=torch,
+        tokenizer=tokenizer,
+        model=model,
+        eos=frozenset(eos if isinstance(eos, list) else [eos] if eos is not None else []),
+        info=info,
+        library=library,
+    )
+
+
+def _arrange(
+    settings: Settings, model: Any, torch: Any, source: sources.ModelSource, location: str, on_cpu_in_fp32: bool
+) -> tuple[str, Path | None, int]:
+    """Lay the weights out for the CPU kernels (engine/cpu/kernel.py, engine/cpu/weights.py). Returns the layout,
+    the block kernel's library (None where it serves no layer) and how many helper threads it started."""
+    if not on_cpu_in_fp32:
+        return "as loaded", None, 0
+    activations = None
+    if settings.gguf_kernel and source.kind == "gguf":
+        activations = kernel.apply(
+            model,
+            source.location,
+            torch,
+            directory=settings.cache_dir / KERNEL_DIR,
+            cache=Path(location) / codes.CACHE_FILE,  # for a GGUF, location is its converted directory
+            activations=settings.gguf_activations,
+        )
+    # The layers left (none of the bundled model's with the block kernel) get the fp32 layouts.
+    layout = weights.arrange(model, torch, packed=settings.packed_weights)
+    library: Path | None = None
+    helpers = 0
+    if activations is not None:
+        library = kernel.build(settings.cache_dir / KERNEL_DIR)
+        if settings.fused_layers:  # after arrange: it copies the norms' weights
+            decoder.fuse(model, torch, library)
+        helpers = kernel.start_helpers(library, settings.helper_threads)
+        log.info("kernel_helpers", helpers=helpers, asked=settings.helper_threads)
+        blocks = "gguf-blocks-int8" if activations == "int8" else "gguf-blocks"
+        plain = any(type(m) is torch.nn.Linear for m in model.modules())
+        layout = f"{blocks}+{layout}" if plain else blocks
+    log.info("weights_arranged", layout=layout)
+    return layout, library, helpers
+
+
+def _pick_device(settings: Settings, torch: Any) -> str:
+    wanted = settings.device
+    if wanted == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if wanted.startswith("cuda") and not torch.cuda.is_available():
+        raise StartupError(f"device {wanted!r} was asked for but torch sees no CUDA device")
+    return wanted
+
+
+def _pick_dtype(settings: Settings, torch: Any, device: str) -> Any:
+    wanted = settings.dtype
+    if wanted != "auto":
+        return getattr(torch, wanted)
+    if device.startswith("cuda"):
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.float32

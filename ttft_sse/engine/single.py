@@ -1,0 +1,297 @@
+"""The transformers engine: one ``model.generate`` per request, in a worker thread, streamed piece by piece."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import AsyncGenerator, Callable, Sequence
+from contextlib import aclosing
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from ttft_sse.bridge import Emit, Workers
+from ttft_sse.engine import prompts, sampling
+from ttft_sse.engine.base import (
+    ChatMessage,
+    Finished,
+    ModelInfo,
+    Piece,
+    Prompt,
+    SamplingParams,
+    Usage,
+)
+from ttft_sse.engine.cpu import kernel
+from ttft_sse.engine.loading.model import load_model
+from ttft_sse.engine.text import TokenText
+from ttft_sse.errors import EngineError
+from ttft_sse.settings import Settings
+from ttft_sse.stages import StageClock
+
+log = structlog.get_logger("ttft_sse.engine")
+
+Item = Piece | Finished
+
+
+class SingleEngine:
+    """Engine over a transformers causal LM. Torch and transformers are imported in :meth:`load`, not before."""
+
+    def __init__(self, settings: Settings) -> None:
+        self._settings = settings
+        self._workers: Workers[Item] = Workers(name="ttft-gen")
+        self._info: ModelInfo | None = None
+        self._torch: Any = None
+        self._tokenizer: Any = None
+        self._model: Any = None
+        self._eos: frozenset[int] = frozenset()
+        self._janitor = CacheJanitor(0, lambda: None)  # replaced in load() when the model sits on CUDA
+        self._library: Path | None = None  # the block kernel's library, where it serves the model
+
+    @property
+    def info(self) -> ModelInfo:
+        if self._info is None:
+            raise RuntimeError("SingleEngine.info is read before load(); await the lifespan's readiness first")
+        return self._info
+
+    @property
+    def active(self) -> int:
+        return self._workers.active
+
+    @property
+    def janitor(self) -> CacheJanitor:
+        """Counts generations and empties the CUDA allocator's cache every N (a no-op counter off CUDA)."""
+        return self._janitor
+
+    # The loaded parts, for an engine that builds on this one (the batched engine shares model and tokenizer).
+    @property
+    def model(self) -> Any:
+        if self._model is None:
+            raise RuntimeError("SingleEngine.model is read before load()")
+        return self._model
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._tokenizer
+
+    @property
+    def eos(self) -> frozenset[int]:
+        return self._eos
+
+    # -- loading -----------------------------------------------------------------------------------------------
+
+    def load(self, clock: StageClock) -> None:
+        loaded = load_model(self._settings, clock)
+        self._torch, self._tokenizer, self._model = loaded.torch, loaded.tokenizer, loaded.model
+        self._eos, self._info, self._library = loaded.eos, loaded.info, loaded.library
+        if self._info.device.startswith("cuda"):
+            self._janitor = CacheJanitor(self._settings.cuda_empty_cache_every, self._torch.cuda.empty_cache)
+
+    def fence_kernel(self) -> None:
+        """Wait until no helper thread of the block kernel is inside a chunk (kernel.fence): before a KV cache whose
+        attention they shared is dropped. Helpers are the process's, whichever engine started them."""
+        if self._library is not None:
+            kernel.fence(self._library)
+
+    def kernel_counts(self) -> kernel.HelperCounts | None:
+        """What the block kernel's helper threads did so far (every engine of the process together); None without
+        them."""
+        if self._info is None or not self._info.kernel_helpers or self._library is None:
+            return None
+        return kernel.helper_counts(self._library)
+
+    # -- requests ----------------------------------------------------------------------------------------------
+
+    def prepare(self, *, prompt: str | None, messages: Sequence[ChatMessage] | None, raw: bool) -> Prompt:
+        return prompts.prepare(self._tokenizer, self.info.context_length, prompt=prompt, messages=messages, raw=raw)
+
+    async def stream(self, prompt: Prompt, params: SamplingParams) -> AsyncGenerator[Item, None]:
+        def produce(emit: Emit[Item], cancelled: Any) -> None:
+            try:
+                self._generate(prompt, params, emit, cancelled)
+            finally:
+                # Here, after _generate's frame (and its tensors) is gone and after Finished was emitted: the
+                # client has its answer before the cache is emptied. Cancelled and failed generations count too.
+                self._janitor.generation_ended()
+
+        try:
+            async with aclosing(self._workers.stream(produce)) as items:
+                async for item in items:
+                    yield item
+        except EngineError:
+            raise
+        except Exception as exc:
+            log.error("generation_failed", error=str(exc), error_type=type(exc).__name__)
+            raise EngineError(f"generation failed: {type(exc).__name__}") from exc
+
+    async def close(self) -> None:
+        await self._workers.cancel_all()
+
+    # -- the worker thread -------------------------------------------------------------------------------------
+
+    def _generate(self, prompt: Prompt, params: SamplingParams, emit: Emit[Item], cancelled: Any) -> None:
+        torch = self._torch
+        import transformers
+
+        device = self._model.device
+        input_ids = torch.tensor([prompt.token_ids], dtype=torch.long, device=device)
+        streamer = _PieceStreamer(self._tokenizer, params.stop, self._eos, emit, cancelled)
+        config = transformers.GenerationConfig(
+            max_new_tokens=params.max_tokens,
+            do_sample=False,  # sampling, when asked for, is done by _SeededSampler below
+            eos_token_id=sorted(self._eos) or None,
+            pad_token_id=self._tokenizer.pad_token_id if self._tokenizer.pad_token_id is not None else None,
+        )
+        processors = transformers.LogitsProcessorList()
+        if not params.greedy:
+            processors.append(_seeded_sampler(torch, params, device))
+        criteria = transformers.StoppingCriteriaList([_cancel_criterion(torch, cancelled)])
+        started = time.perf_counter()
+        streamer.started = started
+        with torch.inference_mode():
+            self._model.generate(
+                input_ids=input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                generation_config=config,
+                logits_processor=processors,
+                stopping_criteria=criteria,
+                streamer=streamer,
+            )
+        text = streamer.text
+        if cancelled.is_set() and not text.stopped:
+            # Nobody is listening any more; say how far it got, for the logs.
+            log.info("generation_cancelled", completion_tokens=text.count, max_tokens=params.max_tokens)
+            return
+        ended = time.perf_counter()
+        first = streamer.first_token_at or ended
+        emit(
+            Finished(
+                finish_reason=text.finish_reason(params.max_tokens),
+                usage=Usage(prompt_tokens=prompt.n_tokens, completion_tokens=text.count),
+                timings={
+                    "prefill_ms": round((first - started) * 1000, 1),
+                    "decode_ms": round((ended - first) * 1000, 1),
+                },
+            )
+        )
+
+
+class CacheJanitor:
+    """Empties the CUDA caching allocator's cache once every ``every`` generations (``every=0``: never).
+
+    torch keeps freed blocks reserved for reuse. Prompts of varying length leave a growing set of odd-sized
+    blocks behind, so reserved memory creeps up although live tensors do not; ``empty_cache`` hands the unused
+    ones back. Its cudaFree calls synchronise the device and stall concurrent generations for a moment, hence
+    only every N requests. Called from generation worker threads, so the count is locked; ``empty`` runs
+    outside the lock.
+    """
+
+    def __init__(self, every: int, empty: Callable[[], None]) -> None:
+        if every < 0:
+            raise ValueError(f"every must be 0 (never) or more, got {every}")
+        self.every = every
+        self._empty = empty
+        self._lock = threading.Lock()
+        self.generations = 0
+        self.emptied = 0
+
+    def generation_ended(self) -> bool:
+        """Count one generation; empty the cache if it is the Nth. True when it emptied."""
+        due = self.count()
+        if due:
+            self.empty()
+        return due
+
+    def count(self) -> bool:
+        """Count one generation, without emptying; True when it is the Nth (the caller then calls :meth:`empty`,
+        off the event loop: it synchronises the device)."""
+        with self._lock:
+            self.generations += 1
+            return self.every > 0 and self.generations % self.every == 0
+
+    def empty(self) -> None:
+        self._empty()
+        with self._lock:
+            self.emptied += 1
+            generations = self.generations
+        log.info("cuda_cache_emptied", generations=generations, every=self.every)
+
+
+class _PieceStreamer:
+    """The streamer handed to ``generate``: transformers' streamer contract (``put`` / ``end``).
+
+    Deliberate divergence from ``TextIteratorStreamer``: no blocking ``queue.Queue`` (items go to the event loop
+    through the bridge's ``emit``), and no holding text back to a word boundary (see ``IncrementalDecoder``).
+    It also stops the generation at a stop sequence by setting the cancel flag, which the stopping criterion
+    reads right after this ``put``: generation ends within the same step.
+    """
+
+    def __init__(self, tokenizer: Any, stops: Sequence[str], eos: frozenset[int], emit: Emit[Item], cancelled: Any):
+        self.text = TokenText(lambda ids: tokenizer.decode(ids, skip_special_tokens=True), stops, eos)
+        self._emit = emit
+        self._cancelled = cancelled
+        self._prompt_seen = False
+        self._index = 0
+        self.started = 0.0
+        self.first_token_at: float | None = None
+
+    def put(self, value: Any) -> None:
+        if not self._prompt_seen:  # generate() first hands us the prompt itself
+            self._prompt_seen = True
+            return
+        if self.text.stopped:
+            return
+        for token in value.reshape(-1).tolist():
+            if self.first_token_at is None:
+                self.first_token_at = time.perf_counter()
+            self._send(self.text.push(token))
+            if self.text.stopped:
+                self._cancelled.set()
+                return
+
+    def end(self) -> None:
+        if self.text.stopped or self._cancelled.is_set():
+            return
+        self._send(self.text.finish())
+
+    def _send(self, text: str) -> None:
+        if text:
+            self._emit(Piece(index=self._index, text=text))
+            self._index += 1
+
+
+def _cancel_criterion(torch: Any, cancelled: Any) -> Any:
+    import transformers
+
+    class CancelCriterion(transformers.StoppingCriteria):  # type: ignore[misc]
+        """Ends generation at the next step once the request is cancelled (client gone, stop sequence)."""
+
+        def __call__(self, input_ids: Any, scores: Any, **kwargs: Any) -> Any:
+            done = cancelled.is_set()
+            return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
+
+    return CancelCriterion()
+
+
+def _seeded_sampler(torch: Any, params: SamplingParams, device: Any) -> Any:
+    """Temperature / top-p sampling with a per-request ``torch.Generator``.
+
+    ``generate(do_sample=True)`` draws from torch's global RNG, which every concurrent request shares, so a
+    ``seed`` would not reproduce anything under load. This processor samples with the request's own generator
+    and leaves only the drawn token finite; greedy selection then picks it.
+    """
+    import transformers
+
+    generator = torch.Generator(device=device)
+    if params.seed is not None:
+        generator.manual_seed(params.seed)
+    else:
+        generator.seed()
+
+    class SeededSampler(transformers.LogitsProcessor):  # type: ignore[misc]
+        def __call__(self, input_ids: Any, scores: Any) -> Any:
+            choice = sampling.draw(scores, params.temperature, params.top_p, generator)
+            out = torch.full_like(scores, float("-inf"))
+            return out.scatter_(-1, choice, 0.0)
+
+    return SeededSampler()
