@@ -1,17 +1,13 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
+from tests.support.paths import CACHE_DIR
 from ttft_sse.engine.single import SingleEngine
 from ttft_sse.settings import Settings
 from ttft_sse.stages import StageClock
-
-# The suite uses the same converted-model cache as `make serve` (the Makefile prepares it), so the ~25 s
-# GGUF conversion happens once per machine, not per test run.
-CACHE_DIR = Path(Settings.from_env().cache_dir)
 
 
 @pytest.fixture(scope="session")
@@ -39,7 +35,7 @@ def hf_app(settings: Settings) -> Iterator[object]:
 @pytest.fixture(scope="session")
 def hf_server(hf_app: object) -> Iterator[str]:
     """A real hypercorn server with the real bundled model, shared by the integration tests."""
-    from tests.servers import running
+    from tests.support.servers import running
 
     with running(hf_app) as base:  # type: ignore[arg-type]
         yield base

@@ -6,24 +6,9 @@ developer's machine and fail under CI, where a skip would hide that the rules we
 
 from __future__ import annotations
 
-import subprocess
-from pathlib import Path
-
 import yaml
 
-from tests.processes import system_binary
-
-RULES_DIR = Path(__file__).resolve().parent.parent / "deploy" / "prometheus"
-ALERTS = RULES_DIR / "alerts.yml"
-ALERTS_TEST = RULES_DIR / "alerts_test.yml"
-
-
-def promtool() -> str:
-    return system_binary("promtool", "prometheus")
-
-
-def run_promtool(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([promtool(), *args], cwd=RULES_DIR, capture_output=True, text=True, timeout=120, check=False)
+from tests.support.promtool import ALERTS, ALERTS_TEST, run_promtool
 
 
 def alert_names() -> list[str]:

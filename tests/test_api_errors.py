@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 from starlette.testclient import TestClient
 
-from tests.servers import eventually
+from tests.support.servers import eventually
 from ttft_sse.app import create_app
 from ttft_sse.engine.fake import FakeEngine
 from ttft_sse.settings import Settings

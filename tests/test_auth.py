@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from starlette.testclient import TestClient
 
-from tests.processes import wait_until
+from tests.support.processes import wait_until
 from ttft_sse.app import create_app
 from ttft_sse.auth import ANONYMOUS, Caller, Keyring, key_id, parse_keys
 from ttft_sse.engine.fake import FakeEngine

@@ -18,8 +18,8 @@ import pytest
 import yaml
 from starlette.testclient import TestClient
 
-from tests.scrape import scrape
-from tests.test_alerts import ALERTS, run_promtool
+from tests.support.promtool import ALERTS, run_promtool
+from tests.support.scrape import scrape
 from ttft_sse.app import create_app
 from ttft_sse.engine.fake import FakeEngine
 from ttft_sse.metrics import BATCH_METRICS, CUDA_METRICS, KERNEL_METRICS

@@ -25,7 +25,7 @@ from hypercorn.config import Config
 
 from ttft_sse.__main__ import hypercorn_config
 from ttft_sse.engine.cpu import attention, kernel
-from ttft_sse.lifespan import shutdown_budget
+from ttft_sse.runtime import shutdown_budget
 from ttft_sse.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[1]

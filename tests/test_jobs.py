@@ -9,12 +9,12 @@ from typing import Any
 import pytest
 from starlette.testclient import TestClient
 
-from tests.processes import wait_until
+from tests.support.processes import wait_until
 from ttft_sse.app import create_app
 from ttft_sse.auth import ANONYMOUS
 from ttft_sse.engine.fake import FakeEngine
 from ttft_sse.jobs import EmbeddedJobs
-from ttft_sse.lifespan import Runtime
+from ttft_sse.runtime import Runtime
 from ttft_sse.settings import Settings, SettingsError
 
 VIEW_KEYS = {"id", "status", "created", "started", "finished", "attempts", "tokens", "result_url"}
@@ -146,7 +146,7 @@ def test_a_finished_job_expires_after_the_ttl() -> None:
     now = [1_000_000.0]
     app = create_app(Settings(job_ttl_seconds=600), FakeEngine())
     runtime: Runtime = app.state.runtime
-    runtime.jobs = EmbeddedJobs(runtime, clock=lambda: now[0])
+    runtime.jobs = EmbeddedJobs(runtime.settings, runtime.generations, clock=lambda: now[0])
     with TestClient(app) as client:
         job = poll(client, submit(started(client))["id"], "done")
         assert job["finished"] == now[0]

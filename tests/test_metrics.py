@@ -1,6 +1,6 @@
 """``/metrics``: what each kind of request moves, scraped from real servers (FakeEngine; the model is not the point).
 
-Streaming, disconnects and queueing run under real hypercorn (``tests.servers.running``); cases where only the
+Streaming, disconnects and queueing run under real hypercorn (``tests.support.servers.running``); cases where only the
 final answer matters use the in-process client. Every assertion is on a change between two scrapes.
 """
 
@@ -17,15 +17,15 @@ import httpx
 import pytest
 from starlette.testclient import TestClient
 
-from tests.scrape import Scrape, parse, scrape
-from tests.servers import StreamReader, parse_sse, running, serving
+from tests.support.scrape import Scrape, parse, scrape
+from tests.support.servers import StreamReader, parse_sse, running, serving
 from ttft_sse.app import create_app
 from ttft_sse.engine.base import Prompt
 from ttft_sse.engine.batched.engine import BatchedEngine, BatchStats
 from ttft_sse.engine.cpu import kernel
 from ttft_sse.engine.fake import FakeEngine
-from ttft_sse.lifespan import Runtime
 from ttft_sse.metrics import BATCH_METRICS, CUDA_METRICS, KERNEL_METRICS, LATENCY_BUCKETS, GpuProbe, Metrics, outcome_of
+from ttft_sse.runtime import Runtime
 from ttft_sse.settings import Settings
 
 REQUESTS = "ttft_sse_requests_total"
@@ -115,7 +115,7 @@ def test_warmup_is_not_counted_and_startup_stages_are_exported() -> None:
     with in_process(FakeEngine()) as client:
         got = scrape(client)
         runtime: Runtime = client.app.state.runtime  # type: ignore[attr-defined]
-        stages = runtime.clock.seconds()
+        stages = runtime.lifecycle.clock.seconds()
     assert set(stages) == {"model", "warmup"}
     for stage, seconds in stages.items():
         assert got.value("ttft_sse_startup_stage_seconds", stage=stage) == seconds

@@ -15,7 +15,7 @@ from starlette.testclient import TestClient
 from structlog.contextvars import merge_contextvars
 from structlog.testing import capture_logs
 
-from tests.servers import parse_sse
+from tests.support.servers import parse_sse
 from ttft_sse.api.openai import DEFAULT_TEMPERATURE, parse_chat, parse_completion
 from ttft_sse.app import create_app
 from ttft_sse.engine.base import ChatMessage

@@ -22,7 +22,7 @@ from ttft_sse.settings import Settings, SettingsError
 if TYPE_CHECKING:
     from hypercorn.config import Config
 
-    from ttft_sse.lifespan import Runtime
+    from ttft_sse.runtime import Runtime
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -117,7 +117,7 @@ def _worker(settings: Settings) -> int:
         print("ttft-sse: worker needs the queue's Redis: set TTFT_REDIS_URL or pass --redis-url", file=sys.stderr)
         return 2
     from ttft_sse.engine.loading import sources
-    from ttft_sse.redis_jobs import run_worker
+    from ttft_sse.worker import run_worker
 
     sources.resolve(settings.model)  # a model that cannot be found fails here, not in every pool process
     return run_worker(settings, concurrency=settings.job_runners)
@@ -132,7 +132,7 @@ def hypercorn_config(settings: Settings) -> Config:
     """The hypercorn settings ``serve`` runs with; ``deploy/hypercorn.toml`` writes the same down (a test checks)."""
     from hypercorn.config import Config
 
-    from ttft_sse.lifespan import FLUSH_SECONDS
+    from ttft_sse.runtime import FLUSH_SECONDS
 
     config = Config()
     host = f"[{settings.host}]" if ":" in settings.host else settings.host
@@ -162,13 +162,13 @@ async def shutdown_trigger(runtime: Runtime, stop: asyncio.Event) -> None:
     Hypercorn keeps accepting connections until this returns, which is what lets a draining server still answer
     ``/readyz`` (503) and refuse new generations with 503 + Retry-After instead of resetting connections.
     """
-    failed = asyncio.ensure_future(runtime.failed.wait())
+    failed = asyncio.ensure_future(runtime.lifecycle.failed.wait())
     stopping = asyncio.ensure_future(stop.wait())
     await asyncio.wait({failed, stopping}, return_when=asyncio.FIRST_COMPLETED)
     for task in (failed, stopping):
         task.cancel()
     log = structlog.get_logger("ttft_sse.main")
-    log.info("shutting_down", state=runtime.state, drain_s=runtime.settings.drain_seconds)
+    log.info("shutting_down", state=runtime.lifecycle.state, drain_s=runtime.settings.drain_seconds)
     await runtime.drain(runtime.settings.drain_seconds)
 
 
@@ -195,9 +195,9 @@ async def _serve(settings: Settings) -> int:
     asgi: Any = app  # hypercorn's own ASGI types do not name Starlette; it is a plain ASGI app
     _check_listen(config)
     await serve(asgi, config, shutdown_trigger=partial(shutdown_trigger, runtime, stop))
-    structlog.get_logger("ttft_sse.main").info("stopped", state=runtime.state)
-    if runtime.state == "failed":
-        print(f"ttft-sse: the model failed to load: {runtime.error}", file=sys.stderr)
+    structlog.get_logger("ttft_sse.main").info("stopped", state=runtime.lifecycle.state)
+    if runtime.lifecycle.state == "failed":
+        print(f"ttft-sse: the model failed to load: {runtime.lifecycle.error}", file=sys.stderr)
         return 1
     return 0
 

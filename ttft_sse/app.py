@@ -16,9 +16,8 @@ from ttft_sse.api.stream import stream
 from ttft_sse.api.streams import create_stream, stream_resource
 from ttft_sse.engine.base import Engine
 from ttft_sse.errors import EXCEPTION_HANDLERS
-from ttft_sse.jobs import make_store
-from ttft_sse.lifespan import Runtime, lifespan
 from ttft_sse.log import RequestContext
+from ttft_sse.runtime import Runtime, lifespan
 from ttft_sse.settings import Settings
 
 
@@ -61,7 +60,5 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
         exception_handlers=EXCEPTION_HANDLERS,
         lifespan=lifespan,
     )
-    runtime = Runtime(settings, engine)
-    runtime.jobs = make_store(runtime)
-    app.state.runtime = runtime
+    app.state.runtime = Runtime(settings, engine)
     return app

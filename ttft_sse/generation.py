@@ -8,7 +8,7 @@ at once, and admitted in the jobs lane when a runner takes them.
 ``Run.events`` then yields ``Queued`` (while waiting for a slot), ``Piece`` items and one ``Finished`` whose
 timings hold the request's whole story: queue wait, prefill, time to first token, total. On shutdown it raises
 ``ShuttingDown`` instead: at once for a request still queued, and at the end of the drain grace for one still
-generating (see ``Runtime.drain``).
+generating (see ``ttft_sse.runtime.Runtime.drain``).
 """
 
 from __future__ import annotations
@@ -18,20 +18,17 @@ from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass, replace
 from functools import partial
-from typing import TYPE_CHECKING
 
 import anyio
 import structlog
 
 from ttft_sse.auth import Caller
-from ttft_sse.engine.base import Finished, Piece, Prompt, SamplingParams
+from ttft_sse.engine.base import Engine, Finished, Piece, Prompt, SamplingParams
 from ttft_sse.errors import EngineError, NotReady
-from ttft_sse.gate import Lane, Ticket
-from ttft_sse.metrics import Outcome, outcome_of
+from ttft_sse.gate import Gate, Lane, Ticket
+from ttft_sse.lifecycle import Lifecycle
+from ttft_sse.metrics import Metrics, Outcome, outcome_of
 from ttft_sse.schemas import GenerationRequest
-
-if TYPE_CHECKING:
-    from ttft_sse.lifespan import Runtime
 
 log = structlog.get_logger("ttft_sse.generation")
 
@@ -53,8 +50,17 @@ class Prepared:
 
 
 class Generations:
-    def __init__(self, runtime: Runtime) -> None:
-        self._runtime = runtime
+    """Opens runs: checks the ``lifecycle``, prepares the prompt on the ``engine``, takes a ``gate`` ticket, and
+    records each request on ``metrics``."""
+
+    def __init__(
+        self, lifecycle: Lifecycle, engine: Engine, gate: Gate, metrics: Metrics, *, default_max_tokens: int
+    ) -> None:
+        self._lifecycle = lifecycle
+        self._engine = engine
+        self._gate = gate
+        self._metrics = metrics
+        self._default_max_tokens = default_max_tokens
 
     async def open(
         self,
@@ -76,33 +82,34 @@ class Generations:
             return self.admit(prepared, caller=caller, arrival=arrival, endpoint=endpoint, record=record)
         except Exception as exc:
             if record:
-                self._runtime.metrics.observe_refused(endpoint, exc)
+                self._metrics.observe_refused(endpoint, exc)
             raise
 
     async def prepare(self, request: GenerationRequest, *, check_ready: bool = True) -> Prepared:
         """Everything that can refuse a request as the client's fault: readiness, template, tokenizer, length."""
-        runtime = self._runtime
-        if runtime.state == "stopping":
-            raise runtime.refusal()
-        if check_ready and not runtime.ready:
-            raise NotReady(runtime.not_ready_reason(), retry_after=5)
-        engine = runtime.engine
+        lifecycle = self._lifecycle
+        if lifecycle.state == "stopping":
+            raise lifecycle.refusal()
+        if check_ready and not lifecycle.ready:
+            raise NotReady(lifecycle.not_ready_reason(), retry_after=5)
+        engine = self._engine
         prompt = await anyio.to_thread.run_sync(
             partial(engine.prepare, prompt=request.prompt, messages=request.messages, raw=request.raw)
         )
         params = request.sampling(
             prompt_tokens=prompt.n_tokens,
             context_length=engine.info.context_length,
-            default_max_tokens=runtime.settings.default_max_tokens,
+            default_max_tokens=self._default_max_tokens,
         )
         return Prepared(prompt, params)
 
     def admit(self, prepared: Prepared, *, caller: Caller, arrival: float, endpoint: str, record: bool = True) -> Run:
         """Take a gate ticket in ``caller``'s lane. Job-lane tickets are patient (no deadline, no queue place)."""
-        runtime = self._runtime
-        ticket = runtime.gate.reserve(caller.lane, patient=caller.lane is Lane.JOBS)
+        ticket = self._gate.reserve(caller.lane, patient=caller.lane is Lane.JOBS)
         return Run(
-            runtime,
+            self._lifecycle,
+            self._engine,
+            self._metrics,
             prepared.prompt,
             prepared.params,
             ticket,
@@ -118,7 +125,9 @@ class Run:
 
     def __init__(
         self,
-        runtime: Runtime,
+        lifecycle: Lifecycle,
+        engine: Engine,
+        metrics: Metrics,
         prompt: Prompt,
         params: SamplingParams,
         ticket: Ticket,
@@ -128,14 +137,15 @@ class Run:
         endpoint: str,
         record: bool = True,
     ) -> None:
-        self._runtime = runtime
+        self._lifecycle = lifecycle
+        self._engine = engine
         self.caller = caller
         self.prompt = prompt
         self.params = params
         self._ticket = ticket
         self._arrival = arrival
         self._endpoint = endpoint
-        self._metrics = runtime.metrics.request(endpoint, arrival=arrival, record=record)
+        self._metrics = metrics.request(endpoint, arrival=arrival, record=record)
 
     def close(self) -> None:
         """Give back the gate ticket. ``events`` does this itself; call it where ``events`` may never start."""
@@ -153,9 +163,9 @@ class Run:
                 yield Queued(position)
             queue_s = self._ticket.waited
             metrics.observe_admitted(queue_s)
-            if self._runtime.cutting:
-                raise self._runtime.cut()
-            async with aclosing(self._runtime.engine.stream(self.prompt, self.params)) as items:
+            if self._lifecycle.cutting:
+                raise self._lifecycle.cut()
+            async with aclosing(self._engine.stream(self.prompt, self.params)) as items:
                 async for item in items:
                     now = time.perf_counter()
                     if isinstance(item, Finished):
@@ -176,7 +186,8 @@ class Run:
                     yield item
             # The engine ended without a Finished: something cancelled it from outside. The only thing that does
             # is the drain deadline (``engine.close()``); say so to the client rather than just stopping.
-            raise self._runtime.cut() if self._runtime.cutting else EngineError("generation ended without a result")
+            lifecycle = self._lifecycle
+            raise lifecycle.cut() if lifecycle.cutting else EngineError("generation ended without a result")
         except BaseException as exc:
             if finished is None:  # closed after its Finished was handed over: that generation still finished
                 outcome, failure = outcome_of(exc), exc

@@ -23,7 +23,7 @@ from collections import deque
 from collections.abc import Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import structlog
 
@@ -31,11 +31,9 @@ from ttft_sse.auth import Caller
 from ttft_sse.engine.base import Finished, Piece
 from ttft_sse.errors import Conflict, NotFound, Overloaded, ServiceError
 from ttft_sse.gate import Lane
+from ttft_sse.generation import Generations, Prepared
 from ttft_sse.schemas import GenerationRequest
-
-if TYPE_CHECKING:
-    from ttft_sse.generation import Prepared
-    from ttft_sse.lifespan import Runtime
+from ttft_sse.settings import Settings
 
 log = structlog.get_logger("ttft_sse.jobs")
 
@@ -125,14 +123,6 @@ class JobStore(Protocol):
         ...
 
 
-def make_store(runtime: Runtime) -> JobStore:
-    if runtime.settings.redis_url:
-        from ttft_sse.redis_jobs import RedisJobs
-
-        return RedisJobs(runtime)
-    return EmbeddedJobs(runtime)
-
-
 @dataclass
 class _Entry:
     job: Job
@@ -144,9 +134,9 @@ class _Entry:
 class EmbeddedJobs:
     """Jobs in this process: a dict of records, a FIFO of ids, and ``job_runners`` runner tasks."""
 
-    def __init__(self, runtime: Runtime, *, clock: Callable[[], float] = time.time) -> None:
-        self._runtime = runtime
-        self._settings = runtime.settings
+    def __init__(self, settings: Settings, generations: Generations, *, clock: Callable[[], float] = time.time) -> None:
+        self._generations = generations
+        self._settings = settings
         self._clock = clock
         self._entries: dict[str, _Entry] = {}
         self._pending: asyncio.Queue[str] = asyncio.Queue()
@@ -251,7 +241,7 @@ class EmbeddedJobs:
         started = time.perf_counter()
         wait_ms = (started - entry.queued_at) * 1000
         parts: list[str] = []
-        generations = self._runtime.generations
+        generations = self._generations
         try:
             run = generations.admit(
                 entry.prepared, caller=Caller(Lane.JOBS, job.owner), arrival=started, endpoint="job"

@@ -1,7 +1,7 @@
 """Every metric the service exports, with units in their names, and the ``observe_*`` helpers the rest calls.
 
 Names read next to vLLM's (``vllm:time_to_first_token_seconds`` is ``ttft_sse_time_to_first_token_seconds``
-here). Each app gets its own ``CollectorRegistry``, made with its ``Runtime``: nothing is registered on
+here). Each app gets its own ``CollectorRegistry``, made by its runtime: nothing is registered on
 prometheus-client's global registry, so several apps in one process (the tests) never collide.
 
 Who records what (no other module touches a metric object)::
@@ -47,12 +47,13 @@ from prometheus_client import (
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from ttft_sse.engine.base import Finished
+from ttft_sse.engine.base import Engine, Finished
 from ttft_sse.errors import ClientError, Overloaded, ShuttingDown, Unavailable
+from ttft_sse.gate import Gate
+from ttft_sse.stages import StageClock
 
 if TYPE_CHECKING:
     from ttft_sse.engine.batched.engine import BatchStats
-    from ttft_sse.lifespan import Runtime
 
 log = structlog.get_logger("ttft_sse.metrics")
 
@@ -122,7 +123,16 @@ def _claim(exc: BaseException) -> bool:
 class Metrics:
     """One app's metrics, on its own registry. ``render`` gives the exposition for ``GET /metrics``."""
 
-    def __init__(self, runtime: Runtime | None = None, *, gpu: GpuProbe | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        gate: Gate | None = None,
+        clock: StageClock | None = None,
+        engine: Engine | None = None,
+        gpu: GpuProbe | None = None,
+    ) -> None:
+        """Request series only; with ``gate``, ``clock`` and ``engine`` also the series read from them on each
+        scrape (running and waiting requests, start-up stages, the engine's batching, process and GPU memory)."""
         self.registry = registry = CollectorRegistry()
         ProcessCollector(registry=registry)  # process_resident_memory_bytes, process_cpu_seconds_total, …
         PlatformCollector(registry=registry)
@@ -196,8 +206,8 @@ class Metrics:
             by_endpoint,
             registry=registry,
         )
-        if runtime is not None:
-            registry.register(_RuntimeCollector(runtime, gpu or GpuProbe()))
+        if gate is not None and clock is not None and engine is not None:
+            registry.register(_StateCollector(gate, clock, engine, gpu or GpuProbe()))
 
     def request(self, endpoint: str, *, arrival: float, record: bool = True) -> RequestMetrics:
         """The recorder for one generation (``record=False``: one that is not counted, the warm-up)."""
@@ -272,31 +282,32 @@ class RequestMetrics:
             self._metrics.requests.labels(self._endpoint, outcome).inc()
 
 
-class _RuntimeCollector:
-    """Series read from the runtime on each scrape (the gate, the stage clock, the engine, the GPU): nothing has to
-    keep them up to date."""
+class _StateCollector:
+    """Series read on each scrape from the gate, the stage clock, the engine and the GPU: nothing has to keep them
+    up to date."""
 
-    def __init__(self, runtime: Runtime, gpu: GpuProbe) -> None:
-        self._runtime = runtime
+    def __init__(self, gate: Gate, clock: StageClock, engine: Engine, gpu: GpuProbe) -> None:
+        self._gate = gate
+        self._clock = clock
+        self._engine = engine
         self._gpu = gpu
 
     def collect(self) -> Iterator[Metric]:
-        runtime = self._runtime
         yield GaugeMetricFamily(
-            "ttft_sse_num_requests_running", "Requests holding a generation slot.", value=runtime.gate.running
+            "ttft_sse_num_requests_running", "Requests holding a generation slot.", value=self._gate.running
         )
         yield GaugeMetricFamily(
-            "ttft_sse_num_requests_waiting", "Requests queued for a generation slot.", value=runtime.gate.waiting
+            "ttft_sse_num_requests_waiting", "Requests queued for a generation slot.", value=self._gate.waiting
         )
         stages = GaugeMetricFamily(
             "ttft_sse_startup_stage_seconds",
             "How long each start-up stage took (imports, cache_lookup, conversion, tokenizer, model, warmup).",
             labels=["stage"],
         )
-        for stage, seconds in runtime.clock.seconds().items():
+        for stage, seconds in self._clock.seconds().items():
             stages.add_metric([stage], seconds)
         yield stages
-        yield from _batch_metrics(runtime.engine)
+        yield from _batch_metrics(self._engine)
         yield from self._gpu.collect()
 
 

@@ -26,14 +26,10 @@ How a job survives its worker (Celery semantics first, our record second):
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
-import os
-import socket
 import time
 from collections.abc import Awaitable, Iterator
-from contextlib import aclosing
 from functools import partial
 from typing import TYPE_CHECKING, Any, cast
 
@@ -41,10 +37,8 @@ import anyio
 import structlog
 
 from ttft_sse.auth import Caller
-from ttft_sse.engine.base import Finished, Piece
-from ttft_sse.errors import ClientError, Conflict, Overloaded, Unavailable
-from ttft_sse.gate import Lane
-from ttft_sse.jobs import Job, error_of, is_job_id, new_job_id, result_of, unknown
+from ttft_sse.errors import Conflict, Overloaded, Unavailable
+from ttft_sse.jobs import Job, is_job_id, new_job_id, unknown
 from ttft_sse.schemas import GenerationRequest
 from ttft_sse.settings import Settings
 
@@ -52,9 +46,7 @@ if TYPE_CHECKING:
     from celery import Celery
     from redis.asyncio import Redis
 
-    from ttft_sse.engine.base import Engine
     from ttft_sse.generation import Prepared
-    from ttft_sse.lifespan import Runtime
 
 log = structlog.get_logger("ttft_sse.redis_jobs")
 
@@ -67,7 +59,7 @@ DURATION_WINDOW = 32
 # -- the state machine, one atomic step per script ---------------------------------------------------------------
 
 # ARGV: now, worker, pid, lease, max_attempts, ttl, exhausted_error_json
-_CLAIM = """
+CLAIM = """
 local f = redis.call('HMGET', KEYS[1], 'status', 'heartbeat', 'attempts')
 local status = f[1]
 if not status then return {'gone', ''} end
@@ -90,7 +82,7 @@ return {'run', tostring(attempts)}
 """
 
 # ARGV: attempt, new status ('' keeps it), ttl (0 = none), field, value, ...
-_UPDATE = """
+UPDATE = """
 local f = redis.call('HMGET', KEYS[1], 'status', 'attempts')
 if f[1] ~= 'running' or f[2] ~= ARGV[1] then return f[1] or 'gone' end
 if ARGV[2] ~= '' then redis.call('HSET', KEYS[1], 'status', ARGV[2]) end
@@ -100,7 +92,7 @@ return 'ok'
 """
 
 # ARGV: now, ttl
-_CANCEL = """
+CANCEL = """
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status then return 'gone' end
 if status == 'queued' or status == 'running' then
@@ -112,7 +104,7 @@ return status
 """
 
 # ARGV: worker, pid, note
-_LOST = """
+LOST = """
 local f = redis.call('HMGET', KEYS[1], 'status', 'worker', 'worker_pid')
 if f[1] == 'running' and f[2] == ARGV[1] and f[3] == ARGV[2] then
   redis.call('HSET', KEYS[1], 'status', 'queued', 'note', ARGV[3])
@@ -203,15 +195,14 @@ def celery_app(settings: Settings) -> Celery:
 class RedisJobs:
     """The job store of a server with ``TTFT_REDIS_URL``: records in Redis, runs on Celery workers."""
 
-    def __init__(self, runtime: Runtime) -> None:
+    def __init__(self, settings: Settings) -> None:
         from redis.asyncio import Redis
 
-        settings = runtime.settings
         assert settings.redis_url
         self._settings = settings
         self._redis: Redis = Redis.from_url(settings.redis_url, decode_responses=True)
         self._celery = celery_app(settings)
-        self._cancel_script = self._redis.register_script(_CANCEL)
+        self._cancel_script = self._redis.register_script(CANCEL)
 
     async def start(self) -> None:
         try:
@@ -293,238 +284,3 @@ class RedisJobs:
 
 
 # -- the worker side --------------------------------------------------------------------------------------------
-
-
-class JobRunner:
-    """One worker pool process's engine and event loop. Runs one job at a time (Celery calls :meth:`run`)."""
-
-    def __init__(self, settings: Settings, engine: Engine | None = None) -> None:
-        self.settings = settings
-        self._engine = engine  # None: the transformers engine for settings.model
-        self.worker = socket.gethostname()
-        self.pid = os.getpid()
-        self.loop = asyncio.new_event_loop()
-        self._redis: Redis | None = None
-
-    def start(self) -> None:
-        """Load and warm the model, and connect to Redis. Raises ``RuntimeError`` when the model cannot load."""
-        from redis.asyncio import Redis
-
-        from ttft_sse.engine.single import SingleEngine
-        from ttft_sse.lifespan import Runtime
-
-        self.runtime = Runtime(self.settings, self._engine or SingleEngine(self.settings))
-        self.loop.run_until_complete(self.runtime.start())
-        if not self.runtime.ready:
-            raise RuntimeError(f"the model failed to load: {self.runtime.error}")
-
-        async def connect() -> Redis:
-            assert self.settings.redis_url
-            return Redis.from_url(self.settings.redis_url, decode_responses=True)
-
-        self._redis = self.loop.run_until_complete(connect())
-        self._claim = self._redis.register_script(_CLAIM)
-        self._update = self._redis.register_script(_UPDATE)
-
-    def run(self, job_id: str) -> str:
-        """Claim and run one job; the outcome: done, failed, or why it was not run (gone, final, busy, …)."""
-        return self.loop.run_until_complete(self._run(job_id))
-
-    def close(self) -> None:
-        async def close() -> None:
-            await self.runtime.stop()
-            if self._redis is not None:
-                await self._redis.aclose()
-
-        self.loop.run_until_complete(close())
-        self.loop.close()
-
-    async def _run(self, job_id: str) -> str:
-        assert self._redis is not None
-        settings = self.settings
-        key = key_of(job_id)
-        exhausted = {
-            "message": f"the job was started {settings.job_attempts} times and each time its worker was lost "
-            "before it finished",
-            "type": "server_error",
-            "param": None,
-            "code": "worker_lost",
-        }
-        outcome, detail = await self._claim(
-            keys=[key],
-            args=[
-                repr(time.time()),
-                self.worker,
-                self.pid,
-                settings.job_lease_seconds,
-                settings.job_attempts,
-                round(settings.job_ttl_seconds),
-                json.dumps(exhausted),
-            ],
-        )
-        if outcome != "run":
-            log.info("job_skipped", job_id=job_id, outcome=outcome, detail=detail)
-            return cast(str, outcome)
-        attempt = int(detail)
-        fields = await cast(Awaitable[dict[str, str]], self._redis.hgetall(key))
-        log.info("job_started", job_id=job_id, attempt=attempt, key_id=fields.get("owner") or None)
-        started = time.time()
-        wait_ms = (started - float(fields["created"])) * 1000
-        progress = {"tokens": 0}
-        work = asyncio.ensure_future(self._generate(fields, progress, wait_ms))
-        beat = min(max(settings.job_lease_seconds / 4, 0.2), 5.0)
-        status = "failed"
-        final: dict[str, Any] = {}
-        try:
-            while True:
-                done, _ = await asyncio.wait({work}, timeout=beat)
-                if done:
-                    break
-                answer = await self._update(
-                    keys=[key], args=[attempt, "", 0, "heartbeat", repr(time.time()), "tokens", progress["tokens"]]
-                )
-                if answer != "ok":  # cancelled, or another attempt took over: stop generating
-                    work.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await work
-                    log.info("job_stopped", job_id=job_id, attempt=attempt, now=answer)
-                    return cast(str, answer)
-            try:
-                result = work.result()
-                status, final = "done", {"result": json.dumps(result)}
-            except Exception as exc:
-                final = {"error": json.dumps(error_of(exc))}
-                if not isinstance(exc, ClientError):
-                    log.warning("job_failed", job_id=job_id, attempt=attempt, error_type=type(exc).__name__)
-            pairs: list[Any] = ["finished", repr(time.time()), "tokens", progress["tokens"]]
-            for name, value in final.items():
-                pairs += [name, value]
-            answer = await self._update(keys=[key], args=[attempt, status, round(settings.job_ttl_seconds), *pairs])
-            if answer == "ok":
-                async with self._redis.pipeline(transaction=False) as pipe:
-                    pipe.lpush(DURATIONS, round(time.time() - started, 3))
-                    pipe.ltrim(DURATIONS, 0, DURATION_WINDOW - 1)
-                    await pipe.execute()
-            log.info("job_ended", job_id=job_id, attempt=attempt, status=status if answer == "ok" else answer)
-            return status if answer == "ok" else cast(str, answer)
-        finally:
-            if not work.done():
-                work.cancel()
-                with contextlib.suppress(BaseException):
-                    await work
-
-    async def _generate(self, fields: dict[str, str], progress: dict[str, int], wait_ms: float) -> dict[str, Any]:
-        generations = self.runtime.generations
-        request = GenerationRequest.from_json(
-            json.loads(fields["request"]), max_tokens_cap=self.settings.max_tokens_cap
-        )
-        prepared = await generations.prepare(request)
-        caller = Caller(Lane.JOBS, fields.get("owner") or None)
-        run = generations.admit(prepared, caller=caller, arrival=time.perf_counter(), endpoint="job")
-        parts: list[str] = []
-        async with aclosing(run.events()) as events:
-            async for item in events:
-                if isinstance(item, Piece):
-                    parts.append(item.text)
-                    progress["tokens"] += 1
-                elif isinstance(item, Finished):
-                    progress["tokens"] = item.usage.completion_tokens
-                    return result_of(item, "".join(parts), wait_ms)
-        raise RuntimeError("the generation ended without a result")
-
-
-# -- Celery wiring for `ttft-sse worker` ------------------------------------------------------------------------
-
-_settings: Settings | None = None  # set by run_worker before the pool forks; read in each pool process
-_runner: JobRunner | None = None
-_parent_client: Any = None
-
-
-def _parent_redis() -> Any:
-    """A plain (blocking) client for the worker's main process, which has no event loop."""
-    global _parent_client
-    if _parent_client is None:
-        import redis
-
-        assert _settings is not None and _settings.redis_url
-        _parent_client = redis.Redis.from_url(_settings.redis_url, decode_responses=True)
-    return _parent_client
-
-
-def _make_request_class() -> Any:
-    from billiard.einfo import ExceptionWithTraceback
-    from billiard.exceptions import WorkerLostError
-    from celery.worker.request import Request
-
-    class JobRequest(Request):  # type: ignore[misc]
-        """Runs in the worker's main process. Before Celery requeues a job whose pool process died, say so."""
-
-        def on_failure(self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False) -> Any:
-            exc = exc_info.exception
-            if isinstance(exc, ExceptionWithTraceback):
-                exc = exc.exc
-            if isinstance(exc, WorkerLostError | SystemExit) and self.args:
-                job_id = str(self.args[0])
-                note = f"attempt lost: its worker process died ({exc}); queued again"
-                try:
-                    now = _parent_redis().eval(_LOST, 1, key_of(job_id), socket.gethostname(), self.worker_pid, note)
-                    log.warning("job_worker_lost", job_id=job_id, worker_pid=self.worker_pid, now=now)
-                except Exception as redis_exc:  # the requeue below still happens; the heartbeat rule covers it
-                    log.error("job_worker_lost_unrecorded", job_id=job_id, error_type=type(redis_exc).__name__)
-            return super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
-
-    return JobRequest
-
-
-def run_worker(settings: Settings, *, concurrency: int) -> int:
-    """``ttft-sse worker``: a Celery prefork worker on the job queue, one model per pool process."""
-    from celery import signals
-
-    from ttft_sse import log as logs
-
-    global _settings
-    _settings = settings
-    app = celery_app(settings)
-
-    def run_job(task: Any, job_id: str) -> str:
-        if _runner is None:
-            raise RuntimeError("this worker process has no model; see the start-up error above")
-        outcome = _runner.run(job_id)
-        if outcome == "busy":
-            # A job whose heartbeat is fresh. Its attempt may be alive, or it may have just died with this
-            # (restored) message the only one left: look again once the lease has run out, until the job ends or
-            # is taken over. Dropping it lost the job of a worker killed 1-2 leases after taking the message.
-            raise task.retry(countdown=settings.job_lease_seconds, max_retries=None)
-        return outcome
-
-    app.task(name=TASK, bind=True, Request=_make_request_class(), ignore_result=True)(run_job)
-
-    def configure_logging(**_: Any) -> None:
-        logs.configure(level=settings.log_level, fmt=settings.log_format)
-
-    def load_model(**_: Any) -> None:
-        global _runner
-        runner = JobRunner(settings)
-        try:
-            runner.start()
-        except Exception as exc:
-            log.error("worker_process_start_failed", error=str(exc), error_type=type(exc).__name__)
-            os._exit(1)  # the main process notices and starts another; its log says why this one went
-        _runner = runner
-        log.info("worker_process_ready", pid=os.getpid(), **runner.runtime.startup_report())
-
-    signals.setup_logging.connect(configure_logging, weak=False)
-    signals.worker_process_init.connect(load_model, weak=False)
-    argv = [
-        "worker",
-        "--pool=prefork",
-        f"--concurrency={concurrency}",
-        f"--queues={QUEUE}",
-        f"--hostname=ttft-{os.getpid()}@%h",
-        f"--loglevel={settings.log_level.upper()}",
-        "--without-gossip",
-        "--without-mingle",
-        "--without-heartbeat",
-    ]
-    app.worker_main(argv)
-    return 0

@@ -42,7 +42,7 @@ def test_model_info(engine: SingleEngine) -> None:
     info = engine.info
     assert (info.name, info.device, info.dtype, info.threads) == ("SmolLM2-135M-Instruct", "cpu", "float32", 1)
     assert info.context_length == 8192
-    assert info.weights == "gguf-blocks"  # every linear layer on the block kernel (tests/test_engine_kernel.py)
+    assert info.weights == "gguf-blocks"  # every linear layer on the block kernel (tests/engine/cpu/test_kernel.py)
 
 
 def test_without_the_block_kernel_linear_weights_are_stored_transposed_and_packed(settings: Settings) -> None:

@@ -13,8 +13,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.processes import wait_until
-from tests.servers import SSEEvent, parse_sse, running
+from tests.support.processes import wait_until
+from tests.support.servers import SSEEvent, parse_sse, running
 from ttft_sse.app import create_app
 from ttft_sse.engine.base import Finished, Piece, Prompt, SamplingParams
 from ttft_sse.engine.fake import FakeEngine

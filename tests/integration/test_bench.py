@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.servers import free_port, running
+from tests.support.servers import free_port, running
 from ttft_sse.__main__ import main
 from ttft_sse.app import create_app
 from ttft_sse.bench import load, prompts, soak

@@ -26,9 +26,9 @@ import httpx
 import pytest
 import redis
 
-from tests.conftest import CACHE_DIR
-from tests.processes import Proc, redis_server, start_worker, wait_until, wait_worker_ready
-from tests.servers import running
+from tests.support.paths import CACHE_DIR
+from tests.support.processes import Proc, redis_server, start_worker, wait_until, wait_worker_ready
+from tests.support.servers import running
 from ttft_sse.app import create_app
 from ttft_sse.engine.fake import FakeEngine
 from ttft_sse.redis_jobs import QUEUE, TASK, celery_app, key_of

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.servers import free_port
+from tests.support.servers import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.servers import StreamReader, eventually, serving
+from tests.support.servers import StreamReader, eventually, serving
 from ttft_sse.app import create_app
 from ttft_sse.engine.fake import FakeEngine
-from ttft_sse.lifespan import shutdown_budget
+from ttft_sse.runtime import shutdown_budget
 from ttft_sse.settings import Settings
 
 PIECES = ("Hello", ",", " world", "!")

@@ -19,9 +19,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import CACHE_DIR
-from tests.servers import StreamReader, free_port
-from ttft_sse.lifespan import shutdown_budget
+from tests.support.paths import CACHE_DIR
+from tests.support.servers import StreamReader, free_port
+from ttft_sse.runtime import shutdown_budget
 
 ROOT = Path(__file__).resolve().parents[2]
 DRAIN_SECONDS = 3.0

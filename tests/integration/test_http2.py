@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import httpx
 
-from tests.servers import parse_sse, running
+from tests.support.servers import parse_sse, running
 from ttft_sse.app import create_app
 from ttft_sse.engine.fake import FakeEngine
 from ttft_sse.settings import Settings

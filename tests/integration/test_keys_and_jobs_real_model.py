@@ -13,9 +13,9 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import CACHE_DIR
-from tests.processes import Proc, serve, wait_until
-from tests.servers import stream_events
+from tests.support.paths import CACHE_DIR
+from tests.support.processes import Proc, serve, wait_until
+from tests.support.servers import stream_events
 
 VIP, USER = "vip-secret-key-0001", "user-secret-key-0002"
 BODY = {"prompt": "What is the capital of France?", "max_tokens": 12}

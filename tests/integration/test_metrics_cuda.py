@@ -16,9 +16,9 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import CACHE_DIR
-from tests.scrape import scrape
-from tests.servers import eventually, running
+from tests.support.paths import CACHE_DIR
+from tests.support.scrape import scrape
+from tests.support.servers import eventually, running
 from ttft_sse.app import create_app
 from ttft_sse.engine.loading import sources
 from ttft_sse.settings import Settings

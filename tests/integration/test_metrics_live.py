@@ -13,8 +13,8 @@ import pytest
 from starlette.applications import Starlette
 from starlette.testclient import TestClient
 
-from tests.scrape import Scrape, scrape
-from tests.servers import eventually, parse_sse
+from tests.support.scrape import Scrape, scrape
+from tests.support.servers import eventually, parse_sse
 from ttft_sse.app import create_app
 from ttft_sse.engine.batched.engine import BLOCK_TOKENS, BatchedEngine
 from ttft_sse.metrics import BATCH_METRICS
@@ -104,7 +104,7 @@ def test_invalid_requests_count_invalid(hf_server: str, client: httpx.Client) ->
 
 def test_startup_stages_process_memory_and_idle_gauges(hf_server: str, hf_app: Starlette, client: httpx.Client) -> None:
     got = scrape(client, hf_server)
-    stages = hf_app.state.runtime.clock.seconds()
+    stages = hf_app.state.runtime.lifecycle.clock.seconds()
     assert {"imports", "cache_lookup", "tokenizer", "model", "warmup"} <= set(stages)
     for stage, seconds in stages.items():
         assert got.value("ttft_sse_startup_stage_seconds", stage=stage) == seconds > 0

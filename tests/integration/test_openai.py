@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from tests.servers import running
+from tests.support.servers import running
 from ttft_sse.app import create_app
 from ttft_sse.engine.fake import FakeEngine
 from ttft_sse.engine.loading import sources

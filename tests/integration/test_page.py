@@ -19,9 +19,9 @@ import pytest
 from starlette.applications import Starlette
 from structlog.testing import capture_logs
 
-from tests.browser import chromium
-from tests.servers import StreamReader, eventually, running
-from tests.tcpproxy import tcp_proxy
+from tests.support.browser import chromium
+from tests.support.servers import StreamReader, eventually, running
+from tests.support.tcpproxy import tcp_proxy
 from ttft_sse.app import create_app
 from ttft_sse.engine.fake import FakeEngine
 from ttft_sse.settings import Settings

@@ -15,9 +15,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.processes import serve, wait_until
-from tests.scrape import scrape
-from tests.servers import stream_events
+from tests.support.processes import serve, wait_until
+from tests.support.scrape import scrape
+from tests.support.servers import stream_events
 
 QUESTIONS = [
     "Name a fruit.",

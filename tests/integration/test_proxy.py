@@ -17,8 +17,17 @@ import pytest
 from starlette.applications import Starlette
 from starlette.types import Message, Receive, Scope, Send
 
-from tests.nginx import DEFAULT_PROXY, nginx
-from tests.servers import SSEEvent, StreamReader, eventually, fake_app, parse_sse, running, serving, stream_events
+from tests.support.nginx import DEFAULT_PROXY, nginx
+from tests.support.servers import (
+    SSEEvent,
+    StreamReader,
+    eventually,
+    fake_app,
+    parse_sse,
+    running,
+    serving,
+    stream_events,
+)
 from ttft_sse.engine.batched.engine import BatchedEngine
 from ttft_sse.engine.fake import FakeEngine
 from ttft_sse.settings import Settings
@@ -212,7 +221,7 @@ def seconds(value: str) -> float:
 def test_shipped_config_keeps_the_directives_streaming_relies_on() -> None:
     """Some of these are invisible in a live test on one nginx version (see above); a change to them is a
     decision, so it should fail here and be made on purpose."""
-    from tests.nginx import SHIPPED
+    from tests.support.nginx import SHIPPED
     from ttft_sse.__main__ import KEEP_ALIVE_SECONDS
 
     found = {d[0]: d[1:] for d in directives(SHIPPED.read_text())}

@@ -19,12 +19,13 @@ import httpx
 import pytest
 import redis
 
-from tests.processes import redis_server, wait_until
-from tests.servers import free_port, running
+from tests.support.processes import redis_server, wait_until
+from tests.support.servers import free_port, running
 from ttft_sse.app import create_app
 from ttft_sse.engine.fake import FakeEngine
-from ttft_sse.redis_jobs import QUEUE, JobRunner, key_of
+from ttft_sse.redis_jobs import QUEUE, key_of
 from ttft_sse.settings import Settings
+from ttft_sse.worker import JobRunner
 
 
 @pytest.fixture(scope="module")

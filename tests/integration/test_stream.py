@@ -10,7 +10,7 @@ import pytest
 from starlette.applications import Starlette
 from structlog.testing import capture_logs
 
-from tests.servers import eventually, parse_sse, stream_events
+from tests.support.servers import eventually, parse_sse, stream_events
 
 QUESTION = "What is the capital of France?"
 

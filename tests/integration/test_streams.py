@@ -20,7 +20,7 @@ import pytest
 from starlette.applications import Starlette
 from structlog.testing import capture_logs
 
-from tests.servers import SSEEvent, StreamReader, eventually, fake_app, parse_sse, running, serving
+from tests.support.servers import SSEEvent, StreamReader, eventually, fake_app, parse_sse, running, serving
 from ttft_sse.engine.fake import FakeEngine
 
 WORDS = tuple(f" w{i}" for i in range(12))
@@ -319,7 +319,7 @@ def test_the_drain_ends_a_stream_with_its_final_event_and_refuses_new_streams() 
         reader = StreamReader(f"{served.base}{url}")
         assert reader.next().event == "token"  # type: ignore[union-attr]
         served.stop()  # SIGTERM
-        eventually(lambda: app.state.runtime.state == "stopping")
+        eventually(lambda: app.state.runtime.lifecycle.state == "stopping")
         refused = httpx.post(f"{served.base}/streams", json={"prompt": "hi"})  # within the 3 s grace
         events = reader.rest()
         assert served.wait_stopped(60)

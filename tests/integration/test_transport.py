@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.servers import parse_sse, running, stream_events
+from tests.support.servers import parse_sse, running, stream_events
 from ttft_sse.app import create_app
 from ttft_sse.engine.fake import FakeEngine
 from ttft_sse.settings import Settings

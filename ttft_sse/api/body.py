@@ -9,7 +9,7 @@ from starlette.requests import Request
 
 from ttft_sse.auth import Caller
 from ttft_sse.errors import InvalidRequest, PayloadTooLarge, Unauthorized, UnsupportedMediaType
-from ttft_sse.lifespan import Runtime
+from ttft_sse.runtime import Runtime
 from ttft_sse.schemas import GenerationRequest
 
 _JSON_LIKE = ("application/json", "application/x-www-form-urlencoded", "text/plain")

@@ -10,19 +10,20 @@ from ttft_sse.api.body import runtime_of
 
 async def healthz(request: Request) -> JSONResponse:
     """The process is alive and its event loop answers (also while the model loads or works)."""
-    return JSONResponse({"status": "ok", "state": runtime_of(request).state})
+    return JSONResponse({"status": "ok", "state": runtime_of(request).lifecycle.state})
 
 
 async def readyz(request: Request) -> JSONResponse:
     """200 once the model is loaded and warmed, with what is loaded and how long each start-up stage took."""
     runtime = runtime_of(request)
-    if not runtime.ready:
+    lifecycle = runtime.lifecycle
+    if not lifecycle.ready:
         body: dict[str, object] = {
-            "status": runtime.state,
-            "reason": runtime.not_ready_reason(),
-            "startup": runtime.startup_report(),
+            "status": lifecycle.state,
+            "reason": lifecycle.not_ready_reason(),
+            "startup": lifecycle.startup_report(),
         }
-        if runtime.state == "stopping":  # draining: what is still running, for whoever watches the rollout
+        if lifecycle.state == "stopping":  # draining: what is still running, for whoever watches the rollout
             body.update(running=runtime.gate.running, waiting=runtime.gate.waiting)
         return JSONResponse(body, status_code=503, headers={"Retry-After": "1"})
     info = runtime.engine.info
@@ -38,7 +39,7 @@ async def readyz(request: Request) -> JSONResponse:
             "threads": info.threads,
             "kernel_helpers": info.kernel_helpers,
             "beside_batch": info.beside_batch,
-            "startup": runtime.startup_report(),
+            "startup": lifecycle.startup_report(),
             "running": runtime.gate.running,
             "waiting": runtime.gate.waiting,
             "waiting_by_lane": runtime.gate.waiting_by_lane(),

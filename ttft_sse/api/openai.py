@@ -449,8 +449,8 @@ async def retrieve_model(request: Request) -> JSONResponse:
 
 def _served(request: Request) -> ModelInfo:
     runtime = runtime_of(request)
-    if not runtime.ready:
-        raise NotReady(runtime.not_ready_reason(), retry_after=5)
+    if not runtime.lifecycle.ready:
+        raise NotReady(runtime.lifecycle.not_ready_reason(), retry_after=5)
     return runtime.engine.info
 
 

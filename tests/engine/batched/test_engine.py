@@ -7,15 +7,17 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncGenerator, Iterator
+from collections.abc import Iterator
 from contextlib import aclosing
 from typing import Any
 
 import pytest
 from structlog.testing import capture_logs
 
-from tests.servers import eventually
-from ttft_sse.engine.base import ChatMessage, Finished, Piece, Prompt, SamplingParams
+from tests.support.engines import collect, prompt_of
+from tests.support.servers import eventually
+from tests.support.texts import STORY
+from ttft_sse.engine.base import Finished, Piece, SamplingParams
 from ttft_sse.engine.batched.engine import BLOCK_TOKENS, BatchedEngine
 from ttft_sse.engine.cpu import argmax, attention, decoder
 from ttft_sse.engine.single import CacheJanitor, SingleEngine
@@ -25,7 +27,6 @@ from ttft_sse.stages import StageClock
 
 QUESTION = "What is the capital of France?"
 LONG = "List the numbers from 1 to 100, separated by commas."  # greedy: longer than 64 tokens
-STORY = "Write a long story about a dragon who learns to fly."  # greedy: 400 tokens and more
 SYSTEM = (
     "You are a meticulous assistant for a railway company. You answer questions about timetables, tickets, "
     "luggage, bicycles, pets and accessibility. You keep every answer short, you never invent a train that does "
@@ -58,25 +59,6 @@ def gathers(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
     monkeypatch.setattr(torch, "index_select", gather)
     return calls
-
-
-async def collect(items: AsyncGenerator[Piece | Finished, None]) -> tuple[str, Finished]:
-    pieces: list[Piece] = []
-    finished: list[Finished] = []
-    async with aclosing(items) as stream:
-        async for item in stream:
-            (pieces if isinstance(item, Piece) else finished).append(item)  # type: ignore[arg-type]
-    assert [p.index for p in pieces] == list(range(len(pieces)))
-    assert all(p.text for p in pieces)
-    assert len(finished) == 1
-    return "".join(p.text for p in pieces), finished[0]
-
-
-def prompt_of(engine: BatchedEngine | SingleEngine, text: str, system: str | None = None) -> Prompt:
-    if system is None:
-        return engine.prepare(prompt=text, messages=None, raw=False)
-    messages = [ChatMessage("system", system), ChatMessage("user", text)]
-    return engine.prepare(prompt=None, messages=messages, raw=False)
 
 
 def outcome(text: str, finished: Finished) -> tuple[str, str, int]:

@@ -17,8 +17,8 @@ from contextlib import aclosing, asynccontextmanager, contextmanager, nullcontex
 import pytest
 from structlog.testing import capture_logs
 
-from tests.test_engine_batched import STORY, collect, prompt_of
-from tests.test_engine_prefill import QUESTIONS, SYSTEM, eventually_idle
+from tests.support.engines import collect, eventually_idle, prompt_of
+from tests.support.texts import QUESTIONS, STORY, SYSTEM
 from ttft_sse.engine.base import Finished, Piece, SamplingParams, Usage
 from ttft_sse.engine.batched import interlude
 from ttft_sse.engine.batched.engine import BLOCK_TOKENS, BatchedEngine

@@ -19,8 +19,9 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
-from tests.servers import eventually
-from tests.test_engine_batched import collect, prompt_of
+from tests.support.engines import collect, eventually_idle, prompt_of
+from tests.support.servers import eventually
+from tests.support.texts import QUESTIONS, SYSTEM
 from ttft_sse.engine.base import Finished, Prompt, SamplingParams
 from ttft_sse.engine.batched.engine import BatchedEngine
 from ttft_sse.engine.batched.prefill import NEW_TOKENS, PrefillProcess, Prefixes, first_tokens, last_logits, learn
@@ -28,29 +29,12 @@ from ttft_sse.engine.single import SingleEngine
 from ttft_sse.settings import Settings
 from ttft_sse.stages import StageClock
 
-QUESTIONS = [
-    "What is the capital of France?",
-    "Write a poem about the ocean.",
-    "Explain how photosynthesis works, step by step.",
-    "Describe the history of the bicycle.",
-    "What is Python?",
-    "Write a letter to a friend about your summer holidays.",
-    "Explain in detail how a steam engine works.",
-    "Describe your ideal city in detail.",
-]
 # Whether the prefill process wins a race for a first token depends on its getting a core in time: the tests that
 # ask it to win send new bursts of prompts, up to this many, until it has (tests/integration/test_prefill_server.py
 # does the same). Alone it wins the first burst; in one full run of the suite, on a day the machine ran it 1.8x
 # slower, it lost 4 in a row.
 RACE_BURSTS = 8
 
-SYSTEM = (
-    "You are the assistant of a railway company. You answer questions about timetables, tickets, seat "
-    "reservations, luggage, bicycles, pets, accessibility, delays and refunds. Keep every answer short and "
-    "friendly. Never invent a train, a platform or a price: when you do not know, say so and point the traveller "
-    "to the help desk in the main hall, open from six in the morning to ten at night. Refunds for delays of more "
-    "than one hour are a quarter of the fare, and half of it from two hours."
-)
 """A long system prompt: ~100 tokens, more than the child computes for a first token when it is new to it."""
 
 
@@ -281,14 +265,6 @@ async def until_the_process_wins(engine: BatchedEngine, burst: Callable[[int], A
         if engine.stats().side_first_tokens > before:
             return
     raise AssertionError(f"the prefill process won no race in {RACE_BURSTS} bursts")
-
-
-async def eventually_idle(engine: BatchedEngine) -> None:
-    for _ in range(200):
-        if engine.stats().requests == 0:
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"the batch still holds {engine.stats().requests} requests")
 
 
 async def test_long_new_prompts_at_a_busy_batch_are_left_to_it_and_answered_whole(

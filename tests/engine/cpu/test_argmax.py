@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
-from tests.conftest import CACHE_DIR
+from tests.support.paths import CACHE_DIR
 from ttft_sse.engine.cpu import argmax
 from ttft_sse.engine.loading.model import KERNEL_DIR
 

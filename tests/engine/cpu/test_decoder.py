@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
-from tests.conftest import CACHE_DIR
-from tests.test_engine_kernel import PASSAGE
+from tests.support.paths import CACHE_DIR
+from tests.support.texts import PASSAGE
 from ttft_sse.engine.cpu import attention, decoder, kernel
 from ttft_sse.engine.loading.model import KERNEL_DIR
 from ttft_sse.engine.single import SingleEngine
@@ -119,7 +119,7 @@ def test_with_int8_rows_every_decoder_layer_runs_in_c_too_and_predicts_what_the_
     """Teacher-forced on a passage: the next-token choice of the C layers against the library's layers, both on the
     int8 kernel. A rounding of the norm or of exp can move an activation across an int8 step, and that moves it by
     1/127 of its block: the logits are not within roundings of each other, as with fp32 rows, but as near as int8
-    rows are to fp32 rows (tests/test_engine_kernel.py; seen here: 75 of 80 choices, KL 0.0036)."""
+    rows are to fp32 rows (tests/engine/cpu/test_kernel.py; seen here: 75 of 80 choices, KL 0.0036)."""
     engine, logs = loaded_int8
     layers = list(engine.model.model.layers)
     assert all(type(layer) is decoder.fused_layer_class() for layer in layers)

@@ -14,9 +14,10 @@ import numpy.typing as npt
 import pytest
 from structlog.testing import capture_logs
 
-from tests.conftest import CACHE_DIR
-from tests.test_engine_batched import collect, prompt_of
-from tests.test_engine_codes import KINDS, layers_of, quantised
+from tests.support.engines import collect, prompt_of
+from tests.support.ggufs import KINDS, layers_of, quantised
+from tests.support.paths import CACHE_DIR
+from tests.support.texts import PASSAGE
 from ttft_sse.engine.base import SamplingParams
 from ttft_sse.engine.batched.engine import BatchedEngine
 from ttft_sse.engine.cpu import attention, codes, kernel
@@ -389,7 +390,7 @@ def test_an_attention_chunk_the_helper_holds_too_long_is_taken_back_and_the_next
 
 
 def tiny_model(tmp_path: Path, *, tied: bool = False) -> tuple[Any, Path]:
-    """The layers of tests/test_engine_codes.py (stored as Q4_1, Q8_0 and F32) as a model; with ``tied``, an
+    """The layers of tests/engine/cpu/test_codes.py (stored as Q4_1, Q8_0 and F32) as a model; with ``tied``, an
     embedding sharing the Q8_0 layer's weight, as a tied LM head does."""
     layers, path = layers_of(tmp_path)
     model = torch.nn.Sequential(*layers.values())
@@ -545,13 +546,6 @@ async def test_the_bundled_model_runs_every_linear_layer_on_the_kernel(settings:
     steps = finished.usage.completion_tokens
     assert rows.count(1) == steps - 1 and len(rows) == steps  # the prompt's step, then one row a decode step
     assert head == [1] * steps  # the LM head sees the last position of each step only
-
-
-PASSAGE = (
-    "The city of Paris is the capital of France. It lies on the river Seine, in the north of the country, and is "
-    "known for its museums, its cafes and the Eiffel Tower, which was built for the world fair of 1889. Every year "
-    "millions of visitors walk along its boulevards, climb the hill of Montmartre and cross its many bridges."
-)
 
 
 def test_with_int8_rows_the_bundled_model_predicts_nearly_what_it_predicts_in_fp32(settings: Settings) -> None:

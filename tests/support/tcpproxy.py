@@ -13,7 +13,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from tests.servers import free_port
+from tests.support.servers import free_port
 
 
 class TCPProxy:

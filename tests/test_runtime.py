@@ -3,7 +3,7 @@ from __future__ import annotations
 import asyncio
 
 from ttft_sse.engine.fake import FakeEngine
-from ttft_sse.lifespan import Runtime
+from ttft_sse.runtime import Runtime
 from ttft_sse.settings import Settings
 
 
@@ -14,5 +14,5 @@ async def test_a_shutdown_during_the_load_is_not_a_failed_start() -> None:
     start = asyncio.create_task(runtime.start())
     await runtime.drain(5)
     await asyncio.wait_for(start, 5)
-    assert runtime.state == "stopping"
-    assert not runtime.failed.is_set() and runtime.error is None
+    assert runtime.lifecycle.state == "stopping"
+    assert not runtime.lifecycle.failed.is_set() and runtime.lifecycle.error is None

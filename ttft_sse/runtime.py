@@ -1,9 +1,22 @@
-"""Start-up and shut-down: load and warm the engine off the event loop, time each stage, report readiness.
+"""The runtime builds the parts an app runs on, hands each only what it uses, and runs start-up and shut-down.
 
-The server binds at once and answers ``/healthz`` while the model loads (``/readyz`` says 503 and which stage
-it is in); generating endpoints answer 503 with Retry-After until the warm-up has run through the same path a
-request takes. A load that fails sets ``failed``, which the CLI's shutdown trigger watches: the process exits
-non-zero with the reason instead of sitting there unready.
+Built once per app by :func:`ttft_sse.app.create_app` (and once per worker process by ttft_sse/worker.py)::
+
+    Runtime ─┬─ Lifecycle    state, readiness, the start-up stage clock, drain refusals  (lifecycle.py)
+             ├─ Gate         generation slots and the bounded queue, by lane              (gate.py)
+             ├─ Keyring      API keys → lanes                                             (auth.py)
+             ├─ Metrics      reads the gate, the clock and the engine on each scrape      (metrics.py)
+             ├─ Generations  lifecycle + engine + gate + metrics                          (generation.py)
+             ├─ Streams      resumable streams over Generations                           (streams.py)
+             └─ JobStore     in-process, or Celery on Redis                  (jobs.py, redis_jobs.py)
+
+None of these parts imports this module: imports run from here downward only (the HTTP surface, ``api/``,
+reads the runtime from ``app.state``).
+
+Start-up: the server binds at once and answers ``/healthz`` while the model loads (``/readyz`` says 503 and which
+stage it is in); generating endpoints answer 503 with Retry-After until the warm-up has run through the same path a
+request takes. A load that fails sets ``lifecycle.failed``, which the CLI's shutdown trigger watches: the process
+exits non-zero with the reason instead of sitting there unready.
 
 Shutting down is :meth:`Runtime.drain`, which the CLI's shutdown trigger awaits before hypercorn closes anything:
 
@@ -24,7 +37,6 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing, asynccontextmanager
-from typing import Any, Literal
 
 import anyio
 import structlog
@@ -35,16 +47,15 @@ from ttft_sse.engine.base import Engine
 from ttft_sse.errors import ShuttingDown
 from ttft_sse.gate import Gate
 from ttft_sse.generation import Generations
-from ttft_sse.jobs import JobStore
+from ttft_sse.jobs import EmbeddedJobs, JobStore
+from ttft_sse.lifecycle import Lifecycle
 from ttft_sse.metrics import Metrics
 from ttft_sse.schemas import GenerationRequest
 from ttft_sse.settings import Settings
-from ttft_sse.stages import StageClock
 from ttft_sse.streams import Streams
 
-log = structlog.get_logger("ttft_sse.lifespan")
+log = structlog.get_logger("ttft_sse.runtime")
 
-State = Literal["starting", "ready", "failed", "stopping"]
 WARMUP_PROMPT = "Hello! Say hi."
 WARMUP_TOKENS = 8
 # After the drain grace: how long to wait for cancelled generations to end (a decode step each, on CPU tens of ms).
@@ -60,83 +71,51 @@ def shutdown_budget(drain_seconds: float) -> float:
 
 
 class Runtime:
-    """What the app holds while it runs: settings, keys, the engine, the gate, jobs, the start-up story, metrics."""
+    """What the app holds while it runs. ``jobs=False`` builds no job store (a worker process runs jobs, it keeps
+    none)."""
 
-    def __init__(self, settings: Settings, engine: Engine) -> None:
+    def __init__(self, settings: Settings, engine: Engine, *, jobs: bool = True) -> None:
         self.settings = settings
         self.engine = engine
+        self.lifecycle = Lifecycle(drain_seconds=settings.drain_seconds)
         self.gate = Gate(
             slots=settings.max_concurrency,
             max_queue=settings.max_queue,
             timeout=settings.queue_timeout_seconds,
         )
         self.keyring = Keyring.from_spec(settings.api_keys)
-        self.generations = Generations(self)
+        self.metrics = Metrics(gate=self.gate, clock=self.lifecycle.clock, engine=engine)
+        self.generations = Generations(
+            self.lifecycle, engine, self.gate, self.metrics, default_max_tokens=settings.default_max_tokens
+        )
         self.streams = Streams(
             grace=settings.resume_grace_seconds,
             max_streams=settings.max_streams,
             buffer_events=settings.stream_buffer_events,
         )
-        self.jobs: JobStore | None = None  # set by create_app; a worker process runs jobs, it keeps none
-        self.clock = StageClock()
-        self.state: State = "starting"
-        self.error: str | None = None
-        self.failed = asyncio.Event()
-        self.cutting = False  # the drain grace is over: running generations are being cancelled
+        self.jobs: JobStore | None = _job_store(settings, self.generations) if jobs else None
         self._hurry = asyncio.Event()
-        self.metrics = Metrics(self)  # this app's own registry; start-up stages are read from `clock` on scrape
-
-    @property
-    def ready(self) -> bool:
-        return self.state == "ready"
-
-    def not_ready_reason(self) -> str:
-        if self.state == "starting":
-            stage = self.clock.current or "starting"
-            return f"the model is still loading (stage: {stage})"
-        if self.state == "failed":
-            return f"the model failed to load: {self.error}"
-        return "the server is shutting down"
-
-    def refusal(self) -> ShuttingDown:
-        """The error for a request that arrives, or is still queued, once the drain has begun."""
-        return ShuttingDown(
-            "the server is shutting down and starts no new generations; nothing was generated, retry",
-            retry_after=1,
-            code="draining",
-        )
-
-    def cut(self) -> ShuttingDown:
-        """The error that ends a generation still running when the drain grace is over."""
-        return ShuttingDown(
-            f"the server is shutting down: this generation was stopped when the {self.settings.drain_seconds:g} s "
-            "drain grace ran out; the text so far is incomplete, retry for a full answer",
-            retry_after=1,
-            code="drain_timeout",
-        )
-
-    def startup_report(self) -> dict[str, Any]:
-        return self.clock.as_dict()
 
     async def start(self) -> None:
+        lifecycle = self.lifecycle
         try:
-            await anyio.to_thread.run_sync(self.engine.load, self.clock)
+            await anyio.to_thread.run_sync(self.engine.load, lifecycle.clock)
             if self.settings.warmup:
-                with self.clock.stage("warmup"):
+                with lifecycle.clock.stage("warmup"):
                     await self._warm_up()
         except ShuttingDown:
-            log.info("startup_abandoned", reason="shutting down", **self.clock.as_dict())
+            log.info("startup_abandoned", reason="shutting down", **lifecycle.startup_report())
             return
         except Exception as exc:
-            self.state = "failed"
-            self.error = str(exc) or type(exc).__name__
-            log.error("startup_failed", error=self.error, error_type=type(exc).__name__, **self.clock.as_dict())
-            self.failed.set()
+            lifecycle.fail(str(exc) or type(exc).__name__)
+            log.error(
+                "startup_failed", error=lifecycle.error, error_type=type(exc).__name__, **lifecycle.startup_report()
+            )
             return
-        if self.state == "starting":
+        if lifecycle.state == "starting":
             if self.jobs is not None:
                 await self.jobs.start()
-            self.state = "ready"
+            lifecycle.state = "ready"
             info = self.engine.info
             log.info(
                 "ready",
@@ -144,7 +123,7 @@ class Runtime:
                 device=info.device,
                 dtype=info.dtype,
                 threads=info.threads,
-                **self.clock.as_dict(),
+                **lifecycle.startup_report(),
             )
 
     async def _warm_up(self) -> None:
@@ -163,10 +142,10 @@ class Runtime:
         Returns once no generation is running (or, if a thread will not end, ``CUT_SECONDS`` after the cut).
         Every request ends with something the client can read: a ``done``, or a ``shutdown_error``.
         """
-        if self.state != "failed":
-            self.state = "stopping"  # readiness turns 503 at once; Generations.open refuses newcomers
-        gate = self.gate
-        gate.close(self.refusal)  # queued requests are refused now, not after the grace
+        lifecycle, gate = self.lifecycle, self.gate
+        if lifecycle.state != "failed":
+            lifecycle.state = "stopping"  # readiness turns 503 at once; Generations.open refuses newcomers
+        gate.close(lifecycle.refusal)  # queued requests are refused now, not after the grace
         started = time.perf_counter()
         log.info("draining", running=gate.running, grace_s=grace)
         with anyio.move_on_after(grace):
@@ -180,7 +159,7 @@ class Runtime:
                 group.start_soon(until, self._hurry.wait)
         cut = gate.running
         if cut:
-            self.cutting = True
+            lifecycle.cutting = True
             log.warning("drain_grace_over", cutting=cut, grace_s=grace)
             with anyio.move_on_after(CUT_SECONDS):
                 await self.engine.close()  # cancel every generation; each one's Run then raises cut()
@@ -197,11 +176,20 @@ class Runtime:
         self._hurry.set()
 
     async def stop(self) -> None:
-        self.state = "stopping" if self.state != "failed" else self.state
+        if self.lifecycle.state != "failed":
+            self.lifecycle.state = "stopping"
         await self.streams.close()
         if self.jobs is not None:
             await self.jobs.close()
         await self.engine.close()
+
+
+def _job_store(settings: Settings, generations: Generations) -> JobStore:
+    if settings.redis_url:
+        from ttft_sse.redis_jobs import RedisJobs  # imports Celery and redis: only when asked for
+
+        return RedisJobs(settings)
+    return EmbeddedJobs(settings, generations)
 
 
 @asynccontextmanager

@@ -17,8 +17,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from tests.processes import system_binary
-from tests.servers import free_port
+from tests.support.processes import system_binary
+from tests.support.servers import free_port
 
 SHIPPED = Path(__file__).resolve().parents[1] / "deploy" / "nginx" / "ttft-sse.conf"
 

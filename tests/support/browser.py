@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
-from tests.processes import missing, system_binary
+from tests.support.processes import missing, system_binary
 
 if TYPE_CHECKING:
     from playwright.sync_api import Browser

@@ -136,7 +136,7 @@ def serving(app: Starlette, *, ready_timeout: float = 120.0) -> Iterator[Served]
     trigger), on a free loopback port. ``served.stop()`` is SIGTERM; the block's end stops it if the test did not.
     """
     from ttft_sse.__main__ import hypercorn_config, shutdown_trigger
-    from ttft_sse.lifespan import shutdown_budget
+    from ttft_sse.runtime import shutdown_budget
 
     port = free_port()
     runtime = app.state.runtime

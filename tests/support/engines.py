@@ -1,0 +1,38 @@
+"""Driving a loaded engine in tests: a prompt made as the server makes it, a stream collected, an engine left idle."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
+
+from ttft_sse.engine.base import ChatMessage, Finished, Piece, Prompt
+from ttft_sse.engine.batched.engine import BatchedEngine
+from ttft_sse.engine.single import SingleEngine
+
+
+async def collect(items: AsyncGenerator[Piece | Finished, None]) -> tuple[str, Finished]:
+    pieces: list[Piece] = []
+    finished: list[Finished] = []
+    async with aclosing(items) as stream:
+        async for item in stream:
+            (pieces if isinstance(item, Piece) else finished).append(item)  # type: ignore[arg-type]
+    assert [p.index for p in pieces] == list(range(len(pieces)))
+    assert all(p.text for p in pieces)
+    assert len(finished) == 1
+    return "".join(p.text for p in pieces), finished[0]
+
+
+def prompt_of(engine: BatchedEngine | SingleEngine, text: str, system: str | None = None) -> Prompt:
+    if system is None:
+        return engine.prepare(prompt=text, messages=None, raw=False)
+    messages = [ChatMessage("system", system), ChatMessage("user", text)]
+    return engine.prepare(prompt=None, messages=messages, raw=False)
+
+
+async def eventually_idle(engine: BatchedEngine) -> None:
+    for _ in range(200):
+        if engine.stats().requests == 0:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"the batch still holds {engine.stats().requests} requests")
