@@ -20,7 +20,7 @@ from pathlib import Path
 from tests.support.processes import system_binary
 from tests.support.servers import free_port
 
-SHIPPED = Path(__file__).resolve().parents[1] / "deploy" / "nginx" / "ttft-sse.conf"
+SHIPPED = Path(__file__).resolve().parents[2] / "deploy" / "nginx" / "ttft-sse.conf"
 
 # A proxy as it comes: nothing configured for streaming (buffering on, HTTP/1.0 upstream). Whether events still
 # stream through it depends on what the service's own response headers say.

@@ -22,7 +22,7 @@ import pytest
 
 from tests.support.servers import free_port
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def system_binary(name: str, package: str) -> str:

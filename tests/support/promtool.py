@@ -7,7 +7,7 @@ from pathlib import Path
 
 from tests.support.processes import system_binary
 
-RULES_DIR = Path(__file__).resolve().parent.parent / "deploy" / "prometheus"
+RULES_DIR = Path(__file__).resolve().parents[2] / "deploy" / "prometheus"
 
 
 ALERTS = RULES_DIR / "alerts.yml"
