@@ -29,6 +29,7 @@ from ttft_sse.redis_jobs import (
     DURATION_WINDOW,
     DURATIONS,
     LOST,
+    PREFIX,
     QUEUE,
     TASK,
     UPDATE,
@@ -92,9 +93,37 @@ class JobRunner:
         self.loop.close()
 
     async def _run(self, job_id: str) -> str:
+        """Claim the job, generate while sending heartbeats, record the end. Returns the outcome."""
         assert self._redis is not None
-        settings = self.settings
         key = key_of(job_id)
+        outcome, detail = await self._claim_job(key)
+        if outcome != "run":
+            log.info("job_skipped", job_id=job_id, outcome=outcome, detail=detail)
+            return outcome
+        attempt = int(detail)
+        fields = await cast(Awaitable[dict[str, str]], self._redis.hgetall(key))
+        log.info("job_started", job_id=job_id, attempt=attempt, key_id=fields.get("owner") or None)
+        started = time.time()
+        progress = {"tokens": 0}
+        work = asyncio.ensure_future(self._generate(fields, progress, (started - float(fields["created"])) * 1000))
+        try:
+            lost = await self._beat_until_done(work, key, attempt, progress)
+            if lost is not None:  # cancelled, or another attempt took over: generation was stopped
+                log.info("job_stopped", job_id=job_id, attempt=attempt, now=lost)
+                return lost
+            status, answer = await self._record_end(work, key, attempt, progress, started)
+            log.info("job_ended", job_id=job_id, attempt=attempt, status=status if answer == "ok" else answer)
+            return status if answer == "ok" else answer
+        finally:
+            if not work.done():
+                work.cancel()
+                with contextlib.suppress(BaseException):
+                    await work
+
+    async def _claim_job(self, key: str) -> tuple[str, str]:
+        """The claim script's answer: ``("run", attempt)``, or why this attempt does not run (gone, final, busy,
+        failed after too many lost workers)."""
+        settings = self.settings
         exhausted = {
             "message": f"the job was started {settings.job_attempts} times and each time its worker was lost "
             "before it finished",
@@ -114,56 +143,54 @@ class JobRunner:
                 json.dumps(exhausted),
             ],
         )
-        if outcome != "run":
-            log.info("job_skipped", job_id=job_id, outcome=outcome, detail=detail)
-            return cast(str, outcome)
-        attempt = int(detail)
-        fields = await cast(Awaitable[dict[str, str]], self._redis.hgetall(key))
-        log.info("job_started", job_id=job_id, attempt=attempt, key_id=fields.get("owner") or None)
-        started = time.time()
-        wait_ms = (started - float(fields["created"])) * 1000
-        progress = {"tokens": 0}
-        work = asyncio.ensure_future(self._generate(fields, progress, wait_ms))
-        beat = min(max(settings.job_lease_seconds / 4, 0.2), 5.0)
-        status = "failed"
-        final: dict[str, Any] = {}
-        try:
-            while True:
-                done, _ = await asyncio.wait({work}, timeout=beat)
-                if done:
-                    break
-                answer = await self._update(
-                    keys=[key], args=[attempt, "", 0, "heartbeat", repr(time.time()), "tokens", progress["tokens"]]
-                )
-                if answer != "ok":  # cancelled, or another attempt took over: stop generating
-                    work.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await work
-                    log.info("job_stopped", job_id=job_id, attempt=attempt, now=answer)
-                    return cast(str, answer)
-            try:
-                result = work.result()
-                status, final = "done", {"result": json.dumps(result)}
-            except Exception as exc:
-                final = {"error": json.dumps(error_of(exc))}
-                if not isinstance(exc, ClientError):
-                    log.warning("job_failed", job_id=job_id, attempt=attempt, error_type=type(exc).__name__)
-            pairs: list[Any] = ["finished", repr(time.time()), "tokens", progress["tokens"]]
-            for name, value in final.items():
-                pairs += [name, value]
-            answer = await self._update(keys=[key], args=[attempt, status, round(settings.job_ttl_seconds), *pairs])
-            if answer == "ok":
-                async with self._redis.pipeline(transaction=False) as pipe:
-                    pipe.lpush(DURATIONS, round(time.time() - started, 3))
-                    pipe.ltrim(DURATIONS, 0, DURATION_WINDOW - 1)
-                    await pipe.execute()
-            log.info("job_ended", job_id=job_id, attempt=attempt, status=status if answer == "ok" else answer)
-            return status if answer == "ok" else cast(str, answer)
-        finally:
-            if not work.done():
+        return cast(str, outcome), cast(str, detail)
+
+    async def _beat_until_done(
+        self, work: asyncio.Future[dict[str, Any]], key: str, attempt: int, progress: dict[str, int]
+    ) -> str | None:
+        """Write the heartbeat and token count every lease/4 s (0.2-5 s) until ``work`` ends. Returns None when it
+        ended, or what the record says instead once this attempt may no longer write (after stopping ``work``)."""
+        beat = min(max(self.settings.job_lease_seconds / 4, 0.2), 5.0)
+        while True:
+            done, _ = await asyncio.wait({work}, timeout=beat)
+            if done:
+                return None
+            answer = await self._update(
+                keys=[key], args=[attempt, "", 0, "heartbeat", repr(time.time()), "tokens", progress["tokens"]]
+            )
+            if answer != "ok":
                 work.cancel()
-                with contextlib.suppress(BaseException):
+                with contextlib.suppress(asyncio.CancelledError):
                     await work
+                return cast(str, answer)
+
+    async def _record_end(
+        self, work: asyncio.Future[dict[str, Any]], key: str, attempt: int, progress: dict[str, int], started: float
+    ) -> tuple[str, str]:
+        """Write the ended job (done with its result, or failed with the API's error) if this attempt still owns it;
+        returns the status and the update's answer (``ok``, or the record's status when it does not)."""
+        assert self._redis is not None
+        status = "failed"
+        try:
+            final = {"result": json.dumps(work.result())}
+            status = "done"
+        except Exception as exc:
+            final = {"error": json.dumps(error_of(exc))}
+            if not isinstance(exc, ClientError):
+                log.warning(
+                    "job_failed", job_id=key.removeprefix(PREFIX), attempt=attempt, error_type=type(exc).__name__
+                )
+        pairs: list[Any] = ["finished", repr(time.time()), "tokens", progress["tokens"]]
+        for name, value in final.items():
+            pairs += [name, value]
+        ttl = round(self.settings.job_ttl_seconds)
+        answer = cast(str, await self._update(keys=[key], args=[attempt, status, ttl, *pairs]))
+        if answer == "ok":
+            async with self._redis.pipeline(transaction=False) as pipe:
+                pipe.lpush(DURATIONS, round(time.time() - started, 3))
+                pipe.ltrim(DURATIONS, 0, DURATION_WINDOW - 1)
+                await pipe.execute()
+        return status, answer
 
     async def _generate(self, fields: dict[str, str], progress: dict[str, int], wait_ms: float) -> dict[str, Any]:
         generations = self.runtime.generations
