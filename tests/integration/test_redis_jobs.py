@@ -180,13 +180,13 @@ def test_a_stale_attempt_is_taken_over_fenced_out_and_given_up_after_the_attempt
 
 
 def test_the_worker_main_process_marks_a_job_whose_pool_process_died(redis_url: str, r: redis.Redis) -> None:
-    from ttft_sse.redis_jobs import _LOST
+    from ttft_sse.redis_jobs import LOST
 
     key = key_of("f" * 32)
     host = socket.gethostname()
     r.hset(key, mapping={"status": "running", "worker": host, "worker_pid": 4242, "created": 0, "attempts": 1})
-    assert r.eval(_LOST, 1, key, host, 4243, "note") == "running"  # another process's job: untouched
-    assert r.eval(_LOST, 1, key, host, 4242, "attempt lost: died") == "queued"
+    assert r.eval(LOST, 1, key, host, 4243, "note") == "running"  # another process's job: untouched
+    assert r.eval(LOST, 1, key, host, 4242, "attempt lost: died") == "queued"
     assert r.hmget(key, "status", "note") == ["queued", "attempt lost: died"]
 
 
