@@ -391,7 +391,7 @@ async def test_the_batch_goes_on_from_the_first_token_the_process_gave(
     the prompt and that token. Without the step picking it, the batch would go on from its own."""
     import torch
 
-    from ttft_sse.engine import batched
+    from ttft_sse.engine.batched import engine as batched
 
     monkeypatch.setattr(batched, "PrefillProcess", ScriptedProcess)
     forced = reference.tokenizer.encode(" Banana", add_special_tokens=False)[0]
