@@ -107,6 +107,9 @@ class Settings:
     max_concurrency: int = 8
     max_queue: int = 32
     batch_tokens: int = 512
+    # Prompt tokens a batched step computes beside streams that are decoding (chunked prefill): their largest gap
+    # between tokens while a long prompt prefills is about a decode step plus this many prompt rows. 0: no limit.
+    prefill_chunk_tokens: int = 16
     kv_cache_tokens: int = 8192
     prefix_cache: bool = True
     queue_timeout_seconds: float = 30.0
@@ -147,7 +150,7 @@ class Settings:
         for name in positive:
             if getattr(self, name) < 1:
                 raise SettingsError(f"{name} must be at least 1, got {getattr(self, name)}")
-        for name in ("threads", "max_queue", "cuda_empty_cache_every"):
+        for name in ("threads", "max_queue", "cuda_empty_cache_every", "prefill_chunk_tokens"):
             if getattr(self, name) < 0:
                 raise SettingsError(f"{name} must be 0 or more, got {getattr(self, name)}")
         more_than_zero = (

@@ -128,7 +128,7 @@ class BatchedEngine:
         self._ids = itertools.count(1)
         self._closed = False
         self._capacity = 0
-        self._counters = PrefixCounters()
+        self._counters = PrefixCounters(prefill_chunk=settings.prefill_chunk_tokens)
         self._scheduler = ""
         self.batch_log: deque[tuple[str, ...]] = deque(maxlen=BATCH_LOG_STEPS)
         """The request ids that received a token, step by step (the most recent ``BATCH_LOG_STEPS`` steps)."""

@@ -24,6 +24,7 @@ class PrefixCounters:
     between: Callable[[Any], None] | None = None  # called between a batched step's layers (attention.InPlace.between)
     waiting: Any = None  # a ctypes int, not 0 while between has work (attention.InPlace.waiting)
     boundary: bool = True  # and between two steps (CountingScheduler.schedule_batch); False only to compare
+    prefill_chunk: int = 0  # prompt tokens a step computes beside decoding streams (0: the whole token budget)
 
 
 def register_scheduler(counters: PrefixCounters, *, paged: bool) -> str:
@@ -51,18 +52,20 @@ def register_scheduler(counters: PrefixCounters, *, paged: bool) -> str:
                 self._in_place.waiting = counters.waiting
 
         def schedule_batch(self, token_budget: int, cache_budget: int) -> Any:
+            decoding = sum(state.status == RequestStatus.DECODING for state in self.active_requests.values())
             # A newcomer that came after the last layer of the step just done (its output layer, sampling, this
             # preparation: the interludes' checks come before each layer) gets its first token from an interlude
             # here, between two steps, rather than in the coming step beside the streams' rows: its prompt is then
             # a prefix hit below. Only while streams decode: an idle batch's burst is the coming step's.
             in_place = self._in_place
-            if (
-                in_place is not None
-                and in_place.between is not None
-                and counters.boundary
-                and any(state.status == RequestStatus.DECODING for state in self.active_requests.values())
-            ):
+            if decoding and in_place is not None and in_place.between is not None and counters.boundary:
                 in_place.between(in_place)
+            if decoding and counters.prefill_chunk:
+                # Chunked prefill: beside streams that decode, a step computes at most ``prefill_chunk`` prompt
+                # tokens, so a long prompt cannot hold their next token for the time of a long chunk; it is computed
+                # over more steps, each as short as a decode step plus that chunk. Alone, a prompt takes the whole
+                # budget.
+                token_budget = min(token_budget, decoding + counters.prefill_chunk)
             return super().schedule_batch(token_budget, cache_budget)
 
         def _infer_request_tokens(self, state: Any, removed: set[str]) -> Any:
