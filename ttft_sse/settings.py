@@ -81,7 +81,7 @@ class Settings:
     # MLP in two C calls around its attention instead of ~40 torch calls; in the batched engine's steps, the whole
     # layer, cache write and attention included, in one (engine/cpu/decoder.py).
     fused_layers: bool = True
-    # On CPU: masked attention (the batched engine's steps) reads grouped KV heads in place (engine/cpu/attention.py).
+    # On CPU: masked attention (the batched engine's steps) reads grouped KV heads in place (engine/cpu/grouped.py).
     grouped_attention: bool = True
     # On CPU, fp32: the batched engine's steps attend request by request, reading the paged KV cache in place
     # (engine/cpu/attention.py), instead of one masked attention over the whole step's gathered keys; the single engine
