@@ -16,7 +16,7 @@ engine/cpu/grouped.py registers: a request's rows come out of every engine bit f
 and values and calls ``attention.c`` itself.
 
 Owns: :func:`page` (the probe and the marks), :func:`paged_attention` (the call), :func:`read_in_place` and
-:class:`InPlace` (the cache's side), and the random steps the probe, the tests and the benchmarks share.
+:class:`InPlace` (the cache's side), and the random steps the probes at load and the tests share.
 """
 
 from __future__ import annotations
@@ -316,7 +316,7 @@ def masked_step(
 ) -> tuple[Any, Any, Any, Any]:
     """Random query, key and value of one batched step, and its mask, as continuous batching lays them out: the
     ``requests`` side by side, each ``(new rows, KV length)``, each row seeing its own request's KV up to its own
-    position. For the probe at load, the tests and the benchmark."""
+    position. For the probes at load and the tests."""
     rows, length = sum(r for r, _ in requests), sum(k for _, k in requests)
     generator = torch.Generator().manual_seed(seed)
     query = torch.randn(1, query_heads, rows, dim, generator=generator)
@@ -334,8 +334,7 @@ def masked_step(
 def in_cache(torch: Any, key: Any, value: Any, slots: int, seed: int = 0) -> tuple[Any, Any, Any]:
     """A step's keys and values (``[1, kv_heads, keys, dim]``, as :func:`masked_step` gives them) written at random
     rows of a cache of ``slots`` rows of other random values (``[slots, kv_heads, dim]``), and the index that reads
-    them back: the paged cache as :func:`paged_attention` reads it. For the probe at load, the tests and the
-    benchmark."""
+    them back: the paged cache as :func:`paged_attention` reads it. For the probe at load and the tests."""
     generator = torch.Generator().manual_seed(seed)
     index = torch.randperm(slots, generator=generator)[: key.shape[2]]
     rows = [torch.randn(slots, key.shape[1], key.shape[3], generator=generator) for _ in range(2)]
