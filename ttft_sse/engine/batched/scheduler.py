@@ -23,7 +23,7 @@ class PrefixCounters:
     in_place: bool = False  # the loop's cache hands the attention its rows in place (attention.read_in_place)
     between: Callable[[Any], None] | None = None  # called between a batched step's layers (attention.InPlace.between)
     waiting: Any = None  # a ctypes int, not 0 while between has work (attention.InPlace.waiting)
-    boundary: bool = True  # and between two steps (CountingScheduler.schedule_batch); False only to compare
+    boundary: bool = True  # between two steps too (CountingScheduler.schedule_batch); False: between layers only
 
 
 def register_scheduler(counters: PrefixCounters, *, paged: bool) -> str:

@@ -180,8 +180,8 @@ def paged_attention(
 
 
 def read_in_place(cache: Any) -> bool:
-    """Make transformers' paged KV cache ``cache`` write each layer's new keys and values but no longer gather the
-    step's keys and values into new tensors: it hands the attention function (``grouped.grouped_sdpa``, for modules
+    """Make transformers' paged KV cache ``cache`` write each layer's new keys and values but not gather the step's
+    keys and values into new tensors: it hands the attention function (``grouped.grouped_sdpa``, for modules
     :func:`page` marked) the layer's cache rows and the step's key index instead (keyword :data:`KV`). The cache
     also keeps an :class:`InPlace` (attribute :data:`IN_PLACE`), by which the decoder layers in C
     (engine/cpu/decoder.py) write and attend in one call. Only for caches of full-attention layers (sliding windows are
