@@ -54,7 +54,7 @@ def _parser() -> argparse.ArgumentParser:
         "bench",
         help="measure TTFT, inter-token latency and throughput of a server (ours or OpenAI-compatible)",
         description="Load one or two servers and report TTFT, inter-token latency, total time, tokens/s and errors "
-        "as a table, results.json and PNG charts. See docs/benchmarks.md.",
+        "as a table, results.json and PNG charts. See docs/performance.md.",
     )
     bench_cli.add_arguments(bench)
     return parser
