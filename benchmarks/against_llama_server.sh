@@ -1,18 +1,19 @@
 #!/usr/bin/env bash
-# ttft-sse against llama.cpp's llama-server on this machine, the same GGUF, one server loaded at a time (issue 8).
+# ttft-sse against llama.cpp's llama-server, the same GGUF on the same machine, one server loaded at a time.
 #
 #   benchmarks/against_llama_server.sh [ARM...]      # default arms: ours llama-t2 llama-t1 ours
 #
 # "ours" is a ttft-sse server already running at OURS_URL (default http://127.0.0.1:8102, e.g. `ttft-sse serve
 # --port 8102 --threads 1`), "ours@PORT" one on 127.0.0.1:PORT (another setting side by side); "llama-tN" starts
-# llama-server with N threads and 8 slots on LLAMA_PORT (default 8104) for its run and stops it (by its PID) after. Each arm gets `ttft-sse bench` at c=1 and c=8 (the closed loop: one
-# server loaded at a time), new conversations of 32-96 tokens from benchmarks/chat-questions.txt; the tables go to
-# stdout, results.json under OUT (default .cache/against-llama-server).
+# llama-server with N threads and 8 slots on LLAMA_PORT (default 8104) for its run and stops it (by its PID) after.
+# Each arm gets `ttft-sse bench` at c=1 and c=8 (the closed loop: one server loaded at a time), new conversations of
+# 32-96 tokens from benchmarks/chat-questions.txt; the tables go to stdout, results.json under OUT (default
+# .cache/against-llama-server).
 #
-# There is no llama-server package here and no hub to fetch one from, so the first run builds it from the llama.cpp
-# tree that llama-cpp-python's source distribution on PyPI carries (3.5 min on 2 cores, 16 on a slower pair), into LLAMA_DIR, for the
-# vector extensions this CPU's flags list (a build dir for each set). Without AMX: GGML_NATIVE crashed in ggml-cpu's
-# AMX tile code (general protection fault at ldtilecfg) on a VM that does not let processes use the tiles.
+# The first run builds llama-server (minutes) from the llama.cpp tree that llama-cpp-python's source distribution on
+# PyPI carries, into LLAMA_DIR, for the vector extensions this CPU's flags list (a build dir for each set): no
+# llama-server package or hub download is needed. GGML_NATIVE is off and AMX is not asked for: ggml-cpu's AMX tile
+# code crashes (general protection fault at ldtilecfg) on a VM that does not let processes use the tiles.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OURS_URL=${OURS_URL:-http://127.0.0.1:8102}

@@ -1,57 +1,40 @@
-"""Engine speed: the single-request engine against the batched one, interleaved in one run (issue 8).
+"""Engine speed: the single-request engine against the batched one, in one process, without HTTP.
 
     python benchmarks/engine_speed.py                       # fp32 single vs batched, 3 rounds
     python benchmarks/engine_speed.py --engines single:bfloat16,batched:bfloat16
-    python benchmarks/engine_speed.py --engines batched:float32:plain,batched:float32      # a before/after
+    python benchmarks/engine_speed.py --engines batched:float32:masked,batched:float32     # a setting off, then on
 
-Engine level (no HTTP): what the engines themselves do with the same prompts. After a warm-up of each engine with
-the c=8 scenario, every scenario runs once per engine per round, round after round, each round starting with the
-next engine, so that a change in the machine's load, and whatever the first engine of a round pays, hits every
-engine alike; compare the ratios, and read the load average printed with them. Prints:
+Each ``--engines`` entry is ``kind:dtype[:variant[+variant]]``: ``single`` or ``batched``, a torch dtype, and
+variants that turn a setting from its default (docs/settings.md):
 
-* c=1 (one request after another) and c=8 (8 clients, each sending its next request as soon as its previous one
-  has ended; answers of different lengths, so that requests come and go while others decode): aggregate generated
+    int8rows      the block kernel's rows quantised to int8 (TTFT_GGUF_ACTIVATIONS=int8)
+    dense         no block kernel: fp32 weights, column-major and pre-packed (TTFT_GGUF_KERNEL off)
+    plain         no block kernel and no pre-packed copies: column-major only (TTFT_PACKED_WEIGHTS off too)
+    repeat        grouped KV heads copied for every query head, as transformers does (TTFT_GROUPED_ATTENTION off)
+    masked        the batched steps' attention as one masked SDPA over the gathered keys (TTFT_PAGED_ATTENTION off)
+    noprefill     no prefill process (TTFT_PREFILL_PROCESS off)
+    nointerludes  no interludes (TTFT_PREFILL_BETWEEN_LAYERS off)
+    unfused       transformers' decoder layers around the block kernel (TTFT_FUSED_LAYERS off)
+
+The engine leaves the prefill process off while the kernel has helper threads or interludes run: compare
+``:noprefill`` under ``--kernel-helpers 0`` with ``:nointerludes``.
+
+Every engine is warmed with the c=8 scenario, then every scenario runs once per engine per round, each round starting
+with the next engine, so that a change in the machine's load, and whatever the first engine of a round pays, hits
+every engine alike: compare the ratios, and read the load average printed with them. It prints:
+
+* c=1 (one request after another) and c=8 (8 clients, each sending its next request as soon as its previous one has
+  ended; answers of different lengths, so that requests come and go while others decode): aggregate generated
   tokens/s and TTFT p50/p99, from the call to the first piece of text. At c=8 the TTFT of the first request of each
   client (all 8 at the same instant: a burst) is reported apart from the rest (steady state);
 * prefix reuse at c=1: TTFT of prompts sharing a long system prompt already seen (reuse) against the same prompts
   behind a system prompt seen for the first time (miss), and the 37-token chat prompt sent again;
-* the time to the second piece of text (c=1, and c=8 steady state), and how many first tokens came from the
-  prefill process or interludes (``TTFT_PREFILL_PROCESS``, ``TTFT_PREFILL_BETWEEN_LAYERS``: they race the batch's
-  own steps for them);
+* the time to the second piece of text (c=1, and c=8 steady state), and how many first tokens came from the prefill
+  process or interludes (they race the batch's own steps for them);
 * sampled requests (temperature 1, top_p 0.95, no seed: the OpenAI default) at c=8: tokens/s and TTFT;
-* whether every greedy text is the same as the single-request engine's for the same prompt: the single engine's
-  with the same variants if it ran (``single:float32:dense`` for ``batched:float32:dense``), else ``single:<dtype>``.
-
-Variants of an fp32 spec, for before/after runs: ``:int8rows`` with the block kernel's rows quantised to int8
-(``gguf_activations=int8``; its greedy text is checked against ``single:<dtype>:int8rows`` only), ``:dense`` without
-the block kernel (``gguf_kernel`` off: fp32 weights, column-major and pre-packed), ``:plain`` without the pre-packed
-weights either (column-major only), ``:rowmajor`` without either (the weights as loaded, as before the engine
-arranged them), ``:repeat`` with the batched steps' attention as transformers does it, copying grouped KV heads for
-every query head (``grouped_attention`` off; until that setting, ``:gqa`` asked for the grouped heads instead),
-``:masked`` with the batched steps' attention as one masked SDPA over the step's gathered keys (``paged_attention``
-off: before the request-by-request attention over the cache in place),
-``:noprefill`` without the prefill process (``prefill_process`` off; since the engine leaves it off while the kernel
-has helper threads or interludes run, compare it under ``--kernel-helpers 0`` with ``:nointerludes``),
-``:nointerludes`` without interludes (``prefill_between_layers`` off: before engine/batched/interlude.py; every first
-token
-from the batch's own steps, or from the prefill process where it runs),
-``:midstep`` with interludes between a step's layers only (before the twenty-third stop: not between two steps too),
-``:unfused`` with transformers' decoder layers around the block kernel (``fused_layers`` off: before
-engine/cpu/decoder.py),
-``:perlayer`` with a batched step's decoder layers one C call each (before the twenty-fifth stop, when the step's first
-layer began to run them all in one call: decoder.run_layers),
-``:torchargmax`` with greedy tokens picked by the library's ``torch.argmax`` (before the twenty-sixth stop's
-engine/cpu/argmax.py),
-``:apart`` with each decoder layer's q, k and v (and gate and up) a kernel call each (before the twenty-sixth
-stop's kernel.join: one call for the three, one for the two),
-``:kernelfrom`` with the block kernel built from the C files (kernel.c, decoder.c, kernel.h) in ``--kernel-from DIR``
-instead of the package's, so that a change of the kernel is timed beside the kernel before it in one process
-(``git show HEAD~1:ttft_sse/engine/kernel.c > DIR/kernel.c``, and the other two; run both orders: with the same
-kernel on both sides the engine listed first was 1-5 % faster, and a kernel's few per cent are better timed alone
-by kernel_layers.py),
-``:int4`` with the GGUF's Q4 codes on torch's int4 kernel and bf16 copies of the weights (``TTFT_INT4_WEIGHTS``;
-without a ``single:<dtype>:int4`` its greedy text is not checked against ``single:<dtype>``'s, since its answers are
-not the fp32 ones). Variants combine with ``+``: ``batched:float32:int4+repeat``.
+* whether every greedy text is the same as the single-request engine's for the same prompt: the single engine's with
+  the same variants if it ran (``single:float32:dense`` for ``batched:float32:dense``), else ``single:<dtype>``'s
+  (``single:<dtype>:int8rows``' only, for int8 rows: their answers are the int8 model's).
 """
 
 from __future__ import annotations
@@ -62,17 +45,14 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import kernel_layers
 from ttft_sse.engine.base import ChatMessage, Engine, Finished, Piece, Prompt, SamplingParams
 from ttft_sse.engine.batched.engine import BatchedEngine
-from ttft_sse.engine.cpu import kernel
 from ttft_sse.engine.single import SingleEngine
 from ttft_sse.settings import Settings
 from ttft_sse.stages import StageClock
@@ -88,7 +68,7 @@ QUESTIONS = [
     "Write a letter to a friend about your summer holidays.",
     "Describe the history of the bicycle.",
 ]
-CHAT = "What is the capital of France?"  # the issue's 37-token chat prompt
+CHAT = "What is the capital of France?"  # 37 tokens with the chat template
 SYSTEM = (
     "You are the assistant of a railway company. You answer questions about timetables, tickets, seat "
     "reservations, luggage, bicycles, pets, accessibility, delays and refunds. Keep every answer short and "
@@ -195,28 +175,12 @@ def pct(values: Sequence[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered) + 0.5) - 1))]
 
 
-VARIANTS = (
-    "int8rows",
-    "dense",
-    "plain",
-    "rowmajor",
-    "repeat",
-    "masked",
-    "int4",
-    "noprefill",
-    "unfused",
-    "nointerludes",
-    "midstep",
-    "kernelfrom",
-    "perlayer",
-    "torchargmax",
-    "apart",
-)
+VARIANTS = ("int8rows", "dense", "plain", "repeat", "masked", "noprefill", "nointerludes", "unfused")
 """The variants ``load`` knows (see the module's docstring)."""
 
 
 def parse(spec: str) -> tuple[str, str, set[str]]:
-    """``batched:float32:int4+repeat`` → ``("batched", "float32", {"int4", "repeat"})``."""
+    """``batched:float32:dense+repeat`` → ``("batched", "float32", {"dense", "repeat"})``."""
     kind, dtype, variant = [*spec.split(":"), "", ""][:3]
     return kind, dtype, set(variant.split("+")) - {""}
 
@@ -228,10 +192,9 @@ def load(spec: str, args: argparse.Namespace) -> Engine:
     settings = Settings(
         engine=kind,
         dtype=dtype or "float32",
-        gguf_kernel=not variants & {"dense", "plain", "rowmajor"},
+        gguf_kernel=not variants & {"dense", "plain"},
         gguf_activations="int8" if "int8rows" in variants else "fp32",
-        packed_weights=not variants & {"plain", "rowmajor"},
-        int4_weights="int4" in variants,
+        packed_weights="plain" not in variants,
         grouped_attention="repeat" not in variants,
         paged_attention="masked" not in variants,
         prefill_process="noprefill" not in variants,
@@ -243,57 +206,8 @@ def load(spec: str, args: argparse.Namespace) -> Engine:
         log_level="warning",
     )
     engine: BatchedEngine | SingleEngine = BatchedEngine(settings) if kind == "batched" else SingleEngine(settings)
-    with kernel_from(args.kernel_from if "kernelfrom" in variants else None):
-        engine.load(StageClock())
-    if "midstep" in variants and isinstance(engine, BatchedEngine):
-        engine._counters.boundary = False  # interludes between a step's layers only, not between two steps
-    if "perlayer" in variants:
-        # One C call a decoder layer in a batched step, as before decoder.run_layers ran them all in one.
-        for layer in engine.model.model.layers:
-            layer.chain = None
-    if "torchargmax" in variants and isinstance(engine, BatchedEngine):
-        # Greedy tokens picked by the library's torch.argmax, as before engine/cpu/argmax.py: its own _sample again.
-        deadline = time.monotonic() + 30
-        while getattr(engine._manager, "batch_processor", None) is None and time.monotonic() < deadline:
-            time.sleep(0.01)  # the loop's thread builds its batch processor as it starts
-        runner = engine._manager.batch_processor.model_runner
-        if "_sample" in vars(runner):
-            del runner._sample
-    if "apart" in variants:
-        # Decoder layers computing q, k, v (and gate, up) in a call each, as before kernel.join.
-        from ttft_sse.engine.cpu import decoder
-
-        for layer in engine.model.model.layers:
-            if hasattr(layer, "arithmetic"):
-                layer.arithmetic.qkv, layer.arithmetic.gate_up = decoder.Linear(), decoder.Linear()
-    if "rowmajor" in variants:
-        # The layout before the engine stored fp32 linear weights transposed (engine/cpu/weights.py).
-        import torch
-
-        for module in engine.model.modules():
-            if isinstance(module, torch.nn.Linear):
-                module.weight.data = module.weight.data.contiguous()
+    engine.load(StageClock())
     return engine
-
-
-@contextmanager
-def kernel_from(directory: Path | None) -> Iterator[None]:
-    """While an engine loads: the block kernel built from ``directory``'s copies of its C files, if given. The
-    library has its own helper threads (its own copy of kernel.c's state), so each engine keeps to its own."""
-    if directory is None:
-        yield
-        return
-    sources = kernel_layers.kernel_files(directory)
-    build = kernel.build
-
-    def from_directory(target: Path, chosen: tuple[Path, ...] = kernel.SOURCES, name: str = "blocks") -> Path:
-        return build(target, sources if chosen == kernel.SOURCES else chosen, name)
-
-    kernel.build = from_directory
-    try:
-        yield
-    finally:
-        kernel.build = build
 
 
 async def bench(args: argparse.Namespace) -> None:
@@ -304,11 +218,9 @@ async def bench(args: argparse.Namespace) -> None:
         while isinstance(engine, BatchedEngine) and engine.stats().prefill == "loading":
             await asyncio.sleep(0.1)
     results = {spec: Result() for spec in specs}
-    # Warm every engine with the c=8 scenario itself, then start each round with the next engine. Without either,
-    # of two identical engines the first one's c=8 tok/s was 8-11 % lower in the first round, in three runs. One
-    # cause: oneDNN builds a primitive the first time a kernel meets a row count (~0.25 s over the 31 row counts
-    # the packed copies take), and that cache is the process's, so the engine that met a row count first paid for
-    # the others.
+    # Warm every engine with the c=8 scenario itself, then start each round with the next engine: what a first run
+    # pays (oneDNN builds a primitive the first time a kernel meets a row count, and that cache is the process's)
+    # would otherwise fall on whichever engine meets a row count first.
     for engine in engines.values():
         await clients(engine, asks("Warm-up ", 16, args.tokens), args.concurrency)
     for round_ in range(args.rounds):
@@ -337,12 +249,11 @@ async def bench(args: argparse.Namespace) -> None:
                 result.chat.append((await one(engine, prompt_of(engine, CHAT), 2))[2])
         print(f"round {round_ + 1}/{args.rounds} done; load average {os.getloadavg()[0]:.2f}", flush=True)
     # Greedy check: every engine's text against the single engine's with the same variants if one ran, else
-    # single:<dtype>'s (single:<dtype>:int4's for int4 weights, :int8rows' for int8 rows: they answer differently)
-    # for the same prompt.
+    # single:<dtype>'s (single:<dtype>:int8rows' for int8 rows: they answer differently) for the same prompt.
     for spec, result in results.items():
         _, dtype, variants = parse(spec)
         same = results.get(f"single:{dtype}:{'+'.join(sorted(variants))}")
-        others = variants & {"int4", "int8rows"}  # they answer differently: only their own single engine compares
+        others = variants & {"int8rows"}  # it answers differently: only its own single engine compares
         reference = same or results.get(f"single:{dtype}:{'+'.join(sorted(others))}" if others else f"single:{dtype}")
         if reference is None or reference is result:
             continue
@@ -432,15 +343,7 @@ def main() -> None:
         help="the block kernel's helper threads (TTFT_KERNEL_HELPERS; -1: the default). They are the process's: the "
         "first engine that starts them shares them with every engine of the run, so compare helpers across runs",
     )
-    parser.add_argument(
-        "--kernel-from",
-        type=Path,
-        default=None,
-        help="a directory holding kernel.c, decoder.c and kernel.h, for the :kernelfrom variant",
-    )
     args = parser.parse_args()
-    if "kernelfrom" in args.engines and args.kernel_from is None:
-        parser.error("the :kernelfrom variant needs --kernel-from DIR")
     asyncio.run(bench(args))
 
 

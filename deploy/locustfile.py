@@ -14,7 +14,7 @@ Users wait 0 s between requests (a closed loop, as ``ttft-sse bench`` runs); set
 (then ``-t`` is only a bound); every stream that started is then counted whole.
 Prompts rotate through a small built-in set, or ``--prompt`` sends one text every time. Requests are greedy
 (temperature 0). Needs only Locust itself; ``ttft-sse bench`` gives the same figures with percentiles per
-inter-token gap, stream-versus-batch tables and charts (see docs/benchmarks.md).
+inter-token gap, stream-versus-batch tables and charts (see docs/performance.md).
 """
 
 from __future__ import annotations

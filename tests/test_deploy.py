@@ -83,7 +83,7 @@ def test_dockerfile_is_slim_non_root_preloaded_and_drains_on_sigterm() -> None:
     assert "TTFT_HOST=0.0.0.0" in env and "TTFT_CACHE_DIR=/opt/ttft-cache" in env
     port = re.search(r"TTFT_PORT=(\d+)", env)
     assert port is not None and only(instructions, "EXPOSE") == port.group(1)
-    # The CPU build of torch; the engine itself attends grouped KV heads in place on CPU (engine/cpu/attention.py), so
+    # The CPU build of torch; the engine itself attends grouped KV heads in place on CPU (engine/cpu/grouped.py), so
     # transformers' process-wide switch for it, wrong on CUDA, is not set.
     assert "--index-url https://download.pytorch.org/whl/cpu" in runs
     # A C compiler for the block kernel (engine/cpu/kernel.py), installed before `prepare` builds it.

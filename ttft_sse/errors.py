@@ -6,7 +6,7 @@
     │   │   └── PromptTooLong         400, the prompt does not fit the model's context
     │   ├── Unauthorized              401 authentication_error
     │   ├── NotFound                  404 not_found_error
-    │   │   └── Gone                  410, it existed once: an expired or deleted stream, events no longer kept
+    │   │   └── Gone                  410, it existed once: an expired or deleted stream, or events dropped
     │   ├── Conflict                  409 conflict_error (e.g. cancelling a job that has already finished)
     │   ├── PayloadTooLarge           413 invalid_request_error
     │   └── UnsupportedMediaType      415 invalid_request_error

@@ -29,10 +29,9 @@ def _default_cache_dir() -> Path:
 def auto_threads(cores: int) -> int:
     """Half of ``cores`` (the process's usable cores: :func:`usable_cores`), at least one.
 
-    Measured on a 2-core machine: torch with 2 intra-op threads decodes 16 tokens in 0.76 s when idle but
-    10.9 s (median; 19 s worst) once the other core is busy, because OpenMP workers spin-wait on a core they
-    do not get. One thread stays at 1.2 s busy or idle. Leaving half the cores to the event loop, the HTTP
-    stack and the client keeps the model off that cliff.
+    torch's OpenMP workers spin-wait for each other: once anything else (the event loop, the HTTP stack, a client)
+    takes one of their cores, a decode step runs many times slower. Leaving half the cores to the rest keeps the
+    model off that cliff.
     """
     return max(1, cores // 2)
 
@@ -81,19 +80,18 @@ class Settings:
     # MLP in two C calls around its attention instead of ~40 torch calls; in the batched engine's steps, the whole
     # layer, cache write and attention included, in one (engine/cpu/decoder.py).
     fused_layers: bool = True
-    # On CPU: masked attention (the batched engine's steps) reads grouped KV heads in place (engine/cpu/attention.py).
+    # On CPU: masked attention (the batched engine's steps) reads grouped KV heads in place (engine/cpu/grouped.py).
     grouped_attention: bool = True
     # On CPU, fp32: the batched engine's steps attend request by request, reading the paged KV cache in place
-    # (engine/cpu/attention.py), instead of one masked attention over the whole step's gathered keys; the single engine
-    # attends with the same C function, so both give a request the same text.
+    # (engine/cpu/attention.py), instead of one masked attention over the whole step's gathered keys; the single
+    # engine attends with the same C function, so both give a request the same text.
     paged_attention: bool = True
     # On CPU, the batched engine: a second process with its own copy of the model computes the first token of a
     # request that arrives while the batch is busy, on another core (engine/batched/prefill.py).
     prefill_process: bool = True
     # On CPU, the batched engine with the decoder layers in C: a request that arrives while the batch is busy has its
     # prompt computed between two layers of the step in flight, and the batch reuses its KV
-    # (engine/batched/interlude.py).
-    # Where it runs, the prefill process does not.
+    # (engine/batched/interlude.py). Where it runs, the prefill process does not.
     prefill_between_layers: bool = True
     threads: int = 0
     # The block kernel's helper threads (engine/cpu/kernel.py): a linear layer's panels shared with threads that run
@@ -208,7 +206,7 @@ class Settings:
     @property
     def helper_threads(self) -> int:
         """The block kernel's helper threads: ``kernel_helpers``, or for -1 one where the process may use two cores
-        or more (measured on 2 cores: docs/benchmarks.md)."""
+        or more (figures: docs/engine.md)."""
         if self.kernel_helpers >= 0:
             return self.kernel_helpers
         return 1 if self.cores >= 2 else 0

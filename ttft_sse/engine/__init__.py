@@ -11,8 +11,9 @@
                scheduler, token selection and library hooks), and first tokens beside the batch
                (``interlude``: between two layers of the step in flight; ``prefill``: a second process)
 ``cpu/``       the C kernels and their Python wrappers: block kernel over a GGUF's own blocks (``kernel``,
-               ``codes``), decoder layers in C (``decoder``), attention over the paged KV cache (``attention``),
-               the greedy pick (``argmax``), fp32 weight layouts (``weights``)
+               ``codes``), decoder layers in C (``decoder``), attention request by request over the KV cache in
+               place (``attention``), transformers' ``sdpa`` function replaced and grouped KV heads read in place
+               (``grouped``), the greedy pick (``argmax``), fp32 weight layouts (``weights``)
 
 Imports run downward only: ``batched`` uses ``single``, ``loading`` and ``cpu``; ``cpu`` uses none of them.
 How the CPU engine works: docs/engine.md.

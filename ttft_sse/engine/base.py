@@ -95,8 +95,7 @@ class ModelInfo:
     threads: int
     # How the weights are laid out for the kernels (shown by /readyz): "as loaded", "column-major",
     # "column-major+packed" (engine/cpu/weights.py), "gguf-blocks" (engine/cpu/kernel.py;
-    # "gguf-blocks+column-major+packed"
-    # when some layers are not stored as blocks).
+    # "gguf-blocks+column-major+packed" when some layers are not stored as blocks).
     weights: str = "as loaded"
     # The block kernel's helper threads (engine/cpu/kernel.py), 0 without them.
     kernel_helpers: int = 0

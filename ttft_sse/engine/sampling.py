@@ -12,8 +12,8 @@ from typing import Any
 
 CANDIDATES = 1024
 """The most probable tokens of a row looked at first. Where the top-p cut falls among them (their mass is above
-``top_p``), the rest of the vocabulary is dropped without being sorted: ``topk`` of 1024 is 3.7 ms for 8 rows of
-the bundled model's 49152 tokens, a sort of the whole rows 27 ms (1 thread), of a decode step of ~70 ms."""
+``top_p``), the rest of the vocabulary is dropped without being sorted: a ``topk`` of 1024 costs a fraction of a sort
+of the whole row, which would be a large part of a decode step (figures: docs/engine.md)."""
 
 
 def outside_top_p(probs: Any, top_p: Any) -> Any:
@@ -41,8 +41,8 @@ def pick(probs: Any, generator: Any = None) -> Any:
     """One token per row of ``probs`` (rows of weights, not necessarily summing to 1), each with a chance
     proportional to its weight, drawn with ``generator`` (torch's global one if None): a column of token ids.
 
-    By the inverse of the cumulative weights: one uniform number a row. ``torch.multinomial`` draws a number for
-    every token instead: 7.7 ms for 8 rows of 49152 tokens, against 0.2 ms (1 thread)."""
+    By the inverse of the cumulative weights: one uniform number a row, where ``torch.multinomial`` draws a number
+    for every token."""
     import torch
 
     cumulative = torch.cumsum(probs, dim=-1)

@@ -54,10 +54,10 @@ class IncrementalDecoder:
 
 
 class StopMatcher:
-    """Cuts generated text at the first stop sequence; the stop text itself is never released.
+    """Cuts generated text where a stop sequence first appears; the stop text itself is never released.
 
     Text that could still grow into a stop sequence is held back until it either completes one (generation
-    stops, the held text is dropped) or can no longer match (it is released).
+    stops, the held text is dropped) or cannot become one any more (it is released).
     """
 
     def __init__(self, stops: Sequence[str]) -> None:

@@ -19,7 +19,7 @@ from tests.support.servers import eventually
 from tests.support.texts import STORY
 from ttft_sse.engine.base import Finished, Piece, SamplingParams
 from ttft_sse.engine.batched.engine import BLOCK_TOKENS, BatchedEngine
-from ttft_sse.engine.cpu import argmax, attention, decoder
+from ttft_sse.engine.cpu import argmax, attention, decoder, grouped
 from ttft_sse.engine.single import CacheJanitor, SingleEngine
 from ttft_sse.errors import EngineError
 from ttft_sse.settings import Settings
@@ -77,16 +77,16 @@ async def test_concurrent_greedy_requests_give_the_single_engines_text(
 ) -> None:
     # paged (the default on CPU): each request's rows attend to its own keys, read from the KV cache in place
     # (engine/cpu/attention.c); grouped-kv: the batch's one masked SDPA over the gathered keys, grouped KV heads read in
-    # place (engine/cpu/attention.py); repeated-kv: as transformers does it, each KV head copied for its 3 query heads.
+    # place (engine/cpu/grouped.py); repeated-kv: as transformers does it, each KV head copied for its 3 query heads.
     import torch
 
     paged = [m for m in engine.model.modules() if getattr(m, attention.PAGED, None) is not None]
-    grouped = [m for m in engine.model.modules() if getattr(m, attention.MARK, False)]
-    assert len(paged) == len(grouped) == 30
+    marked = [m for m in engine.model.modules() if getattr(m, grouped.MARK, False)]
+    assert len(paged) == len(marked) == 30
     for module in paged if way != "paged" else []:
         monkeypatch.delattr(module, attention.PAGED)
-    for module in grouped if way == "repeated-kv" else []:
-        monkeypatch.delattr(module, attention.MARK)
+    for module in marked if way == "repeated-kv" else []:
+        monkeypatch.delattr(module, grouped.MARK)
     heads: set[int] = set()  # KV heads SDPA is given in the batch's steps of more than one row
     real = torch.nn.functional.scaled_dot_product_attention
 

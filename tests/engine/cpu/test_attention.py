@@ -1,7 +1,6 @@
-"""Attention on CPU (engine/cpu/attention.py): grouped KV heads in SDPA, transformers' attention without the copies,
-where
-it takes; and each request's rows against its own keys read from the paged cache in place (attention.c), against
-SDPA for each request alone."""
+"""Attention on CPU: grouped KV heads in SDPA, transformers' attention without the copies, where it takes
+(engine/cpu/grouped.py); and each request's rows against its own keys read from the paged cache in place
+(engine/cpu/attention.py, attention.c), against SDPA for each request alone."""
 
 from __future__ import annotations
 
@@ -12,7 +11,7 @@ import torch
 import transformers
 from structlog.testing import capture_logs
 
-from ttft_sse.engine.cpu import attention, kernel
+from ttft_sse.engine.cpu import attention, grouped, kernel
 from ttft_sse.engine.single import SingleEngine
 from ttft_sse.settings import Settings
 from ttft_sse.stages import StageClock
@@ -56,9 +55,9 @@ def step(kv_heads: int) -> tuple[Any, Any, Any, Any]:
 def test_group_marks_every_attention_module_and_becomes_transformers_sdpa() -> None:
     model = tiny(kv_heads=2)
     with capture_logs() as logs:
-        assert attention.group(model, torch) == 2
-    assert [getattr(layer.self_attn, attention.MARK, False) for layer in model.model.layers] == [True, True]
-    assert transformers.AttentionInterface()["sdpa"] is attention.grouped_sdpa
+        assert grouped.group(model, torch) == 2
+    assert [getattr(layer.self_attn, grouped.MARK, False) for layer in model.model.layers] == [True, True]
+    assert transformers.AttentionInterface()["sdpa"] is grouped.grouped_sdpa
     assert logs == [{"event": "attention_grouped", "log_level": "info", "modules": 2}]
 
 
@@ -67,19 +66,19 @@ def test_a_masked_step_reads_the_grouped_heads_in_place_and_gives_the_repeated_h
 ) -> None:
     module = tiny(kv_heads=2).model.layers[0].self_attn
     inputs = step(kv_heads=2)
-    want, _ = attention.grouped_sdpa(module, *inputs, scaling=module.scaling)  # not marked: transformers'
+    want, _ = grouped.grouped_sdpa(module, *inputs, scaling=module.scaling)  # not marked: transformers'
     assert sdpa_calls == [(HEADS, False)]  # each KV head copied for its 3 query heads
-    setattr(module, attention.MARK, True)
-    got, _ = attention.grouped_sdpa(module, *inputs, scaling=module.scaling)
+    setattr(module, grouped.MARK, True)
+    got, _ = grouped.grouped_sdpa(module, *inputs, scaling=module.scaling)
     assert sdpa_calls[1:] == [(2, True)]
     assert got.shape == (1, 5, HEADS, DIM)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     # Each request's rows are its own attention alone: the mask kept the other one out.
     query, key, value, _ = inputs
-    first, _ = attention.grouped_sdpa(
+    first, _ = grouped.grouped_sdpa(
         module, query[:, :, :4], key[:, :, :4], value[:, :, :4], None, scaling=module.scaling, is_causal=True
     )
-    second, _ = attention.grouped_sdpa(
+    second, _ = grouped.grouped_sdpa(
         module, query[:, :, 4:], key[:, :, 4:], value[:, :, 4:], None, scaling=module.scaling
     )
     torch.testing.assert_close(got[:, :4], first, rtol=1e-5, atol=1e-6)
@@ -88,20 +87,20 @@ def test_a_masked_step_reads_the_grouped_heads_in_place_and_gives_the_repeated_h
 
 def test_the_calls_it_does_not_take_are_transformers_own(sdpa_calls: list[tuple[int, bool]]) -> None:
     module = tiny(kv_heads=2).model.layers[0].self_attn
-    setattr(module, attention.MARK, True)
+    setattr(module, grouped.MARK, True)
     query, key, value, mask = step(kv_heads=2)
     # One query row with a mask: transformers folds the groups into rows (3 of them), grouped heads, no flag.
-    out, _ = attention.grouped_sdpa(module, query[:, :, :1], key, value, mask[:, :, :1], scaling=module.scaling)
+    out, _ = grouped.grouped_sdpa(module, query[:, :, :1], key, value, mask[:, :, :1], scaling=module.scaling)
     assert out.shape == (1, 1, HEADS, DIM)
     assert sdpa_calls == [(2, False)]
     with pytest.raises(ValueError, match="softcap"):  # transformers' own refusal
-        attention.grouped_sdpa(module, query, key, value, mask, softcap=30.0)
+        grouped.grouped_sdpa(module, query, key, value, mask, softcap=30.0)
 
 
 def test_a_model_without_grouped_heads_is_left_alone() -> None:
     model = tiny(kv_heads=HEADS)
-    assert attention.group(model, torch) == 0
-    assert not any(hasattr(m, attention.MARK) for m in model.modules())
+    assert grouped.group(model, torch) == 0
+    assert not any(hasattr(m, grouped.MARK) for m in model.modules())
 
 
 def test_nothing_is_marked_when_grouped_heads_disagree_with_repeated_ones_on_the_probe(
@@ -115,8 +114,8 @@ def test_nothing_is_marked_when_grouped_heads_disagree_with_repeated_ones_on_the
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", wrong_when_grouped)
     model = tiny(kv_heads=2)
     with capture_logs() as logs:
-        assert attention.group(model, torch) == 0
-    assert not any(hasattr(m, attention.MARK) for m in model.modules())
+        assert grouped.group(model, torch) == 0
+    assert not any(hasattr(m, grouped.MARK) for m in model.modules())
     assert logs == [
         {
             "event": "attention_not_grouped",
@@ -130,10 +129,10 @@ def test_nothing_is_marked_when_grouped_heads_disagree_with_repeated_ones_on_the
 def test_the_engine_marks_the_bundled_models_attention_on_cpu_unless_told_not_to(settings: Settings, on: bool) -> None:
     engine = SingleEngine(settings.replace(grouped_attention=on, paged_attention=on))
     engine.load(StageClock())
-    grouped = [m for m in engine.model.modules() if getattr(m, attention.MARK, False)]
+    marked = [m for m in engine.model.modules() if getattr(m, grouped.MARK, False)]
     paged = [m for m in engine.model.modules() if getattr(m, attention.PAGED, None) is not None]
     # SmolLM2-135M: 30 layers, 3 KV heads for 9 query heads
-    assert (len(grouped), len(paged), attention.paged(engine.model)) == ((30, 30, True) if on else (0, 0, False))
+    assert (len(marked), len(paged), attention.paged(engine.model)) == ((30, 30, True) if on else (0, 0, False))
 
 
 # -- request by request over the paged cache (attention.c) ---------------------------------------------------------
@@ -225,12 +224,12 @@ def test_the_attention_function_takes_paged_steps_for_marked_modules_and_gathers
     kv = {attention.KV: (keys, values, index)}
     want = one_by_one(query, key, value, requests, 0.25)
     sdpa_calls.clear()
-    paged, _ = attention.grouped_sdpa(paged_module, query, keys, values, mask, scaling=0.25, **step, **kv)
+    paged, _ = grouped.grouped_sdpa(paged_module, query, keys, values, mask, scaling=0.25, **step, **kv)
     assert sdpa_calls == []
     torch.testing.assert_close(paged, want, rtol=1e-4, atol=2e-6)
     # Not marked: the rows the library would have gathered, then SDPA with the step's mask.
     plain = tiny(kv_heads=2).model.layers[0].self_attn
-    gathered, _ = attention.grouped_sdpa(plain, query, keys, values, mask, scaling=0.25, **step, **kv)
+    gathered, _ = grouped.grouped_sdpa(plain, query, keys, values, mask, scaling=0.25, **step, **kv)
     assert len(sdpa_calls) == 1
     torch.testing.assert_close(gathered, want, rtol=1e-4, atol=2e-6)
 
@@ -243,7 +242,7 @@ def test_the_single_engines_calls_take_the_same_c_function_over_its_dense_cache(
         query, key, value, _ = attention.masked_step(torch, HEADS, 2, DIM, [(rows, keys)], seed=8)
         want = one_by_one(query, key, value, [(rows, keys)], 0.25)
         sdpa_calls.clear()
-        got, _ = attention.grouped_sdpa(paged_module, query, key, value, None, scaling=0.25)
+        got, _ = grouped.grouped_sdpa(paged_module, query, key, value, None, scaling=0.25)
         assert sdpa_calls == []
         torch.testing.assert_close(got, want, rtol=1e-4, atol=2e-6)
         # Bit for bit the batched engine's result for the same request, its keys read from a paged cache.
@@ -255,7 +254,7 @@ def test_the_single_engines_calls_take_the_same_c_function_over_its_dense_cache(
     # With a mask, the library's own function.
     query, key, value, mask = attention.masked_step(torch, HEADS, 2, DIM, [(3, 3), (1, 4)], seed=10)
     sdpa_calls.clear()
-    attention.grouped_sdpa(paged_module, query, key, value, mask, scaling=0.25)
+    grouped.grouped_sdpa(paged_module, query, key, value, mask, scaling=0.25)
     assert len(sdpa_calls) == 1
 
 
@@ -267,11 +266,11 @@ def test_calls_with_more_than_the_c_function_computes_go_to_the_library(
     step = bookkeeping(requests)
     kv = {attention.KV: attention.in_cache(torch, key, value, slots=32, seed=12)}
     with pytest.raises(ValueError, match="softcap"):  # transformers' own refusal: the call reached it
-        attention.grouped_sdpa(paged_module, query, key, value, mask, scaling=0.25, softcap=30.0, **step, **kv)
+        grouped.grouped_sdpa(paged_module, query, key, value, mask, scaling=0.25, softcap=30.0, **step, **kv)
     # The single engine's call with a sliding window (Mistral's kind): SDPA, as the library does it.
     query, key, value, _ = attention.masked_step(torch, HEADS, 2, DIM, [(1, 9)], seed=13)
     sdpa_calls.clear()
-    attention.grouped_sdpa(paged_module, query, key, value, None, scaling=0.25, sliding_window=4)
+    grouped.grouped_sdpa(paged_module, query, key, value, None, scaling=0.25, sliding_window=4)
     assert len(sdpa_calls) == 1
 
 
@@ -335,7 +334,7 @@ def test_page_marks_every_attention_module_after_its_probe(tmp_path: Any) -> Non
     with capture_logs() as logs:
         assert attention.page(model, torch, tmp_path) == 2
     assert [callable(getattr(layer.self_attn, attention.PAGED, None)) for layer in model.model.layers] == [True, True]
-    assert transformers.AttentionInterface()["sdpa"] is attention.grouped_sdpa
+    assert transformers.AttentionInterface()["sdpa"] is grouped.grouped_sdpa
     assert [entry["event"] for entry in logs if entry["log_level"] == "info"][-1:] == ["attention_paged"]
 
 

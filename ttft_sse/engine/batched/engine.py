@@ -1,54 +1,42 @@
 """The batched engine: concurrent requests share the forward passes of transformers' continuous batching.
 
-One long-lived loop (transformers' ``ContinuousBatchingManager``, started by ``model.init_continuous_batching``)
-runs a forward pass per step over every request it holds: prompts being prefilled and answers being decoded, each
-with its own paged KV cache. A request that arrives while others decode is scheduled into the very next step. Its
-KV blocks are hashed once complete, and a later prompt that starts with the same tokens (the chat template's system
-prompt, a conversation's earlier turns) shares those blocks instead of computing them again: its time to first
-token is driven by its new tokens only. Memory is bounded by ``kv_cache_tokens``: blocks no request uses stay
-cached for reuse until the cache runs short, then they are evicted.
+One long-lived loop (transformers' ``ContinuousBatchingManager``, started by ``model.init_continuous_batching``) runs a
+forward pass per step over every request it holds: prompts being prefilled and answers being decoded, each with its
+own paged KV cache. A request that arrives while others decode is scheduled into the very next step. Its KV blocks
+are hashed once complete, and a later prompt that starts with the same tokens (the chat template's system prompt, a
+conversation's earlier turns) shares those blocks instead of computing them again: its time to first token is driven
+by its new tokens only. Memory is bounded by ``kv_cache_tokens``: blocks no request uses stay cached for reuse until
+the cache runs short, then they are evicted.
 
 The library does the batching, the paged cache and the prefix sharing. Written here, because it lacks them:
 
-* **routing** (``_router`` → :class:`~ttft_sse.bridge.Mailboxes`): the library's router hands results to callbacks
-  and forgets a callback only when its request finishes; a cancelled request's callback stays registered for ever,
-  and results nobody claims pile up in a queue nobody reads. Ours delivers each step's results to the event loop in
-  one ``call_soon_threadsafe`` and drops those of requests that have left;
+* **routing** (``router`` → :class:`~ttft_sse.bridge.Mailboxes`): the library's router forgets a callback only when
+  its request finishes, so a cancelled request's would stay for ever, its results piling up unread. Ours delivers each
+  step's results to the event loop in one ``call_soon_threadsafe`` and drops those of requests that have left;
 * **stop sequences and text**: the library knows token ids; :class:`~ttft_sse.engine.text.TokenText` frames text
   exactly as the single-request engine does, and a stop sequence cancels the request in the library;
-* **a loop that died**: the library fails the requests it knows about when its loop crashes, but a request added
-  in the same instant can wait for ever (the manager's own ``get_result`` loops only while the thread lives). Every
+* **a loop that died**: the library fails the requests it knows about when its loop crashes, but a request added in
+  the same instant can wait for ever (the manager's own ``get_result`` loops only while the thread lives). Every
   waiting request also checks that the loop is alive (``Mailboxes``); the next request restarts a dead loop;
-* **prefix-hit counting**: a FIFO scheduler subclass, registered in the library's scheduler table, counts prompt
-  tokens served from shared blocks (:meth:`BatchedEngine.stats`).
-
+* **prefix-hit counting** (engine/batched/scheduler.py): the library's FIFO scheduler, counting prompt tokens served
+  from shared blocks (:meth:`BatchedEngine.stats`);
 * **attention request by request, in place** (engine/cpu/attention.py, on CPU in fp32): the library gathers a step's
-  keys and values out of its paged cache in every layer and attends every query row to every key of the step under
-  a mask; the engine's cache writes only, and each request's rows attend to its own keys, read in place;
-
-* **first tokens beside the batch** (engine/batched/prefill.py, on CPU with the block kernel and that attention): a
-  request that arrives while the batch is busy is also sent to a second process, with its own copy of the model,
-  on the other core. Whichever has its first token first gives it (:class:`Claims`): if the process does, the
-  batch's step that computes the request's first token is made to pick the process's token
-  (:func:`~ttft_sse.engine.batched.selection.selection`),
-  so the batch goes on from the token the client saw, greedy or sampled. A greedy one is the same token anyway
-  (every row is computed from its own inputs alone in both). The batch otherwise runs as without it: a newcomer's
-  TTFT is no longer the step in flight plus its own, and no step waits for anything;
-
+  keys and values out of its paged cache in every layer and attends every query row to every key of the step under a
+  mask; the engine's cache only writes, and each request's rows attend to its own keys, read in place;
+* **first tokens beside the batch** (engine/batched/interlude.py, engine/batched/prefill.py, on CPU with the block
+  kernel and that attention): a request that arrives while the batch is busy has its first token computed between
+  two layers of the step in flight, or by a second process on the other core. Whichever has its first token first
+  gives it (:class:`Claims`); the batch's step that computes the request's first token is then made to pick that
+  token (:func:`~ttft_sse.engine.batched.selection.selection`), so the batch goes on from the token the client saw,
+  greedy or sampled. A greedy one is the same token anyway (every row is computed from its own inputs alone in both);
 * **per-request token selection** (:func:`~ttft_sse.engine.batched.selection.selection`): the library's own warpers
-sort the whole vocabulary of
-  every row every step (measured: 43 ms a step for 8 rows, a quarter of a decode step), and its draw runs over
-  every row, whether a row samples or not. Ours leaves greedy rows to the step's argmax and cuts and draws
-  only the rows that sample (top-p: only those that ask for it), by engine/sampling.py: top-p over the 1024 most
-  probable tokens first, a draw through the cumulative weights (8 sampled rows: 6.9 ms a step, against 41.7 ms
-  sorting whole rows and drawing with ``torch.multinomial``). On CPU the argmax is engine/cpu/argmax.py's, in C, by
-  ``torch.argmax``'s rule (0.06 ms for 8 rows against 0.9).
+  sort the whole vocabulary of every row every step, and its draw runs over every row, whether a row samples or not.
+  Ours leaves greedy rows to the step's argmax (engine/cpu/argmax.py's on CPU, by ``torch.argmax``'s rule) and cuts
+  and draws only the rows that sample, by engine/sampling.py (figures: docs/engine.md).
 
-Not batched, on purpose: requests with a ``seed`` and requests too long for the shared cache run on the
-single-request engine (:class:`~ttft_sse.engine.single.SingleEngine`, same model, same weights). The library draws a
-whole
-batch's tokens from one global random generator, so a request's ``seed`` could not reproduce anything there; the
-single engine samples with the request's own generator.
+Not batched, on purpose: requests with a ``seed`` and requests too long for the shared cache run on the single-request
+engine (:class:`~ttft_sse.engine.single.SingleEngine`, same model and weights), which samples with the request's own
+generator: the library draws a whole batch's tokens from one global generator, where a ``seed`` reproduces nothing.
 """
 
 from __future__ import annotations
@@ -86,9 +74,8 @@ log = structlog.get_logger("ttft_sse.engine")
 Item = Piece | Finished
 
 # Tokens per KV block: the unit of prefix sharing. A prompt reuses every whole block it shares with an earlier one,
-# short of its last token. Measured on the bundled model (fp32, interleaved, 3 rounds): 8 streams decode as fast
-# with blocks of 4, 16 or 64 tokens (45.5, 46.8, 44.2 tok/s), while the 37-token chat prompt, sent again, reuses 36
-# tokens with blocks of 4 (TTFT 79 ms), 32 with 16 (108 ms) and none with 64 (164 ms). 4 is the library's minimum.
+# short of its last token, so small blocks reuse more of it; decoding is as fast with small blocks as with large
+# ones. 4 is the library's minimum.
 BLOCK_TOKENS = 4
 # How many recent steps ``batch_log`` keeps.
 BATCH_LOG_STEPS = 512
@@ -205,8 +192,7 @@ class BatchedEngine:
 
     def _start_prefill(self) -> None:
         """Interludes (engine/batched/interlude.py) where asked and possible; else the prefill process
-        (engine/batched/prefill.py),
-        where it can help: on CPU, with a core of its own."""
+        (engine/batched/prefill.py), where it can help: on CPU, with a core of its own."""
         if self._settings.prefill_between_layers:
             reason = self._no_interludes()
             if reason is None:
@@ -223,8 +209,7 @@ class BatchedEngine:
         elif not self._rows_alone():
             reason = "it needs the block kernel and the C attention (a GGUF model, on CPU, in fp32)"
         elif self.info.kernel_helpers > 0:
-            # Both want the second core; the batch on two cores gave more tokens/s and a lower TTFT p99 at c=8
-            # (docs/benchmarks.md, seventeenth stop).
+            # Both want the second core, and the batch does better with it at c=8 (figures: docs/engine.md).
             reason = "the block kernel's helper threads use the other cores (TTFT_KERNEL_HELPERS=0 gives them to it)"
         else:
             self._prefill = PrefillProcess(self._settings)
@@ -260,7 +245,7 @@ class BatchedEngine:
         eos = sorted(self._single.eos)
         self._scheduler = register_scheduler(self._counters, paged=paged)
         generation = transformers.GenerationConfig(
-            do_sample=False,  # an argmax per row; sampled rows are drawn before it (see _selection)
+            do_sample=False,  # an argmax per row; sampled rows are drawn before it (engine/batched/selection.py)
             eos_token_id=eos or -1,
             pad_token_id=self._single.tokenizer.pad_token_id,
         )
@@ -353,8 +338,8 @@ class BatchedEngine:
             async for output in inbox:
                 finished = False
                 if isinstance(output, FirstToken):
-                    # The prefill process's first token, claimed before the batch's step picked one: that step picks
-                    # it too (selection), and the batch's is skipped below.
+                    # A first token from beside the batch, claimed before the batch's step picked one: that step
+                    # picks it too (selection), and the batch's is skipped below.
                     if isinstance(self._prefill, Interlude):
                         self._interlude_first += 1
                     else:

@@ -2,7 +2,7 @@
 
 The engine builds on private parts of transformers' continuous batching: the manager's batch-processor factory and
 output router, the runner's sampler, the per-request logits processors, the scheduler table and the FIFO scheduler's
-hooks, the paged cache's allocators. ``pyproject.toml`` pins the transformers versions this was tested with;
+hooks, the paged cache's allocators. ``pyproject.toml`` pins the transformers versions the engine is tested with;
 :func:`missing_internals` checks at load that every name the engine uses is there, so that another version makes the
 engine fall back to one ``model.generate`` per request (the library's public path) with one log line, rather than
 crash mid-request or compute wrongly.
@@ -86,10 +86,10 @@ def keep_config_causal(model: Any) -> None:
     transformers' continuous batching calls the model with ``is_causal=False`` (its mask holds the pattern), and the
     model's forward writes that into the model's config for the length of the call (``utils/generic.py``), where
     every other call of the model reads it as its default: a seeded request's prompt on the single engine, in another
-    thread while a step ran, was attended without its causal mask and answered nonsense (a test). The steps do not
-    need the flag (their mask says it all: transformers' SDPA turns it off by itself where a mask is given), so it
-    is dropped before the model sees it. The wrapper keeps the forward's signature (``functools.wraps``): generate
-    reads it to pass ``logits_to_keep``, without which the LM head ran over every row of a prompt (a test)."""
+    thread while a step runs, would be attended without its causal mask and answer nonsense (a test). The steps do
+    not need the flag (their mask says it all: transformers' SDPA turns it off by itself where a mask is given), so
+    it is dropped before the model sees it. The wrapper keeps the forward's signature (``functools.wraps``): generate
+    reads it to pass ``logits_to_keep``, without which the LM head would run over every row of a prompt (a test)."""
     forward = model.forward
 
     @functools.wraps(forward)

@@ -1,30 +1,29 @@
 """First tokens between two layers of the batch's step in flight (``TTFT_PREFILL_BETWEEN_LAYERS``).
 
 In the batched engine a request that arrives while others decode waits for the step in flight, then for a step that
-holds its prompt's rows beside the others': about two steps, where an idle server answers in one (docs/benchmarks.md,
-"Why TTFT at 8 streams stays near 2x"). Here the batching thread stops the step in flight between two of its layers
-(:meth:`Interlude.serve`, called by the decoder layers in C before each layer of a batched step), computes the
-newcomer's prompt alone, with the kernel's helper threads as an idle server would, gives its first token, and
-takes the step up again where it stopped. The newcomer waits for one layer of the step in flight (~1/30 of it), not
-for the whole step and another. One that comes after a step's last layer (during its output layer, its sampling,
-the next step's preparation) is computed the same way just before the next step is scheduled, while streams decode
-(``CountingScheduler.schedule_batch`` in engine/batched/engine.py), rather than in that step beside their rows.
+holds its prompt's rows beside the others': about two steps, where an idle server answers in one (figures:
+docs/engine.md). Here the batching thread stops the step in flight between two of its layers (:meth:`Interlude.serve`,
+called by the decoder layers in C before each layer of a batched step), computes the newcomer's prompt alone, with
+the kernel's helper threads as an idle server would, gives its first token, and takes the step up again where it
+stopped. The newcomer waits for one layer of the step in flight, not for the whole step and another. One that comes
+after a step's last layer (during its output layer, its sampling, the next step's preparation) is computed the same
+way just before the next step is scheduled, while streams decode (``CountingScheduler.schedule_batch`` in
+engine/batched/scheduler.py), rather than in that step beside their rows.
 
 Its prompt is computed once. The rows already in the batch's paged KV cache (the chat template's system prompt, a
 conversation's earlier turns) are read from there; the KV of its new rows is written into blocks of that cache and
 registered with the library's prefix sharing, as a finished request's would be. So when the batch schedules the
-request, its prompt is a prefix hit up to its last block: the batch computes 1 to 4 rows of it, not the whole
-prompt again. (The prefill process, engine/batched/prefill.py, keeps its own KV apart, and the batch prefills each
-prompt it
+request, its prompt is a prefix hit up to its last block: the batch computes 1 to 4 rows of it, not the whole prompt
+again. (The prefill process, engine/batched/prefill.py, keeps its own KV apart, and the batch prefills each prompt it
 answered again.)
 
 Each row's result is its own arithmetic alone (the block kernel's linear layers, the C attention on the dense and on
 the paged cache alike), so the KV written here is the KV the batch would have written, bit for bit, and the first
 token is the batch's argmax: greedy answers stay the single engine's. A sampled first token is drawn here, by the rule
-every engine draws by (engine/sampling.py); the batch's step then picks it (``batched._selection``).
+every engine draws by (engine/sampling.py); the batch's step then picks it (engine/batched/selection.py).
 
-Prompts of more than :data:`NEW_TOKENS` tokens past the prefix the cache holds are declined: the streams of the step
-in flight would wait for them. The batch computes those as before.
+Prompts of more than :data:`NEW_TOKENS` tokens past the prefix the cache holds are declined, since the streams of the
+step in flight wait for them: the batch computes those itself.
 """
 
 from __future__ import annotations
@@ -46,7 +45,7 @@ log = structlog.get_logger("ttft_sse.engine")
 
 NEW_TOKENS = 64
 """The most prompt tokens past the prefix the batch's cache holds that an interlude computes (a chat question is
-10-60): the streams of the step in flight wait for it (~1 ms a token on this machine's 2 cores)."""
+10-60): the streams of the step in flight wait for it, for a time that grows with its tokens."""
 
 Ask = tuple[tuple[int, ...], float, float]
 """A prompt's token ids, and the temperature and top-p its first token is chosen at."""

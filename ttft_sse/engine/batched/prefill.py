@@ -1,27 +1,25 @@
 """The prefill process: first tokens on another core while the batch decodes.
 
 In the batched engine a request that arrives while others decode waits for the step in flight, then shares its own
-prefill step with them: about two steps, where an idle server answers in one (docs/benchmarks.md, "Why TTFT at 8
-streams stays near 2x"). This process computes such a request's first token beside the batch instead: a second
-copy of the model, in a process of its own (threads of one process would share the GIL with the batching loop:
-measured, a prefill thread beside 8 streams cost them 15-26 % of their tokens/s and ran at 0.75x its speed; a
-process cost them nothing). It keeps the KV of its recent prompts, so a prompt behind a known prefix (the chat
-template's system prompt, a conversation's earlier turns) computes its new tokens only.
+prefill step with them: about two steps, where an idle server answers in one (figures: docs/engine.md). This process
+computes such a request's first token beside the batch instead: a second copy of the model, in a process of its own
+(threads of one process would share the GIL with the batching loop and slow its streams down). It keeps the KV of
+its recent prompts, so a prompt behind a known prefix (the chat template's system prompt, a conversation's earlier
+turns) computes its new tokens only.
 
 The child computes a first token only where it is quick: for a prompt of at most :data:`NEW_TOKENS` tokens past the
 longest prefix it knows (a chat message behind the chat template's system prompt, or behind a long system prompt it
-has seen). A longer one (a document to summarise) it declines at once, and the batch gives that first token alone;
-computed here, it would keep the child from the short prompts arriving behind it for as long as the batch takes
-for it anyway (measured: with the default bench prompts at 8 streams, short prompts waited up to 540 ms behind
-long ones). The child learns a declined prompt's KV instead, :data:`LEARN_ROWS` rows at a time while no prompt
-waits, so that the prompts that follow it (the next question behind the same long system prompt) are quick.
+has seen). A longer one (a document to summarise) it declines at once, and the batch gives that first token alone:
+computed here, it would keep the child from the short prompts arriving behind it for as long as the batch takes for
+it anyway. The child learns a declined prompt's KV instead, :data:`LEARN_ROWS` rows at a time while no prompt waits,
+so that the prompts that follow it (the next question behind the same long system prompt) are quick.
 
-The batch still prefills the request as before and goes on from there: whichever has the first token first gives
-it, and the batch goes on from that token (:class:`~ttft_sse.engine.batched.BatchedEngine`: if this one came first,
-the batch's own step is made to pick it). A greedy first token is the argmax, which both compute alike, row for row
-(the block kernel's linear layers and the C attention compute each row from its own inputs alone, so the batch's
-argmax is this one, bit for bit, and greedy answers stay the single engine's). A sampled one is drawn here, by the
-rule every engine draws by (engine/sampling.py), with the child's own random generator.
+The batch prefills the request all the same and goes on from there: whichever has the first token first gives it,
+and the batch goes on from that token (:class:`~ttft_sse.engine.batched.engine.BatchedEngine`: if this one came
+first, the batch's own step is made to pick it). A greedy first token is the argmax, which both compute alike, row
+for row (the block kernel's linear layers and the C attention compute each row from its own inputs alone, so the
+batch's argmax is this one, bit for bit, and greedy answers stay the single engine's). A sampled one is drawn here,
+by the rule every engine draws by (engine/sampling.py), with the child's own random generator.
 
 Parent and child speak pickles over the child's stdin and stdout (:class:`multiprocessing.connection.Connection`):
 the child's first message is ``("ready", seconds)`` (or ``("failed", reason)``), then one reply ``("tokens", ids)``
@@ -52,10 +50,10 @@ log = structlog.get_logger("ttft_sse.engine")
 REPLY_SECONDS = 60.0
 """How long the parent waits for a group's first tokens before it counts the child as wedged and stops it."""
 PROMPT_TOKENS = 2048
-"""The longest prompt the child takes (~13 s of prefill on 2 cores, when it knows no prefix of it): for a longer one
-the batch, which prefills in steps beside the others, is no slower, and the child would be busy for long."""
+"""The longest prompt the child takes (seconds of prefill when it knows no prefix of it): for a longer one the batch,
+which prefills in steps beside the others, is no slower, and the child would be busy for long."""
 PREFIX_TOKENS = 16384
-"""The prompt tokens whose KV the child keeps for reuse (~46 KB a token for the bundled model: 750 MB at most)."""
+"""The prompt tokens whose KV the child keeps for reuse (for the bundled model, ~46 KB a token: 750 MB at most)."""
 PREFIX_ENTRIES = 16
 """The prompts whose KV the child keeps for reuse."""
 NEW_TOKENS = 64
@@ -63,7 +61,7 @@ NEW_TOKENS = 64
 10-60); for a longer prompt it declines, and learns the prompt's KV while idle."""
 LEARN_ROWS = 64
 """The tokens of a declined prompt the child learns at a time: a prompt that arrives meanwhile waits for at most
-that many rows (~150 ms on one core of this machine), then goes first."""
+that many rows, then goes first."""
 LEARN_PROMPTS = 4
 """The declined prompts the child keeps to learn (the oldest are dropped)."""
 GROUP = 4

@@ -23,7 +23,6 @@ class PrefixCounters:
     in_place: bool = False  # the loop's cache hands the attention its rows in place (attention.read_in_place)
     between: Callable[[Any], None] | None = None  # called between a batched step's layers (attention.InPlace.between)
     waiting: Any = None  # a ctypes int, not 0 while between has work (attention.InPlace.waiting)
-    boundary: bool = True  # and between two steps (CountingScheduler.schedule_batch); False only to compare
     prefill_chunk: int = 0  # prompt tokens a step computes beside decoding streams (0: the whole token budget)
 
 
@@ -58,7 +57,7 @@ def register_scheduler(counters: PrefixCounters, *, paged: bool) -> str:
             # here, between two steps, rather than in the coming step beside the streams' rows: its prompt is then
             # a prefix hit below. Only while streams decode: an idle batch's burst is the coming step's.
             in_place = self._in_place
-            if decoding and in_place is not None and in_place.between is not None and counters.boundary:
+            if decoding and in_place is not None and in_place.between is not None:
                 in_place.between(in_place)
             if decoding and counters.prefill_chunk:
                 # Chunked prefill: beside streams that decode, a step computes at most ``prefill_chunk`` prompt

@@ -17,10 +17,11 @@ from ttft_sse.engine import sampling
 
 
 class Claims:
-    """Who gives each raced request its first token: the prefill process or the batch, whichever has one first,
-    settled once under a lock shared by the event loop (the process's token, :meth:`side`) and the loop's thread
-    (the step that computes the request's first token, :meth:`batch`). Where the process came first, that step is
-    made to pick the process's token, so the batch goes on from the token the client saw."""
+    """Who gives each raced request its first token: the batch, or what computes first tokens beside it (the prefill
+    process, the interludes), whichever has one first, settled once under a lock shared by the event loop (the side's
+    token, :meth:`side`) and the loop's thread (the step that computes the request's first token, :meth:`batch`).
+    Where the side came first, that step is made to pick the side's token, so the batch goes on from the token the
+    client saw."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -73,7 +74,8 @@ class Claims:
 
 @dataclass(frozen=True)
 class FirstToken:
-    """The prefill process's first token for a request, in the request's inbox beside the library's outputs."""
+    """A first token computed beside the batch (:class:`Claims`), in the request's inbox beside the library's
+    outputs."""
 
     token: int
 
@@ -84,8 +86,7 @@ def selection(claims: Claims) -> Any:
 
     Four of the library's per-request processors (each has a row of the step's per-request values), applied to the
     step's logits before the step's argmax (``do_sample=False``; engine/cpu/argmax.py's on CPU). Greedy rows pass
-    through
-    untouched: the argmax picks their token (the first index on a tie, as ``generate``). A sampled row is
+    through untouched: the argmax picks their token (the first index on a tie, as ``generate``). A sampled row is
 
     * divided by its temperature;
     * cut to its top-p, only if its ``top_p < 1``: a token stays while the probability before it is below ``top_p``
@@ -97,7 +98,7 @@ def selection(claims: Claims) -> Any:
     prefill process came first, only its token is left finite.
 
     The library's own sampling path runs softmax and a multinomial draw over the whole vocabulary of every row,
-    greedy ones included: 7-9 ms of a 130 ms step at 8 streams (measured with torch's profiler).
+    greedy ones included (figures: docs/engine.md).
     """
     import torch
     import transformers

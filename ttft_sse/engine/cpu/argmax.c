@@ -1,7 +1,6 @@
-/* The greedy pick of a batched step: each row's argmax over the vocabulary (ttft_sse/engine/argmax.py builds it and
-   calls it). torch's CPU argmax reads a value in ~3 ns, one at a time: ~0.9 ms for a decode step of 8 streams over
-   the bundled model's 49152 logits a row. Here a row is read twice, 16 (AVX-512) or 8 (AVX2) values at a time: its
-   largest value, then the first place that holds it.
+/* The greedy pick of a batched step: each row's argmax over the vocabulary (ttft_sse/engine/cpu/argmax.py builds it
+   and calls it). torch's CPU argmax reads one value at a time; here a row is read twice, 16 (AVX-512) or 8 (AVX2)
+   values at a time: its largest value, then the first place that holds it.
 
    The rule is torch.argmax's, so that an answer does not depend on which of the two picked its tokens: the first
    index of the largest value (-0.0 and 0.0 are equal, so the first of them), and if the row holds a NaN, the first

@@ -1,13 +1,12 @@
 """The greedy pick of the batched engine's steps: each row's argmax over the vocabulary, in C (``argmax.c``).
 
 transformers' continuous batching picks a step's tokens with ``torch.argmax`` over its logits (the runner's private
-``_sample``, with ``do_sample=False``: engine/batched/engine.py draws sampled rows before it). On CPU that reads one
-value
-at a time, ~3 ns each: ~0.9 ms for the 8 rows of a decode step of 8 streams over the bundled model's 49152 tokens,
-~0.1 ms for one stream's (docs/benchmarks.md, twenty-sixth stop). :func:`pick_greedy` gives the runner
-``argmax.c``'s instead, which reads a row 16 values at a time. Its rule is torch's (the first index of the largest
-value; the first NaN, if any), and comparisons are exact, so the tokens are the same. Where it cannot be built (no
-C compiler) the runner keeps torch's, and the log says why (``argmax_torch``; else ``argmax_c``).
+``_sample``, with ``do_sample=False``: engine/batched/selection.py draws sampled rows before it). On CPU that reads
+one value at a time, a measurable part of a decode step over a vocabulary of tens of thousands of tokens (figures:
+docs/engine.md). :func:`pick_greedy` gives the runner ``argmax.c``'s instead, which reads a row 16 values at a time.
+Its rule is torch's (the first index of the largest value; the first NaN, if any), and comparisons are exact, so the
+tokens are the same. Where it cannot be built (no C compiler) the runner keeps torch's, and the log says why
+(``argmax_torch``; else ``argmax_c``).
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 /* Attention of a batched step, request by request, over keys and values read in place from the paged KV cache; and
-   of the single-request engine's calls, over its dense cache (ttft_sse/engine/attention.py builds it and calls it).
+   of the single-request engine's calls, over its dense cache (ttft_sse/engine/cpu/attention.py builds it and calls
+   it).
 
    A step of continuous batching holds several requests side by side: request s has query rows cu_q[s] ..
    cu_q[s+1]-1 and keys cu_k[s] .. cu_k[s+1]-1, and its row i (of lq rows, lk keys) sees its own keys 0 .. lk-lq+i
@@ -143,8 +144,7 @@ static inline v16 v_sums16(const v16 a[16]) {
 }
 
 /* 16-float parts of a value row summed at once: one (two registers a query head; the rows are read again for each
-   part, from cache). Measured, one layer of a decode step of 8 streams of 200 keys, µs: 1 part 190-194, 2 parts
-   220-281, 4 parts 209-225 (16 registers: the accumulators spill). */
+   part, from cache). More parts spill the accumulators out of AVX2's 16 registers and are slower. */
 #define V_PARTS 1
 #endif
 

@@ -1,21 +1,23 @@
-/* A decoder layer's arithmetic around its attention, for CPU (ttft_sse/engine/decoder.py builds it with kernel.c).
+/* A decoder layer's arithmetic around its attention, for CPU (ttft_sse/engine/cpu/decoder.py builds it with
+   kernel.c).
 
    A Llama decoder layer is, for each row x (hidden values):
      h = norm(x);  q, k, v = h.Wq, h.Wk, h.Wv;  q, k = rotary(q), rotary(k)       (ttft_decoder_head)
      attention, by the library's cache and the engine's attention function        (not here)
      x = x + a.Wo;  h = norm(x);  x = x + (silu(h.Wg) * h.Wu).Wd                  (ttft_decoder_tail)
-   In a batched step over a paged KV cache read in place, ttft_decoder_layer does all three in one call: the head,
-   the new keys and values written into the cache's rows, the attention by attention.c's function (handed over as
-   a pointer: it is built into its own library), the tail; and ttft_decoder_stack runs a step's layers one after
-   another in one call, stopping between two of them when a newcomer waits (decoder.py's stack).
-   with norm(x) = w * (x * (1 / sqrt(mean(x^2) + eps))) and silu(g) = g / (1 + exp(-g)). Every linear layer is the
-   block kernel's (kernel.c), on the layer's GGUF blocks, with fp32 rows or rows quantised to int8. Each step is one
-   row's own arithmetic, so a row's result does not depend on the other rows of the call, as with the kernel alone.
-   The rotary embedding and the sums are the same operations, rounded the same way, as transformers' torch code; the
-   norm's mean sums in another order, and exp is Cephes' polynomial (within 2 ulp of exp), so the results are
-   within roundings of the library's layer (decoder.py checks them against it at load; with int8 rows a rounding
-   can move a value across a step, by 1/127 of its block's largest). Built with -ffp-contract=off: only written
-   fused multiply-adds fuse, and this file writes none. */
+   with norm(x) = w * (x * (1 / sqrt(mean(x^2) + eps))) and silu(g) = g / (1 + exp(-g)). In a batched step over a
+   paged KV cache read in place, ttft_decoder_layer does all three in one call: the head, the new keys and values
+   written into the cache's rows, the attention by attention.c's function (handed over as a pointer: it is built into
+   its own library), the tail; and ttft_decoder_stack runs a step's layers one after another in one call, stopping
+   between two of them when a newcomer waits (decoder.py's run_layers).
+
+   Every linear layer is the block kernel's (kernel.c), on the layer's GGUF blocks, with fp32 rows or rows quantised
+   to int8. Each step is one row's own arithmetic, so a row's result does not depend on the other rows of the call, as
+   with the kernel alone. The rotary embedding and the sums are the same operations, rounded the same way, as
+   transformers' torch code; the norm's mean sums in another order, and exp is Cephes' polynomial (within 2 ulp of
+   exp), so the results are within roundings of the library's layer (decoder.py checks them against it at load; with
+   int8 rows a rounding can move a value across a step, by 1/127 of its block's largest). Built with
+   -ffp-contract=off: only written fused multiply-adds fuse, and this file writes none. */
 
 #include <stdint.h>
 #include <stdlib.h>
@@ -133,9 +135,7 @@ static int multiply(const struct linear *l, const float *x, int64_t M, float *y)
 }
 
 /* One buffer a thread, kept (kernel.c's ttft_grow). Calls take their rows CHUNK at a time, so that it stays small
-   (1.3 MB for the bundled model) whatever a prompt's length. Measured (the bundled model's 30 layers, 64, 200 and
-   500 rows, alternated, best of 4, two runs): 0.90-1.08x the time of whole calls, within the machine's noise; 128
-   and 256 rows a chunk alike. */
+   whatever a prompt's length; chunks of this size cost no more than whole calls. */
 #define CHUNK 64
 
 static float *scratch(int64_t floats) {

@@ -1,39 +1,32 @@
 """Decoder layers in C around the library's cache and attention, on the block kernel (``TTFT_FUSED_LAYERS``).
 
-With the block kernel (engine/cpu/kernel.py) the matrix products of a decode step of the bundled model take a quarter
-of it on one stream: the rest is the ~40 torch calls and the Python of each of its 30 decoder layers (norms,
-projections, the rotary embedding, the MLP's activation, residual sums), each call a few µs whatever its size
-(measured with py-spy on the batching loop's thread, docs/benchmarks.md). :func:`fuse` makes each Llama decoder
+With the block kernel (engine/cpu/kernel.py) the matrix products are a small part of a decode step: the rest is the
+~40 torch calls and the Python of each decoder layer (norms, projections, the rotary embedding, the MLP's activation,
+residual sums), each call a few µs whatever its size (figures: docs/engine.md). :func:`fuse` makes each Llama decoder
 layer whose seven linear layers run on the kernel compute all of that in two C calls (``decoder.c``, built into the
 kernel's library): before its attention (norm, q/k/v, rotary) and after it (o, residual, norm, gate/up, SiLU times
 up, down, residual). Between them the layer calls the model's KV cache and attention function exactly as
 transformers' ``LlamaAttention`` does, so the batched engine's paged cache, the single engine's dense one and the
-prefill process's all work as before, and every engine runs the same arithmetic: a request's text is the same on
-each.
+prefill process's all work unchanged, and every engine runs the same arithmetic: a request's text is the same on each.
 
-Measured on 2 AVX2 cores (docs/benchmarks.md): one stream's decode step 31-37 -> 21-26 ms, eight streams' 76-82 ->
-67-74 ms; over HTTP 1.40x one stream's tokens/s and 1.16x eight's.
-
-In the batched engine's steps over its paged cache read in place (engine/cpu/attention.py's :class:`~attention.InPlace`)
-the Python between the two halves was still a fifth to a third of a step (py-spy: the cache's update, the attention's
-wrapper, the tensors between them). There a layer is one C call (``ttft_decoder_layer``): the head, the new keys and
-values copied into the layer's cache rows, attention.c's function (a pointer into its own library), the tail. The
+In the batched engine's steps over its paged cache read in place (engine/cpu/attention.py's
+:class:`~attention.InPlace`) a layer is one C call (``ttft_decoder_layer``): the head, the new keys and values copied
+into the layer's cache rows, attention.c's function (a pointer into its own library), the tail. That skips the
+Python between the two halves (the cache's update, the attention function's wrapper, the tensors between them). The
 index arrays a step's layers share are made once, by its first layer (:meth:`attention.InPlace.step`). The same
 arithmetic in the same order as the calls it replaces, so the same bits (a test); other calls (the single engine's
 dense cache, the prefill process's, long prompts, a softcap or sliding window) keep the two halves.
 
-Even so, the Python around each layer's call (the library's module calls, the rotary tables made contiguous, the
-output allocated, the call's arguments, the GIL taken back after it) was 3.5 ms of a 12 ms pass over the 30 layers
-at one stream and 5 ms of 25 at eight (`/tmp` script timing the calls inside the model's forward). So where every
-decoder layer of the model is fused, a batched step's first layer computes them all in one call
-(``ttft_decoder_stack``, :func:`run_layers`): each layer's ``ttft_decoder_layer`` in turn, the same calls, so the
-same bits; the step's later layers hand its output on. The interludes still run between two layers: the call
-stops before a layer when their flag says a newcomer waits (:attr:`attention.InPlace.waiting`), and goes on from
-there after them. The interludes' own passes use it too.
+Where every decoder layer of the model is fused, a batched step's first layer computes them all in one call
+(``ttft_decoder_stack``, :func:`run_layers`), so that the Python around each layer's call (module calls, arguments,
+the GIL taken back) is paid once a step: each layer's ``ttft_decoder_layer`` in turn, the same calls, so the same
+bits; the step's later layers hand its output on. The interludes still run between two layers: the call stops before
+a layer when their flag says a newcomer waits (:attr:`attention.InPlace.waiting`), and goes on from there after them.
+The interludes' own passes use it too.
 
-Each layer computes q, k and v in one call of the kernel and gate and up in another, over their panels side by
-side (:func:`kernel.join`; the same bits as one call a layer): a call shared with the kernel's helper threads costs
-the rows' copy and a start whatever its size (3-4 % of a forward pass, docs/benchmarks.md, twenty-sixth stop).
+Each layer computes q, k and v in one call of the kernel and gate and up in another, over their panels side by side
+(:func:`kernel.join`; the same bits as one call a layer): a call shared with the kernel's helper threads costs the
+rows' copy and a start whatever its size.
 
 The results are within roundings of the library's layer (the norm's mean sums in another order; exp is a
 polynomial): checked against it on a probe at load, else the layers stay as they were (``decoder_not_fused`` in the

@@ -1,4 +1,4 @@
-/* fp32 rows times a weight kept in a GGUF file's own blocks, for CPU (ttft_sse/engine/kernel.py builds it).
+/* fp32 rows times a weight kept in a GGUF file's own blocks, for CPU (ttft_sse/engine/cpu/kernel.py builds it).
 
    y[M,N] = x[M,K] . W[N,K]^T. W's blocks of 32 inputs hold w = q * scale + zero, one scale and one zero a block
    (q: 4-bit codes less 8, or 8-bit codes). kernel.py lays them out in panels of 16 outputs (N padded to whole
@@ -33,7 +33,7 @@
 /* 16 outputs in one register; tiles of up to 8 rows x 3 panels: 24 accumulators. */
 #define ROWS 8
 #define PANELS 3
-#define FUSED_ROWS 16 /* calls of up to this many rows expand the codes in registers in every tile (measured) */
+#define FUSED_ROWS 16 /* calls of up to this many rows expand the codes in registers in every tile */
 typedef __m512 pv;
 static inline pv pv_zero(void) { return _mm512_setzero_ps(); }
 static inline pv pv_load(const float *p) { return _mm512_loadu_ps(p); }
@@ -50,8 +50,7 @@ typedef pv cv;
 #define cv_fma pv_fma
 /* 16 signed codes to q * scale + zero in one fused multiply-add: q * scale is exact (at most 8 bits times an fp16
    scale's 11), so the one rounding is that of the sum, as in transformers' q * scale, then + zero (a test checks
-   the weights bit for bit). A multiply and an add: 5-14 % slower from 4 to 16 rows in the kernel alone, no
-   difference measured in the engine (docs/benchmarks.md). */
+   the weights bit for bit). A multiply and an add would give the same bits, a little slower. */
 static inline pv pv_codes(__m128i q, pv scale, pv zero) {
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), scale, zero);
 }
@@ -60,15 +59,12 @@ static inline pv pv_codes(__m128i q, pv scale, pv zero) {
 #define ROWS 4
 #define PANELS 1
 /* Calls of up to this many rows (one tile) expand the codes in registers; longer ones through the buffer, once for
-   all their tiles. The bundled model's 211 layers, ms a pass (best of 7, alternated, fifteenth stop), up to 8 rows
-   in registers against up to 4: 2 rows 40.7 / 40.6, 4 rows 60.2 / 60.1, 5 rows 88.2 / 68.9, 8 rows 119.0 / 88.0;
-   all through the buffer: 2 rows 47.9, 3 rows 53.2 (3 rows in registers 49.3). (The thirteenth stop had measured 8
-   rows alike either way, 43.7, 48.0 against 42.9, 55.8.) */
+   all their tiles: a second tile expanding the codes again costs more than the buffer, and a single tile through
+   the buffer more than in registers. */
 #define FUSED_ROWS 4
 /* Longer calls: tiles of up to 4 rows x 3 columns of 8 outputs (half a panel) over the expanded panels: 12 chains of
-   fused multiply-adds, where 4 rows x 16 outputs have 8 (AVX2 has 16 registers). Measured (one thread, the bundled
-   model's 211 layers, ms, best of 5, two runs), against 4 x 16: 9 rows 49.6, 47.3 / 72.9, 78.1; 16 rows 67.9, 68.5
-   / 111.7, 109.1; 37 rows 148, 173 / 238, 239; 64 rows 228, 281 / 383, 410. The same bits. */
+   fused multiply-adds, where 4 rows x 16 outputs have 8 (AVX2 has 16 registers), so more of them run at once. The
+   same bits either way. */
 #define B_ROWS 4
 #define CV 8
 typedef __m256 cv;
@@ -104,8 +100,7 @@ static inline void pair(const uint8_t *codes, int bits, int64_t i, pv scale, pv 
     if (bits == 4) {
         /* q - 8 as a float, from a table of -8..7 by vpermps, which reads only a lane's low 4 bits: each byte
            zero-extended to its lane gives the low nibble's value, and shifted right by 4 the high nibble's. The
-           same floats as converting q - 8, in 4 instructions for two inputs where the conversion took 9 (the
-           kernel alone, one thread: 1.3-1.5x faster at 1 row, 1.05-1.1x at 8, unchanged through the buffer). */
+           same floats as converting q - 8, in 4 instructions for two inputs where the conversion takes 9. */
         const __m512 table = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
         __m512i raw = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(codes + P * i)));
         *w0 = _mm512_fmadd_ps(_mm512_permutexvar_ps(raw, table), scale, zero);
@@ -333,8 +328,7 @@ int ttft_blocks_linear(const float *x, int64_t M, int64_t K, const uint8_t *code
      8-bit codes: 8 groups of 64 bytes; byte 4j+t of group g: output j's code for input 4g+t, plus 128;
      then the 16 outputs' scales and the 16 offsets, fp16 (the file's own values).
    AVX-512 VNNI: vpdpbusd sums four code x row products into a lane of 32 bits. Tiles of up to 4 rows x 3 panels:
-   measured against 4x2, 2x4, 6x2, 8x1 and 3x4 on the bundled model's layers, best or within 1 % of the best at
-   4-16 rows, within 8 % at 1 row and at 37-128.
+   of the shapes that fit the registers, the best or near it from 1 to 128 rows.
    AVX2 (with F16C, for the fp16 scales): vpmaddubsw sums two products into 16 bits, and the same lanes of 64 bytes
    (a group) are two registers of 8 outputs. A 4-bit block's 16 products an output-half lane add up to at most
    16 * 15 * 127 < 2^15, so they sum in 16 bits and widen once a block (vpmaddwd by ones). 8-bit codes would
@@ -441,10 +435,8 @@ static inline __attribute__((always_inline)) void q_tile(int rows, int panels, c
 }
 
 #else /* Q_AVX2 */
-/* Tiles of up to 4 rows x 1 panel (16 outputs: 2 registers), both halves sharing each row's broadcast steps. One
-   576x1536 Q4_1 layer, us at 1 / 4 / 8 / 16 rows (best of 30, alternated): 52 / 168 / 327 / 661; 2x1 52 / 164 /
-   321 / 647 and 3x1 51 / 162 / 334 / 675 alike; 1x2 and 1x3 up to 1.27x slower; each half panel in turn (4x2,
-   6x1) up to 1.2x slower. */
+/* Tiles of up to 4 rows x 1 panel (16 outputs: 2 registers), both halves sharing each row's broadcast steps: tiles
+   of 2 or 3 rows do alike, and more panels, or each half panel in turn, are slower. */
 #define Q_ROWS 4
 #define Q_PANELS 1
 
@@ -650,8 +642,9 @@ int ttft_q8_linear(const float *x, int64_t M, int64_t K, const uint8_t *records,
    buffer holds a whole output, so calls of more than SHARE_OUTPUTS outputs run alone. A forked child starts with
    no helpers and shares nothing until it starts its own.
    A batched step's attention (decoder.c) is shared the same way, by parts of query rows and KV heads (attention.c's
-   ttft_attention_part: each head of each row computed from its own inputs alone): the helpers read the share's copies of the queries and of the
-   step's key index, and the layer's KV cache, which lives as long as the engine (whoever frees it fences first).
+   ttft_attention_part: each head of each row computed from its own inputs alone): the helpers read the share's
+   copies of the queries and of the step's key index, and the layer's KV cache, which lives as long as the engine
+   (whoever frees it fences first).
    Since a helper still inside a taken-back attention chunk could read a key index rewritten under it, an
    attention call is shared only while no helper is inside an attention chunk. */
 

@@ -1,6 +1,6 @@
-/* What kernel.c gives decoder.c: the two are built into one library (ttft_sse/engine/kernel.py), and both include
-   this, so that a change of one of these declarations is one change, checked by the compiler on both sides. So does
-   attention.c, built into its own library, for the pointer types its two functions are called by. */
+/* What kernel.c gives decoder.c: the two are built into one library (ttft_sse/engine/cpu/kernel.py), and both
+   include this, so that a change of one of these declarations is one change, checked by the compiler on both sides.
+   So does attention.c, built into its own library, for the pointer types its two functions are called by. */
 
 #ifndef TTFT_KERNEL_H
 #define TTFT_KERNEL_H

@@ -1,54 +1,33 @@
 """The block kernel: fp32 rows times linear weights kept in a GGUF file's own blocks, on CPU (``TTFT_GGUF_KERNEL``).
 
-transformers expands a GGUF's Q4_0/Q4_1/Q8_0 weights to fp32, and a decode step then reads 32 bits an input from
-memory. ``kernel.c`` multiplies fp32 rows by the file's codes instead (engine/cpu/codes.py: 4.5 to 8.5 bits an input),
-laid out by :func:`panels` in panels of 16 outputs. For each input it expands a panel's 16 codes to exactly the
-fp32 weights transformers' loader gives and multiplies them into 16 outputs with one fused multiply-add, input
-after input. Measured on this machine (one thread, AVX-512, ms for 30 weights of 576x1536 as many as a forward
-pass streams through, ``/tmp`` script, best of 3x7; oneDNN: the pre-packed copy for 2-32 rows, column-major
-otherwise, as engine/cpu/weights.py lays them out; the first version of the kernel summed each output across vector
-lanes):
+A decode step is bound by the bytes it reads. transformers expands a GGUF's Q4_0/Q4_1/Q8_0 weights to fp32, 32 bits
+an input; ``kernel.c`` multiplies fp32 rows by the file's codes instead (engine/cpu/codes.py: 4.5 to 8.5 bits an
+input), laid out by :func:`panels` in panels of 16 outputs. For each input it expands a panel's 16 codes to exactly
+the fp32 weights transformers' loader gives and multiplies them into 16 outputs with one fused multiply-add, input
+after input. Decode steps and short prompts gain; long prompts, where both are near the core's fp32 peak, lose a
+little (figures: docs/engine.md).
 
-====== ================ ============= ============
-rows   oneDNN, fp32     first version block kernel
-====== ================ ============= ============
-1      5.7              2.6           2.1
-8      9.7              4.6           3.9
-32     19.9             14.6          14.2
-128    55.0             60.2          56.8
-400    193.4            232.8         214.1
-====== ================ ============= ============
-
-Decode steps and short prompts gain; long prompts lose up to ~10 %, where both are near the core's fp32 peak.
-
-The answers are the fp32 model's: the same weights and fp32 arithmetic, summed in another order than oneDNN's.
-And each row's result is the same bits whatever else the call holds (checked at load): a stream's answer does not
-depend on the batch it shares steps with, which oneDNN's GEMMs, whose blocking depends on the row count, do not
-promise.
+The answers are the fp32 model's: the same weights and fp32 arithmetic, summed in another order than oneDNN's. And
+each row's result is the same bits whatever else the call holds (checked at load): a stream's answer does not depend
+on the batch it shares steps with, which oneDNN's GEMMs, whose blocking depends on the row count, do not promise.
 
 ``TTFT_GGUF_ACTIVATIONS=int8`` (off by default) quantises each row first, per block of 32 inputs, to int8 steps of
-max|x| / 127, as llama.cpp does for these formats, and multiplies by the codes in integers (AVX-512 VNNI, or AVX2
-with F16C; laid out by :func:`records`; both builds give the same bits). The bundled model's 211 layers, one
-thread, ms a pass, fp32 rows against int8 rows (best of 5, alternated, ``/tmp`` script), AVX-512 VNNI: 1 row 15.9
-against 9.1, 8 rows 26.2 against 13.7, 37 rows 71.7 against 36.1, 128 rows 219.5 against 113.1; AVX2: see
-docs/benchmarks.md. Each row's result is still independent of the others in the call, but not of rounding:
-an activation that moves by an fp32 rounding can cross a step and move by 1/127 of its block. So the answers are
-the int8 model's, not the fp32 model's: off by default (docs/benchmarks.md). With the masked attention they also
-changed with the batch (its sums depend on the batch by fp32 roundings, which fp32 rows absorb); with attention
-request by request (engine/cpu/attention.py, the default) they no longer do.
+max|x| / 127, as llama.cpp does for these formats, and multiplies by the codes in integers (AVX-512 VNNI, or AVX2 with
+F16C; laid out by :func:`records`; both builds give the same bits). Each row's result is still independent of the
+others in the call, but not of rounding: an activation that moves by an fp32 rounding can cross a step and move by
+1/127 of its block. So the answers are the int8 model's, not the fp32 model's, hence off by default.
 
-The kernel is C, built at the first start by the system's C compiler for this CPU (``-march=native``: AVX-512 or
-AVX2 with FMA) into the cache directory, named by a hash of the source, the flags, the compiler and the CPU's
-flags, and loaded with ctypes (which lets go of the GIL during a call). Without a compiler, on another CPU family,
-or if the kernel disagrees with its fp64 reference on a probe, the engine says why (``weights_not_blocks``) and keeps
-the fp32 layers. So it does with more than one torch thread (``TTFT_THREADS``): the kernel runs on one thread, and
-on several oneDNN's fp32 GEMMs compute a long prompt faster (a decode step, bound by the bytes it reads, would
-still gain).
+The kernel is C, built at the first start by the system's C compiler for this CPU (``-march=native``: AVX-512 or AVX2
+with FMA) into the cache directory, named by a hash of the source, the flags, the compiler and the CPU's flags, and
+loaded with ctypes (which lets go of the GIL during a call). Without a compiler, on another CPU family, or if the
+kernel disagrees with its fp64 reference on a probe, the engine says why (``weights_not_blocks``) and keeps the fp32
+layers. So it does with more than one torch thread (``TTFT_THREADS``): the kernel runs on one, and on several
+oneDNN's fp32 GEMMs compute a long prompt faster.
 
 The kernel's own helper threads (:func:`start_helpers`, ``TTFT_KERNEL_HELPERS``) take a share of each large call's
-panels, but only on a core nothing else wants: they run at ``SCHED_IDLE``, and the calling thread takes back a chunk
-a helper holds too long, so it never waits on one that does not run (where torch's spinning threads fall 9-16x
-behind). The same bits shared or not. On 2 cores: 1.6x one row's pass, 1.8x eight rows' (docs/benchmarks.md).
+panels, but only on a core nothing else wants: they run at ``SCHED_IDLE``, and the calling thread takes back a chunk a
+helper holds too long, so it never waits on one that does not run (torch's spinning threads, on a busy core, do). The
+results are the same bits shared or not.
 """
 
 from __future__ import annotations
@@ -95,9 +74,9 @@ def c_compiler() -> str:
 
 
 def build(directory: Path, sources: tuple[Path, ...] = SOURCES, name: str = "blocks") -> Path:
-    """The C files ``sources`` (this kernel's library, or engine/cpu/attention.c) compiled for this CPU into one library
-    in ``directory``, ``name-<hash>.so``, compiled now if it is not there yet. Raises ``OSError`` (``RuntimeError``
-    for a failed compile) with the reason."""
+    """The C files ``sources`` (this kernel's library, or engine/cpu/attention.c) compiled for this CPU into one
+    library in ``directory``, ``name-<hash>.so``, compiled now if it is not there yet. Raises ``OSError``
+    (``RuntimeError`` for a failed compile) with the reason."""
     compiler = c_compiler()
     key = hashlib.sha256(
         b"\0".join(
@@ -261,7 +240,7 @@ def apply(
     others = (m for m in model.modules() if not isinstance(m, block_linear_class()))
     shared = {id(p) for m in others for p in m.parameters(recurse=False)}
     for layer in changed:
-        if id(layer.weight) not in shared:  # never read again: 424 MB for the bundled model
+        if id(layer.weight) not in shared:  # never read again: the fp32 weight's memory goes back
             layer.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
     counts = {bits: sum(codes.bits == bits for codes in found.values()) for bits in (4, 8)}
     log.info("weights_blocks", layers=len(changed), q4=counts[4], q8=counts[8], activations=activations)
@@ -418,8 +397,7 @@ def block_linear_class() -> type[Any]:
 
         def forward(self, x: Any) -> Any:
             # As few torch calls as it takes: a forward pass of the bundled model makes 211 of these, and each torch
-            # call costs a few µs even when it changes nothing (no reshape or view: the output is made in its
-            # shape; measured 13-17 µs a call before, 9-10 after, ~3 of them the kernel's ctypes call).
+            # call costs a few µs even when it changes nothing (no reshape or view: the output is made in its shape).
             if x.dtype != torch.float32 or not x.is_contiguous():
                 y = self.forward(x.to(torch.float32).contiguous())
                 return y if x.dtype == torch.float32 else y.to(x.dtype)

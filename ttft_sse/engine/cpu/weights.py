@@ -1,25 +1,12 @@
 """Weight layouts for fp32 on CPU: the operand each GEMM wants for the number of rows a forward pass has.
 
-A linear layer computes ``x @ weight.T`` for ``rows`` rows of ``x``: one row a stream in a decode step, a prompt's
-new tokens in a prefill. No one layout of the weight is fastest for every ``rows`` (measured on this machine, fp32,
-one thread, ms for 30 weights of 576x1536, as many as a forward pass streams through; ``/tmp`` script, run once):
-
-====== ============ ==================
-rows   column-major oneDNN pre-packed
-====== ============ ==================
-1      7.2          9.7
-8      17.1         12.4
-16     20.5         14.6
-32     22.3         18.4
-64     22.7         27.7
-====== ============ ==================
-
-One row is bound by memory (the weights at ~13 GB/s): the plain GEMM is best. From two rows on it repacks the
-weight on every call, which costs more than the arithmetic of a few rows; from ~40 rows on (measured at 24-56) the
-packed kernel loses to it again. So the weight is kept twice: column-major (:func:`arrange`, for one row and
-for long prefills) and, unless ``packed`` is off, pre-packed by oneDNN for 2-32 rows (a decode step of 2-32
-streams, a short prompt). The LM head gains the most (8 rows: 18.1 → 10.7 ms). The price is memory: the packed
-copies are as large as the weights (SmolLM2-135M: resident memory after load 1 404 MiB, 882 MiB without).
+A linear layer computes ``x @ weight.T`` for ``rows`` rows of ``x``: one row a stream in a decode step, a prompt's new
+tokens in a prefill. No one layout of the weight is fastest for every ``rows``. One row is bound by memory: the plain
+GEMM over a column-major weight is best. From two rows on that GEMM repacks the weight on every call, which costs
+more than the arithmetic of a few rows; from a few dozen rows on, oneDNN's pre-packed kernel loses to it again. So the
+weight is kept twice: column-major (:func:`arrange`, for one row and for long prefills) and, unless ``packed`` is
+off, pre-packed by oneDNN for :data:`PACKED_ROWS` rows (a decode step of 2-32 streams, a short prompt). The price is
+memory: the packed copies are as large as the weights (figures: docs/engine.md).
 
 bf16 and fp16 go through other kernels (bf16 is slower column-major), and CUDA does its own: fp32 on CPU only.
 """
@@ -48,9 +35,7 @@ def arrange(model: Any, torch: Any, *, packed: bool) -> str:
     parameter: both see the new layout.
 
     The other tensors are copied too. Loaded tensors are views of the checkpoint's memory map, and the map, every
-    page of it read by the copies above, stays resident while any view lives: measured resident memory after load
-    1 396 MiB with only the linear weights copied, 883 MiB with everything copied (row-major and untouched: 401 MiB,
-    ~900 MiB once requests have read every page).
+    page of it read by the copies above, stays resident while any view lives: with every tensor copied it goes.
     """
     # Plain linear layers only: a layer on codes (engine/cpu/kernel.py) reads no fp32 weight.
     linears = [module for module in model.modules() if type(module) is torch.nn.Linear]

@@ -14,7 +14,7 @@ from typing import Any
 import structlog
 
 from ttft_sse.engine.base import ModelInfo
-from ttft_sse.engine.cpu import attention, codes, decoder, kernel, weights
+from ttft_sse.engine.cpu import attention, codes, decoder, grouped, kernel, weights
 from ttft_sse.engine.loading import sources
 from ttft_sse.errors import StartupError
 from ttft_sse.settings import Settings
@@ -65,7 +65,7 @@ def load_model(settings: Settings, clock: StageClock) -> Loaded:
             on_cpu_in_fp32 = device == "cpu" and dtype == torch.float32
             layout, library, helpers = _arrange(settings, model, torch, source, location, on_cpu_in_fp32)
             if device == "cpu" and settings.grouped_attention:
-                attention.group(model, torch)
+                grouped.group(model, torch)
             if on_cpu_in_fp32 and settings.paged_attention:  # both engines' attention, request by request
                 attention.page(model, torch, settings.cache_dir / KERNEL_DIR)
     except OSError as exc:

@@ -1,9 +1,9 @@
 """Where weights come from: the bundled GGUF, a local ``.gguf``, a local model directory, or a model id.
 
-Loading a GGUF through transformers costs ~15-30 s of metadata parsing and de-quantisation on a small CPU,
-every start. A GGUF is therefore converted once into a safetensors copy under the cache directory (loads in
-~0.1 s) and the copy is used from then on. The copy's folder name carries a key taken from the file's size and
-the bytes at both of its ends, so a different file never reuses a stale copy.
+Loading a GGUF through transformers parses its metadata and de-quantises every weight, tens of seconds on a small
+CPU, every start. A GGUF is therefore converted once into a safetensors copy under the cache directory, which loads
+in a fraction of a second, and the copy is used from then on. The copy's folder name carries a key taken from the
+file's size and the bytes at both of its ends, so a different file never reuses a stale copy.
 """
 
 from __future__ import annotations
