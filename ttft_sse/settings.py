@@ -223,7 +223,7 @@ class Settings:
                 values[f.name] = _parse(f.name, raw, hints[f.name])
         unknown = sorted(k for k in env if k.startswith(ENV_PREFIX) and k[len(ENV_PREFIX) :].lower() not in hints)
         if unknown:
-            raise SettingsError(f"unknown setting(s) {', '.join(unknown)}; see the README's settings table")
+            raise SettingsError(f"unknown setting(s) {', '.join(unknown)}; see docs/settings.md")
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
 

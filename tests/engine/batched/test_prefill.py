@@ -501,7 +501,7 @@ def test_no_prefill_process_when_it_is_off(settings: Settings) -> None:
             2,
             "it needs the block kernel and the C attention (a GGUF model, on CPU, in fp32)",
         ),
-        # Both want the second core, and the batch on two cores did better at c=8 (docs/benchmarks.md).
+        # Both want the second core, and the batch on two cores did better at c=8 (docs/engine.md).
         (
             {"kernel_helpers": 1},
             2,
