@@ -1,0 +1,73 @@
+"""The batching loop's scheduler: chunked prefill beside decoding streams, observed through the engine's step log."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from contextlib import aclosing
+
+import pytest
+
+from tests.support.engines import collect, eventually_idle, prompt_of
+from tests.support.texts import PASSAGE, STORY
+from ttft_sse.engine.base import Finished, Piece, SamplingParams
+from ttft_sse.engine.batched.engine import BatchedEngine
+from ttft_sse.engine.single import SingleEngine
+from ttft_sse.settings import Settings
+from ttft_sse.stages import StageClock
+
+CHUNK = 16
+
+
+@pytest.fixture(scope="module")
+def engine(settings: Settings) -> Iterator[BatchedEngine]:
+    engine = BatchedEngine(settings.replace(prefill_chunk_tokens=CHUNK))
+    engine.load(StageClock())
+    yield engine
+    asyncio.run(engine.close())
+
+
+async def test_a_long_prompt_beside_a_decoding_stream_is_computed_a_chunk_a_step(
+    engine: BatchedEngine, reference: SingleEngine
+) -> None:
+    """Beside a stream that decodes, each step computes at most CHUNK of the long prompt's tokens, and the stream
+    gets a token in every one of those steps; the long prompt's answer is the single engine's all the same."""
+    long = engine.prepare(prompt=PASSAGE * 4, messages=None, raw=True)
+    assert long.n_tokens > 300
+    engine.batch_log.clear()
+    late: asyncio.Task[tuple[str, Finished]] | None = None
+    arrived = 0
+    pieces = 0
+    async with aclosing(engine.stream(prompt_of(engine, STORY), SamplingParams(max_tokens=600))) as story:
+        async for item in story:
+            pieces += isinstance(item, Piece)
+            if pieces == 3:
+                arrived = len(engine.batch_log)
+                late = asyncio.create_task(collect(engine.stream(long, SamplingParams(max_tokens=8))))
+            if late is not None and late.done():
+                break
+    assert late is not None
+    text, _ = await late
+    expected, _ = await collect(reference.stream(long, SamplingParams(max_tokens=8)))
+    assert text == expected
+
+    log = list(engine.batch_log)
+    teller = log[0][0]
+    (newcomer,) = {rid for step in log for rid in step} - {teller}
+    first = next(i for i, step in enumerate(log) if newcomer in step)
+    # Every step from the newcomer's arrival to its first token decoded the story too, and there were at least as
+    # many as its prompt has chunks (whatever the prefix cache held of it, at most a few blocks).
+    assert all(teller in step for step in log[arrived : first + 1])
+    assert first - arrived >= (long.n_tokens - 32) // CHUNK
+    await eventually_idle(engine)
+
+
+async def test_a_long_prompt_alone_takes_the_whole_token_budget(engine: BatchedEngine) -> None:
+    """With nothing decoding, chunked prefill does not apply: the prompt is computed TTFT_BATCH_TOKENS a step."""
+    long = engine.prepare(prompt="Once more: " + PASSAGE * 4, messages=None, raw=True)
+    steps = engine.stats().steps
+    engine.batch_log.clear()
+    _, finished = await collect(engine.stream(long, SamplingParams(max_tokens=2)))
+    assert finished.usage.completion_tokens == 2
+    # A step that produced no token is not counted; the prompt's steps end in the first token's step.
+    assert engine.stats().steps - steps == 2
