@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from ttft_sse.engine.batched.selection import Claims, selection
+from ttft_sse.engine.batched.claims import Claims
+from ttft_sse.engine.batched.selection import selection
 
 torch = pytest.importorskip("torch")
 INF = float("inf")

@@ -56,11 +56,11 @@ import structlog
 
 from ttft_sse.bridge import Mailboxes, Resident
 from ttft_sse.engine.base import ChatMessage, Finished, ModelInfo, Piece, Prompt, SamplingParams, Usage
+from ttft_sse.engine.batched.claims import Claims, FirstToken
 from ttft_sse.engine.batched.hooks import keep_config_causal, missing_internals, pick_greedy_with, router
 from ttft_sse.engine.batched.interlude import Interlude
 from ttft_sse.engine.batched.prefill import PrefillProcess
 from ttft_sse.engine.batched.scheduler import PrefixCounters, register_scheduler, unregister_scheduler
-from ttft_sse.engine.batched.selection import Claims, FirstToken, selection
 from ttft_sse.engine.cpu import argmax, attention, decoder, kernel
 from ttft_sse.engine.loading.model import KERNEL_DIR
 from ttft_sse.engine.single import CacheJanitor, SingleEngine
@@ -261,6 +261,8 @@ class BatchedEngine:
             generation_config=generation, continuous_batching_config=batching
         )
         manager.output_router = router(self._deliver)
+        from ttft_sse.engine.batched.selection import selection  # torch and transformers: imported at load
+
         manager.logit_processor = selection(self._claims)  # before the loop builds its batch processor from it
         if self.model.device.type == "cpu":
             picker = argmax.build(settings.cache_dir / KERNEL_DIR)

@@ -1,207 +1,142 @@
-"""Who picks each batched request's tokens: greedy or sampled rows, and first tokens given beside the batch.
+"""The batch's token selection, per request: greedy (``temperature`` 0) or temperature and top-p sampling, and
+the first tokens given beside the batch (:class:`~ttft_sse.engine.batched.claims.Claims`).
 
-:func:`selection` is the batch's token selection, built from the library's per-request logits processors;
-:class:`Claims` settles, once per request, whether its first token is the batch's or one computed beside it
-(engine/batched/interlude.py, engine/batched/prefill.py), and :class:`FirstToken` carries the latter to the
-request's inbox.
+Four of the library's per-request processors (each has a row of the step's per-request values), applied to the
+step's logits before the step's argmax (``do_sample=False``; engine/cpu/argmax.py's on CPU). Greedy rows pass
+through untouched: the argmax picks their token (the first index on a tie, as ``generate``). A sampled row is
+
+* divided by its temperature;
+* cut to its top-p, only if its ``top_p < 1``: a token stays while the probability before it is below ``top_p``
+  (engine/sampling.py: every engine's rule, so all sample from the same distribution);
+* drawn from: softmax and one draw for the sampled rows only (:func:`~ttft_sse.engine.sampling.pick`), then
+  only the drawn token is left finite, so the argmax returns it.
+
+Last, a row that gives a raced request its first token settles the race (:meth:`Claims.batch`): where the side
+came first, only its token is left finite.
+
+The library's own sampling path runs softmax and a multinomial draw over the whole vocabulary of every row,
+greedy ones included (figures: docs/engine.md). This module imports torch and transformers: the batched engine
+imports it when it builds its batching loop, not before.
 """
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import torch
+import transformers
+from transformers.generation.continuous_batching.cb_logits_processors import (
+    ContinuousBatchingLogitsProcessor,
+    ContinuousBatchingLogitsProcessorList,
+)
+
 from ttft_sse.engine import sampling
-
-
-class Claims:
-    """Who gives each raced request its first token: the batch, or what computes first tokens beside it (the prefill
-    process, the interludes), whichever has one first, settled once under a lock shared by the event loop (the side's
-    token, :meth:`side`) and the loop's thread (the step that computes the request's first token, :meth:`batch`).
-    Where the side came first, that step is made to pick the side's token, so the batch goes on from the token the
-    client saw."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._open: set[str] = set()  # raced, not settled
-        self._side: dict[str, int] = {}  # settled by the process: its token, until the batch's step picks it
-        self._stepping: frozenset[str] = frozenset()  # first tokens the step in flight computes
-
-    def open(self, request_id: str) -> None:
-        with self._lock:
-            self._open.add(request_id)
-
-    def wanted(self, request_id: str) -> bool:
-        """Not settled yet: the process's token would still be used."""
-        with self._lock:
-            return request_id in self._open
-
-    def beside(self, request_id: str) -> bool:
-        """Not settled, and not computed by the step in flight."""
-        with self._lock:
-            return request_id in self._open and request_id not in self._stepping
-
-    def scheduled(self, request_ids: Sequence[str]) -> None:
-        """The step being prepared computes these requests' first tokens."""
-        with self._lock:
-            self._stepping = frozenset(request_ids)
-
-    def side(self, request_id: str, token: int) -> bool:
-        """The process has ``token``: True if it came first (the client gets it, and the batch's step will pick
-        it); False if the batch's step picked one before, or the request has ended."""
-        with self._lock:
-            if request_id not in self._open:
-                return False
-            self._open.discard(request_id)
-            self._side[request_id] = token
-            return True
-
-    def batch(self, request_ids: Sequence[str]) -> list[int | None]:
-        """A step picks these requests' first tokens: for each, the process's token that it must pick, or None (its
-        own: where the process has not come first, the race is now the batch's)."""
-        with self._lock:
-            self._open.difference_update(request_ids)
-            return [self._side.pop(request_id, None) for request_id in request_ids]
-
-    def close(self, request_id: str) -> None:
-        """The request has ended."""
-        with self._lock:
-            self._open.discard(request_id)
-            self._side.pop(request_id, None)
-
-
-@dataclass(frozen=True)
-class FirstToken:
-    """A first token computed beside the batch (:class:`Claims`), in the request's inbox beside the library's
-    outputs."""
-
-    token: int
+from ttft_sse.engine.batched.claims import Claims
 
 
 def selection(claims: Claims) -> Any:
-    """The batch's token selection, per request: greedy (``temperature`` 0) or temperature and top-p sampling, and
-    the first tokens the prefill process gave (``claims``).
+    """The processors as one list for the library's batch processor, with ``claims`` settling first tokens."""
+    processors = [Temperature(), TopP(), Draw(), Claimed(claims)]
+    chosen = ContinuousBatchingLogitsProcessorList(transformers.LogitsProcessorList(processors))
+    chosen.tensors_required = len(processors)  # one row of per-request values each (the library counts its own)
+    return chosen
 
-    Four of the library's per-request processors (each has a row of the step's per-request values), applied to the
-    step's logits before the step's argmax (``do_sample=False``; engine/cpu/argmax.py's on CPU). Greedy rows pass
-    through untouched: the argmax picks their token (the first index on a tie, as ``generate``). A sampled row is
 
-    * divided by its temperature;
-    * cut to its top-p, only if its ``top_p < 1``: a token stays while the probability before it is below ``top_p``
-      (engine/sampling.py: every engine's rule, so all sample from the same distribution);
-    * drawn from: softmax and one draw for the sampled rows only (:func:`~ttft_sse.engine.sampling.pick`), then
-      only the drawn token is left finite, so the argmax returns it.
+class PerRequest(ContinuousBatchingLogitsProcessor):  # type: ignore[misc]
+    """One float per request (``key`` of ``add_request``'s keyword arguments), one row of the batch's args."""
 
-    Last, a row that gives a raced request its first token settles the race (:meth:`Claims.batch`): where the
-    prefill process came first, only its token is left finite.
+    key: ClassVar[str]
+    default: ClassVar[float]
+    supported_kwargs: ClassVar[dict[str, type]] = {}
+    ignored_kwargs: ClassVar[tuple[str, ...]] = ()
 
-    The library's own sampling path runs softmax and a multinomial draw over the whole vocabulary of every row,
-    greedy ones included (figures: docs/engine.md).
-    """
-    import torch
-    import transformers
-    from transformers.generation.continuous_batching.cb_logits_processors import (
-        ContinuousBatchingLogitsProcessor,
-        ContinuousBatchingLogitsProcessorList,
-    )
+    def fill_defaults(self, int32_tensor: Any) -> None:
+        default = torch.full_like(int32_tensor, self.default, dtype=torch.float32)
+        int32_tensor.copy_(default.view(dtype=torch.int32))
 
-    class PerRequest(ContinuousBatchingLogitsProcessor):  # type: ignore[misc]
-        """One float per request (``key`` of ``add_request``'s keyword arguments), one row of the batch's args."""
+    def prepare_tensor_args(self, requests_with_new_token: list[Any]) -> Any:
+        values = [r.state.logit_processor_kwargs.get(self.key, self.default) for r in requests_with_new_token]
+        return torch.tensor(values, dtype=torch.float32).view(dtype=torch.int32)
 
-        key: ClassVar[str]
-        default: ClassVar[float]
-        supported_kwargs: ClassVar[dict[str, type]] = {}
-        ignored_kwargs: ClassVar[tuple[str, ...]] = ()
+    def values(self, scores: Any, tensor_arg: Any) -> Any:
+        return tensor_arg[: scores.size(0)].view(dtype=torch.float32)
 
-        def fill_defaults(self, int32_tensor: Any) -> None:
-            default = torch.full_like(int32_tensor, self.default, dtype=torch.float32)
-            int32_tensor.copy_(default.view(dtype=torch.int32))
 
-        def prepare_tensor_args(self, requests_with_new_token: list[Any]) -> Any:
-            values = [r.state.logit_processor_kwargs.get(self.key, self.default) for r in requests_with_new_token]
-            return torch.tensor(values, dtype=torch.float32).view(dtype=torch.int32)
+class Temperature(PerRequest):
+    key, default = "temperature", 0.0
+    supported_kwargs: ClassVar[dict[str, type]] = {"temperature": float}
 
-        def values(self, scores: Any, tensor_arg: Any) -> Any:
-            return tensor_arg[: scores.size(0)].view(dtype=torch.float32)
-
-    class Temperature(PerRequest):
-        key, default = "temperature", 0.0
-        supported_kwargs: ClassVar[dict[str, type]] = {"temperature": float}
-
-        def __call__(self, scores: Any, tensor_arg: Any) -> Any:
-            temperature = self.values(scores, tensor_arg)
-            rows = (temperature > 0).nonzero().squeeze(-1)
-            if rows.numel() == 0:
-                return scores
-            scores = scores.clone()
-            scores[rows] = scores[rows] / temperature[rows].unsqueeze(-1)
+    def __call__(self, scores: Any, tensor_arg: Any) -> Any:
+        temperature = self.values(scores, tensor_arg)
+        rows = (temperature > 0).nonzero().squeeze(-1)
+        if rows.numel() == 0:
             return scores
+        scores = scores.clone()
+        scores[rows] = scores[rows] / temperature[rows].unsqueeze(-1)
+        return scores
 
-    class TopP(PerRequest):
-        key, default = "top_p", 1.0
-        supported_kwargs: ClassVar[dict[str, type]] = {"top_p": float}
 
-        def __call__(self, scores: Any, tensor_arg: Any) -> Any:
-            top_p = self.values(scores, tensor_arg)
-            rows = (top_p < 1.0).nonzero().squeeze(-1)
-            if rows.numel() == 0:
-                return scores
-            picked = scores[rows]
-            drop = sampling.outside_top_p(torch.softmax(picked, dim=-1), top_p[rows].unsqueeze(-1))
-            scores = scores.clone()
-            scores[rows] = picked.masked_fill(drop, float("-inf"))
+class TopP(PerRequest):
+    key, default = "top_p", 1.0
+    supported_kwargs: ClassVar[dict[str, type]] = {"top_p": float}
+
+    def __call__(self, scores: Any, tensor_arg: Any) -> Any:
+        top_p = self.values(scores, tensor_arg)
+        rows = (top_p < 1.0).nonzero().squeeze(-1)
+        if rows.numel() == 0:
             return scores
+        picked = scores[rows]
+        drop = sampling.outside_top_p(torch.softmax(picked, dim=-1), top_p[rows].unsqueeze(-1))
+        scores = scores.clone()
+        scores[rows] = picked.masked_fill(drop, float("-inf"))
+        return scores
 
-    class Draw(Temperature):
-        """Reads the temperature again: which rows sample."""
 
-        def __call__(self, scores: Any, tensor_arg: Any) -> Any:
-            rows = (self.values(scores, tensor_arg) > 0).nonzero().squeeze(-1)
-            if rows.numel() == 0:
-                return scores
-            picked = scores[rows]
-            choice = sampling.pick(torch.softmax(picked, dim=-1))
-            scores = scores.clone()
-            scores[rows] = torch.full_like(picked, float("-inf")).scatter_(-1, choice, 0.0)
+class Draw(Temperature):
+    """Reads the temperature again: which rows sample."""
+
+    def __call__(self, scores: Any, tensor_arg: Any) -> Any:
+        rows = (self.values(scores, tensor_arg) > 0).nonzero().squeeze(-1)
+        if rows.numel() == 0:
             return scores
+        picked = scores[rows]
+        choice = sampling.pick(torch.softmax(picked, dim=-1))
+        scores = scores.clone()
+        scores[rows] = torch.full_like(picked, float("-inf")).scatter_(-1, choice, 0.0)
+        return scores
 
-    class Claimed(ContinuousBatchingLogitsProcessor):  # type: ignore[misc]
-        """Reads the request ids of the rows that give a request its first token, recorded when the step is
-        prepared, not a value: the race is settled when the step's logits are there, not before its forward."""
 
-        supported_kwargs: ClassVar[dict[str, type]] = {}
-        ignored_kwargs: ClassVar[tuple[str, ...]] = ()
+class Claimed(ContinuousBatchingLogitsProcessor):  # type: ignore[misc]
+    """Reads the request ids of the rows that give a request its first token, recorded when the step is
+    prepared, not a value: the race is settled when the step's logits are there, not before its forward."""
 
-        def __init__(self) -> None:
-            self.firsts: list[tuple[int, str]] = []  # (row, request id)
+    supported_kwargs: ClassVar[dict[str, type]] = {}
+    ignored_kwargs: ClassVar[tuple[str, ...]] = ()
 
-        def fill_defaults(self, int32_tensor: Any) -> None:
-            int32_tensor.zero_()
+    def __init__(self, claims: Claims) -> None:
+        self.claims = claims
+        self.firsts: list[tuple[int, str]] = []  # (row, request id)
 
-        def prepare_tensor_args(self, requests_with_new_token: list[Any]) -> Any:
-            rows = enumerate(requests_with_new_token)
-            self.firsts = [(row, r.state.request_id) for row, r in rows if not r.state.generated_tokens]
-            claims.scheduled([request_id for _, request_id in self.firsts])
-            return torch.zeros(len(requests_with_new_token), dtype=torch.int32)
+    def fill_defaults(self, int32_tensor: Any) -> None:
+        int32_tensor.zero_()
 
-        def __call__(self, scores: Any, tensor_arg: Any) -> Any:
-            firsts, self.firsts = self.firsts, []
-            forced = [
-                (row, token)
-                for (row, _), token in zip(firsts, claims.batch([request_id for _, request_id in firsts]), strict=True)
-                if token is not None
-            ]
-            if not forced:
-                return scores
-            scores = scores.clone()
-            for row, token in forced:
-                scores[row] = float("-inf")
-                scores[row, token] = 0.0
+    def prepare_tensor_args(self, requests_with_new_token: list[Any]) -> Any:
+        rows = enumerate(requests_with_new_token)
+        self.firsts = [(row, r.state.request_id) for row, r in rows if not r.state.generated_tokens]
+        self.claims.scheduled([request_id for _, request_id in self.firsts])
+        return torch.zeros(len(requests_with_new_token), dtype=torch.int32)
+
+    def __call__(self, scores: Any, tensor_arg: Any) -> Any:
+        firsts, self.firsts = self.firsts, []
+        forced = [
+            (row, token)
+            for (row, _), token in zip(firsts, self.claims.batch([request_id for _, request_id in firsts]), strict=True)
+            if token is not None
+        ]
+        if not forced:
             return scores
-
-    processors = [Temperature(), TopP(), Draw(), Claimed()]
-    selection = ContinuousBatchingLogitsProcessorList(transformers.LogitsProcessorList(processors))
-    selection.tensors_required = len(processors)  # one row of per-request values each (the library counts its own)
-    return selection
+        scores = scores.clone()
+        for row, token in forced:
+            scores[row] = float("-inf")
+            scores[row, token] = 0.0
+        return scores
