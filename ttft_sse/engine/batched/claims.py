@@ -1,12 +1,20 @@
 """Who gives each raced request its first token: the batch, or what computes first tokens beside it
 (engine/batched/interlude.py, engine/batched/prefill.py). :class:`Claims` settles it once per request;
-:class:`FirstToken` carries a token given beside the batch to the request's inbox."""
+:class:`FirstToken` carries a token given beside the batch to the request's inbox, and :class:`Arrivals` turns what
+the inbox brings into the request's new tokens."""
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+from ttft_sse.errors import EngineError
+
+log = structlog.get_logger("ttft_sse.engine")
 
 
 class Claims:
@@ -71,3 +79,30 @@ class FirstToken:
     outputs."""
 
     token: int
+
+
+class Arrivals:
+    """What a batched request's inbox brings, as tokens: a first token given beside the batch (then the library's
+    first token is that same one, and skipped), and the library's outputs, each holding every token so far."""
+
+    def __init__(self, request_id: str) -> None:
+        self._request_id = request_id
+        self._side: int | None = None
+        self._seen = 0
+
+    def take(self, output: Any) -> tuple[list[int], bool]:
+        """The tokens ``output`` brings that were not had before, and whether the request is finished. Raises
+        :class:`EngineError` for an output that carries the library's error."""
+        if isinstance(output, FirstToken):
+            self._side = output.token
+            return [output.token], False
+        if output.error is not None:
+            log.error("generation_failed", error=output.error, request_id=self._request_id)
+            raise EngineError("generation failed: the batched forward pass raised an error")
+        tokens: list[int] = output.generated_tokens
+        if self._side is not None and self._seen == 0 and tokens:
+            self._seen = 1
+            if tokens[0] != self._side:  # not expected: the step was made to pick it (engine/batched/selection.py)
+                log.error("first_token_mismatch", request_id=self._request_id, side=self._side, batch=tokens[0])
+        fresh, self._seen = tokens[self._seen :], len(tokens)
+        return fresh, bool(output.is_finished())

@@ -56,7 +56,7 @@ import structlog
 
 from ttft_sse.bridge import Mailboxes, Resident
 from ttft_sse.engine.base import ChatMessage, Finished, ModelInfo, Piece, Prompt, SamplingParams, Usage
-from ttft_sse.engine.batched.claims import Claims, FirstToken
+from ttft_sse.engine.batched.claims import Arrivals, Claims, FirstToken
 from ttft_sse.engine.batched.hooks import keep_config_causal, missing_internals, pick_greedy_with, router
 from ttft_sse.engine.batched.interlude import Interlude
 from ttft_sse.engine.batched.prefill import PrefillProcess
@@ -304,63 +304,25 @@ class BatchedEngine:
                 yield item
 
     async def _batched(self, prompt: Prompt, params: SamplingParams) -> AsyncGenerator[Item, None]:
-        if self._closed or self._loop is None:
-            raise EngineError("the engine is not running: it was closed, or never loaded")
-        if self._down():
-            log.warning("batching_loop_restarted", reason="the loop had stopped (see the error logged before)")
-            await self._loop.restart(self._down)
+        await self._running()
         request_id = f"ttft-{next(self._ids)}"
         tokenizer = self._single.tokenizer
         text = TokenText(lambda ids: tokenizer.decode(ids, skip_special_tokens=True), params.stop, self._single.eos)
         inbox = self._mailboxes.open(request_id)
-        side_token: int | None = None
+        arrivals = Arrivals(request_id)
         started = time.perf_counter()
         first_at: float | None = None
         index = 0
         in_library = False
         try:
-            # Only where the batch's steps attend request by request (a cache that reads in place): there its greedy
-            # first token is the process's, bit for bit. Raced before the library has the request, so that no step
-            # picks its first token before the race is open.
-            if self._prefill is not None and self._counters.in_place and self._mailboxes.count > 1:
-                self._race(request_id, prompt, params)
-            added = self._manager.add_request(
-                list(prompt.token_ids),
-                request_id=request_id,
-                max_new_tokens=params.max_tokens,
-                streaming=True,
-                eos_token_id=sorted(self._single.eos) or -1,
-                temperature=float(params.temperature),
-                top_p=float(params.top_p) if not params.greedy else 1.0,
-            )
-            if added is None:
-                raise EngineError("generation failed: the batching loop is not accepting requests")
+            self._submit(request_id, prompt, params)
             in_library = True
-            seen = 0
             async for output in inbox:
-                finished = False
                 if isinstance(output, FirstToken):
-                    # A first token from beside the batch, claimed before the batch's step picked one: that step
-                    # picks it too (selection), and the batch's is skipped below.
-                    if isinstance(self._prefill, Interlude):
-                        self._interlude_first += 1
-                    else:
-                        self._side_first += 1
-                    side_token = output.token
-                    fresh = [side_token]
-                else:
-                    if output.error is not None:
-                        in_library = False
-                        log.error("generation_failed", error=output.error, request_id=request_id)
-                        raise EngineError("generation failed: the batched forward pass raised an error")
-                    tokens = output.generated_tokens
-                    if side_token is not None and seen == 0 and tokens:
-                        seen = 1
-                        if tokens[0] != side_token:  # not expected: the step was made to pick it (selection)
-                            log.error("first_token_mismatch", request_id=request_id, side=side_token, batch=tokens[0])
-                    fresh, seen = tokens[seen:], len(tokens)
-                    finished = output.is_finished()
-                    in_library = not finished
+                    self._count_first_beside()
+                elif output.error is not None or output.is_finished():
+                    in_library = False
+                fresh, finished = arrivals.take(output)
                 for token in fresh:
                     if first_at is None:
                         first_at = time.perf_counter()
@@ -390,21 +352,58 @@ class BatchedEngine:
                 },
             )
         finally:
-            self._claims.close(request_id)
-            if isinstance(self._prefill, Interlude):
-                self._prefill.sweep()
             inbox.close()
-            if self.janitor.count():
-                # On CUDA, every N generations: empty the allocator's cache in a worker thread (it synchronises
-                # the device), as the single engine does in its generation thread.
-                emptying = asyncio.get_running_loop().run_in_executor(None, self.janitor.empty)
-                emptying.add_done_callback(_log_failure)
-            if in_library:
-                # A stop sequence matched or the client left: the library frees the request's slot and blocks at
-                # its next step. Results of a step already in flight are dropped by the closed inbox.
-                self._manager.cancel_request(request_id)
-                if not text.stopped:
-                    log.info("generation_cancelled", completion_tokens=text.count, max_tokens=params.max_tokens)
+            self._ended(request_id, in_library=in_library)
+            if in_library and not text.stopped:
+                log.info("generation_cancelled", completion_tokens=text.count, max_tokens=params.max_tokens)
+
+    async def _running(self) -> None:
+        """Raise if the engine is closed; restart the batching loop if it died (the error was logged then)."""
+        if self._closed or self._loop is None:
+            raise EngineError("the engine is not running: it was closed, or never loaded")
+        if self._down():
+            log.warning("batching_loop_restarted", reason="the loop had stopped (see the error logged before)")
+            await self._loop.restart(self._down)
+
+    def _submit(self, request_id: str, prompt: Prompt, params: SamplingParams) -> None:
+        """Hand the request to the library (and, where first tokens are given beside the batch, race it there)."""
+        # Only where the batch's steps attend request by request (a cache that reads in place): there its greedy
+        # first token is the side's, bit for bit. Raced before the library has the request, so that no step picks
+        # its first token before the race is open.
+        if self._prefill is not None and self._counters.in_place and self._mailboxes.count > 1:
+            self._race(request_id, prompt, params)
+        added = self._manager.add_request(
+            list(prompt.token_ids),
+            request_id=request_id,
+            max_new_tokens=params.max_tokens,
+            streaming=True,
+            eos_token_id=sorted(self._single.eos) or -1,
+            temperature=float(params.temperature),
+            top_p=float(params.top_p) if not params.greedy else 1.0,
+        )
+        if added is None:
+            raise EngineError("generation failed: the batching loop is not accepting requests")
+
+    def _count_first_beside(self) -> None:
+        if isinstance(self._prefill, Interlude):
+            self._interlude_first += 1
+        else:
+            self._side_first += 1
+
+    def _ended(self, request_id: str, *, in_library: bool) -> None:
+        """A batched generation has ended, or its client has left: settle its claims, and free its slot in the
+        library if it still holds one (a stop sequence matched, or the client left: the library frees it at its
+        next step; results of a step already in flight are dropped by the closed inbox)."""
+        self._claims.close(request_id)
+        if isinstance(self._prefill, Interlude):
+            self._prefill.sweep()
+        if self.janitor.count():
+            # On CUDA, every N generations: empty the allocator's cache in a worker thread (it synchronises the
+            # device), as the single engine does in its generation thread.
+            emptying = asyncio.get_running_loop().run_in_executor(None, self.janitor.empty)
+            emptying.add_done_callback(_log_failure)
+        if in_library:
+            self._manager.cancel_request(request_id)
 
     def _race(self, request_id: str, prompt: Prompt, params: SamplingParams) -> None:
         """Ask the interludes or the prefill process for the request's first token too; it goes to the request's
