@@ -172,6 +172,7 @@ def paged_module(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
         if request.param == "avx2":
             patch.setattr(kernel, "FLAGS", (*kernel.FLAGS, "-mno-avx512f"))
         assert attention.page(model, torch, tmp_path_factory.mktemp("kernels")) == 2
+    grouped.install()  # the attention function that hands the marked modules' calls to the C attention
     return model.model.layers[0].self_attn
 
 
@@ -334,7 +335,6 @@ def test_page_marks_every_attention_module_after_its_probe(tmp_path: Any) -> Non
     with capture_logs() as logs:
         assert attention.page(model, torch, tmp_path) == 2
     assert [callable(getattr(layer.self_attn, attention.PAGED, None)) for layer in model.model.layers] == [True, True]
-    assert transformers.AttentionInterface()["sdpa"] is grouped.grouped_sdpa
     assert [entry["event"] for entry in logs if entry["log_level"] == "info"][-1:] == ["attention_paged"]
 
 
@@ -403,3 +403,12 @@ def test_without_avx512_or_avx2_the_c_attention_refuses_and_nothing_is_marked(
         "log_level": "warning",
         "reason": "the CPU has neither AVX-512 nor AVX2 with FMA",
     }
+
+
+def test_the_installed_sdpa_is_the_function_that_dispatches_marked_calls() -> None:
+    """The batched steps' layers attend in one C call only where transformers' ``sdpa`` is grouped_sdpa (InPlace.step
+    reads its mark): install registers it."""
+    grouped.install()
+    installed = transformers.AttentionInterface()["sdpa"]
+    assert installed is grouped.grouped_sdpa
+    assert getattr(installed, attention.DISPATCHES) is True

@@ -53,13 +53,31 @@ PROBE_LONG = 5
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 
 
+DISPATCHES = "ttft_dispatches_in_place"
+"""Set on the attention function that hands marked modules' calls to :func:`paged_attention`
+(engine/cpu/grouped.py's ``grouped_sdpa``, registered as transformers' ``sdpa`` by its ``install``)."""
+
+
+PLAIN = frozenset(
+    {"position_ids", "use_cache", "cache_position", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"}
+    | {"logits_indices", "logits_processor_args", "read_index", "write_index", "block_table"}
+)
+"""Keyword arguments of transformers' attention calls that do not change what attention computes (continuous
+batching's bookkeeping among them). Any other one set (a softcap, a sliding window, sinks, a position bias, asking
+for the attention weights) sends the call to the library's function."""
+
+
+def plain_kwargs(kwargs: dict[str, Any]) -> bool:
+    """Whether an attention call's keyword arguments leave it one the C function computes (:data:`PLAIN`)."""
+    return all(name in PLAIN or value is None or value is False for name, value in kwargs.items())
+
+
 def page(model: Any, torch: Any, directory: Path) -> int:
     """Mark ``model``'s attention modules so that the batched engine's steps attend request by request over the
     paged KV cache in place (``attention.c``, built in ``directory``), after checking it against SDPA over the
     gathered keys with the step's mask on a probe; returns how many were marked (0, logged with the reason, when it
-    cannot be built, the CPU has neither AVX-512 nor AVX2 with FMA, or the probe disagrees)."""
-    from ttft_sse.engine.cpu import grouped  # imports this module: here, not at the top
-
+    cannot be built, the CPU has neither AVX-512 nor AVX2 with FMA, or the probe disagrees). The marks are read by
+    the attention function engine/cpu/grouped.py registers (``grouped.install``): the caller registers it."""
     modules = [m for m in model.modules() if hasattr(m, "num_key_value_groups") and hasattr(m, "head_dim")]
     if not modules:
         return 0
@@ -67,7 +85,6 @@ def page(model: Any, torch: Any, directory: Path) -> int:
     if implementation != "sdpa":  # continuous batching would call another function than grouped.grouped_sdpa
         log.warning("attention_not_paged", reason=f"the model's attention is {implementation!r}, not 'sdpa'")
         return 0
-    grouped.install()
     probe = modules[0]
     try:
         library = kernel.build(directory, (SOURCE,), "attention")
@@ -280,18 +297,17 @@ class InPlace:
         group = allocator.index
         if writes is kwargs.get("write_index") and starts_q is kwargs.get("cu_seq_lens_q") and group in steps:
             return steps[group]  # the step's next layer: its first one checked the same kwargs
-        from ttft_sse.engine.cpu import grouped  # imports this module: here, not at the top
-
         if (
             kwargs.get("block_table") is not None
             or kwargs.get("write_index") is None
             or int(kwargs["max_length_q"]) > LONG_ROWS
-            or not grouped.plain_kwargs(kwargs)
+            or not plain_kwargs(kwargs)
         ):
             return None
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-        if ALL_ATTENTION_FUNCTIONS.get_interface(module.config._attn_implementation, None) is not grouped.grouped_sdpa:
+        interface = ALL_ATTENTION_FUNCTIONS.get_interface(module.config._attn_implementation, None)
+        if not getattr(interface, DISPATCHES, False):  # not engine/cpu/grouped.py's function: the library's
             return None
         import torch
 

@@ -71,7 +71,7 @@ def grouped_sdpa(
     SDPA over the grouped KV heads in place for a masked call of more than one query row of a module :func:`group`
     marked (the only calls where transformers repeats them on CPU), and the replaced function for every other call."""
     kv = kwargs.pop(attention.KV, None)
-    paged = getattr(module, attention.PAGED, None) is not None and plain_kwargs(kwargs)
+    paged = getattr(module, attention.PAGED, None) is not None and attention.plain_kwargs(kwargs)
     scale = module.scaling if scaling is None else scaling
     if kv is not None:
         if paged:
@@ -172,20 +172,6 @@ def _causal(mask: Any, rows: int, keys: int) -> bool:
     return answer
 
 
-PLAIN = frozenset(
-    {"position_ids", "use_cache", "cache_position", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"}
-    | {"logits_indices", "logits_processor_args", "read_index", "write_index", "block_table"}
-)
-"""Keyword arguments of transformers' attention calls that do not change what attention computes (continuous
-batching's bookkeeping among them). Any other one set (a softcap, a sliding window, sinks, a position bias, asking
-for the attention weights) sends the call to the library's function."""
-
-
-def plain_kwargs(kwargs: dict[str, Any]) -> bool:
-    """Whether an attention call's keyword arguments leave it one the C function computes (:data:`PLAIN`)."""
-    return all(name in PLAIN or value is None or value is False for name, value in kwargs.items())
-
-
 @functools.cache
 def install() -> Callable[..., tuple[Any, None]]:
     """Register :func:`grouped_sdpa` as transformers' ``sdpa``, once; returns the function it replaced."""
@@ -194,3 +180,6 @@ def install() -> Callable[..., tuple[Any, None]]:
     library: Callable[..., tuple[Any, None]] = AttentionInterface()["sdpa"]
     AttentionInterface.register("sdpa", grouped_sdpa)
     return library
+
+
+setattr(grouped_sdpa, attention.DISPATCHES, True)

@@ -66,8 +66,14 @@ def load_model(settings: Settings, clock: StageClock) -> Loaded:
             layout, library, helpers = _arrange(settings, model, torch, source, location, on_cpu_in_fp32)
             if device == "cpu" and settings.grouped_attention:
                 grouped.group(model, torch)
-            if on_cpu_in_fp32 and settings.paged_attention:  # both engines' attention, request by request
-                attention.page(model, torch, settings.cache_dir / KERNEL_DIR)
+            # Both engines' attention, request by request: the marked modules' calls reach the C attention through the
+            # attention function grouped.install registers.
+            if (
+                on_cpu_in_fp32
+                and settings.paged_attention
+                and attention.page(model, torch, settings.cache_dir / KERNEL_DIR)
+            ):
+                grouped.install()
     except OSError as exc:
         raise StartupError(f"cannot load model {settings.model!r}: {exc}") from exc
     gen = model.generation_config
