@@ -382,9 +382,7 @@ def _check(layer: Any, model: Any, torch: Any) -> None:
 @functools.cache
 def fused_layer_class() -> type[Any]:
     """transformers' ``LlamaDecoderLayer`` with its arithmetic in decoder.c, its cache and attention the model's."""
-    import torch
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, eager_attention_forward
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
     class FusedDecoderLayer(LlamaDecoderLayer):  # type: ignore[misc]
         arithmetic: Layer  # what decoder.c reads (its pointers: the norm weights and the kernel's arrays)
@@ -409,54 +407,69 @@ def fused_layer_class() -> type[Any]:
             if in_place is not None and hidden_states is in_place.stacked:
                 return hidden_states  # the step's first layer computed this one too (run_layers)
             assert position_embeddings is not None, "Llama's model passes every layer its rotary embedding"
-            self_attn, layer = self.self_attn, self.arithmetic
+            layer = self.arithmetic
             shape = hidden_states.shape[:-1]
             x = hidden_states.contiguous()  # fp32: fuse() takes only layers on the kernel
             # A row of positions for several sequences side by side (the prefill process's) serves each of them.
             cos, sin = (t.expand(*shape, layer.dim).contiguous() for t in position_embeddings)
             rows = x.numel() // layer.hidden
-            shared = None if in_place is None else in_place.step(self_attn, kwargs)
+            shared = None if in_place is None else in_place.step(self.self_attn, kwargs)
             if in_place is not None and shared is not None:
-                # A batched step over the paged cache read in place: one call writes this layer's keys and values
-                # into its cache rows and attends by attention.c's function, as the calls below would. Where the
-                # model's layers are all fused, its first one runs them all in one call; an interlude needs the
-                # flag that stops that call, or it runs before each layer here.
-                chain = self.chain
-                stoppable = in_place.between is None or in_place.waiting is not None
-                if chain is not None and self is chain.layers[0] and stoppable:
-                    steps = step_groups(chain, in_place, kwargs)
-                    if steps is not None:
-                        in_place.stacked = run_layers(chain, in_place, steps, x, rows, cos, sin, between=True)
-                        return in_place.stacked
-                if in_place.between is not None:
-                    in_place.between(in_place)  # an interlude (engine/batched/interlude.py), if a newcomer waits
-                keys, values = in_place.rows[self_attn.layer_idx]
-                return whole(self, shared, x, rows, cos, sin, keys, values)
-            q = torch.empty((*shape, layer.heads * layer.dim))
-            k, v = torch.empty((*shape, layer.kv_heads * layer.dim)), torch.empty((*shape, layer.kv_heads * layer.dim))
-            status = self.head(
-                self.address, x.data_ptr(), rows, cos.data_ptr(), sin.data_ptr(), q.data_ptr(), k.data_ptr(),
-                v.data_ptr(),
-            )  # fmt: skip
-            if status != 0:
-                raise RuntimeError(f"the C decoder layer failed before its attention ({status})")
-            # From here as transformers' LlamaAttention: the model's cache and attention function, the same arguments.
-            heads = (*shape, -1, layer.dim)
-            query, key, value = (t.view(heads).transpose(1, 2) for t in (q, k, v))
+                return _in_place(self, in_place, shared, kwargs, x, rows, cos, sin)
             kwargs = {"position_ids": position_ids, "use_cache": use_cache, **kwargs}
-            if cache is not None:
-                key, value = cache.update(key, value, self_attn.layer_idx, kwargs=kwargs)
-            attend = ALL_ATTENTION_FUNCTIONS.get_interface(
-                self_attn.config._attn_implementation, eager_attention_forward
-            )
-            out, _ = attend(
-                self_attn, query, key, value, attention_mask, dropout=0.0, scaling=self_attn.scaling, **kwargs
-            )
-            out = out.reshape(*shape, -1).contiguous()
-            y = torch.empty_like(x)
-            status = self.tail(self.address, x.data_ptr(), out.data_ptr(), rows, y.data_ptr())
-            if status != 0:
-                raise RuntimeError(f"the C decoder layer failed after its attention ({status})")
-            return y
+            return _around_attention(self, cache, attention_mask, kwargs, x, rows, cos, sin)
 
     return FusedDecoderLayer
+
+
+def _in_place(
+    module: Any, in_place: attention.InPlace, shared: Any, kwargs: dict[str, Any], x: Any, rows: int, cos: Any, sin: Any
+) -> Any:
+    """A batched step over the paged cache read in place: one call writes this layer's keys and values into its cache
+    rows and attends by attention.c's function, as :func:`_around_attention` would. Where the model's layers are all
+    fused, its first one runs them all in one call; an interlude needs the flag that stops that call, or it runs
+    before each layer here."""
+    chain = module.chain
+    stoppable = in_place.between is None or in_place.waiting is not None
+    if chain is not None and module is chain.layers[0] and stoppable:
+        steps = step_groups(chain, in_place, kwargs)
+        if steps is not None:
+            in_place.stacked = run_layers(chain, in_place, steps, x, rows, cos, sin, between=True)
+            return in_place.stacked
+    if in_place.between is not None:
+        in_place.between(in_place)  # an interlude (engine/batched/interlude.py), if a newcomer waits
+    keys, values = in_place.rows[module.self_attn.layer_idx]
+    return whole(module, shared, x, rows, cos, sin, keys, values)
+
+
+def _around_attention(
+    module: Any, cache: Any, attention_mask: Any, kwargs: dict[str, Any], x: Any, rows: int, cos: Any, sin: Any
+) -> Any:
+    """The layer in two C calls around the model's cache and attention function, called exactly as transformers'
+    ``LlamaAttention`` calls them: decoder.c's head (norm, q/k/v, rotary), then its tail (o, residual, norm, MLP,
+    residual)."""
+    import torch
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+
+    self_attn, layer = module.self_attn, module.arithmetic
+    shape = x.shape[:-1]
+    q = torch.empty((*shape, layer.heads * layer.dim))
+    k, v = torch.empty((*shape, layer.kv_heads * layer.dim)), torch.empty((*shape, layer.kv_heads * layer.dim))
+    status = module.head(
+        module.address, x.data_ptr(), rows, cos.data_ptr(), sin.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr()
+    )
+    if status != 0:
+        raise RuntimeError(f"the C decoder layer failed before its attention ({status})")
+    heads = (*shape, -1, layer.dim)
+    query, key, value = (t.view(heads).transpose(1, 2) for t in (q, k, v))
+    if cache is not None:
+        key, value = cache.update(key, value, self_attn.layer_idx, kwargs=kwargs)
+    attend = ALL_ATTENTION_FUNCTIONS.get_interface(self_attn.config._attn_implementation, eager_attention_forward)
+    out, _ = attend(self_attn, query, key, value, attention_mask, dropout=0.0, scaling=self_attn.scaling, **kwargs)
+    out = out.reshape(*shape, -1).contiguous()
+    y = torch.empty_like(x)
+    status = module.tail(module.address, x.data_ptr(), out.data_ptr(), rows, y.data_ptr())
+    if status != 0:
+        raise RuntimeError(f"the C decoder layer failed after its attention ({status})")
+    return y
