@@ -12,6 +12,11 @@ from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 REQUEST_ID_HEADER = "x-request-id"
+# Probes: orchestrators poll the health endpoints and Prometheus scrapes /metrics every few seconds, whatever their
+# answer. Their access lines are debug, so that info holds what someone asked for: each generation's line, each
+# refused request's access line, and each other request's. A probe that fails on an error still leaves the
+# handler's error line (errors.py).
+PROBE_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
 
 
 def configure(*, level: str = "info", fmt: str = "json") -> None:
@@ -47,6 +52,7 @@ def configure(*, level: str = "info", fmt: str = "json") -> None:
 class RequestContext:
     """Pure ASGI middleware (it must not buffer streams): request id, arrival time, access log.
 
+    The access log has one ``request`` line per request: at info, except for the probes of ``PROBE_PATHS`` (debug).
     The id comes from the client's ``X-Request-ID`` when it sends a sane one, else a new one; it is echoed in
     the response and bound to every log line of the request. ``scope["state"]["arrival"]`` is the
     ``perf_counter`` at which the request reached the app: TTFT is measured from there.
@@ -75,10 +81,12 @@ class RequestContext:
             await send(message)
 
         structlog.contextvars.bind_contextvars(request_id=request_id)
+        path: str = scope["path"]
+        probe = path.removeprefix(scope.get("root_path", "")) in PROBE_PATHS
         try:
             await self.app(scope, receive, send_with_id)
         finally:
-            self.log.info(
+            (self.log.debug if probe else self.log.info)(
                 "request",
                 method=scope["method"],
                 path=scope["path"],

@@ -1,0 +1,54 @@
+"""The access log: probes log at debug; generations and refusals keep their info lines."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import structlog
+from starlette.testclient import TestClient
+from structlog.testing import capture_logs
+
+from ttft_sse.app import create_app
+from ttft_sse.engine.fake import FakeEngine
+from ttft_sse.settings import Settings
+
+
+@contextmanager
+def every_level() -> Iterator[list[dict[str, Any]]]:
+    """Capture structlog's events at every level, debug included, whatever the process configured before."""
+    saved = structlog.get_config()
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG))
+    try:
+        with capture_logs() as logs:
+            yield logs
+    finally:
+        structlog.configure(**saved)
+
+
+def info_or_above(logs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [e for e in logs if e["log_level"] not in ("debug", "notset")]
+
+
+def test_a_probe_leaves_no_info_line_but_generations_and_refusals_keep_theirs() -> None:
+    app = create_app(Settings(warmup=False, log_format="console"), FakeEngine())
+    with every_level() as logs, TestClient(app) as client:
+        while client.get("/readyz").status_code != 200:  # the model loads in the background
+            time.sleep(0.01)
+        start = len(logs)  # after the start-up's own lines ("ready" is logged as /readyz turns 200)
+        probes = {path: client.get(path).status_code for path in ("/healthz", "/readyz", "/metrics")}
+        probed = logs[start:]
+        assert probes == {"/healthz": 200, "/readyz": 200, "/metrics": 200}
+        assert info_or_above(probed) == []
+        assert [(e["event"], e["path"], e["log_level"]) for e in probed] == [
+            ("request", path, "debug") for path in probes
+        ]
+
+        start = len(logs)
+        assert client.post("/complete", json={"prompt": "Hi"}).status_code == 200
+        assert client.post("/complete", json={"prompt": ""}).status_code == 400
+        lines = [(e["event"], e.get("status"), e.get("outcome")) for e in info_or_above(logs[start:])]
+    assert lines == [("generation", None, "ok"), ("request", 200, None), ("request", 400, None)]
