@@ -1,9 +1,11 @@
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
+from tests.support import tinymodels
 from tests.support.paths import CACHE_DIR
 from ttft_sse.engine.single import SingleEngine
 from ttft_sse.settings import Settings
@@ -39,3 +41,11 @@ def hf_server(hf_app: object) -> Iterator[str]:
 
     with running(hf_app) as base:  # type: ignore[arg-type]
         yield base
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """``tiny_models(family)``: the directory of that family's tiny random-weight model (tests/support/tinymodels.py),
+    built on first use and kept for the rest of the session."""
+    root = tmp_path_factory.mktemp("tiny-models")
+    return lambda family: tinymodels.build(family, root)
