@@ -436,7 +436,7 @@ def test_with_api_keys_on_the_page_asks_for_a_key_and_sends_it(page: Page) -> No
     from playwright.sync_api import expect
 
     engine = FakeEngine(["Hi", " there"], context_length=4096)
-    with fake_server(engine, api_keys="sekrit-key-1") as (base, _app):
+    with fake_server(engine, api_keys="sekrit-key-1:high") as (base, _app):
         page.goto(f"{base}/")
         # The page knows from the server that keys are on: the field shows before anything is refused.
         expect(page.locator("#api-key")).to_be_visible()
@@ -461,7 +461,7 @@ def test_with_api_keys_on_the_page_asks_for_a_key_and_sends_it(page: Page) -> No
         with page.expect_request(lambda r: r.url.endswith("/streams") and r.method == "POST") as sent:
             ask(page, "Third?")
         expect_state(page, "done")
-        expect(page.locator("#access")).to_have_text("API key accepted")
+        expect(page.locator("#access")).to_have_text("API key accepted · high lane")
         assert shown(latest(page)) == "Hi there"
         assert page.locator(".turn.user.refused").count() == 2
     assert sent.value.headers["authorization"] == "Bearer sekrit-key-1"

@@ -38,7 +38,7 @@ def create(client: httpx.Client, body: dict[str, Any] | None = None) -> str:
     response = client.post("/streams", json=body or {"prompt": "hi"})
     assert response.status_code == 201, response.text
     created = response.json()
-    assert set(created) == {"id", "url"}
+    assert set(created) == {"id", "url", "lane"} and created["lane"] == "normal"  # an open server: every caller normal
     assert created["url"] == f"/streams/{created['id']}" == response.headers["location"]
     url: str = created["url"]
     return url

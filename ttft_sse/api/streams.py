@@ -1,7 +1,7 @@
 """``POST /streams``, ``GET|DELETE /streams/{id}``: resumable streams, for ``EventSource`` and flaky networks.
 
 ``POST /streams`` takes the body of ``POST /stream`` (a whole conversation fits; a query string would not),
-starts the generation at once and answers 201 ``{"id", "url"}``. ``GET`` on the url is the same SSE stream as
+starts the generation at once and answers 201 ``{"id", "url", "lane"}``. ``GET`` on the url is the same SSE stream as
 ``/stream`` — ``queued``, ``token`` … ``done`` | ``error`` — where every token and the final event carry an id;
 a reconnect with ``Last-Event-ID`` (header, which ``EventSource`` sends by itself, or ``?lastEventId=``) gets
 exactly what it missed, then the live rest. ``DELETE`` stops the generation. The rules (grace, buffers, ids) are
@@ -46,7 +46,8 @@ async def create_stream(request: Request) -> Response:
         raise
     stream = streams.start(run)
     url = f"{request.scope.get('root_path', '')}/streams/{stream.id}"
-    return JSONResponse({"id": stream.id, "url": url}, status_code=201, headers={"Location": url})
+    body = {"id": stream.id, "url": url, "lane": caller.lane.label}  # the lane the caller's key gives it
+    return JSONResponse(body, status_code=201, headers={"Location": url})
 
 
 async def stream_resource(request: Request) -> Response:

@@ -35,6 +35,7 @@ const STICK_PX = 48; // a reader this close to the bottom follows the answer; on
 // Whether the server wants an API key: api/page.py writes it into the page; a 401 says so too.
 let keysRequired = document.querySelector('meta[name="ttft-api-keys"]').content === "required";
 let keyVerdict = null; // what the server said of the key in the field: null (not tried yet), "accepted", "refused"
+let keyLane = null; // the lane the server gave the key in the field, once it accepted it
 let turns = []; // the conversation as shown and kept (the shape is in store.js)
 let current = null; // the Answer being streamed, if any
 let saveTimer = 0;
@@ -161,6 +162,7 @@ class Answer {
     }
     if (keyInput.value) {
       keyVerdict = "accepted";
+      keyLane = typeof reply.lane === "string" ? reply.lane : null;
       showAccess();
     }
     this.record.url = reply.url;
@@ -372,6 +374,7 @@ function showAccess() {
     text = "API key required";
     const verdicts = { accepted: "API key accepted", refused: "API key refused" };
     if (keyInput.value) text = verdicts[keyVerdict] || "API key entered";
+    if (keyInput.value && keyVerdict === "accepted" && keyLane) text += ` · ${keyLane} lane`;
   }
   access.textContent = text;
   access.dataset.verdict = keysRequired ? keyVerdict || (keyInput.value ? "entered" : "missing") : "open";
@@ -471,6 +474,7 @@ keyInput.value = sessionStorage.getItem(KEY_STORE) || "";
 keyInput.addEventListener("input", () => {
   sessionStorage.setItem(KEY_STORE, keyInput.value);
   keyVerdict = null;
+  keyLane = null;
   showAccess();
 });
 showAccess();
