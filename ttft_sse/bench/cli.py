@@ -78,6 +78,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--out", type=Path, metavar="DIR", help="where results.json and the charts go (default ./ttft-bench-<time>)")
     add("--timeout", type=float, default=300.0, metavar="S", help="per request (default 300)")
     add("--no-charts", action="store_true", help="write no PNG charts")
+    _add_cold_start_arguments(parser)
+    _add_soak_arguments(parser)
+
+
+def _add_cold_start_arguments(parser: argparse.ArgumentParser) -> None:
     cold = parser.add_argument_group("cold start")
     cold.add_argument("--cold-start", metavar="CMD", help="start this server command (serving the first --url) N times")
     cold.add_argument("--cold-starts", type=int, default=3, metavar="N", help="starts to measure (default 3)")
@@ -88,6 +93,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--ready-path", default="/readyz", help="readiness endpoint (default /readyz; llama-server: /health)"
     )
     cold.add_argument("--ready-timeout", type=float, default=300.0, metavar="S", help="per start (default 300)")
+
+
+def _add_soak_arguments(parser: argparse.ArgumentParser) -> None:
     soak = parser.add_argument_group("soak")
     soak.add_argument("--soak", action="store_true", help="then send many sequential requests, reading server RSS")
     soak.add_argument("--soak-requests", type=int, default=200, metavar="N", help="(default 200)")
