@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import platform
 import secrets
 import sys
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import replace
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,6 +24,9 @@ from ttft_sse.bench.protocol import Lengths
 
 if TYPE_CHECKING:
     from ttft_sse.bench.client import Record, Target
+    from ttft_sse.bench.coldstart import Launched, Trial
+    from ttft_sse.bench.load import ArmRun, Plan
+    from ttft_sse.bench.prompts import Prompt
     from ttft_sse.bench.protocol import Mode, Protocol
 
 
@@ -76,6 +78,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--out", type=Path, metavar="DIR", help="where results.json and the charts go (default ./ttft-bench-<time>)")
     add("--timeout", type=float, default=300.0, metavar="S", help="per request (default 300)")
     add("--no-charts", action="store_true", help="write no PNG charts")
+    _add_cold_start_arguments(parser)
+    _add_soak_arguments(parser)
+
+
+def _add_cold_start_arguments(parser: argparse.ArgumentParser) -> None:
     cold = parser.add_argument_group("cold start")
     cold.add_argument("--cold-start", metavar="CMD", help="start this server command (serving the first --url) N times")
     cold.add_argument("--cold-starts", type=int, default=3, metavar="N", help="starts to measure (default 3)")
@@ -86,6 +93,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--ready-path", default="/readyz", help="readiness endpoint (default /readyz; llama-server: /health)"
     )
     cold.add_argument("--ready-timeout", type=float, default=300.0, metavar="S", help="per start (default 300)")
+
+
+def _add_soak_arguments(parser: argparse.ArgumentParser) -> None:
     soak = parser.add_argument_group("soak")
     soak.add_argument("--soak", action="store_true", help="then send many sequential requests, reading server RSS")
     soak.add_argument("--soak-requests", type=int, default=200, metavar="N", help="(default 200)")
@@ -197,8 +207,10 @@ def main(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
         return 1
 
 
-def _progress(desc: str, total: int | None) -> tuple[Callable[[Record], None], Callable[[], None]]:
-    """A tqdm bar on stderr (hidden when stderr is not a terminal) that counts requests and errors."""
+@contextmanager
+def _progress(desc: str, total: int | None) -> Iterator[Callable[[Record], None]]:
+    """A tqdm bar on stderr (hidden when stderr is not a terminal) that counts requests and errors; it is closed
+    when the block ends, however it ends."""
     from tqdm import tqdm
 
     bar = tqdm(total=total, desc=desc, unit="req", file=sys.stderr, disable=None, leave=False)
@@ -210,14 +222,46 @@ def _progress(desc: str, total: int | None) -> tuple[Callable[[Record], None], C
         bar.update(1)
         bar.set_postfix(errors=errors, refresh=False)
 
-    return advance, bar.close
-
-
-def _loadavg() -> list[float] | None:
     try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return None
+        yield advance
+    finally:
+        bar.close()
+
+
+@dataclass(frozen=True)
+class _Context:
+    """What every phase of one run shares: the arguments, the prompts and lengths to send, where files go, the
+    clock's zero (``epoch``: every record's ``start_s`` counts from it) and this run's prompt tag."""
+
+    args: argparse.Namespace
+    prompts: tuple[Prompt, ...]
+    lengths: Lengths
+    out_dir: Path
+    epoch: float
+    prompt_tag: str | None  # None: the prompts go as written (--same-prompts)
+
+    @classmethod
+    def start(cls, args: argparse.Namespace, lengths: Lengths) -> _Context:
+        """Reads the prompts first, so that a bad prompt file leaves no output directory behind."""
+        from ttft_sse.bench import prompts
+
+        prompt_set = tuple(prompts.load(args.prompts))
+        out_dir: Path = args.out or Path(f"ttft-bench-{datetime.now():%Y%m%d-%H%M%S}")
+        out_dir.mkdir(parents=True, exist_ok=True)
+        epoch = time.perf_counter()
+        # New conversations: tagged with this run's id, so that a server that ran an earlier bench has not seen them.
+        prompt_tag = None if args.same_prompts else secrets.token_hex(3)
+        return cls(args, prompt_set, lengths, out_dir, epoch, prompt_tag)
+
+
+@dataclass(frozen=True)
+class _Measured:
+    """What the phases measured, as the results document takes it."""
+
+    plan: Plan  # its targets carry the models looked up at /v1/models
+    runs: list[ArmRun]
+    cold_start: dict[str, Any] | None  # None: no --cold-start
+    soak: dict[str, Any] | None  # None: no --soak
 
 
 async def _run(
@@ -229,153 +273,157 @@ async def _run(
     lengths: Lengths,
     argv: list[str],
 ) -> int:
-    from ttft_sse.bench import coldstart, load, prompts, report, soak
+    """The run behind :func:`main`: the phases, then results.json, the summary on stdout and the charts."""
+    from ttft_sse.bench import report
+
+    context = _Context.start(args, lengths)
+    started_at = datetime.now(UTC)
+    loadavg_start = report.loadavg()
+    targets = _make_targets(pairs, keys, args.temperature)
+    measured = await _measure(context, targets, levels, modes)
+    document = report.document(
+        measured.plan,
+        measured.runs,
+        command=argv,
+        started_at=started_at,
+        loadavg_start=loadavg_start,
+        temperature=args.temperature,
+        prompt_file=args.prompts,
+        cold_start=measured.cold_start,
+        soak=measured.soak,
+    )
+    _write(document, context.out_dir, charts=not args.no_charts)
+    return 0
+
+
+def _make_targets(pairs: list[tuple[str, Protocol]], keys: list[str], temperature: float) -> list[Target]:
     from ttft_sse.bench.client import Target
 
-    prompt_set = tuple(prompts.load(args.prompts))
-    out_dir: Path = args.out or Path(f"ttft-bench-{datetime.now():%Y%m%d-%H%M%S}")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    epoch = time.perf_counter()
-    started_at = datetime.now(UTC)
-    loadavg_start = _loadavg()
-    labels = _labels(pairs)
-    targets = [
-        Target(url, proto, label, api_key=key, temperature=args.temperature)
-        for (url, proto), label, key in zip(pairs, labels, keys, strict=True)
+    return [
+        Target(url, proto, label, api_key=key, temperature=temperature)
+        for (url, proto), label, key in zip(pairs, _labels(pairs), keys, strict=True)
     ]
-    requests = args.requests if args.requests is not None or args.duration is not None else 32
-    # New conversations: tagged with this run's id, so that a server that ran an earlier bench has not seen them.
-    prompt_tag = None if args.same_prompts else secrets.token_hex(3)
 
-    document: dict[str, Any] = {"schema": report.SCHEMA}
-    kept: coldstart.Launched | None = None
-    cold: dict[str, Any] | None = None
+
+async def _measure(
+    context: _Context, targets: list[Target], levels: tuple[int, ...], modes: tuple[Mode, ...]
+) -> _Measured:
+    """The phases in order: cold start (``--cold-start``), load, soak (``--soak``). The server the cold start leaves
+    running is stopped however the later phases end, and its exit code joins the last trial."""
+    from ttft_sse.bench import coldstart
+
+    args = context.args
+    trials: list[Trial] = []
+    kept: Launched | None = None
+    if args.cold_start:
+        trials, kept = await _cold_start(context, targets[0])
     try:
-        if args.cold_start:
-            first = replace(targets[0], model=args.model or "")  # an openai model is looked up once the server is up
-            trials, kept = await coldstart.measure(
-                args.cold_start,
-                first,
-                starts=args.cold_starts,
-                steady=args.steady,
-                prompt=prompt_set[0],
-                max_tokens=lengths,
-                out_dir=out_dir,
-                epoch=epoch,
-                ready_path=args.ready_path,
-                ready_timeout=args.ready_timeout,
-                request_timeout=args.timeout,
-                keep_last=True,
-            )
-            cold = {
-                "command": args.cold_start,
-                "summary": coldstart.summarize(trials),
-                "trials": [t.as_dict() for t in trials],
-            }
         targets = [await _with_model(t, args.model) if t.protocol == "openai" else t for t in targets]
-        plan = load.Plan(
-            targets=tuple(targets),
-            modes=modes,
-            concurrency=levels,
-            prompts=prompt_set,
-            max_tokens=lengths,
-            requests=requests,
-            duration_s=args.duration,
-            timeout_s=args.timeout,
-            prompt_tag=prompt_tag,
-        )
-        advance, close = _progress("load", plan.planned)
-        try:
-            runs = await load.run(plan, epoch=epoch, progress=advance)
-        finally:
-            close()
-        soaked: dict[str, Any] | None = None
+        plan, runs = await _load(context, targets, levels, modes)
+        soaked = None
         if args.soak:
-            pid = kept.pid if kept is not None else args.server_pid
-            advance, close = _progress("soak", args.soak_requests)
-            try:
-                result, active_s = await soak.run(
-                    targets[0],
-                    prompt_set,
-                    requests=args.soak_requests,
-                    every=args.soak_every,
-                    max_tokens=lengths,
-                    pid=pid,
-                    prompt_tag=prompt_tag,
-                    epoch=epoch,
-                    timeout_s=args.timeout,
-                    progress=advance,
-                )
-            finally:
-                close()
-            soaked = {
-                "target": targets[0].label,
-                "pid": pid,
-                "summary": result.summary(active_s),
-                "samples": result.samples,
-                "records": [r.as_dict() for r in result.records],
-            }
+            soaked = await _soak(context, targets[0], pid=kept.pid if kept is not None else args.server_pid)
     finally:
         if kept is not None:
-            exit_code = await asyncio.to_thread(kept.stop)
-            if cold is not None:
-                cold["trials"][-1]["exit_code"] = exit_code
+            trials[-1].exit_code = await asyncio.to_thread(kept.stop)
+    cold = coldstart.section(args.cold_start, trials) if args.cold_start else None
+    return _Measured(plan, runs, cold, soaked)
 
-    rows = report.summary_rows(runs)
-    compared = report.comparisons(rows)
-    document.update(
-        started_at=started_at.isoformat(timespec="seconds"),
-        finished_at=datetime.now(UTC).isoformat(timespec="seconds"),
-        command=argv,
-        host={
-            "cpus": os.cpu_count(),
-            "loadavg_start": loadavg_start,
-            "loadavg_end": _loadavg(),
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-        },
-        config={
-            "concurrency": list(levels),
-            "modes": list(modes),
-            "requests": plan.requests,
-            "duration_s": plan.duration_s,
-            "max_tokens": lengths.low if lengths.low == lengths.high else [lengths.low, lengths.high],
-            "temperature": args.temperature,
-            "timeout_s": args.timeout,
-            "prompts": {
-                "source": str(args.prompts) if args.prompts else "default",
-                "count": len(prompt_set),
-                "tag": prompt_tag,  # null: sent as written (--same-prompts)
-            },
-            "schedule": "continuous" if len(plan.arms) == 1 else "rounds",
-        },
-        targets=[{"label": t.label, "url": t.url, "protocol": t.protocol, "model": t.model or None} for t in targets],
-        summary=rows,
-        comparisons=compared,
-        cold_start=cold,
-        soak=soaked,
-        records=[r.as_dict() for run in runs for r in run.records],
+
+async def _cold_start(context: _Context, target: Target) -> tuple[list[Trial], Launched | None]:
+    """``--cold-starts`` starts of ``--cold-start``; the last one's server is kept for the load and soak phases."""
+    from ttft_sse.bench import coldstart
+
+    args = context.args
+    first = replace(target, model=args.model or "")  # an openai model is looked up once the server is up
+    return await coldstart.measure(
+        args.cold_start,
+        first,
+        starts=args.cold_starts,
+        steady=args.steady,
+        prompt=context.prompts[0],
+        max_tokens=context.lengths,
+        out_dir=context.out_dir,
+        epoch=context.epoch,
+        ready_path=args.ready_path,
+        ready_timeout=args.ready_timeout,
+        request_timeout=args.timeout,
+        keep_last=True,
     )
+
+
+async def _load(
+    context: _Context, targets: list[Target], levels: tuple[int, ...], modes: tuple[Mode, ...]
+) -> tuple[Plan, list[ArmRun]]:
+    from ttft_sse.bench import load
+
+    plan = _plan(context, targets, levels, modes)
+    with _progress("load", plan.planned) as advance:
+        runs = await load.run(plan, epoch=context.epoch, progress=advance)
+    return plan, runs
+
+
+def _plan(context: _Context, targets: list[Target], levels: tuple[int, ...], modes: tuple[Mode, ...]) -> Plan:
+    from ttft_sse.bench import load
+
+    args = context.args
+    return load.Plan(
+        targets=tuple(targets),
+        modes=modes,
+        concurrency=levels,
+        prompts=context.prompts,
+        max_tokens=context.lengths,
+        requests=args.requests if args.requests is not None or args.duration is not None else 32,
+        duration_s=args.duration,
+        timeout_s=args.timeout,
+        prompt_tag=context.prompt_tag,
+    )
+
+
+async def _soak(context: _Context, target: Target, *, pid: int | None) -> dict[str, Any]:
+    """``--soak-requests`` sequential requests to ``target``; ``pid``: where to read RSS if it has no /metrics."""
+    from ttft_sse.bench import soak
+
+    args = context.args
+    with _progress("soak", args.soak_requests) as advance:
+        result, active_s = await soak.run(
+            target,
+            context.prompts,
+            requests=args.soak_requests,
+            every=args.soak_every,
+            max_tokens=context.lengths,
+            pid=pid,
+            prompt_tag=context.prompt_tag,
+            epoch=context.epoch,
+            timeout_s=args.timeout,
+            progress=advance,
+        )
+    return result.section(target=target.label, pid=pid, active_s=active_s)
+
+
+def _write(document: dict[str, Any], out_dir: Path, *, charts: bool) -> None:
+    """results.json, then the summary on stdout, then the charts; the last line names every file written."""
+    from ttft_sse.bench import report
+
     results = out_dir / "results.json"
     report.write_json(document, results)
-
-    print(report.table(rows))
-    for line in report.comparison_lines(compared):
+    for line in report.terminal_lines(document):
         print(line)
-    if cold is not None:
-        print("\n".join(report.cold_start_lines(cold["summary"])))
-    if soaked is not None:
-        print("\n".join(report.soak_lines(soaked["summary"])))
     written = [results]
-    if not args.no_charts:
-        from ttft_sse.bench import charts
-
-        try:
-            written += charts.write(document, out_dir)
-        except charts.ChartsUnavailable as exc:
-            print(f"charts skipped: {exc}", file=sys.stderr)
+    if charts:
+        written += _charts(document, out_dir)
     print("wrote " + ", ".join(str(p) for p in written))
-    return 0
+
+
+def _charts(document: dict[str, Any], out_dir: Path) -> list[Path]:
+    """The charts written; none, with a note on stderr, without matplotlib."""
+    from ttft_sse.bench import charts
+
+    try:
+        return charts.write(document, out_dir)
+    except charts.ChartsUnavailable as exc:
+        print(f"charts skipped: {exc}", file=sys.stderr)
+        return []
 
 
 async def _with_model(target: Target, model: str | None) -> Target:

@@ -113,6 +113,11 @@ def summarize(trials: list[Trial]) -> dict[str, Any]:
     }
 
 
+def section(command: str, trials: list[Trial]) -> dict[str, Any]:
+    """The ``cold_start`` section of the results document; ``command`` is ``--cold-start`` as given."""
+    return {"command": command, "summary": summarize(trials), "trials": [t.as_dict() for t in trials]}
+
+
 async def answers(url: str, path: str) -> bool:
     """Whether anything answers HTTP at ``url`` (any status)."""
     async with httpx.AsyncClient(timeout=2) as client:

@@ -1,21 +1,99 @@
 """What a benchmark run leaves behind: the results document (JSON), its terminal table and its comparisons.
 
 The document (``SCHEMA``) holds every raw record and the summary computed from them, so any figure can be checked
-or recomputed later; the charts (``charts.py``) are drawn from the document alone.
+or recomputed later; the charts (``charts.py``) and the terminal summary (:func:`terminal_lines`) are drawn from the
+document alone. The cold start and soak phases hand in their own sections (``coldstart.section``, ``Soak.section``).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import platform
 from collections.abc import Iterable
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from ttft_sse.bench import stats
 from ttft_sse.bench.client import OUTCOMES
-from ttft_sse.bench.load import ArmRun
+from ttft_sse.bench.load import ArmRun, Plan
 
 SCHEMA = "ttft-sse-bench/1"
+
+
+def document(
+    plan: Plan,
+    runs: list[ArmRun],
+    *,
+    command: list[str],
+    started_at: datetime,
+    loadavg_start: list[float] | None,
+    temperature: float,
+    prompt_file: Path | None,
+    cold_start: dict[str, Any] | None,
+    soak: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """The results document of a run that has just finished (``finished_at`` and the end load average are read now).
+
+    ``plan`` is the load phase's, its targets with their models; ``command`` has its API keys redacted already.
+    Keys are written in this order, so that results.json reads from what was run to what it measured."""
+    rows = summary_rows(runs)
+    return {
+        "schema": SCHEMA,
+        "started_at": started_at.isoformat(timespec="seconds"),
+        "finished_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "command": command,
+        "host": _host(loadavg_start),
+        "config": _config(plan, temperature=temperature, prompt_file=prompt_file),
+        "targets": [
+            {"label": t.label, "url": t.url, "protocol": t.protocol, "model": t.model or None} for t in plan.targets
+        ],
+        "summary": rows,
+        "comparisons": comparisons(rows),
+        "cold_start": cold_start,
+        "soak": soak,
+        "records": [r.as_dict() for run in runs for r in run.records],
+    }
+
+
+def loadavg() -> list[float] | None:
+    """The host's load averages over 1, 5 and 15 minutes; ``None`` where the platform has none."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def _host(loadavg_start: list[float] | None) -> dict[str, Any]:
+    """The machine the bench ran on: a busy or small host explains figures that differ between runs."""
+    return {
+        "cpus": os.cpu_count(),
+        "loadavg_start": loadavg_start,
+        "loadavg_end": loadavg(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+    }
+
+
+def _config(plan: Plan, *, temperature: float, prompt_file: Path | None) -> dict[str, Any]:
+    """What the load phase was asked to do, as the flags gave it."""
+    lengths = plan.max_tokens
+    return {
+        "concurrency": list(plan.concurrency),
+        "modes": list(plan.modes),
+        "requests": plan.requests,
+        "duration_s": plan.duration_s,
+        "max_tokens": lengths.low if lengths.low == lengths.high else [lengths.low, lengths.high],
+        "temperature": temperature,
+        "timeout_s": plan.timeout_s,
+        "prompts": {
+            "source": str(prompt_file) if prompt_file else "default",
+            "count": len(plan.prompts),
+            "tag": plan.prompt_tag,  # null: sent as written (--same-prompts)
+        },
+        "schedule": "continuous" if len(plan.arms) == 1 else "rounds",
+    }
 
 
 def summary_rows(runs: Iterable[ArmRun]) -> list[dict[str, Any]]:
@@ -80,6 +158,17 @@ def write_json(document: dict[str, Any], path: Path) -> None:
 
 
 # -- terminal ----------------------------------------------------------------------------------------------------
+
+
+def terminal_lines(document: dict[str, Any]) -> list[str]:
+    """What stdout shows of a results document: the table, the comparisons, then the cold start and soak summaries
+    of the runs that had them."""
+    lines = [table(document["summary"]), *comparison_lines(document["comparisons"])]
+    if document["cold_start"] is not None:
+        lines += cold_start_lines(document["cold_start"]["summary"])
+    if document["soak"] is not None:
+        lines += soak_lines(document["soak"]["summary"])
+    return lines
 
 
 def _ms(value: Any) -> str:

@@ -110,6 +110,17 @@ class Soak:
             **stats.summarize(self.records, active_s=active_s),
         }
 
+    def section(self, *, target: str, pid: int | None, active_s: float) -> dict[str, Any]:
+        """The ``soak`` section of the results document: ``target`` is the label of the server soaked, ``pid`` its
+        process id where one was known (``--cold-start`` or ``--server-pid``), else ``None``."""
+        return {
+            "target": target,
+            "pid": pid,
+            "summary": self.summary(active_s),
+            "samples": self.samples,
+            "records": [r.as_dict() for r in self.records],
+        }
+
 
 async def run(
     target: Target,
