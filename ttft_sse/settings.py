@@ -106,6 +106,11 @@ class Settings:
     default_max_tokens: int = 256
     max_tokens_cap: int = 2048
     max_body_bytes: int = 1_048_576
+    # Read any body as JSON whatever its Content-Type (else 415 for all but application/json and +json types):
+    # only where no browser can reach the server (see api/body.py: the labels browsers send cross-site unasked).
+    allow_any_content_type: bool = False
+    # A request's body must arrive within this of the request's arrival (408 after).
+    body_timeout_seconds: float = 30.0
     max_concurrency: int = 8
     max_queue: int = 32
     batch_tokens: int = 512
@@ -159,6 +164,7 @@ class Settings:
             "job_ttl_seconds",
             "job_lease_seconds",
             "resume_grace_seconds",
+            "body_timeout_seconds",
         )
         for name in more_than_zero:
             if getattr(self, name) <= 0:
