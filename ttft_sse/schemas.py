@@ -132,6 +132,29 @@ class GenerationRequest:
             seed=seed,
         )
 
+    @staticmethod
+    def json_schema(*, max_tokens_cap: int) -> dict[str, Any]:
+        """The JSON Schema (2020-12) of the bodies :meth:`from_json` accepts, from the same limits.
+
+        All of it but what only the model can judge (a prompt's length in tokens, against its context) and what the
+        JSON reader refuses before any validator runs (lone surrogates, NaN). ``GET /openapi.json`` publishes it; a
+        test draws bodies, good and bad, and checks that this schema and :meth:`from_json` agree on every one.
+        """
+        fields = field_schemas(max_tokens_cap=max_tokens_cap)
+        return {
+            "type": "object",
+            "properties": fields,
+            "additionalProperties": False,
+            # prompt or messages, not both; null means "not given"
+            "oneOf": [
+                {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+                {"required": ["messages"], "properties": {"messages": {"type": "array"}}},
+            ],
+            # raw applies to prompt only
+            "if": {"required": ["raw"], "properties": {"raw": {"const": True}}},
+            "then": {"properties": {"messages": {"type": "null"}}},
+        }
+
     def as_body(self) -> dict[str, Any]:
         """The JSON body that ``from_json`` reads back into an equal request (how a job travels to a worker)."""
         body: dict[str, Any] = {
@@ -171,6 +194,56 @@ class GenerationRequest:
             seed=self.seed,
             stop=self.stop,
         )
+
+
+NOT_BLANK = r"\S"  # a pattern: some character other than whitespace (str.strip's whitespace)
+
+
+def message_schema() -> dict[str, Any]:
+    """One chat message, as :func:`_messages` takes it."""
+    return {
+        "type": "object",
+        "properties": {
+            "role": {"enum": list(ROLES)},
+            "content": {"type": "string"},
+            "name": {"description": "accepted and not used"},
+        },
+        "required": ["role", "content"],
+        "additionalProperties": False,
+    }
+
+
+def field_schemas(*, max_tokens_cap: int) -> dict[str, dict[str, Any]]:
+    """Each field of a generation request: its JSON Schema, written from the limits the validators use."""
+    stop = {"type": "string", "minLength": 1}
+    return {
+        "prompt": {
+            "type": ["string", "null"],
+            "pattern": NOT_BLANK,
+            "description": "The text to continue (with raw) or the user's message (through the chat template).",
+        },
+        "messages": {
+            "type": ["array", "null"],
+            "items": message_schema(),
+            "minItems": 1,
+            "contains": {"type": "object", "required": ["content"], "properties": {"content": {"pattern": NOT_BLANK}}},
+            "description": "A conversation, through the model's chat template; at least one message not empty.",
+        },
+        "raw": {"type": "boolean", "default": False, "description": "prompt as is, without the chat template"},
+        "max_tokens": {
+            "type": ["integer", "null"],
+            "minimum": 1,
+            "maximum": max_tokens_cap,
+            "description": "at most this many tokens; also no more than the model's context leaves after the prompt",
+        },
+        "temperature": {"type": "number", "minimum": 0, "maximum": MAX_TEMPERATURE, "default": 0.0},
+        "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1, "default": 1.0},
+        "stop": {
+            "anyOf": [{"type": "null"}, stop, {"type": "array", "items": stop, "maxItems": MAX_STOP_SEQUENCES}],
+            "description": "generation stops before the first of these; it is not part of the text",
+        },
+        "seed": {"type": ["integer", "null"], "minimum": 0, "maximum": SEED_LIMIT - 1},
+    }
 
 
 def _messages(value: Any) -> tuple[ChatMessage, ...]:
