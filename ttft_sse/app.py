@@ -15,6 +15,7 @@ from ttft_sse.api.page import page, static_files
 from ttft_sse.api.spec import openapi_json
 from ttft_sse.api.stream import stream
 from ttft_sse.api.streams import create_stream, stream_resource
+from ttft_sse.connection import CloseWhenBodyUnread
 from ttft_sse.engine.base import Engine
 from ttft_sse.errors import EXCEPTION_HANDLERS
 from ttft_sse.jobs import make_store
@@ -59,7 +60,7 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
             Route("/metrics", metrics, methods=["GET"]),
             Route("/openapi.json", openapi_json, methods=["GET"]),
         ],
-        middleware=[Middleware(RequestContext)],
+        middleware=[Middleware(RequestContext), Middleware(CloseWhenBodyUnread)],
         exception_handlers=EXCEPTION_HANDLERS,
         lifespan=lifespan,
     )

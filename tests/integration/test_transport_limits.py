@@ -210,3 +210,28 @@ def test_the_transport_settings_reach_hypercorn() -> None:
     assert config.read_timeout is None  # see ttft_sse/transport.py: it would cut SSE streams
     defaults = hypercorn_config(Settings())
     assert (defaults.header_timeout, defaults.keep_alive_timeout, defaults.h11_max_incomplete_size) == (10, 75, 16384)
+
+
+@pytest.mark.parametrize(
+    ("data", "closes"),
+    [
+        (b"Content-Type: text/plain\r\nContent-Length: 16\r\n\r\n" + b'{"prompt": "hi"}', True),  # 415, body unread
+        (b"Content-Type: application/json\r\nContent-Length: 99999999\r\n\r\n", True),  # 413 from the declared length
+        (b"Content-Type: application/json\r\nContent-Length: 13\r\n\r\n" + b'{"prompt": 5}', False),  # read: reusable
+        (b"Content-Type: application/json\r\nContent-Length: 7\r\n\r\n" + b'{"x": 1', False),  # a 400 after reading it
+    ],
+)
+def test_a_response_given_before_the_body_was_read_says_connection_close(
+    served: tuple[Served, FakeEngine], data: bytes, closes: bool
+) -> None:
+    """Without it, a client sends its next request down a connection the server is closing (the fuzz suite met
+    "server disconnected without sending a response" so)."""
+    with connect(served) as sock:
+        sock.sendall(b"POST /complete HTTP/1.1\r\nHost: t\r\n" + data)
+        head = read_response(sock).partition(b"\r\n\r\n")[0].lower()
+        assert (b"\r\nconnection: close" in head) is closes, head
+        if closes:
+            assert read_until_closed(sock)[0] == b""
+        else:
+            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n")  # the same connection serves the next one
+            assert read_response(sock).startswith(b"HTTP/1.1 200")
