@@ -16,9 +16,10 @@ is bounded by the number of runners, and a job must never take a place an intera
 Retry-After is an estimate, not a constant: the requests ahead of a newcomer in its lane (or higher), served
 ``slots`` at a time, times the *median* slot hold time of the last :data:`SERVICE_WINDOW` generations of its lane
 (of every lane, until its own has one), at least 1 s and at most :data:`MAX_RETRY_AFTER_SECONDS`. The median, not the
-mean: a few slow generations (a long answer, a job, a client that reads slowly) made the mean, and with it
-Retry-After, drift from 1 s to 8 s to 124 s between identical runs; half the window has to be slow before the median
-moves. Per lane, because lanes hold slots for different work (overflow jobs run long answers).
+mean: a mean follows the few slow generations in the window (a long answer, a client that reads slowly), so the same
+traffic gives anything from a few seconds to minutes, depending on how many of them the window happens to hold; the
+median moves only once half the window is slow. Per lane, because lanes hold slots for different work (overflow jobs
+run long answers).
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ Two things hypercorn (0.17, 0.18) has no setting for:
 
 * **Releasing a closed connection.** When a client closes an idle keep-alive connection, hypercorn's reader sees the
   end of the stream and stops, but the connection's task group still waits for the keep-alive timer before the
-  socket is closed: every connection a client closed sat in CLOSE-WAIT for ``TTFT_KEEP_ALIVE_SECONDS`` (75 s),
-  holding a file descriptor. Here the timer is stopped as soon as the reader stops.
+  socket is closed: left alone, every connection a client closes stays in CLOSE-WAIT for ``TTFT_KEEP_ALIVE_SECONDS``
+  (75 s), holding a file descriptor. Here the timer is stopped as soon as the reader stops.
 * **A deadline for a request's head** (``TTFT_HEADER_TIMEOUT_SECONDS``, HTTP/1.1): from the first byte of a request
   until its blank line. A client that sends half a head and waits (slowloris) is closed then, not when the keep-alive
   timer ends. Do not "fix" this with hypercorn's ``read_timeout``: it bounds *every* read, those while the server
