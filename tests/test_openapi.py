@@ -58,8 +58,8 @@ def test_the_document_is_served_and_lists_every_route(client: TestClient) -> Non
         served |= {(path, method.lower()) for method in route.methods or () if method != "HEAD"}
     described = {(path, method) for path, item in spec["paths"].items() for method in item}
     assert described == served
-    for name, schema in spec["components"]["schemas"].items():
-        jsonschema.Draft202012Validator.check_schema(schema), name
+    for schema in spec["components"]["schemas"].values():
+        jsonschema.Draft202012Validator.check_schema(schema)  # each a valid JSON Schema (2020-12, as OpenAPI 3.1)
 
 
 def test_every_field_the_validator_knows_is_described_with_its_limits() -> None:
