@@ -5,7 +5,7 @@ import asyncio
 import pytest
 
 from ttft_sse.errors import Overloaded, Unavailable
-from ttft_sse.gate import Gate, Lane
+from ttft_sse.gate import MAX_RETRY_AFTER_SECONDS, Gate, Lane
 
 
 async def test_slots_then_queue_then_overload_with_retry_after() -> None:
@@ -175,3 +175,48 @@ async def test_admission_while_the_consumer_holds_a_position_is_not_lost() -> No
         with pytest.raises(StopAsyncIteration):
             await anext(positions)
     assert second.admitted
+
+
+def test_retry_after_is_the_median_so_a_few_slow_generations_do_not_move_it() -> None:
+    """Identical runs gave 1 s, 8 s and 124 s when the estimate was a mean: a few slow holds dragged it along."""
+    gate = Gate(slots=1, max_queue=0, timeout=5)
+    for seconds in [2.0] * 20 + [300.0] * 3:  # three slow generations among twenty ordinary ones
+        gate.record_service(seconds)
+    assert gate.service_seconds() == 2.0
+    gate.reserve()
+    with pytest.raises(Overloaded) as info:
+        gate.reserve()
+    assert info.value.headers() == {"Retry-After": "2"}  # one ahead of nobody, 2 s; the mean would say 41
+    for seconds in [300.0] * 16:  # once most of the window is slow, so is the estimate
+        gate.record_service(seconds)
+    assert gate.service_seconds() == 300.0
+
+
+def test_retry_after_is_capped() -> None:
+    gate = Gate(slots=1, max_queue=10, timeout=5)
+    gate.record_service(50.0)
+    gate.reserve()
+    for _ in range(10):
+        gate.reserve()
+    assert gate.retry_after() == MAX_RETRY_AFTER_SECONDS  # eleven ahead times 50 s would be 550 s
+
+
+def test_retry_after_uses_the_newcomers_lane_and_every_lane_until_it_has_one() -> None:
+    gate = Gate(slots=1, max_queue=10, timeout=5)
+    for _ in range(5):
+        gate.record_service(40.0, Lane.JOBS)  # overflow jobs hold slots long
+    assert gate.retry_after(Lane.NORMAL) == 40.0  # nothing measured in the normal lane yet: every lane's
+    for seconds in (1.5, 2.0, 2.5):
+        gate.record_service(seconds, Lane.NORMAL)
+    assert gate.retry_after(Lane.NORMAL) == 2.0
+    assert gate.retry_after(Lane.JOBS) == 40.0
+
+
+def test_the_gate_records_each_hold_under_the_tickets_lane() -> None:
+    gate = Gate(slots=2, max_queue=0, timeout=5)
+    high, job = gate.reserve(Lane.HIGH), gate.reserve(Lane.JOBS, patient=True)
+    high.release()
+    job.release()
+    assert gate.service_seconds(Lane.HIGH) is not None and gate.service_seconds(Lane.HIGH) < 1
+    assert len(gate._held[Lane.HIGH]) == len(gate._held[Lane.JOBS]) == 1
+    assert not gate._held[Lane.NORMAL]

@@ -123,25 +123,22 @@ def _worker(settings: Settings) -> int:
     return run_worker(settings, concurrency=settings.job_runners)
 
 
-# Above the idle timeouts of common proxies (nginx upstream keepalive_timeout 60 s, cloud LBs 60 s), so the proxy
-# closes an idle connection first and never sends a request on one that hypercorn is closing.
-KEEP_ALIVE_SECONDS = 75
-
-
 def hypercorn_config(settings: Settings) -> Config:
-    """The hypercorn settings ``serve`` runs with; ``deploy/hypercorn.toml`` writes the same down (a test checks)."""
-    from hypercorn.config import Config
+    """The hypercorn settings ``serve`` runs with; ``deploy/hypercorn.toml`` writes the same down (a test checks).
 
+    The transport's limits (keep-alive, request heads) come from :mod:`ttft_sse.transport`, which also puts its
+    reader into hypercorn: building the config is what makes a server run with them.
+    """
+    from ttft_sse import transport
     from ttft_sse.runtime import FLUSH_SECONDS
 
-    config = Config()
+    config = transport.config(settings)
     host = f"[{settings.host}]" if ":" in settings.host else settings.host
     config.bind = [f"{host}:{settings.port}"]
     config.accesslog = None  # the RequestContext middleware logs each request, with its id
     # Hypercorn's own grace starts only when the shutdown trigger returns, which is after our drain
     # (Runtime.drain): by then every stream has its final event, and this is only the time to write it.
     config.graceful_timeout = FLUSH_SECONDS
-    config.keep_alive_timeout = KEEP_ALIVE_SECONDS
     return config
 
 

@@ -12,8 +12,10 @@ from ttft_sse.api.jobs import cancel_job, job_result, submit_job
 from ttft_sse.api.metrics import metrics
 from ttft_sse.api.openai import chat_completions, completions, list_models, retrieve_model
 from ttft_sse.api.page import page, static_files
+from ttft_sse.api.spec import openapi_json
 from ttft_sse.api.stream import stream
 from ttft_sse.api.streams import create_stream, stream_resource
+from ttft_sse.connection import CloseWhenBodyUnread
 from ttft_sse.engine.base import Engine
 from ttft_sse.errors import EXCEPTION_HANDLERS
 from ttft_sse.log import RequestContext
@@ -55,8 +57,9 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
             Route("/v1/models", list_models, methods=["GET"]),
             Route("/v1/models/{model:path}", retrieve_model, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
+            Route("/openapi.json", openapi_json, methods=["GET"]),
         ],
-        middleware=[Middleware(RequestContext)],
+        middleware=[Middleware(RequestContext), Middleware(CloseWhenBodyUnread)],
         exception_handlers=EXCEPTION_HANDLERS,
         lifespan=lifespan,
     )

@@ -8,8 +8,11 @@
     │   ├── NotFound                  404 not_found_error
     │   │   └── Gone                  410, it existed once: an expired or deleted stream, or events dropped
     │   ├── Conflict                  409 conflict_error (e.g. cancelling a job that has already finished)
+    │   ├── RequestTimeout            408 invalid_request_error: the body did not arrive in time (code ``body_timeout``)
     │   ├── PayloadTooLarge           413 invalid_request_error
     │   └── UnsupportedMediaType      415 invalid_request_error
+    ├── ClientGone                    the client left before its request was read (mid-upload): nobody is there to
+    │                                 answer; logged at info, counted as ``client_gone``, never as a server error
     ├── Unavailable                   503 with Retry-After
     │   ├── NotReady                  the model is still loading
     │   ├── Overloaded                every generation slot and queue place is taken
@@ -21,20 +24,43 @@
     └── StartupError                  the model cannot be found or loaded; the process exits with its message
 
 Lower-layer errors (torch, transformers, the thread bridge) are translated with ``raise EngineError(...) from
-exc`` inside the engine. Every JSON error has one shape: ``{"error": {"message", "type", "param", "code"}}``.
-No traceback ever reaches a client: unexpected exceptions become a generic 500 and are logged with a request id.
+exc`` inside the engine; Starlette's ``ClientDisconnect`` becomes ``ClientGone``. Every JSON error has one shape:
+``{"error": {"message", "type", "param", "code"}}``. No traceback ever reaches a client: unexpected exceptions become
+a generic 500 and are logged with a request id. A message or param may quote what the client sent: each is made
+printable UTF-8 (a lone surrogate becomes its ``\\udXXX`` escape) and cut to a bounded length, so that quoting a
+hostile value can neither fail to encode nor echo a megabyte back.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import structlog
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 log = structlog.get_logger("ttft_sse.errors")
+
+MAX_MESSAGE_CHARS = 1000  # an error message longer than this is cut (it can quote what the client sent)
+MAX_PARAM_CHARS = 200
+
+
+def printable(text: str, limit: int) -> str:
+    """``text`` as valid UTF-8 (lone surrogates as ``\\udXXX`` escapes), at most ``limit`` characters (cut with …)."""
+    if len(text) > limit:
+        text = text[: limit - 1] + "…"
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def quoted(value: object, limit: int = 60) -> str:
+    """A client's value for an error message: JSON-quoted where JSON can write it, cut to ``limit`` characters."""
+    try:
+        text = json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return printable(text, limit)
 
 
 class ServiceError(Exception):
@@ -42,9 +68,10 @@ class ServiceError(Exception):
     error_type = "server_error"
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        message = printable(message, MAX_MESSAGE_CHARS)
         super().__init__(message)
         self.message = message
-        self.param = param
+        self.param = None if param is None else printable(param, MAX_PARAM_CHARS)
         self.code = code
 
     def to_dict(self) -> dict[str, Any]:
@@ -96,6 +123,10 @@ class Conflict(ClientError):
     error_type = "conflict_error"
 
 
+class RequestTimeout(ClientError):
+    status_code = 408
+
+
 class PayloadTooLarge(ClientError):
     status_code = 413
 
@@ -136,6 +167,14 @@ class Cancelled(ServiceError):
     error_type = "cancelled_error"
 
 
+class ClientGone(ServiceError):
+    """The client closed the connection before its request was read. 499 (nginx's "client closed request") goes
+    to the access log only: the connection is gone, nothing is sent."""
+
+    status_code = 499
+    error_type = "client_gone"
+
+
 class EngineError(ServiceError):
     pass
 
@@ -164,9 +203,16 @@ def _count_refusal(request: Request, exc: Exception) -> None:
 async def _service_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ServiceError)
     _count_refusal(request, exc)
-    if not isinstance(exc, ClientError | Unavailable):
+    if isinstance(exc, ClientGone):
+        log.info("client_gone", error=exc.message, method=request.method, path=request.url.path)
+    elif not isinstance(exc, ClientError | Unavailable):
         log.error("request_failed", error=exc.message, error_type=type(exc).__name__)
     return error_response(exc)
+
+
+async def _client_disconnect(request: Request, exc: Exception) -> Response:
+    """Starlette's ``ClientDisconnect`` from wherever a route met it: the client left, not a server fault."""
+    return await _service_error(request, ClientGone("the client closed the connection before the request was read"))
 
 
 _HTTP_TYPES = {404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error"}
@@ -202,6 +248,7 @@ async def _unexpected_error(request: Request, exc: Exception) -> Response:
 
 EXCEPTION_HANDLERS: dict[Any, Any] = {
     ServiceError: _service_error,
+    ClientDisconnect: _client_disconnect,
     HTTPException: _http_error,
     Exception: _unexpected_error,
 }

@@ -14,20 +14,27 @@ keep their slots until they finish.
 is bounded by the number of runners, and a job must never take a place an interactive request could have.
 
 Retry-After is an estimate, not a constant: the requests ahead of a newcomer in its lane (or higher), served
-``slots`` at a time, times the mean slot hold time of the last :data:`SERVICE_WINDOW` generations.
+``slots`` at a time, times the *median* slot hold time of the last :data:`SERVICE_WINDOW` generations of its lane
+(of every lane, until its own has one), at least 1 s and at most :data:`MAX_RETRY_AFTER_SECONDS`. The median, not the
+mean: a mean follows the few slow generations in the window (a long answer, a client that reads slowly), so the same
+traffic gives anything from a few seconds to minutes, depending on how many of them the window happens to hold; the
+median moves only once half the window is slow. Per lane, because lanes hold slots for different work (overflow jobs
+run long answers).
 """
 
 from __future__ import annotations
 
 import asyncio
 import enum
+import statistics
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 
 from ttft_sse.errors import Overloaded, Unavailable
 
-SERVICE_WINDOW = 32  # recent generations whose slot hold times make the Retry-After estimate
+SERVICE_WINDOW = 32  # recent generations of a lane whose slot hold times make its Retry-After estimate
+MAX_RETRY_AFTER_SECONDS = 60.0  # past this an estimate says little; a client should look again by then
 
 
 class Lane(enum.IntEnum):
@@ -122,7 +129,8 @@ class Gate:
         self.running = 0
         self._lanes: dict[Lane, deque[Ticket]] = {lane: deque() for lane in Lane}
         self._bounded = 0  # waiting tickets that count against max_queue (all but patient ones)
-        self._held: deque[float] = deque(maxlen=SERVICE_WINDOW)  # recent slot hold times, seconds
+        # Recent slot hold times (seconds) by the lane of the ticket that held the slot.
+        self._held: dict[Lane, deque[float]] = {lane: deque(maxlen=SERVICE_WINDOW) for lane in Lane}
         self.refusal: Callable[[], Unavailable] | None = None
         self._changed = asyncio.Event()
 
@@ -188,29 +196,32 @@ class Gate:
             return 0
         return sum(len(self._lanes[lane]) for lane in Lane if lane < ticket.lane) + index + 1
 
-    def record_service(self, seconds: float) -> None:
-        """Note how long a slot was held (``_leave`` calls it for every admitted ticket)."""
-        self._held.append(seconds)
+    def record_service(self, seconds: float, lane: Lane = Lane.NORMAL) -> None:
+        """Note how long a ticket of ``lane`` held a slot (``_leave`` calls it for every admitted ticket)."""
+        self._held[lane].append(seconds)
 
-    def service_seconds(self) -> float | None:
-        """Mean slot hold time of the last :data:`SERVICE_WINDOW` generations; None before the first one ends."""
-        return sum(self._held) / len(self._held) if self._held else None
+    def service_seconds(self, lane: Lane = Lane.NORMAL) -> float | None:
+        """Median slot hold time of ``lane``'s last :data:`SERVICE_WINDOW` generations, or of every lane's while
+        ``lane`` has none; None before any generation has ended."""
+        held = self._held[lane] or [seconds for window in self._held.values() for seconds in window]
+        return statistics.median(held) if held else None
 
     def retry_after(self, lane: Lane = Lane.NORMAL) -> float:
         """Seconds until a newcomer in ``lane`` would likely get a slot.
 
         Everyone already waiting in its lane or a better one goes first; the slots serve them ``slots`` at a
-        time, each for the recently measured mean hold time. One second until a generation has been measured.
+        time, each for the median hold time (:meth:`service_seconds`). One second until a generation has been
+        measured; never more than :data:`MAX_RETRY_AFTER_SECONDS`.
         """
         ahead = sum(len(self._lanes[other]) for other in Lane if other <= lane)
-        mean = self.service_seconds()
-        if mean is None:
+        median = self.service_seconds(lane)
+        if median is None:
             return 1.0
-        return max(1.0, (ahead + 1) / self.slots * mean)
+        return min(MAX_RETRY_AFTER_SECONDS, max(1.0, (ahead + 1) / self.slots * median))
 
     def _leave(self, ticket: Ticket) -> None:
         if ticket.admitted:
-            self.record_service(time.perf_counter() - (ticket.admitted_at or ticket.created))
+            self.record_service(time.perf_counter() - (ticket.admitted_at or ticket.created), ticket.lane)
             self.running -= 1
         else:
             queue = self._lanes[ticket.lane]

@@ -17,7 +17,8 @@ Who records what (no other module touches a metric object)::
 Every generating request is counted once in ``ttft_sse_requests_total{endpoint, outcome}``. Outcomes:
 
     ok           generation finished (finish_reason stop or length)
-    cancelled    the client left before the end
+    cancelled    the client left before the end (its generation, admitted or queued, was stopped)
+    client_gone  the client left before its request was even read (mid-upload): nothing was generated
     invalid      4xx: the request was wrong
     overloaded   503: no generation slot and no queue place, or the queue wait ran out
     unavailable  503: the model is still loading
@@ -48,7 +49,7 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from ttft_sse.engine.base import Engine, Finished
-from ttft_sse.errors import ClientError, Overloaded, ShuttingDown, Unavailable
+from ttft_sse.errors import ClientError, ClientGone, Overloaded, ShuttingDown, Unavailable
 from ttft_sse.gate import Gate
 from ttft_sse.stages import StageClock
 
@@ -57,8 +58,10 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("ttft_sse.metrics")
 
-Outcome = Literal["ok", "cancelled", "invalid", "overloaded", "unavailable", "shutdown", "error"]
-OUTCOMES: tuple[Outcome, ...] = ("ok", "cancelled", "invalid", "overloaded", "unavailable", "shutdown", "error")
+Outcome = Literal["ok", "cancelled", "client_gone", "invalid", "overloaded", "unavailable", "shutdown", "error"]
+OUTCOMES: tuple[Outcome, ...] = (
+    "ok", "cancelled", "client_gone", "invalid", "overloaded", "unavailable", "shutdown", "error",
+)  # fmt: skip
 
 # Latency buckets resolving 10 ms … 30 s, with edges on the alert thresholds (0.5 s TTFT, 1 s queue wait) so
 # that histogram_quantile interpolates inside the right bucket.
@@ -102,6 +105,8 @@ def outcome_of(exc: BaseException) -> Outcome:
         return "unavailable"
     if isinstance(exc, ClientError):
         return "invalid"
+    if isinstance(exc, ClientGone):
+        return "client_gone"
     if isinstance(exc, GeneratorExit | asyncio.CancelledError):
         return "cancelled"
     return "error"
@@ -141,7 +146,7 @@ class Metrics:
         self.requests = Counter(
             "ttft_sse_requests",
             "Generating requests by endpoint and outcome "
-            "(ok, cancelled, invalid, overloaded, unavailable, shutdown, error).",
+            "(ok, cancelled, client_gone, invalid, overloaded, unavailable, shutdown, error).",
             ["endpoint", "outcome"],
             registry=registry,
         )

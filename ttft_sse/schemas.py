@@ -1,8 +1,11 @@
-"""Request value types and their validation. Every refusal is an ``InvalidRequest`` that names the field."""
+"""Request value types and their validation. Every refusal is an ``InvalidRequest`` that names the field.
+
+The limits below are written once and read twice: by the validators, and by :meth:`GenerationRequest.json_schema`,
+the JSON Schema that ``GET /openapi.json`` publishes (a test checks the two accept the same bodies).
+"""
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -10,11 +13,17 @@ from typing import Any, cast
 
 from starlette.datastructures import QueryParams
 
+from ttft_sse import json_input
 from ttft_sse.engine.base import ROLES, ChatMessage, Role, SamplingParams
-from ttft_sse.errors import InvalidRequest, PromptTooLong
+from ttft_sse.errors import InvalidRequest, PromptTooLong, quoted
 
 MAX_STOP_SEQUENCES = 4
 FIELDS = ("prompt", "messages", "raw", "max_tokens", "temperature", "top_p", "stop", "seed")
+MAX_TEMPERATURE = 2.0  # temperature: 0 to this, both included
+# top_p: more than 0, at most 1
+SEED_LIMIT = 2**63  # seed: 0 up to this, not included (torch's generator takes a signed 64-bit seed)
+MESSAGE_FIELDS = ("role", "content", "name")  # name is accepted and not used
+_SHOWN_NAMES = 5  # unknown field names quoted in an error, at most
 
 
 @dataclass(frozen=True)
@@ -35,7 +44,7 @@ class GenerationRequest:
         unknown = sorted(set(body) - set(FIELDS))
         if unknown:
             raise InvalidRequest(
-                f"unknown field(s): {', '.join(unknown)}; accepted: {', '.join(FIELDS)}", param=unknown[0]
+                f"unknown field(s): {_names(unknown)}; accepted: {', '.join(FIELDS)}", param=unknown[0]
             )
         return cls._build(body, max_tokens_cap)
 
@@ -45,8 +54,7 @@ class GenerationRequest:
         unknown = sorted(set(query.keys()) - set(FIELDS))
         if unknown:
             raise InvalidRequest(
-                f"unknown query parameter(s): {', '.join(unknown)}; accepted: {', '.join(FIELDS)}",
-                param=unknown[0],
+                f"unknown query parameter(s): {_names(unknown)}; accepted: {', '.join(FIELDS)}", param=unknown[0]
             )
         values: dict[str, Any] = {}
         for key in query:
@@ -59,8 +67,10 @@ class GenerationRequest:
             text = query[key]
             if key == "messages":
                 try:
-                    values[key] = json.loads(text)
-                except json.JSONDecodeError:
+                    values[key] = json_input.parse(text, name=key)
+                except InvalidRequest as exc:
+                    if exc.code != "invalid_json":
+                        raise  # too deep, a number out of range, invalid Unicode: said as such
                     raise InvalidRequest("messages must be a JSON array of {role, content}", param=key) from None
             elif key in ("max_tokens", "seed"):
                 values[key] = _parse_number(key, text, int)
@@ -99,15 +109,17 @@ class GenerationRequest:
             if not 1 <= max_tokens <= cap:
                 raise InvalidRequest(f"max_tokens must be between 1 and {cap}, got {max_tokens}", param="max_tokens")
         temperature = _number("temperature", body.get("temperature", 0.0))
-        if not 0.0 <= temperature <= 2.0:
-            raise InvalidRequest(f"temperature must be between 0 and 2, got {temperature}", param="temperature")
+        if not 0.0 <= temperature <= MAX_TEMPERATURE:
+            raise InvalidRequest(
+                f"temperature must be between 0 and {MAX_TEMPERATURE:g}, got {temperature:g}", param="temperature"
+            )
         top_p = _number("top_p", body.get("top_p", 1.0))
         if not 0.0 < top_p <= 1.0:
-            raise InvalidRequest(f"top_p must be more than 0 and at most 1, got {top_p}", param="top_p")
+            raise InvalidRequest(f"top_p must be more than 0 and at most 1, got {top_p:g}", param="top_p")
         seed = body.get("seed")
         if seed is not None:
             seed = _integer("seed", seed)
-            if not 0 <= seed < 2**63:
+            if not 0 <= seed < SEED_LIMIT:
                 raise InvalidRequest("seed must be between 0 and 2**63-1", param="seed")
         return cls(
             prompt=prompt,
@@ -119,6 +131,29 @@ class GenerationRequest:
             stop=_stops(body.get("stop")),
             seed=seed,
         )
+
+    @staticmethod
+    def json_schema(*, max_tokens_cap: int) -> dict[str, Any]:
+        """The JSON Schema (2020-12) of the bodies :meth:`from_json` accepts, from the same limits.
+
+        All of it but what only the model can judge (a prompt's length in tokens, against its context) and what the
+        JSON reader refuses before any validator runs (lone surrogates, NaN). ``GET /openapi.json`` publishes it; a
+        test draws bodies, good and bad, and checks that this schema and :meth:`from_json` agree on every one.
+        """
+        fields = field_schemas(max_tokens_cap=max_tokens_cap)
+        return {
+            "type": "object",
+            "properties": fields,
+            "additionalProperties": False,
+            # prompt or messages, not both; null means "not given"
+            "oneOf": [
+                {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+                {"required": ["messages"], "properties": {"messages": {"type": "array"}}},
+            ],
+            # raw applies to prompt only
+            "if": {"required": ["raw"], "properties": {"raw": {"const": True}}},
+            "then": {"properties": {"messages": {"type": "null"}}},
+        }
 
     def as_body(self) -> dict[str, Any]:
         """The JSON body that ``from_json`` reads back into an equal request (how a job travels to a worker)."""
@@ -161,6 +196,56 @@ class GenerationRequest:
         )
 
 
+NOT_BLANK = r"\S"  # a pattern: some character other than whitespace (str.strip's whitespace)
+
+
+def message_schema() -> dict[str, Any]:
+    """One chat message, as :func:`_messages` takes it."""
+    return {
+        "type": "object",
+        "properties": {
+            "role": {"enum": list(ROLES)},
+            "content": {"type": "string"},
+            "name": {"description": "accepted and not used"},
+        },
+        "required": ["role", "content"],
+        "additionalProperties": False,
+    }
+
+
+def field_schemas(*, max_tokens_cap: int) -> dict[str, dict[str, Any]]:
+    """Each field of a generation request: its JSON Schema, written from the limits the validators use."""
+    stop = {"type": "string", "minLength": 1}
+    return {
+        "prompt": {
+            "type": ["string", "null"],
+            "pattern": NOT_BLANK,
+            "description": "The text to continue (with raw) or the user's message (through the chat template).",
+        },
+        "messages": {
+            "type": ["array", "null"],
+            "items": message_schema(),
+            "minItems": 1,
+            "contains": {"type": "object", "required": ["content"], "properties": {"content": {"pattern": NOT_BLANK}}},
+            "description": "A conversation, through the model's chat template; at least one message not empty.",
+        },
+        "raw": {"type": "boolean", "default": False, "description": "prompt as is, without the chat template"},
+        "max_tokens": {
+            "type": ["integer", "null"],
+            "minimum": 1,
+            "maximum": max_tokens_cap,
+            "description": "at most this many tokens; also no more than the model's context leaves after the prompt",
+        },
+        "temperature": {"type": "number", "minimum": 0, "maximum": MAX_TEMPERATURE, "default": 0.0},
+        "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1, "default": 1.0},
+        "stop": {
+            "anyOf": [{"type": "null"}, stop, {"type": "array", "items": stop, "maxItems": MAX_STOP_SEQUENCES}],
+            "description": "generation stops before the first of these; it is not part of the text",
+        },
+        "seed": {"type": ["integer", "null"], "minimum": 0, "maximum": SEED_LIMIT - 1},
+    }
+
+
 def _messages(value: Any) -> tuple[ChatMessage, ...]:
     if not isinstance(value, list):
         raise InvalidRequest(f"messages must be a list, not {_json_type(value)}", param="messages")
@@ -172,16 +257,15 @@ def _messages(value: Any) -> tuple[ChatMessage, ...]:
         if not isinstance(item, dict):
             raise InvalidRequest(f"{where} must be an object with role and content", param=where)
         role, content = item.get("role"), item.get("content")
-        if role not in ROLES:
+        if not isinstance(role, str) or role not in ROLES:
             raise InvalidRequest(
-                f"{where}.role must be one of {', '.join(ROLES)}, got {json.dumps(role)}",
-                param=f"{where}.role",
+                f"{where}.role must be one of {', '.join(ROLES)}, got {quoted(role)}", param=f"{where}.role"
             )
         if not isinstance(content, str):
             raise InvalidRequest(f"{where}.content must be a string", param=f"{where}.content")
-        extra = sorted(set(item) - {"role", "content", "name"})
+        extra = sorted(set(item) - set(MESSAGE_FIELDS))
         if extra:
-            raise InvalidRequest(f"{where} has unknown field(s): {', '.join(extra)}", param=f"{where}.{extra[0]}")
+            raise InvalidRequest(f"{where} has unknown field(s): {_names(extra)}", param=f"{where}.{extra[0]}")
         out.append(ChatMessage(role=cast(Role, role), content=content))
     if not any(m.content.strip() for m in out):
         raise InvalidRequest("every message is empty", param="messages")
@@ -202,24 +286,42 @@ def _stops(value: Any) -> tuple[str, ...]:
 
 
 def _integer(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value):
+    """An integer (an integral float such as ``5.0`` too, as JSON does not tell them apart); never inf or NaN."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
         raise InvalidRequest(f"{name} must be an integer, not {_json_type(value)}", param=name)
+    if isinstance(value, float) and not (math.isfinite(value) and value.is_integer()):
+        raise InvalidRequest(f"{name} must be an integer, not {value!r}", param=name)
     return int(value)
 
 
 def _number(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, int | float):
         raise InvalidRequest(f"{name} must be a number, not {_json_type(value)}", param=name)
-    return float(value)
+    try:
+        number = float(value)
+    except OverflowError:  # an int past a double
+        raise InvalidRequest(f"{name} must be a number within range", param=name) from None
+    if not math.isfinite(number):
+        raise InvalidRequest(f"{name} must be a finite number, not {number!r}", param=name)
+    return number
 
 
 def _parse_number(name: str, text: str, kind: type[int] | type[float]) -> int | float:
+    noun = "an integer" if kind is int else "a number"
+    if len(text) > json_input.MAX_INTEGER_DIGITS + 8:  # no value in range is written so long
+        raise InvalidRequest(f"{name} must be {noun}, got {len(text)} characters", param=name)
     try:
         value = kind(text)
     except ValueError:
-        noun = "an integer" if kind is int else "a number"
         raise InvalidRequest(f"{name} must be {noun}, got {text!r}", param=name) from None
     return value
+
+
+def _names(names: list[str]) -> str:
+    """Field names for an error message: the first few, each cut short."""
+    shown = ", ".join(n if len(n) <= 40 else f"{n[:39]}…" for n in names[:_SHOWN_NAMES])
+    more = len(names) - _SHOWN_NAMES
+    return f"{shown} and {more} more" if more > 0 else shown
 
 
 def _parse_bool(name: str, text: str) -> bool:

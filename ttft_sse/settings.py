@@ -102,6 +102,19 @@ class Settings:
     default_max_tokens: int = 256
     max_tokens_cap: int = 2048
     max_body_bytes: int = 1_048_576
+    # Read any body as JSON whatever its Content-Type (else 415 for all but application/json and +json types):
+    # only where no browser can reach the server (see api/body.py: the labels browsers send cross-site unasked).
+    allow_any_content_type: bool = False
+    # Transport limits (docs/operations.md, "Limits and timeouts"). A request's head must arrive within
+    # header_timeout_seconds of its first byte and be at most max_header_bytes (HTTP/1.1), its body within
+    # body_timeout_seconds of the request's arrival (408 after); an idle connection is closed after
+    # keep_alive_seconds: above the idle timeouts of common proxies (nginx upstream keepalive_timeout 60 s, cloud
+    # load balancers 60 s), so that the proxy closes an idle connection first and never sends a request down one
+    # that hypercorn is closing.
+    header_timeout_seconds: float = 10.0
+    max_header_bytes: int = 16_384
+    body_timeout_seconds: float = 30.0
+    keep_alive_seconds: float = 75.0
     max_concurrency: int = 8
     max_queue: int = 32
     batch_tokens: int = 512
@@ -136,6 +149,7 @@ class Settings:
             "default_max_tokens",
             "max_tokens_cap",
             "max_body_bytes",
+            "max_header_bytes",
             "max_concurrency",
             "max_streams",
             "stream_buffer_events",
@@ -158,6 +172,9 @@ class Settings:
             "job_ttl_seconds",
             "job_lease_seconds",
             "resume_grace_seconds",
+            "header_timeout_seconds",
+            "body_timeout_seconds",
+            "keep_alive_seconds",
         )
         for name in more_than_zero:
             if getattr(self, name) <= 0:

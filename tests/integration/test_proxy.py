@@ -222,7 +222,6 @@ def test_shipped_config_keeps_the_directives_streaming_relies_on() -> None:
     """Some of these are invisible in a live test on one nginx version (see above); a change to them is a
     decision, so it should fail here and be made on purpose."""
     from tests.support.nginx import SHIPPED
-    from ttft_sse.__main__ import KEEP_ALIVE_SECONDS
 
     found = {d[0]: d[1:] for d in directives(SHIPPED.read_text())}
     assert found["proxy_buffering"] == ("off",)
@@ -232,5 +231,5 @@ def test_shipped_config_keeps_the_directives_streaming_relies_on() -> None:
     assert "text/event-stream" not in found["gzip_types"] and "*" not in found["gzip_types"]
     assert "proxy_ignore_client_abort" not in found  # a client that leaves must cancel upstream
     assert seconds(found["proxy_read_timeout"][0]) >= 4 * Settings().ping_seconds
-    assert seconds(found["keepalive_timeout"][0]) < KEEP_ALIVE_SECONDS  # nginx closes idle upstreams first
+    assert seconds(found["keepalive_timeout"][0]) < Settings().keep_alive_seconds  # nginx closes idle upstreams first
     assert int(found["keepalive"][0]) > 0

@@ -1,18 +1,35 @@
-"""Reading a generation request from an HTTP request: query string (GET) or JSON body (POST)."""
+"""Reading a generation request from an HTTP request: query string (GET) or JSON body (POST).
+
+A body is JSON, labelled as JSON: ``Content-Type: application/json`` (or a ``+json`` type), UTF-8. Anything else is a
+415 unless ``TTFT_ALLOW_ANY_CONTENT_TYPE`` is on, because the labels a browser may send to another origin without
+asking first (no label, ``text/plain``, a form) are how a page elsewhere would make a visitor's browser start
+generations here (cross-site request forgery); a JSON label makes the browser ask first (CORS preflight), and this
+server grants no other origin. Then: at most ``TTFT_MAX_BODY_BYTES``, all of it within
+``TTFT_BODY_TIMEOUT_SECONDS`` of the request's arrival (408 after), parsed by :mod:`ttft_sse.json_input` (depth,
+number and Unicode limits). A client that leaves mid-upload is ``ClientGone``, not a server error.
+"""
 
 from __future__ import annotations
 
-import json
+import time
 from typing import Any
 
-from starlette.requests import Request
+import anyio
+from starlette.requests import ClientDisconnect, Request
 
+from ttft_sse import json_input
 from ttft_sse.auth import Caller
-from ttft_sse.errors import InvalidRequest, PayloadTooLarge, Unauthorized, UnsupportedMediaType
+from ttft_sse.errors import (
+    ClientGone,
+    InvalidRequest,
+    PayloadTooLarge,
+    RequestTimeout,
+    Unauthorized,
+    UnsupportedMediaType,
+    printable,
+)
 from ttft_sse.runtime import Runtime
 from ttft_sse.schemas import GenerationRequest
-
-_JSON_LIKE = ("application/json", "application/x-www-form-urlencoded", "text/plain")
 
 
 def runtime_of(request: Request) -> Runtime:
@@ -42,33 +59,72 @@ def caller_of(request: Request) -> Caller:
     return keyring.identify(presented)
 
 
+def check_content_type(content_type: str | None, *, allow_any: bool) -> None:
+    """415 unless ``content_type`` labels UTF-8 JSON (``application/json`` or ``*/*+json``; no charset, or utf-8).
+
+    ``allow_any`` (``TTFT_ALLOW_ANY_CONTENT_TYPE``) reads every body as JSON whatever its label, ``curl -d``'s
+    form label included: only where no browser can reach the server.
+    """
+    if allow_any:
+        return
+    if content_type is None:
+        raise UnsupportedMediaType(
+            "the request has no Content-Type; send the JSON body with Content-Type: application/json",
+            param="Content-Type",
+            code="unsupported_media_type",
+        )
+    media, *parameters = (part.strip() for part in content_type.split(";"))
+    media = media.lower()
+    if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
+        raise UnsupportedMediaType(
+            f"Content-Type must be application/json, got {printable(repr(media), 80)}",
+            param="Content-Type",
+            code="unsupported_media_type",
+        )
+    for parameter in parameters:
+        key, _, value = parameter.partition("=")
+        if key.strip().lower() == "charset" and value.strip().strip('"').lower() not in ("utf-8", "utf8"):
+            raise UnsupportedMediaType(
+                f"the body must be UTF-8, got charset {printable(repr(value.strip()), 40)}",
+                param="Content-Type",
+                code="unsupported_media_type",
+            )
+
+
 async def json_body(request: Request) -> Any:
-    """The parsed JSON body, read up to the configured size cap (413 beyond it).
+    """The parsed JSON body: labelled as JSON (415), within the size cap (413), in time (408), sound (400).
 
     Not Starlette's ``max_body_size``: that one answers a plain-text 413 past every exception handler, and
     every error here is JSON.
     """
-    content_type = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
-    # curl -d sends form-urlencoded by default; a JSON body under that label is still read as JSON.
-    if content_type not in _JSON_LIKE and not content_type.endswith("+json"):
-        raise UnsupportedMediaType(f"Content-Type must be application/json, got {content_type!r}")
-    limit = runtime_of(request).settings.max_body_bytes
+    settings = runtime_of(request).settings
+    check_content_type(request.headers.get("content-type"), allow_any=settings.allow_any_content_type)
+    limit = settings.max_body_bytes
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
-        raise PayloadTooLarge(f"the request body is {declared} bytes; the limit is {limit}")
+        raise PayloadTooLarge(f"the request body is {printable(declared, 40)} bytes; the limit is {limit}")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"the request body is over the limit of {limit} bytes")
-        chunks.append(chunk)
+    # The deadline counts from the request's arrival: a body that trickles in (a byte now and then) is as stuck as
+    # one that stopped.
+    deadline = arrival_of(request) + settings.body_timeout_seconds
+    try:
+        with anyio.fail_after(max(deadline - time.perf_counter(), 0)):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise PayloadTooLarge(f"the request body is over the limit of {limit} bytes")
+                chunks.append(chunk)
+    except TimeoutError:
+        raise RequestTimeout(
+            f"the request body did not arrive within {settings.body_timeout_seconds:g} s ({size} bytes came)",
+            code="body_timeout",
+        ) from None
+    except ClientDisconnect as exc:
+        raise ClientGone(f"the client closed the connection after {size} bytes of the request body") from exc
     raw = b"".join(chunks)
     if not raw.strip():
         raise InvalidRequest("the request body is empty; send a JSON object")
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise InvalidRequest(f"the request body is not valid JSON: {exc}") from None
+    return json_input.parse(raw)
 
 
 async def generation_request(request: Request) -> GenerationRequest:

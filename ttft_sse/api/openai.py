@@ -47,10 +47,10 @@ from starlette.responses import JSONResponse, Response
 from ttft_sse.api.body import arrival_of, caller_of, json_body, runtime_of
 from ttft_sse.api.complete import collect, server_timing
 from ttft_sse.api.stream import TokenStream
-from ttft_sse.engine.base import Finished, ModelInfo, Piece, Usage
+from ttft_sse.engine.base import ROLES, Finished, ModelInfo, Piece, Usage
 from ttft_sse.errors import InvalidRequest, NotFound, NotReady, ServiceError
 from ttft_sse.generation import Queued, Run
-from ttft_sse.schemas import GenerationRequest
+from ttft_sse.schemas import NOT_BLANK, GenerationRequest, field_schemas, message_schema
 
 log = structlog.get_logger("ttft_sse.openai")
 
@@ -126,6 +126,77 @@ class OpenAIRequest:
     user: str | None = None
     max_tokens_field: str = "max_tokens"  # the name the client used (max_completion_tokens is an alias)
     ignored: tuple[str, ...] = ()
+
+
+def json_schema(*, chat: bool, max_tokens_cap: int) -> dict[str, Any]:
+    """The JSON Schema (2020-12) of the bodies :func:`parse_chat` (``chat``) or :func:`parse_completion` accept,
+    written from this module's tables and the shared field limits (``schemas.field_schemas``).
+
+    What it cannot say is in the descriptions: ``max_tokens`` and ``max_completion_tokens``, when both are given,
+    must agree; a prompt's length in tokens is the model's to judge. Fields it does not name are accepted and
+    ignored (``additionalProperties``), as :func:`_parse` does.
+    """
+    ours = field_schemas(max_tokens_cap=max_tokens_cap)
+    max_tokens = {**ours["max_tokens"], "description": "at most this many tokens; max_tokens and "
+                  "max_completion_tokens are one setting: when both are given they must agree"}  # fmt: skip
+    flag = {"type": ["boolean", "null"]}
+    properties: dict[str, Any] = {
+        "model": {"type": ["string", "null"], "description": "not checked: the reply names the model that answered"},
+        "max_tokens": max_tokens,
+        "max_completion_tokens": max_tokens,
+        "temperature": {**ours["temperature"], "type": ["number", "null"], "default": DEFAULT_TEMPERATURE},
+        "top_p": {**ours["top_p"], "type": ["number", "null"]},
+        "stop": ours["stop"],
+        "seed": ours["seed"],
+        "stream": flag,
+        "stream_options": {
+            "type": ["object", "null"],
+            "properties": {key: flag for key in sorted(_STREAM_OPTIONS)},
+            "additionalProperties": False,
+        },
+        "user": {"type": ["string", "null"], "description": "logged with the request, never echoed"},
+    }
+    for name in sorted(_INERT):
+        properties[name] = {"description": "accepted; it changes nothing here"}
+    for name, (neutral, why) in sorted(_UNSUPPORTED.items()):
+        properties[name] = {"enum": [None, *neutral], "description": f"not supported{why}; only its neutral value"}
+    text_part = {
+        "type": "object",
+        "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+        "required": ["type", "text"],
+    }
+    if chat:
+        properties["prompt"] = {"type": "null", "description": "belongs to /v1/completions"}
+        message = message_schema()
+        message["properties"]["role"] = {"enum": [*ROLES, "developer"]}
+        message["properties"]["content"] = {"anyOf": [{"type": "string"}, {"type": "array", "items": text_part}]}
+        message["additionalProperties"] = {"enum": [None, []], "description": "a reply's empty fields, dropped"}
+        not_empty = {"anyOf": [{"type": "string", "pattern": NOT_BLANK}, {"type": "array", "contains": {
+            "type": "object", "properties": {"text": {"pattern": NOT_BLANK}}}}]}  # fmt: skip
+        properties["messages"] = {
+            "type": "array",
+            "items": message,
+            "minItems": 1,
+            "contains": {"type": "object", "required": ["content"], "properties": {"content": not_empty}},
+        }
+        required = ["messages"]
+    else:
+        properties["messages"] = {"type": "null", "description": "belongs to /v1/chat/completions"}
+        one = {"type": "string", "pattern": NOT_BLANK}
+        properties["prompt"] = {
+            "anyOf": [one, {"type": "array", "items": one, "minItems": 1, "maxItems": 1}],
+            "description": "one prompt, fed to the model as is (no chat template); token ids are not supported",
+        }
+        required = ["prompt"]
+    return {
+        "type": "object",
+        "properties": properties,
+        "required": required,
+        "additionalProperties": {"description": "not known here: ignored, and logged (openai_fields_ignored)"},
+        # stream_options only with stream: true
+        "if": {"required": ["stream_options"], "properties": {"stream_options": {"type": "object"}}},
+        "then": {"required": ["stream"], "properties": {"stream": {"const": True}}},
+    }
 
 
 def parse_chat(body: Any, *, max_tokens_cap: int) -> OpenAIRequest:
