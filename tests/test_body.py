@@ -8,6 +8,7 @@ max_tokens or seed (OverflowError, ValueError).
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -35,7 +36,17 @@ SURFACES = {
 @pytest.fixture(scope="module")
 def client() -> Iterator[TestClient]:
     with TestClient(create_app(Settings(warmup=False), FakeEngine()), raise_server_exceptions=False) as c:
+        ready(c)
         yield c
+
+
+def ready(client: TestClient) -> None:
+    """Wait for the lifespan's start-up task (the engine's load) to have run: until then a generation is a 503."""
+    for _ in range(200):
+        if client.get("/readyz").status_code == 200:
+            return
+        time.sleep(0.01)
+    raise AssertionError("the app did not become ready")
 
 
 def post_raw(client: TestClient, path: str, text: str, headers: dict[str, str] = JSON) -> object:
@@ -184,6 +195,7 @@ def test_a_charset_other_than_utf8_is_415(client: TestClient) -> None:
 def test_allow_any_content_type_reads_every_body_as_json() -> None:
     app = create_app(Settings(warmup=False, allow_any_content_type=True), FakeEngine())
     with TestClient(app) as c:
+        ready(c)
         for headers in ({}, {"content-type": "application/x-www-form-urlencoded"}, {"content-type": "text/plain"}):
             assert c.post("/complete", content=b'{"prompt": "hi"}', headers=headers).status_code == 200
 
