@@ -153,3 +153,18 @@ def test_generation_is_503_with_retry_after_until_the_model_is_ready() -> None:
         engine.loaded.set()
         eventually(lambda: c.get("/readyz").status_code == 200)
         assert c.post("/complete", json={"prompt": "hi"}).status_code == 200
+
+
+def test_a_prompt_over_the_servers_cap_is_a_400_naming_it() -> None:
+    """TTFT_MAX_PROMPT_TOKENS bounds one request's prompt below the model's context, on every surface."""
+    app = create_app(Settings(warmup=False, max_prompt_tokens=4), FakeEngine(context_length=100))
+    with TestClient(app, raise_server_exceptions=False) as c:
+        eventually(lambda: c.get("/readyz").status_code == 200)
+        ok = c.post("/complete", json={"prompt": "one two three four"})
+        assert ok.status_code == 200, ok.text
+        error = error_of(c.post("/complete", json={"prompt": "one two three four five"}), 400)
+        assert (error["param"], error["code"]) == ("prompt", "prompt_too_long")
+        assert "the prompt is 5 tokens; this server takes at most 4 prompt tokens a request" in str(error["message"])
+        chat = {"messages": [{"role": "user", "content": "one two three four five six"}]}
+        error = error_of(c.post("/v1/chat/completions", json=chat), 400)
+        assert (error["param"], error["code"]) == ("messages", "prompt_too_long")

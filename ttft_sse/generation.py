@@ -24,7 +24,7 @@ import structlog
 
 from ttft_sse.auth import Caller
 from ttft_sse.engine.base import Engine, Finished, Piece, Prompt, SamplingParams
-from ttft_sse.errors import EngineError, NotReady
+from ttft_sse.errors import EngineError, NotReady, PromptTooLong
 from ttft_sse.gate import Gate, Lane, Ticket
 from ttft_sse.lifecycle import Lifecycle
 from ttft_sse.metrics import Metrics, Outcome, outcome_of
@@ -54,13 +54,21 @@ class Generations:
     records each request on ``metrics``."""
 
     def __init__(
-        self, lifecycle: Lifecycle, engine: Engine, gate: Gate, metrics: Metrics, *, default_max_tokens: int
+        self,
+        lifecycle: Lifecycle,
+        engine: Engine,
+        gate: Gate,
+        metrics: Metrics,
+        *,
+        default_max_tokens: int,
+        max_prompt_tokens: int = 0,
     ) -> None:
         self._lifecycle = lifecycle
         self._engine = engine
         self._gate = gate
         self._metrics = metrics
         self._default_max_tokens = default_max_tokens
+        self._max_prompt_tokens = max_prompt_tokens  # 0: the model's context is the only bound
 
     async def open(
         self,
@@ -96,6 +104,14 @@ class Generations:
         prompt = await anyio.to_thread.run_sync(
             partial(engine.prepare, prompt=request.prompt, messages=request.messages, raw=request.raw)
         )
+        cap = self._max_prompt_tokens
+        if cap and prompt.n_tokens > cap:
+            raise PromptTooLong(
+                f"the prompt is {prompt.n_tokens} tokens; this server takes at most {cap} prompt tokens a request "
+                "(TTFT_MAX_PROMPT_TOKENS): shorten it",
+                param="messages" if request.prompt is None else "prompt",
+                code="prompt_too_long",
+            )
         params = request.sampling(
             prompt_tokens=prompt.n_tokens,
             context_length=engine.info.context_length,

@@ -86,7 +86,12 @@ class Runtime:
         self.keyring = Keyring.from_spec(settings.api_keys)
         self.metrics = Metrics(gate=self.gate, clock=self.lifecycle.clock, engine=engine)
         self.generations = Generations(
-            self.lifecycle, engine, self.gate, self.metrics, default_max_tokens=settings.default_max_tokens
+            self.lifecycle,
+            engine,
+            self.gate,
+            self.metrics,
+            default_max_tokens=settings.default_max_tokens,
+            max_prompt_tokens=settings.max_prompt_tokens,
         )
         self.streams = Streams(
             grace=settings.resume_grace_seconds,

@@ -101,6 +101,9 @@ class Settings:
     warmup: bool = True
     default_max_tokens: int = 256
     max_tokens_cap: int = 2048
+    # Prompt tokens one request may bring (0: up to the model's context): a bound on how long one caller's prompt
+    # holds a generation slot while it is computed.
+    max_prompt_tokens: int = 0
     max_body_bytes: int = 1_048_576
     # Read any body as JSON whatever its Content-Type (else 415 for all but application/json and +json types):
     # only where no browser can reach the server (see api/body.py: the labels browsers send cross-site unasked).
@@ -162,7 +165,7 @@ class Settings:
         for name in positive:
             if getattr(self, name) < 1:
                 raise SettingsError(f"{name} must be at least 1, got {getattr(self, name)}")
-        for name in ("threads", "max_queue", "cuda_empty_cache_every", "prefill_chunk_tokens"):
+        for name in ("threads", "max_queue", "cuda_empty_cache_every", "prefill_chunk_tokens", "max_prompt_tokens"):
             if getattr(self, name) < 0:
                 raise SettingsError(f"{name} must be 0 or more, got {getattr(self, name)}")
         more_than_zero = (
