@@ -1,8 +1,8 @@
 """The Grafana dashboard and the alert rules query only metrics the server really exports.
 
 Names are checked against a real ``/metrics`` scrape (after requests, so that labelled series exist), plus the
-CUDA series that only a GPU engine exports (``metrics.CUDA_METRICS``) and the prefix and KV cache series that only
-the batched engine exports (``metrics.BATCH_METRICS``; tests/test_metrics.py checks that it does).
+CUDA series that only a GPU engine exports (``gauges.CUDA_METRICS``) and the prefix and KV cache series that only
+the batched engine exports (``gauges.BATCH_METRICS``; tests/test_metrics.py checks that it does).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from tests.support.promtool import ALERTS, run_promtool
 from tests.support.scrape import scrape
 from ttft_sse.app import create_app
 from ttft_sse.engine.fake import FakeEngine
-from ttft_sse.metrics import BATCH_METRICS, CUDA_METRICS, KERNEL_METRICS
+from ttft_sse.gauges import BATCH_METRICS, CUDA_METRICS, KERNEL_METRICS
 from ttft_sse.settings import Settings
 
 DASHBOARD = Path(__file__).resolve().parent.parent / "deploy" / "grafana" / "ttft-sse.json"

@@ -220,3 +220,40 @@ def test_the_gate_records_each_hold_under_the_tickets_lane() -> None:
     assert gate.service_seconds(Lane.HIGH) is not None and gate.service_seconds(Lane.HIGH) < 1
     assert len(gate._held[Lane.HIGH]) == len(gate._held[Lane.JOBS]) == 1
     assert not gate._held[Lane.NORMAL]
+
+
+async def test_a_reserved_slot_is_for_the_high_lane_only() -> None:
+    gate = Gate(slots=2, max_queue=4, timeout=5, reserved=1)
+    first = gate.reserve(Lane.NORMAL)
+    assert first.admitted and gate.running == 1
+    second = gate.reserve(Lane.NORMAL)  # the last slot is the high lane's: a normal request waits
+    assert not second.admitted and second.position == 1
+    vip = gate.reserve(Lane.HIGH)
+    assert vip.admitted and gate.running == 2
+    vip.release()  # the freed slot is the reserved one: the normal request still waits
+    assert not second.admitted and gate.running == 1
+    first.release()  # a slot of its own frees: now it runs
+    assert second.admitted and gate.running == 1
+    second.release()
+    assert gate.running == 0
+
+
+def test_slot_wait_is_zero_with_a_free_slot_and_else_the_queue_served_at_the_median_hold() -> None:
+    gate = Gate(slots=2, max_queue=8, timeout=5, reserved=1)
+    assert gate.slot_wait(Lane.NORMAL) == 0.0
+    held = gate.reserve(Lane.NORMAL)
+    assert gate.slot_wait(Lane.HIGH) == 0.0  # the reserved slot
+    assert gate.slot_wait(Lane.NORMAL) is None  # no hold time measured yet: no prediction
+    for seconds in (2.0, 4.0, 100.0):
+        gate.record_service(seconds, Lane.NORMAL)
+    assert gate.slot_wait(Lane.NORMAL) == 1 / 1 * 4.0  # one usable slot, the median hold
+    waiting = gate.reserve(Lane.NORMAL)
+    assert gate.slot_wait(Lane.NORMAL) == 2 / 1 * 4.0
+    assert gate.slot_wait(Lane.HIGH) == 0.0
+    waiting.release()
+    held.release()
+
+
+def test_a_gate_cannot_reserve_every_slot() -> None:
+    with pytest.raises(ValueError, match="can reserve 0 to 1"):
+        Gate(slots=2, max_queue=1, timeout=1, reserved=2)

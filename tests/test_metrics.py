@@ -24,7 +24,8 @@ from ttft_sse.engine.base import Prompt
 from ttft_sse.engine.batched.engine import BatchedEngine, BatchStats
 from ttft_sse.engine.cpu import kernel
 from ttft_sse.engine.fake import FakeEngine
-from ttft_sse.metrics import BATCH_METRICS, CUDA_METRICS, KERNEL_METRICS, LATENCY_BUCKETS, GpuProbe, Metrics, outcome_of
+from ttft_sse.gauges import BATCH_METRICS, CUDA_METRICS, KERNEL_METRICS, GpuProbe
+from ttft_sse.metrics import LATENCY_BUCKETS, Metrics, outcome_of
 from ttft_sse.runtime import Runtime
 from ttft_sse.settings import Settings
 

@@ -122,8 +122,14 @@ class Ticket:
 
 
 class Gate:
-    def __init__(self, *, slots: int, max_queue: int, timeout: float) -> None:
+    """``slots`` generations at once, ``reserved`` of them only for the high lane (the others use ``slots -
+    reserved``); at most ``max_queue`` requests waiting, each at most ``timeout`` seconds."""
+
+    def __init__(self, *, slots: int, max_queue: int, timeout: float, reserved: int = 0) -> None:
+        if not 0 <= reserved < slots:
+            raise ValueError(f"a gate of {slots} slots can reserve 0 to {slots - 1} of them for the high lane")
         self.slots = slots
+        self.reserved = reserved
         self.max_queue = max_queue
         self.timeout = timeout
         self.running = 0
@@ -148,8 +154,9 @@ class Gate:
     def reserve(self, lane: Lane = Lane.NORMAL, *, patient: bool = False) -> Ticket:
         if self.refusal is not None:
             raise self.refusal()
-        # Invariant: a free slot means nobody waits (``_leave`` admits the moment one frees).
-        if self.running < self.slots:
+        # Invariant: a slot free for a lane means nobody of it or a better lane waits (``_leave`` admits the moment
+        # one frees).
+        if self._free_for(lane):
             self.running += 1
             return Ticket(self, lane, admitted=True, patient=patient)
         if not patient and self._bounded >= self.max_queue:
@@ -228,9 +235,11 @@ class Gate:
             if ticket in queue:
                 queue.remove(ticket)
                 self._bounded -= not ticket.patient
-        while self.running < self.slots:
+        while True:
+            # The best lane's head, if a slot is free for it. A lane below it is not looked at: where the best is
+            # waiting for a slot, the slots a lower one could take are the reserved ones it may not.
             head = next((queue for queue in self._lanes.values() if queue), None)
-            if head is None:
+            if head is None or not self._free_for(head[0].lane):
                 break
             admitted = head.popleft()
             self._bounded -= not admitted.patient
@@ -238,6 +247,22 @@ class Gate:
             admitted._admit()
         self._notify_behind(Lane.HIGH)
         self._changed.set()
+
+    def _free_for(self, lane: Lane) -> bool:
+        """A slot is free for ``lane``: the high lane may take every slot, the others all but the reserved ones."""
+        return self.running < (self.slots if lane is Lane.HIGH else self.slots - self.reserved)
+
+    def slot_wait(self, lane: Lane) -> float | None:
+        """Seconds until a newcomer in ``lane`` would have a slot: 0 when one is free for it now; else the requests
+        ahead of it served ``slots`` at a time, each for the median hold time; None before any has been measured."""
+        ahead = sum(len(self._lanes[other]) for other in Lane if other <= lane)
+        if not ahead and self._free_for(lane):
+            return 0.0
+        median = self.service_seconds(lane)
+        if median is None:
+            return None
+        usable = self.slots if lane is Lane.HIGH else self.slots - self.reserved
+        return (ahead + 1) / usable * median
 
     def _notify_behind(self, lane: Lane) -> None:
         """Wake every waiter whose position may have changed; each one re-reads it and reports only a change."""

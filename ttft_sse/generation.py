@@ -29,6 +29,7 @@ from ttft_sse.gate import Gate, Lane, Ticket
 from ttft_sse.lifecycle import Lifecycle
 from ttft_sse.metrics import Metrics, Outcome, outcome_of
 from ttft_sse.schemas import GenerationRequest
+from ttft_sse.targets import Degrader, Targets
 
 log = structlog.get_logger("ttft_sse.generation")
 
@@ -62,6 +63,8 @@ class Generations:
         *,
         default_max_tokens: int,
         max_prompt_tokens: int = 0,
+        targets: Targets | None = None,
+        degrader: Degrader | None = None,
     ) -> None:
         self._lifecycle = lifecycle
         self._engine = engine
@@ -69,6 +72,8 @@ class Generations:
         self._metrics = metrics
         self._default_max_tokens = default_max_tokens
         self._max_prompt_tokens = max_prompt_tokens  # 0: the model's context is the only bound
+        self._targets = targets  # first-token targets by lane (TTFT_SLA_MS), if any
+        self._degrader = degrader  # the switch to the engine's faster mode (TTFT_DEGRADE), if any
 
     async def open(
         self,
@@ -120,12 +125,19 @@ class Generations:
         return Prepared(prompt, params)
 
     def admit(self, prepared: Prepared, *, caller: Caller, arrival: float, endpoint: str, record: bool = True) -> Run:
-        """Take a gate ticket in ``caller``'s lane. Job-lane tickets are patient (no deadline, no queue place)."""
+        """Take a gate ticket in ``caller``'s lane. Job-lane tickets are patient (no deadline, no queue place).
+
+        With first-token targets, a request whose first token is predicted past its lane's target is refused here
+        (``Overloaded``), before it takes a slot or a queue place."""
+        if self._targets is not None and caller.lane is not Lane.JOBS and record:
+            self._targets.check(caller.lane)
         ticket = self._gate.reserve(caller.lane, patient=caller.lane is Lane.JOBS)
         return Run(
             self._lifecycle,
             self._engine,
             self._metrics,
+            self._targets if record else None,
+            self._degrader,
             prepared.prompt,
             prepared.params,
             ticket,
@@ -144,6 +156,8 @@ class Run:
         lifecycle: Lifecycle,
         engine: Engine,
         metrics: Metrics,
+        targets: Targets | None,
+        degrader: Degrader | None,
         prompt: Prompt,
         params: SamplingParams,
         ticket: Ticket,
@@ -155,6 +169,8 @@ class Run:
     ) -> None:
         self._lifecycle = lifecycle
         self._engine = engine
+        self._targets = targets
+        self._degrader = degrader
         self.caller = caller
         self.prompt = prompt
         self.params = params
@@ -167,6 +183,16 @@ class Run:
         """Give back the gate ticket. ``events`` does this itself; call it where ``events`` may never start."""
         self._ticket.release()
         self._metrics.observe_ended("cancelled")  # a no-op once ``events`` has counted the request
+
+    def _first_token(self, at: float) -> None:
+        """Record the first token against the lane's target, and let the degrader look at the first tokens."""
+        if self._targets is not None:
+            admitted = self._ticket.admitted_at or self._ticket.created
+            met = self._targets.observe(self.caller.lane, at - self._arrival, at - admitted)
+            if met is not None:
+                self._metrics.observe_target(self.caller.lane.label, met)
+        if self._degrader is not None:
+            self._degrader.evaluate()
 
     async def events(self) -> AsyncGenerator[Event, None]:
         outcome: Outcome = "cancelled"
@@ -192,12 +218,15 @@ class Run:
                             "total_ms": round((now - self._arrival) * 1000, 1),
                         }
                         finished = replace(item, timings=timings)
+                        if first_at is None:  # no text at all: the end is the first thing the client gets
+                            self._first_token(now)
                         metrics.observe_finished(finished, now)
                         outcome = "ok"
                         yield finished
                         return
                     if first_at is None:
                         first_at = now
+                        self._first_token(now)
                     metrics.observe_piece(now)
                     yield item
             # The engine ended without a Finished: something cancelled it from outside. The only thing that does

@@ -5,6 +5,7 @@ Built once per app by :func:`ttft_sse.app.create_app` (and once per worker proce
     Runtime ─┬─ Lifecycle    state, readiness, the start-up stage clock, drain refusals  (lifecycle.py)
              ├─ Gate         generation slots and the bounded queue, by lane              (gate.py)
              ├─ Keyring      API keys → lanes                                             (auth.py)
+             ├─ Targets      first-token targets by lane; Degrader: the faster mode         (targets.py)
              ├─ Metrics      reads the gate, the clock and the engine on each scrape      (metrics.py)
              ├─ Generations  lifecycle + engine + gate + metrics                          (generation.py)
              ├─ Streams      resumable streams over Generations                           (streams.py)
@@ -53,6 +54,7 @@ from ttft_sse.metrics import Metrics
 from ttft_sse.schemas import GenerationRequest
 from ttft_sse.settings import Settings
 from ttft_sse.streams import Streams
+from ttft_sse.targets import Degrader, Targets, parse_targets
 
 log = structlog.get_logger("ttft_sse.runtime")
 
@@ -82,9 +84,19 @@ class Runtime:
             slots=settings.max_concurrency,
             max_queue=settings.max_queue,
             timeout=settings.queue_timeout_seconds,
+            reserved=settings.reserved_slots,
         )
         self.keyring = Keyring.from_spec(settings.api_keys)
-        self.metrics = Metrics(gate=self.gate, clock=self.lifecycle.clock, engine=engine)
+        lanes = parse_targets(settings.sla_ms)
+        self.targets = Targets(lanes, self.gate) if lanes else None
+        self.degrader = (
+            Degrader(self.targets, engine, faster=settings.degrade)
+            if self.targets is not None and settings.degrade != "off"
+            else None
+        )
+        self.metrics = Metrics(
+            gate=self.gate, clock=self.lifecycle.clock, engine=engine, targets=self.targets, degrader=self.degrader
+        )
         self.generations = Generations(
             self.lifecycle,
             engine,
@@ -92,6 +104,8 @@ class Runtime:
             self.metrics,
             default_max_tokens=settings.default_max_tokens,
             max_prompt_tokens=settings.max_prompt_tokens,
+            targets=self.targets,
+            degrader=self.degrader,
         )
         self.streams = Streams(
             grace=settings.resume_grace_seconds,
@@ -100,6 +114,7 @@ class Runtime:
         )
         self.jobs: JobStore | None = _job_store(settings, self.generations) if jobs else None
         self._hurry = asyncio.Event()
+        self._watch: asyncio.Task[None] | None = None  # the degrader's look once a second, while ready
 
     async def start(self) -> None:
         lifecycle = self.lifecycle
@@ -121,6 +136,8 @@ class Runtime:
             if self.jobs is not None:
                 await self.jobs.start()
             lifecycle.state = "ready"
+            if self.degrader is not None:
+                self._watch = asyncio.create_task(self._watch_first_tokens(self.degrader), name="ttft-degrader")
             info = self.engine.info
             log.info(
                 "ready",
@@ -130,6 +147,12 @@ class Runtime:
                 threads=info.threads,
                 **lifecycle.startup_report(),
             )
+
+    async def _watch_first_tokens(self, degrader: Degrader) -> None:
+        """Let the degrader look once a second too, so that it switches back once traffic stops."""
+        while True:
+            await asyncio.sleep(1.0)
+            degrader.evaluate()
 
     async def _warm_up(self) -> None:
         """One short generation through the same path a request takes (template, tokenizer, gate, engine)."""
@@ -183,6 +206,8 @@ class Runtime:
     async def stop(self) -> None:
         if self.lifecycle.state != "failed":
             self.lifecycle.state = "stopping"
+        if self._watch is not None:
+            self._watch.cancel()
         await self.streams.close()
         if self.jobs is not None:
             await self.jobs.close()

@@ -14,6 +14,9 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_type_hints
 
+from ttft_sse.gate import Lane
+from ttft_sse.targets import parse_targets
+
 ENV_PREFIX = "TTFT_"
 
 
@@ -140,6 +143,12 @@ class Settings:
     cuda_empty_cache_every: int = 1000
     # `key[:lane],…` or `@file`; see ttft_sse/auth.py. Out of repr so that a logged Settings shows no key.
     api_keys: str | None = field(default=None, repr=False)
+    # First-token targets per lane, `high:200,normal:1000,low:5000` (ms; see ttft_sse/targets.py). Unset: none.
+    sla_ms: str | None = None
+    # Generation slots only the high lane may take. -1: one where TTFT_SLA_MS sets a high target, else none.
+    high_reserved_slots: int = -1
+    # The engine's faster mode to switch to while a lane misses its first-token target: "off" or "int8".
+    degrade: str = "off"
     job_runners: int = 1
     max_jobs: int = 1000
     job_ttl_seconds: float = 600.0
@@ -205,6 +214,19 @@ class Settings:
         if self.redis_url is not None and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
             # Not quoted: a Redis URL may carry a password.
             raise SettingsError("redis_url must start with redis://, rediss:// or unix://")
+        try:
+            parse_targets(self.sla_ms)
+        except ValueError as exc:
+            raise SettingsError(str(exc)) from None
+        if self.degrade not in ("off", "int8"):
+            raise SettingsError(f"degrade must be off or int8, got {self.degrade!r}")
+        if self.degrade != "off" and not self.sla_ms:
+            raise SettingsError("degrade switches modes on first-token targets: set sla_ms (TTFT_SLA_MS) too")
+        if not -1 <= self.high_reserved_slots < self.max_concurrency:
+            raise SettingsError(
+                f"high_reserved_slots must be -1 (auto) or 0 to {self.max_concurrency - 1} (below max_concurrency), "
+                f"got {self.high_reserved_slots}"
+            )
         if self.api_keys:
             from ttft_sse.auth import parse_keys
 
@@ -212,6 +234,13 @@ class Settings:
                 parse_keys(self.api_keys)
             except ValueError as exc:
                 raise SettingsError(str(exc)) from None
+
+    @property
+    def reserved_slots(self) -> int:
+        """The slots kept for the high lane: ``high_reserved_slots``, or for -1 one where a high target is set."""
+        if self.high_reserved_slots >= 0:
+            return self.high_reserved_slots
+        return 1 if Lane.HIGH in parse_targets(self.sla_ms) and self.max_concurrency > 1 else 0
 
     @functools.cached_property
     def cores(self) -> int:

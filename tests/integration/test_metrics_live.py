@@ -17,7 +17,7 @@ from tests.support.scrape import Scrape, scrape
 from tests.support.servers import eventually, parse_sse
 from ttft_sse.app import create_app
 from ttft_sse.engine.batched.engine import BLOCK_TOKENS, BatchedEngine
-from ttft_sse.metrics import BATCH_METRICS
+from ttft_sse.gauges import BATCH_METRICS
 from ttft_sse.settings import Settings
 
 REQUESTS = "ttft_sse_requests_total"

@@ -6,6 +6,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from ttft_sse.api.body import runtime_of
+from ttft_sse.runtime import Runtime
 
 
 async def healthz(request: Request) -> JSONResponse:
@@ -43,5 +44,19 @@ async def readyz(request: Request) -> JSONResponse:
             "running": runtime.gate.running,
             "waiting": runtime.gate.waiting,
             "waiting_by_lane": runtime.gate.waiting_by_lane(),
+            **_targets(runtime),
         }
     )
+
+
+def _targets(runtime: Runtime) -> dict[str, object]:
+    """The lanes' first-token targets (TTFT_SLA_MS), the slots kept for the high lane, and the degrader's state."""
+    if runtime.targets is None:
+        return {}
+    body: dict[str, object] = {
+        "first_token_targets_ms": {lane.label: round(s * 1000) for lane, s in sorted(runtime.targets.targets.items())},
+        "high_reserved_slots": runtime.gate.reserved,
+    }
+    if runtime.degrader is not None:
+        body["degraded"] = runtime.degrader.degraded
+    return body

@@ -1,0 +1,199 @@
+"""First-token targets per lane (``TTFT_SLA_MS``): refuse at once what would miss its target, and degrade to the
+engine's faster mode (``TTFT_DEGRADE``) while a lane misses it.
+
+* **Prediction at admission** (:meth:`Targets.check`): a newcomer's first token comes after its wait for a slot
+  (nothing when one is free for its lane; else the requests ahead of it in its lane or a better one, served ``slots``
+  at a time, each for the median slot hold time: the gate's :meth:`~ttft_sse.gate.Gate.slot_wait`) plus the time
+  from admission to a first token (the 90th percentile of the last :data:`WINDOW_SECONDS`). When that passes the
+  lane's target the request is refused at once with a 503 that names the target, with ``Retry-After``; overflow jobs
+  (``POST /jobs``) are the way to run it later. Until a first token has been measured nothing is refused. Every
+  admitted request with a target is counted ``met`` or ``missed`` (``ttft_sse_first_token_targets_total``): how
+  often the prediction was wrong.
+* **Degradation** (:class:`Degrader`): when a lane's first-token p99 over the last :data:`WINDOW_SECONDS` passes its
+  target (from :data:`MIN_SAMPLES` first tokens), the engine switches to its faster mode for new steps; it switches
+  back once, for :data:`RECOVER_SECONDS`, no lane's first tokens since the switch have passed :data:`MARGIN` of its
+  target (hysteresis: a mode holds at least that long, so it does not flap). One log line and one count a switch.
+
+The high lane's first tokens are kept within its target by a slot the gate keeps for it (``TTFT_HIGH_RESERVED_SLOTS``)
+and by its place at the head of the queue: the batched engine takes a newcomer into its next step, and computes its
+first token between two layers of the step in flight, so a free slot is what a high request needs.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Protocol
+
+import structlog
+
+from ttft_sse.errors import Overloaded
+from ttft_sse.gate import KEY_LANES, Gate, Lane
+
+log = structlog.get_logger("ttft_sse.targets")
+
+WINDOW_SECONDS = 30.0  # first tokens the p99 and the admission-to-first-token estimate are taken over
+MIN_SAMPLES = 10  # first tokens of a lane, in the window, before its p99 can switch the engine to its faster mode
+RECOVER_SECONDS = 10.0  # how long first tokens must stay under MARGIN of their targets before switching back
+MARGIN = 0.7  # of a lane's target, what its first tokens must stay under to switch back
+NORMAL, FASTER = "normal", "int8"
+
+
+def parse_targets(spec: str | None) -> dict[Lane, float]:
+    """``"high:200,normal:1000,low:5000"`` → seconds by lane. Raises ValueError with a sentence naming the fault."""
+    if not spec:
+        return {}
+    targets: dict[Lane, float] = {}
+    for item in (part.strip() for part in spec.split(",")):
+        label, sep, value = item.partition(":")
+        lane = KEY_LANES.get(label.strip())
+        if not sep or lane is None:
+            raise ValueError(f"sla_ms takes lane:milliseconds pairs (lanes high, normal, low), got {item!r}")
+        if lane in targets:
+            raise ValueError(f"sla_ms names the {lane.label} lane twice")
+        try:
+            milliseconds = float(value)
+        except ValueError:
+            raise ValueError(f"sla_ms's {lane.label} target must be a number of milliseconds, got {value!r}") from None
+        if not (math.isfinite(milliseconds) and milliseconds > 0):
+            raise ValueError(f"sla_ms's {lane.label} target must be more than 0 ms, got {value!r}")
+        targets[lane] = milliseconds / 1000
+    return targets
+
+
+@dataclass(frozen=True)
+class FirstToken:
+    at: float  # when it was given (the monotonic clock of :class:`Targets`)
+    lane: Lane
+    seconds: float  # from the request's arrival
+    engine_seconds: float  # from its admission (a slot)
+
+
+class FirstTokens:
+    """The first tokens of the last :data:`WINDOW_SECONDS`, oldest first."""
+
+    def __init__(self) -> None:
+        self._recent: deque[FirstToken] = deque()
+
+    def add(self, token: FirstToken) -> None:
+        self._recent.append(token)
+
+    def since(self, start: float, lane: Lane | None = None) -> list[FirstToken]:
+        return [t for t in self._recent if t.at >= start and (lane is None or t.lane is lane)]
+
+    def trim(self, now: float) -> None:
+        """Forget what is older than the window."""
+        while self._recent and self._recent[0].at < now - WINDOW_SECONDS:
+            self._recent.popleft()
+
+
+def quantile(values: Iterable[float], q: float) -> float:
+    """The ``q`` quantile by linear interpolation between ranks (a p99 of few values lies between the two slowest)."""
+    ordered = sorted(values)
+    if len(ordered) == 1:
+        return ordered[0]
+    return statistics.quantiles(ordered, n=100, method="inclusive")[round(q * 100) - 1]
+
+
+class Targets:
+    """The lanes' first-token targets, the first tokens given, and the prediction made at admission."""
+
+    def __init__(self, targets: dict[Lane, float], gate: Gate, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.targets = targets
+        self._gate = gate
+        self._clock = clock
+        self.recent = FirstTokens()
+
+    def now(self) -> float:
+        return self._clock()
+
+    def engine_seconds(self) -> float | None:
+        """The 90th percentile of admission → first token over the window; None before any first token."""
+        self.recent.trim(self.now())
+        seen = [t.engine_seconds for t in self.recent.since(-math.inf)]
+        return quantile(seen, 0.9) if seen else None
+
+    def predict(self, lane: Lane) -> float | None:
+        """Seconds from now to a newcomer's first token in ``lane``; None while nothing has been measured."""
+        engine = self.engine_seconds()
+        wait = self._gate.slot_wait(lane)
+        if engine is None or wait is None:
+            return None
+        return wait + engine
+
+    def check(self, lane: Lane) -> None:
+        """Refuse (``Overloaded``) a newcomer in ``lane`` whose first token is predicted past the lane's target."""
+        target = self.targets.get(lane)
+        if target is None:
+            return
+        predicted = self.predict(lane)
+        if predicted is None or predicted <= target:
+            return
+        raise Overloaded(
+            f"the first token would come in about {predicted * 1000:.0f} ms, past the {lane.label} lane's target of "
+            f"{target * 1000:.0f} ms (TTFT_SLA_MS); retry later, or POST the same body to /jobs to run it when there "
+            "is room",
+            retry_after=max(1.0, predicted - target),
+            code="first_token_target",
+        )
+
+    def observe(self, lane: Lane, seconds: float, engine_seconds: float) -> bool | None:
+        """Record a first token; returns whether it met its lane's target (None for a lane without one)."""
+        self.recent.add(FirstToken(self.now(), lane, seconds, engine_seconds))
+        target = self.targets.get(lane)
+        return None if target is None else seconds <= target
+
+
+class Switchable(Protocol):
+    """What degradation needs of an engine: its current mode, and a switch that takes effect for new steps."""
+
+    @property
+    def mode(self) -> str: ...
+
+    def set_mode(self, mode: str) -> None: ...
+
+
+class Degrader:
+    """Switches ``engine`` to its faster mode while a lane's first-token p99 is over its target (see the module)."""
+
+    def __init__(self, targets: Targets, engine: Switchable, *, faster: str = FASTER) -> None:
+        self._targets = targets
+        self._engine = engine
+        self._faster = faster
+        self.degraded = False
+        self.switches = 0
+        self._since = targets.now()  # when the current mode began
+
+    def evaluate(self) -> None:
+        """Switch if the first tokens say so; called at each first token and once a second."""
+        targets, now = self._targets, self._targets.now()
+        targets.recent.trim(now)
+        if not self.degraded:
+            for lane, target in targets.targets.items():
+                seen = [t.seconds for t in targets.recent.since(now - WINDOW_SECONDS, lane)]
+                if len(seen) >= MIN_SAMPLES and (p99 := quantile(seen, 0.99)) > target:
+                    self._switch(
+                        True,
+                        f"the {lane.label} lane's first-token p99 is {p99 * 1000:.0f} ms, over its "
+                        f"{target * 1000:.0f} ms target",
+                    )
+                    return
+            return
+        if now - self._since < RECOVER_SECONDS:
+            return
+        recent = now - RECOVER_SECONDS
+        for lane, target in targets.targets.items():
+            if any(t.seconds > MARGIN * target for t in targets.recent.since(max(recent, self._since), lane)):
+                return
+        self._switch(False, f"first tokens stayed under {MARGIN:.0%} of their targets for {RECOVER_SECONDS:g} s")
+
+    def _switch(self, degraded: bool, reason: str) -> None:
+        self._engine.set_mode(self._faster if degraded else NORMAL)
+        self.degraded = degraded
+        self.switches += 1
+        self._since = self._targets.now()
+        log.warning("degraded" if degraded else "recovered", mode=self._engine.mode, reason=reason)
