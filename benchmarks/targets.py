@@ -1,0 +1,169 @@
+"""Overload with first-token targets per lane, against a real server with the real model, one arm at a time.
+
+    python benchmarks/targets.py                          # three arms: lanes only, targets, targets + degrade
+    python benchmarks/targets.py --seconds 40 --rate 12   # longer, more arrivals a second
+
+Each arm starts ``ttft-sse serve`` itself (keys for three lanes; the arm's TTFT_SLA_MS and TTFT_DEGRADE), warms it,
+then sends streamed chat requests at random instants (Poisson, ``--rate`` a second; one in five high, three normal,
+one low) for ``--seconds``, each a new question (``benchmarks/chat-questions.txt``) of ``--max-tokens`` at most.
+Printed per arm and lane: requests, served, refused (503) and how fast the refusal came, first-token p50 / p99 of
+the served ones and how many met the lane's target; then tokens/s over the arm and the share of answers made in the
+degraded mode. Loopback only; bounded by ``--seconds``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+KEYS = {"high": "bench-high-key-01", "normal": "bench-normal-key-02", "low": "bench-low-key-003"}
+TARGETS = "high:300,normal:1500,low:6000"
+ARMS = {"lanes": {}, "targets": {"TTFT_SLA_MS": TARGETS}, "degrade": {"TTFT_SLA_MS": TARGETS, "TTFT_DEGRADE": "int8"}}
+MIX = ["high", "normal", "normal", "normal", "low"]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@contextmanager
+def _server(extra: dict[str, str]) -> Iterator[str]:
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TTFT_")}
+    env.update(
+        TTFT_API_KEYS=",".join(f"{key}:{lane}" for lane, key in KEYS.items()),
+        TTFT_MAX_QUEUE="64",
+        TTFT_LOG_LEVEL="warning",
+        **extra,
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ttft_sse", "serve", "--port", str(port)], cwd=ROOT, env=env, start_new_session=True
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            if proc.poll() is not None:
+                raise SystemExit(f"the server exited with {proc.returncode}")
+            try:
+                if httpx.get(f"{base}/readyz", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise SystemExit("the server did not become ready in 300 s")
+            time.sleep(0.2)
+        yield base
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(60)
+
+
+async def _one(client: httpx.AsyncClient, base: str, lane: str, question: str, max_tokens: int) -> dict[str, Any]:
+    sent = time.perf_counter()
+    out: dict[str, Any] = {"lane": lane, "status": 0, "ttft": None, "tokens": 0, "degraded": None}
+    body = {"messages": [{"role": "user", "content": question}], "max_tokens": max_tokens}
+    async with client.stream("POST", f"{base}/stream", json=body, headers={"X-API-Key": KEYS[lane]}) as response:
+        out["status"] = response.status_code
+        if response.status_code != 200:
+            await response.aread()
+            out["refused_after"] = time.perf_counter() - sent
+            return out
+        event = ""
+        async for line in response.aiter_lines():
+            if line.startswith("event:"):
+                event = line.partition(":")[2].strip()
+            elif line.startswith("data:") and event == "token" and out["ttft"] is None:
+                out["ttft"] = time.perf_counter() - sent
+            elif line.startswith("data:") and event == "done":
+                done = json.loads(line.partition(":")[2])
+                out["tokens"] = done["usage"]["completion_tokens"]
+                out["degraded"] = done.get("degraded")
+    return out
+
+
+async def _arm(base: str, args: argparse.Namespace, questions: list[str]) -> tuple[list[dict[str, Any]], float]:
+    rng = random.Random(7)
+    async with httpx.AsyncClient(timeout=600) as client:
+        await _one(client, base, "normal", "Hello!", 8)  # warm the route
+        tasks: list[asyncio.Task[dict[str, Any]]] = []
+        started = time.perf_counter()
+        n = 0
+        while time.perf_counter() - started < args.seconds:
+            lane = MIX[n % len(MIX)]
+            question = f"({n}) {questions[n % len(questions)]}"
+            tasks.append(asyncio.create_task(_one(client, base, lane, question, args.max_tokens)))
+            n += 1
+            await asyncio.sleep(rng.expovariate(args.rate))
+        results = list(await asyncio.gather(*tasks))
+        return results, time.perf_counter() - started
+
+
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def _report(name: str, results: list[dict[str, Any]], seconds: float) -> None:
+    targets = {lane: float(ms) / 1000 for lane, _, ms in (t.partition(":") for t in TARGETS.split(","))}
+    print(f"\n{name}: {len(results)} requests in {seconds:.0f} s")
+    print("| lane | sent | served | refused (503) | refusal p50 ms | TTFT p50 ms | TTFT p99 ms | within target |")
+    print("|---|---|---|---|---|---|---|---|")
+    for lane in ("high", "normal", "low"):
+        mine = [r for r in results if r["lane"] == lane]
+        served = [r["ttft"] for r in mine if r["status"] == 200 and r["ttft"] is not None]
+        refused = [r["refused_after"] for r in mine if r["status"] == 503]
+        within = sum(t <= targets[lane] for t in served)
+        p50 = f"{_quantile(served, 0.5) * 1000:.0f}" if served else "-"
+        p99 = f"{_quantile(served, 0.99) * 1000:.0f}" if served else "-"
+        fast = f"{_quantile(refused, 0.5) * 1000:.0f}" if refused else "-"
+        row = [lane, len(mine), len(served), len(refused), fast, p50, p99, f"{within}/{len(served)}"]
+        print("| " + " | ".join(str(cell) for cell in row) + " |")
+    tokens = sum(r["tokens"] for r in results)
+    degraded = [r for r in results if r["status"] == 200 and r["degraded"]]
+    served_all = sum(r["status"] == 200 for r in results)
+    print(f"tokens/s {tokens / seconds:.1f}; answers made degraded: {len(degraded)}/{served_all}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--arms", default=",".join(ARMS), help=f"which arms, in order (default {','.join(ARMS)})")
+    parser.add_argument("--seconds", type=float, default=30.0)
+    parser.add_argument("--rate", type=float, default=8.0, help="arrivals a second (default 8)")
+    parser.add_argument("--max-tokens", type=int, default=48)
+    args = parser.parse_args()
+    questions = [q for q in (ROOT / "benchmarks" / "chat-questions.txt").read_text().splitlines() if q.strip()]
+    print(f"CPU: {_cpu()}; targets {TARGETS} (ms); {args.rate:g} arrivals/s for {args.seconds:g} s")
+    for name in args.arms.split(","):
+        with _server(ARMS[name]) as base:
+            results, seconds = asyncio.run(_arm(base, args, questions))
+        _report(name, results, seconds)
+
+
+def _cpu() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.partition(":")[2].strip()
+    return "unknown"
+
+
+if __name__ == "__main__":
+    main()
