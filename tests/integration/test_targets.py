@@ -1,0 +1,48 @@
+"""First-token targets on a real server over the scripted engine: a request predicted past its lane's target is
+refused at once, while the high lane keeps its reserved slot. Ordering, not speed, is what is asserted."""
+
+from __future__ import annotations
+
+import httpx
+
+from tests.support.servers import StreamReader, fake_app, running
+from ttft_sse.engine.fake import FakeEngine
+
+HIGH, NORMAL = "vip-key-000001", "std-key-000002"
+PIECES = [f" w{i}" for i in range(10)]  # 10 pieces 0.1 s apart: a generation holds its slot about a second
+
+
+def test_a_normal_request_past_its_target_is_refused_while_the_high_lane_is_served() -> None:
+    engine = FakeEngine(PIECES, delay=0.1)
+    app = fake_app(
+        engine, api_keys=f"{HIGH}:high,{NORMAL}:normal", sla_ms="high:500,normal:500", max_concurrency=2
+    )
+    with running(app) as base, httpx.Client(base_url=base, timeout=60) as client:
+        normal, high = {"X-API-Key": NORMAL}, {"X-API-Key": HIGH}
+        # Measured first: a slot's hold (~1 s) and admission to first token (~0.1 s). With a free slot the
+        # prediction is ~0.1 s, within 500 ms: served.
+        for _ in range(3):
+            assert client.post("/complete", json={"prompt": "hi"}, headers=normal).status_code == 200
+        ready = client.get("/readyz").json()
+        assert ready["first_token_targets_ms"] == {"high": 500, "normal": 500}
+        assert ready["high_reserved_slots"] == 1
+        # One normal generation takes the one slot a normal request may use (the other is the high lane's).
+        holder = StreamReader(f"{base}/stream?prompt=hold", headers=normal)
+        assert (first := holder.next()) is not None and first.event == "token"
+        # A second normal request would wait ~1 s for that slot: refused at once, naming the target.
+        refused = client.post("/stream", json={"prompt": "next"}, headers=normal)
+        assert refused.status_code == 503
+        error = refused.json()["error"]
+        assert error["code"] == "first_token_target" and "normal lane's target of 500 ms" in error["message"]
+        assert int(refused.headers["retry-after"]) >= 1
+        # A high request takes the reserved slot and gets its answer while the holder still streams.
+        vip = StreamReader(f"{base}/stream?prompt=vip", headers=high)
+        vip_events = vip.rest()
+        assert vip.status == 200 and vip_events[-1].event == "done"
+        holder_events = holder.rest()
+        assert holder_events[-1].event == "done"
+        assert len(holder_events) > 1  # the holder was still streaming when the refusal and the high answer came
+        metrics = client.get("/metrics").text
+        assert 'ttft_sse_first_token_target_seconds{lane="normal"} 0.5' in metrics
+        assert 'ttft_sse_requests_total{endpoint="stream",outcome="overloaded"} 1.0' in metrics
+        assert 'ttft_sse_first_token_targets_total{lane="high",result="met"} 1.0' in metrics
