@@ -39,7 +39,8 @@ def nginx_binary() -> str:
 
 
 # The replica lines of an upstream block: `server 127.0.0.1:PORT [parameters];`, one after another.
-SERVERS = re.compile(r"(?m)^([ \t]*)server[ \t]+127\.0\.0\.1:\d+([^;\n]*);\n(?:[ \t]*server[ \t]+127\.0\.0\.1:\d+[^;\n]*;\n)*")
+SERVER = r"[ \t]*server[ \t]+127\.0\.0\.1:\d+[^;\n]*;\n"
+SERVERS = re.compile(rf"(?m)^([ \t]*)server[ \t]+127\.0\.0\.1:\d+([^;\n]*);\n(?:{SERVER})*")
 
 
 def site_config(text: str, *, listen: int, upstreams: Sequence[int]) -> str:
@@ -80,9 +81,7 @@ http {{
 
 
 @contextmanager
-def nginx(
-    upstream_port: int | Sequence[int], *, site: str | None = None, start_timeout: float = 30
-) -> Iterator[str]:
+def nginx(upstream_port: int | Sequence[int], *, site: str | None = None, start_timeout: float = 30) -> Iterator[str]:
     """Run nginx with ``site`` (default: the shipped config) in front of ``127.0.0.1:upstream_port`` (or of one
     replica per port, given several).
 
