@@ -16,8 +16,12 @@ import httpx
 import pytest
 import redis
 
+from tests.integration.test_page import LATEST, ask, expect_state, latest, shown
+from tests.support.browser import chromium
+from tests.support.nginx import nginx
 from tests.support.processes import redis_server
 from tests.support.servers import SSEEvent, StreamReader, eventually, fake_app, parse_sse, running
+from tests.support.tcpproxy import tcp_proxy
 from ttft_sse.engine.base import Piece
 from ttft_sse.engine.fake import FakeEngine
 from ttft_sse.redis_streams import LEASE_SECONDS, POLL_SECONDS, Keys, encode
@@ -212,3 +216,44 @@ def test_a_stream_whose_owner_stopped_beating_ends_with_owner_lost(pair: Pair, r
     assert events[-1].data["error"]["code"] == "owner_lost"
     assert took < 2 * POLL_SECONDS + 1
     assert [(e.event, e.id, e.data) for e in again] == [(e.event, e.id, e.data) for e in events[-1:]]
+
+
+def port_of(base: str) -> int:
+    return int(base.rsplit(":", 1)[1])
+
+
+def test_the_page_finishes_its_answer_when_the_reconnect_lands_on_the_other_replica(
+    redis_url: str, r: redis.Redis
+) -> None:
+    """Headless Chromium through nginx (the shipped file, both replicas). The network is cut mid-answer; when it
+    comes back it leads to an nginx in front of the replica that does not run the generation, so the page's
+    EventSource reconnect lands there, and that replica finishes the answer from Redis."""
+    words = [f" word{i}" for i in range(30)]
+    engines = [FakeEngine(words, hold_after=8, context_length=4096) for _ in range(2)]
+    with (
+        running(fake_app(engines[0], redis_url=redis_url)) as a,
+        running(fake_app(engines[1], redis_url=redis_url)) as b,
+        nginx([port_of(a), port_of(b)]) as both,
+        tcp_proxy(port_of(both)) as net,
+        chromium() as browser,
+    ):
+        context = browser.new_context()
+        page = context.new_page()
+        page.set_default_timeout(60_000)
+        page.goto(f"{net.base}/")
+        stream_id = ask(page, "Say thirty words.")
+        eventually(lambda: sum(engine.active for engine in engines) == 1)
+        owner = 0 if engines[0].active else 1
+        page.wait_for_function(f"() => ({LATEST})()[0] == {len(''.join(words[:8]).strip())}")
+        net.cut()
+        expect_state(page, "reconnecting")
+        with nginx([port_of((a, b)[1 - owner])]) as other:
+            net.upstream = ("127.0.0.1", port_of(other))  # where the network leads once it is back
+            engines[owner].release.set()  # the rest is made while the page is cut off
+            eventually(lambda: r.hget(Keys(stream_id).meta, "state") == "ended")
+            net.restore()
+            expect_state(page, "done")
+            text = shown(latest(page))
+        context.close()
+    assert text == "".join(words).strip()  # no gap, no duplicate
+    assert engines[owner].generated == [30] and engines[1 - owner].generated == []
