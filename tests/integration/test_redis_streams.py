@@ -20,7 +20,7 @@ from tests.integration.test_page import LATEST, ask, expect_state, latest, shown
 from tests.support.browser import chromium
 from tests.support.nginx import nginx
 from tests.support.processes import redis_server
-from tests.support.servers import SSEEvent, StreamReader, eventually, fake_app, parse_sse, running
+from tests.support.servers import SSEEvent, StreamReader, eventually, fake_app, free_port, parse_sse, running
 from tests.support.tcpproxy import tcp_proxy
 from ttft_sse.engine.base import Piece
 from ttft_sse.engine.fake import FakeEngine
@@ -257,3 +257,19 @@ def test_the_page_finishes_its_answer_when_the_reconnect_lands_on_the_other_repl
         context.close()
     assert text == "".join(words).strip()  # no gap, no duplicate
     assert engines[owner].generated == [30] and engines[1 - owner].generated == []
+
+
+def test_with_redis_unreachable_stream_requests_are_503_and_give_their_slot_back() -> None:
+    engine = FakeEngine(WORDS)
+    nowhere = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    with running(fake_app(engine, redis_url=nowhere, max_concurrency=1)) as base, httpx.Client(timeout=30) as client:
+        created = client.post(f"{base}/streams", json={"prompt": "hi"})
+        read_back = client.get(f"{base}/streams/some-stream")
+        deleted = client.delete(f"{base}/streams/some-stream")
+        streamed = client.post(f"{base}/complete", json={"prompt": "hi"})  # the slot it took is free again
+    for response in (created, read_back, deleted):
+        assert response.status_code == 503, response.text
+        assert response.headers["retry-after"] == "5"
+        assert "stream store (Redis) cannot be reached" in response.json()["error"]["message"]
+    assert streamed.status_code == 200 and streamed.json()["text"] == TEXT
+    assert engine.generated == [len(WORDS)]  # the refused stream generated nothing
