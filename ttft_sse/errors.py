@@ -87,6 +87,15 @@ class ServiceError(Exception):
     def headers(self) -> dict[str, str]:
         return {}
 
+    @classmethod
+    def from_dict(cls, body: dict[str, Any]) -> ServiceError:
+        """The error whose :meth:`to_dict` gave ``body``: a stream's final event read back from Redis. Its class is
+        not kept; its JSON (message, type, param, code) is the same."""
+        error = body["error"]
+        exc = cls(error["message"], param=error.get("param"), code=error.get("code"))
+        exc.error_type = error["type"]
+        return exc
+
 
 class ClientError(ServiceError):
     status_code = 400

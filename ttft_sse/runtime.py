@@ -8,7 +8,8 @@ Built once per app by :func:`ttft_sse.app.create_app` (and once per worker proce
              ├─ Targets      first-token targets by lane; Degrader: the faster mode         (targets.py)
              ├─ Metrics      reads the gate, the clock and the engine on each scrape      (metrics.py)
              ├─ Generations  lifecycle + engine + gate + metrics                          (generation.py)
-             ├─ Streams      resumable streams over Generations                           (streams.py)
+             ├─ StreamStore  resumable streams: in-process, or in Redis (every replica)
+             │                                                       (streams.py, redis_streams.py)
              └─ JobStore     in-process, or Celery on Redis                  (jobs.py, redis_jobs.py)
 
 None of these parts imports this module: imports run from here downward only (the HTTP surface, ``api/``,
@@ -51,9 +52,10 @@ from ttft_sse.generation import Generations
 from ttft_sse.jobs import EmbeddedJobs, JobStore
 from ttft_sse.lifecycle import Lifecycle
 from ttft_sse.metrics import Metrics
+from ttft_sse.redis_streams import RedisStreams
 from ttft_sse.schemas import GenerationRequest
 from ttft_sse.settings import Settings
-from ttft_sse.streams import Streams
+from ttft_sse.streams import Streams, StreamStore
 from ttft_sse.targets import Degrader, Targets, parse_targets
 
 log = structlog.get_logger("ttft_sse.runtime")
@@ -107,11 +109,7 @@ class Runtime:
             targets=self.targets,
             degrader=self.degrader,
         )
-        self.streams = Streams(
-            grace=settings.resume_grace_seconds,
-            max_streams=settings.max_streams,
-            buffer_events=settings.stream_buffer_events,
-        )
+        self.streams: StreamStore = _stream_store(settings)
         self.jobs: JobStore | None = _job_store(settings, self.generations) if jobs else None
         self._hurry = asyncio.Event()
         self._watch: asyncio.Task[None] | None = None  # the degrader's look once a second, while ready
@@ -212,6 +210,17 @@ class Runtime:
         if self.jobs is not None:
             await self.jobs.close()
         await self.engine.close()
+
+
+def _stream_store(settings: Settings) -> StreamStore:
+    """With a Redis URL, streams live in Redis, so that any replica sharing it can resume or delete them."""
+    if settings.redis_url:
+        return RedisStreams(settings)
+    return Streams(
+        grace=settings.resume_grace_seconds,
+        max_streams=settings.max_streams,
+        buffer_events=settings.stream_buffer_events,
+    )
 
 
 def _job_store(settings: Settings, generations: Generations) -> JobStore:

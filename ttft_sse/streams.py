@@ -17,6 +17,11 @@ so), and at most ``max_streams`` streams exist at once (finished ones nobody rea
 
 Event ids are ``<stream id>.<n>``: an id names its stream, so one from another stream is refused instead of
 being misread as a position in this one.
+
+Where the streams live is one small interface, :class:`StreamStore`: this module's :class:`Streams` keeps them in
+this process (the default), ``ttft_sse.redis_streams.RedisStreams`` keeps them in Redis, where every replica that
+shares the Redis URL reads and deletes them. ``runtime.py`` picks one, as it picks the job store. Both keep the
+rules above and the id rules of :func:`resume_point`, so a client cannot tell them apart on one replica.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from collections import OrderedDict, deque
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import anyio
 import structlog
@@ -57,12 +62,94 @@ class Entry:
     item: Item
 
 
+@dataclass(frozen=True)
+class Position:
+    """Where a reader resumes: the number of the first item to send, and whether it already has the final one."""
+
+    stream_id: str
+    start: int
+    finished: bool
+
+
+class StreamStore(Protocol):
+    """Where resumable streams live: in this process (:class:`Streams`) or in Redis (``RedisStreams``).
+
+    ``reserve`` / ``unreserve`` bracket the admission of a stream's generation; ``start`` runs it and returns the
+    new stream's id; ``locate`` checks a reader's ``Last-Event-ID`` (404, 410 or 400 before any response starts);
+    ``follow`` yields from there to the final item; ``delete`` cancels the generation wherever it runs; ``close``
+    ends this process's part at shutdown.
+    """
+
+    def reserve(self) -> None: ...
+
+    def unreserve(self) -> None: ...
+
+    async def start(self, run: Run) -> str: ...
+
+    async def locate(self, stream_id: str, last_event_id: str | None) -> Position: ...
+
+    def follow(self, position: Position) -> AsyncGenerator[Entry | Queued, None]: ...
+
+    async def delete(self, stream_id: str) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+def event_id(stream_id: str, seq: int) -> str:
+    return f"{stream_id}.{seq}"
+
+
+def resume_point(stream_id: str, last_event_id: str | None, *, last: int, first: int, kept: int) -> int:
+    """The number of the first item to send to a reader whose last event was ``last_event_id`` (None: 0).
+
+    ``last`` is the number of the newest item (-1 before the first), ``first`` the oldest still kept, ``kept``
+    how many a buffer keeps. Raises ``InvalidRequest`` for an id that is malformed, from another stream, or not
+    sent yet, and ``Gone`` when the items after it have already left the bounded buffer.
+    """
+    start = 0
+    if last_event_id:
+        owner, dot, number = last_event_id.rpartition(".")
+        if not dot or not (number.isascii() and number.isdigit()) or len(number) > 12:
+            raise InvalidRequest(
+                f"Last-Event-ID {last_event_id!r} is not an event id of this server (<stream id>.<n>)",
+                param="Last-Event-ID",
+                code="invalid_event_id",
+            )
+        if owner != stream_id:
+            raise InvalidRequest(
+                f"Last-Event-ID {last_event_id!r} belongs to another stream, not {stream_id}",
+                param="Last-Event-ID",
+                code="foreign_event_id",
+            )
+        seq = int(number)
+        if seq > last:
+            raise InvalidRequest(
+                f"Last-Event-ID {last_event_id!r} was never sent: stream {stream_id} has sent events up to "
+                f"{event_id(stream_id, last) if last >= 0 else 'none yet'}",
+                param="Last-Event-ID",
+                code="foreign_event_id",
+            )
+        start = seq + 1
+    if start < first:
+        raise dropped(stream_id, start, first=first, kept=kept)
+    return start
+
+
+def dropped(stream_id: str, start: int, *, first: int, kept: int) -> Gone:
+    return Gone(
+        f"stream {stream_id} no longer holds event {start}: its buffer keeps the last "
+        f"{kept} events (from {first} now); start a new stream",
+        code="events_dropped",
+    )
+
+
 class Stream:
     """One generation and its buffer. Made by :meth:`Streams.start`; read with :meth:`resume_point` + :meth:`follow`."""
 
     def __init__(self, registry: Streams, stream_id: str, *, buffer_events: int) -> None:
         self.id = stream_id
         self._registry = registry
+        self.kept = buffer_events
         self._entries: deque[Entry] = deque(maxlen=buffer_events)
         self._next = 0
         self.position = 0  # place in the admission queue while queued; 0 once admitted (or not yet known)
@@ -97,48 +184,15 @@ class Stream:
         return self._next - 1
 
     def event_id(self, seq: int) -> str:
-        return f"{self.id}.{seq}"
+        return event_id(self.id, seq)
 
     def resume_point(self, last_event_id: str | None) -> int:
-        """The number of the first item to send to a reader whose last event was ``last_event_id`` (None: 0).
-
-        Raises ``InvalidRequest`` for an id that is malformed, from another stream, or not sent yet, and ``Gone``
-        when the items after it have already left the bounded buffer.
-        """
-        start = 0
-        if last_event_id:
-            owner, dot, number = last_event_id.rpartition(".")
-            if not dot or not (number.isascii() and number.isdigit()) or len(number) > 12:
-                raise InvalidRequest(
-                    f"Last-Event-ID {last_event_id!r} is not an event id of this server (<stream id>.<n>)",
-                    param="Last-Event-ID",
-                    code="invalid_event_id",
-                )
-            if owner != self.id:
-                raise InvalidRequest(
-                    f"Last-Event-ID {last_event_id!r} belongs to another stream, not {self.id}",
-                    param="Last-Event-ID",
-                    code="foreign_event_id",
-                )
-            seq = int(number)
-            if seq > self.last:
-                raise InvalidRequest(
-                    f"Last-Event-ID {last_event_id!r} was never sent: stream {self.id} has sent events up to "
-                    f"{self.event_id(self.last) if self.last >= 0 else 'none yet'}",
-                    param="Last-Event-ID",
-                    code="foreign_event_id",
-                )
-            start = seq + 1
-        if start < self.first:
-            raise self._dropped(start)
-        return start
+        """The number of the first item to send to a reader whose last event was ``last_event_id`` (None: 0);
+        see :func:`resume_point`."""
+        return resume_point(self.id, last_event_id, last=self.last, first=self.first, kept=self.kept)
 
     def _dropped(self, start: int) -> Gone:
-        return Gone(
-            f"stream {self.id} no longer holds event {start}: its buffer keeps the last "
-            f"{self._entries.maxlen} events (from {self.first} now); start a new stream",
-            code="events_dropped",
-        )
+        return dropped(self.id, start, first=self.first, kept=self.kept)
 
     async def follow(self, start: int) -> AsyncGenerator[Entry | Queued, None]:
         """Attach as the stream's reader: buffered items from ``start``, then live ones, until the final item.
@@ -235,8 +289,13 @@ class Streams:
     def unreserve(self) -> None:
         self._reserved -= 1
 
-    def start(self, run: Run) -> Stream:
-        """Register a stream for ``run`` in a place taken with :meth:`reserve`, and start generating at once."""
+    async def start(self, run: Run) -> str:
+        """Register a stream for ``run`` in a place taken with :meth:`reserve`, start generating at once, and
+        return its id."""
+        return self.open(run).id
+
+    def open(self, run: Run) -> Stream:
+        """:meth:`start`, returning the stream itself."""
         self._reserved -= 1
         stream = Stream(self, secrets.token_urlsafe(12), buffer_events=self.buffer_events)
         self._live[stream.id] = stream
@@ -257,7 +316,21 @@ class Streams:
             raise Gone(f"stream {stream_id} is gone: {why}", code="stream_expired")
         raise NotFound(f"no stream {stream_id!r}; create one with POST /streams", code="stream_not_found")
 
-    def delete(self, stream_id: str) -> None:
+    async def locate(self, stream_id: str, last_event_id: str | None) -> Position:
+        stream = self.get(stream_id)
+        start = stream.resume_point(last_event_id)
+        return Position(stream.id, start, finished=stream.ended and start > stream.last)
+
+    async def follow(self, position: Position) -> AsyncGenerator[Entry | Queued, None]:
+        # get() again: the stream may have gone since locate(); follow() then says so (Gone).
+        async with aclosing(self.get(position.stream_id).follow(position.start)) as entries:
+            async for entry in entries:
+                yield entry
+
+    async def delete(self, stream_id: str) -> None:
+        self.drop(stream_id)
+
+    def drop(self, stream_id: str) -> None:
         """Stop the stream's generation (if running) and drop it. A reader still attached gets a final error."""
         stream = self.get(stream_id)
         running = not stream.ended

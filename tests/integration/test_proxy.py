@@ -233,3 +233,10 @@ def test_shipped_config_keeps_the_directives_streaming_relies_on() -> None:
     assert seconds(found["proxy_read_timeout"][0]) >= 4 * Settings().ping_seconds
     assert seconds(found["keepalive_timeout"][0]) < Settings().keep_alive_seconds  # nginx closes idle upstreams first
     assert int(found["keepalive"][0]) > 0
+    # Several replicas: a full or draining one (503 before anything starts) hands the request, POST included, to
+    # the next; each is tried once, so a client is refused only when all are full.
+    assert found["least_conn"] == ()
+    assert {"http_503", "non_idempotent", "error"} <= set(found["proxy_next_upstream"])
+    assert found["proxy_next_upstream_tries"] == ("0",)
+    servers = [d for d in directives(SHIPPED.read_text()) if d[0] == "server" and len(d) > 1]
+    assert len(servers) >= 2 and all("max_fails=0" in d for d in servers)

@@ -14,9 +14,7 @@ PIECES = [f" w{i}" for i in range(10)]  # 10 pieces 0.1 s apart: a generation ho
 
 def test_a_normal_request_past_its_target_is_refused_while_the_high_lane_is_served() -> None:
     engine = FakeEngine(PIECES, delay=0.1)
-    app = fake_app(
-        engine, api_keys=f"{HIGH}:high,{NORMAL}:normal", sla_ms="high:500,normal:500", max_concurrency=2
-    )
+    app = fake_app(engine, api_keys=f"{HIGH}:high,{NORMAL}:normal", sla_ms="high:500,normal:500", max_concurrency=2)
     with running(app) as base, httpx.Client(base_url=base, timeout=60) as client:
         normal, high = {"X-API-Key": NORMAL}, {"X-API-Key": HIGH}
         # Measured first: a slot's hold (~1 s) and admission to first token (~0.1 s). With a free slot the

@@ -23,6 +23,14 @@ import pytest
 from tests.support.servers import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
+# The CLI arguments the suite runs the server and the worker with (deploy/compose.yaml runs the same).
+SERVE_ARGS = ("serve",)
+WORKER_ARGS = ("worker", "--concurrency", "1")
+# How redis-server runs (deploy/compose.yaml too): a store of jobs and streams with expiries, nothing persisted.
+REDIS_ARGS = ("--save", "", "--appendonly", "no")
+# The settings every server and worker the suite starts runs with (deploy/compose.yaml's too): one torch thread
+# each, so that several share a small machine; JSON logs; no prefill process.
+SERVICE_ENV = {"TTFT_THREADS": "1", "TTFT_LOG_FORMAT": "json", "TTFT_PREFILL_PROCESS": "false"}
 
 
 def system_binary(name: str, package: str) -> str:
@@ -57,7 +65,7 @@ def redis_server(tmp: Path) -> Iterator[str]:
     port = free_port()
     data = tmp / f"redis-{port}"
     data.mkdir()
-    args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    args = [binary, "--port", str(port), "--bind", "127.0.0.1", *REDIS_ARGS]
     args += ["--dir", str(data), "--logfile", str(data / "redis.log")]
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"redis://127.0.0.1:{port}/0"
@@ -102,8 +110,8 @@ def env_for(settings: Mapping[str, str]) -> dict[str, str]:
     """The test process's environment less any TTFT_ setting, plus ``settings``: one thread, quiet, JSON logs, no
     prefill process (unless ``settings`` ask for one)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("TTFT_")}
-    env.update({"TTFT_THREADS": "1", "TTFT_LOG_FORMAT": "json", "PYTHONUNBUFFERED": "1"})
-    env["TTFT_PREFILL_PROCESS"] = "false"
+    env.update(SERVICE_ENV)
+    env["PYTHONUNBUFFERED"] = "1"
     env.update(settings)
     return env
 
@@ -143,18 +151,27 @@ class Proc:
 @contextmanager
 def serve(tmp: Path, settings: Mapping[str, str], *, name: str = "server") -> Iterator[tuple[str, Proc]]:
     """``ttft-sse serve`` in a subprocess with the real model; yields (base URL, process) once ready."""
-    port = free_port()
-    proc = Proc(
-        [sys.executable, "-m", "ttft_sse", "serve", "--port", str(port)],
-        env_for(settings),
-        tmp / f"{name}-{port}.log",
-    )
-    base = f"http://127.0.0.1:{port}"
+    base, proc = start_server(tmp, settings, name=name)
     try:
-        wait_until(lambda: _ready(base, proc), timeout=180, what=f"{name} to be ready", every=0.2)
+        wait_server_ready(base, proc, name=name)
         yield base, proc
     finally:
         proc.stop()
+
+
+def start_server(tmp: Path, settings: Mapping[str, str], *, name: str) -> tuple[str, Proc]:
+    """``ttft-sse serve`` on a free port, not waited for (start several, then :func:`wait_server_ready` each)."""
+    port = free_port()
+    proc = Proc(
+        [sys.executable, "-m", "ttft_sse", *SERVE_ARGS, "--port", str(port)],
+        env_for(settings),
+        tmp / f"{name}-{port}.log",
+    )
+    return f"http://127.0.0.1:{port}", proc
+
+
+def wait_server_ready(base: str, proc: Proc, *, name: str, timeout: float = 180) -> None:
+    wait_until(lambda: _ready(base, proc), timeout=timeout, what=f"{name} to be ready", every=0.2)
 
 
 def _ready(base: str, proc: Proc) -> bool:
@@ -168,9 +185,7 @@ def _ready(base: str, proc: Proc) -> bool:
 
 def start_worker(tmp: Path, settings: Mapping[str, str], *, name: str) -> Proc:
     """``ttft-sse worker`` (a Celery prefork worker, one pool process) in a subprocess."""
-    return Proc(
-        [sys.executable, "-m", "ttft_sse", "worker", "--concurrency", "1"], env_for(settings), tmp / f"{name}.log"
-    )
+    return Proc([sys.executable, "-m", "ttft_sse", *WORKER_ARGS], env_for(settings), tmp / f"{name}.log")
 
 
 def wait_worker_ready(worker: Proc, *, count: int = 1, timeout: float = 180) -> None:

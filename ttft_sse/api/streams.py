@@ -21,7 +21,7 @@ from ttft_sse.api.body import arrival_of, caller_of, generation_request, runtime
 from ttft_sse.api.stream import CACHE_CONTROL, SSE_HEADERS, TokenStream, sse_event
 from ttft_sse.errors import InvalidRequest, Overloaded
 from ttft_sse.generation import Queued
-from ttft_sse.streams import Stream
+from ttft_sse.streams import Position, StreamStore, event_id
 
 # Sent first on every stream: EventSource waits this long before reconnecting (browsers default to ~3 s).
 RECONNECT_MS = 1000
@@ -44,9 +44,9 @@ async def create_stream(request: Request) -> Response:
     except BaseException:
         streams.unreserve()
         raise
-    stream = streams.start(run)
-    url = f"{request.scope.get('root_path', '')}/streams/{stream.id}"
-    body = {"id": stream.id, "url": url, "lane": caller.lane.label}  # the lane the caller's key gives it
+    stream_id = await streams.start(run)
+    url = f"{request.scope.get('root_path', '')}/streams/{stream_id}"
+    body = {"id": stream_id, "url": url, "lane": caller.lane.label}  # the lane the caller's key gives it
     return JSONResponse(body, status_code=201, headers={"Location": url})
 
 
@@ -54,40 +54,39 @@ async def stream_resource(request: Request) -> Response:
     runtime = runtime_of(request)
     stream_id: str = request.path_params["stream_id"]
     if request.method == "DELETE":
-        runtime.streams.delete(stream_id)
+        await runtime.streams.delete(stream_id)
         return Response(status_code=204)
     unknown = sorted(set(request.query_params) - set(QUERY))
     if unknown:
         raise InvalidRequest(
             f"unknown query parameter(s): {', '.join(unknown)}; accepted: {', '.join(QUERY)}", param=unknown[0]
         )
-    stream = runtime.streams.get(stream_id)
     last_event_id = request.headers.get("last-event-id") or request.query_params.get("lastEventId")
-    start = stream.resume_point(last_event_id)
-    if stream.ended and start > stream.last:
+    position = await runtime.streams.locate(stream_id, last_event_id)
+    if position.finished:
         # The client has the final event already. 204 is what tells EventSource to stop reconnecting
         # (a 200 that ends at once would have it come back every RECONNECT_MS).
         return Response(status_code=204)
     if request.method == "HEAD":
         return Response(headers=SSE_HEADERS)
     return TokenStream(
-        _events(stream, start),
+        _events(runtime.streams, position),
         headers={"Cache-Control": CACHE_CONTROL},
         ping=runtime.settings.ping_seconds,
         send_timeout=60,
     )
 
 
-async def _events(stream: Stream, start: int) -> AsyncIterator[ServerSentEvent]:
+async def _events(streams: StreamStore, position: Position) -> AsyncIterator[ServerSentEvent]:
     yield ServerSentEvent(retry=RECONNECT_MS)
     try:
         # aclosing: when the client goes, this generator is closed at its own yield; the reader must detach
         # then (it starts the grace clock), not whenever the garbage collector gets to it.
-        async with aclosing(stream.follow(start)) as entries:
+        async with aclosing(streams.follow(position)) as entries:
             async for entry in entries:
                 if isinstance(entry, Queued):
                     yield sse_event(entry)
                 else:
-                    yield sse_event(entry.item, id=stream.event_id(entry.seq))
-    except Exception as exc:  # falling behind the buffer (Gone), never anything else; no id: it is not buffered
+                    yield sse_event(entry.item, id=event_id(position.stream_id, entry.seq))
+    except Exception as exc:  # falling behind the buffer (Gone), or the store failing; no id: it is not buffered
         yield sse_event(exc)
