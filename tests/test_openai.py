@@ -16,7 +16,7 @@ from structlog.contextvars import merge_contextvars
 from structlog.testing import capture_logs
 
 from tests.support.servers import parse_sse
-from ttft_sse.api.openai import DEFAULT_TEMPERATURE, parse_chat, parse_completion
+from ttft_sse.api.openai_requests import DEFAULT_TEMPERATURE, parse_chat, parse_completion
 from ttft_sse.app import create_app
 from ttft_sse.engine.base import ChatMessage
 from ttft_sse.engine.fake import FakeEngine

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from starlette.routing import Mount, Route
 from starlette.testclient import TestClient
 
-from ttft_sse.api import openai
+from ttft_sse.api import openai_requests as openai
 from ttft_sse.app import create_app
 from ttft_sse.engine.base import ROLES
 from ttft_sse.engine.fake import FakeEngine

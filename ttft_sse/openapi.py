@@ -1,8 +1,9 @@
 """The API as an OpenAPI 3.1 document (``GET /openapi.json``), built from the validators' own schemas.
 
-The request bodies are ``GenerationRequest.json_schema`` and ``api.openai.json_schema``: written from the same limits
-the validators read, and checked against the validators by a test that draws bodies and compares verdicts. Nothing
-here restates a limit. The paths are the app's routes (a test checks that each route is here and nothing else is).
+The request bodies are ``GenerationRequest.json_schema`` and ``api.openai_requests.json_schema``: written from the
+same limits the validators read, and checked against the validators by a test that draws bodies and compares
+verdicts. Nothing here restates a limit. The paths are the app's routes (a test checks that each route is here and
+nothing else is).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 from typing import Any, get_args
 
 from ttft_sse import __version__
-from ttft_sse.api.openai import json_schema as openai_schema
+from ttft_sse.api.openai_requests import json_schema as openai_schema
 from ttft_sse.jobs import Status
 from ttft_sse.schemas import FIELDS, GenerationRequest, field_schemas
 from ttft_sse.settings import Settings
