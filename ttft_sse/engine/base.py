@@ -16,6 +16,11 @@ from ttft_sse.stages import StageClock
 Role = Literal["system", "user", "assistant", "tool"]
 ROLES: tuple[str, ...] = ("system", "user", "assistant", "tool")
 FinishReason = Literal["stop", "length", "cancelled"]
+NORMAL = "normal"
+"""The mode every engine has: its normal arithmetic (on CPU with the block kernel, fp32 rows: the fp32 model's
+answers)."""
+INT8 = "int8"
+"""The faster mode the CPU engine may be switched to with ``TTFT_DEGRADE=int8``: the block kernel's int8 rows."""
 
 
 @dataclass(frozen=True)
@@ -103,6 +108,9 @@ class ModelInfo:
     # state: "interludes ready" (engine/batched/interlude.py), "prefill-process loading" (engine/batched/prefill.py),
     # ..., or "none".
     beside_batch: str = "none"
+    # The modes Engine.set_mode takes, "normal" first: ("normal", "int8") for the CPU engine started with
+    # TTFT_DEGRADE=int8 (docs/engine.md, "Degraded mode").
+    modes: tuple[str, ...] = (NORMAL,)
 
 
 class Engine(Protocol):
