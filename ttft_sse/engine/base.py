@@ -88,6 +88,9 @@ class Finished:
     # Engine-side timings in milliseconds: prefill_ms (generation start → first token), decode_ms (first → last
     # token). The HTTP layer adds its own (ttft_ms, queue_ms, total_ms).
     timings: dict[str, float] = field(default_factory=dict)
+    # True when any of the request's tokens, its prompt's pass included, was computed in a mode other than
+    # "normal" (Engine.set_mode): its answer is not the normal arithmetic's. Conservative: never False when it was.
+    degraded: bool = False
 
 
 @dataclass(frozen=True)
@@ -136,6 +139,24 @@ class Engine(Protocol):
         """Generate. Pieces as they are decoded, then one ``Finished``. Raises ``EngineError`` on failure."""
         ...
 
+    @property
+    def mode(self) -> str:
+        """The mode the last :meth:`set_mode` asked for (``"normal"`` until then)."""
+        ...
+
+    def set_mode(self, mode: str) -> None:
+        """Compute new steps in ``mode``, one of ``info.modes``; raises ``ValueError`` for another. Takes effect
+        between two steps, never inside one; a request computed in both modes says so (``Finished.degraded``). Safe
+        from any thread; it does not block."""
+        ...
+
     async def close(self) -> None:
         """Cancel every running generation and wait for their threads to end."""
         ...
+
+
+def check_mode(mode: str, modes: Sequence[str]) -> None:
+    """Raise ``ValueError`` unless ``mode`` is one of ``modes`` (an engine's ``info.modes``)."""
+    if mode not in modes:
+        hint = "" if len(modes) > 1 else " (TTFT_DEGRADE=int8 gives the CPU engine an int8 mode)"
+        raise ValueError(f"mode must be one of {', '.join(modes)}, got {mode!r}{hint}")
