@@ -15,6 +15,8 @@ variants that turn a setting from its default (docs/settings.md):
     noprefill     no prefill process (TTFT_PREFILL_PROCESS off)
     nointerludes  no interludes (TTFT_PREFILL_BETWEEN_LAYERS off)
     unfused       transformers' decoder layers around the block kernel (TTFT_FUSED_LAYERS off)
+    degrade       both the fp32 and the int8 rows held (TTFT_DEGRADE=int8), left in the normal mode
+    int8mode      the same, switched to the int8 mode after load (Engine.set_mode): it answers as int8rows
 
 The engine leaves the prefill process off while the kernel has helper threads or interludes run: compare
 ``:noprefill`` under ``--kernel-helpers 0`` with ``:nointerludes``.
@@ -34,7 +36,7 @@ every engine alike: compare the ratios, and read the load average printed with t
 * sampled requests (temperature 1, top_p 0.95, no seed: the OpenAI default) at c=8: tokens/s and TTFT;
 * whether every greedy text is the same as the single-request engine's for the same prompt: the single engine's with
   the same variants if it ran (``single:float32:dense`` for ``batched:float32:dense``), else ``single:<dtype>``'s
-  (``single:<dtype>:int8rows``' only, for int8 rows: their answers are the int8 model's).
+  (``single:<dtype>:int8rows``' only, for int8 rows or the int8 mode: their answers are the int8 model's).
 """
 
 from __future__ import annotations
@@ -176,6 +178,7 @@ def pct(values: Sequence[float], q: float) -> float:
 
 
 VARIANTS = ("int8rows", "dense", "plain", "repeat", "masked", "noprefill", "nointerludes", "unfused")
+VARIANTS += ("degrade", "int8mode")
 """The variants ``load`` knows (see the module's docstring)."""
 
 
@@ -200,6 +203,7 @@ def load(spec: str, args: argparse.Namespace) -> Engine:
         prefill_process="noprefill" not in variants,
         prefill_between_layers="nointerludes" not in variants,
         fused_layers="unfused" not in variants,
+        degrade="int8" if variants & {"degrade", "int8mode"} else "off",
         threads=args.threads,
         kernel_helpers=args.kernel_helpers,
         max_concurrency=args.concurrency,
@@ -207,6 +211,8 @@ def load(spec: str, args: argparse.Namespace) -> Engine:
     )
     engine: BatchedEngine | SingleEngine = BatchedEngine(settings) if kind == "batched" else SingleEngine(settings)
     engine.load(StageClock())
+    if "int8mode" in variants:
+        engine.set_mode("int8")
     return engine
 
 
@@ -253,7 +259,8 @@ async def bench(args: argparse.Namespace) -> None:
     for spec, result in results.items():
         _, dtype, variants = parse(spec)
         same = results.get(f"single:{dtype}:{'+'.join(sorted(variants))}")
-        others = variants & {"int8rows"}  # it answers differently: only its own single engine compares
+        # It answers differently: only its own single engine compares (the int8 mode answers as int8 rows do).
+        others = {"int8rows" if v == "int8mode" else v for v in variants & {"int8rows", "int8mode"}}
         reference = same or results.get(f"single:{dtype}:{'+'.join(sorted(others))}" if others else f"single:{dtype}")
         if reference is None or reference is result:
             continue

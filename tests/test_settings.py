@@ -22,6 +22,7 @@ def test_environment_values_are_parsed_by_type() -> None:
         "TTFT_GGUF_KERNEL": "0",
         "TTFT_GGUF_ACTIVATIONS": "int8",
         "TTFT_FUSED_LAYERS": "false",
+        "TTFT_DEGRADE": "off",
     }
     s = Settings.from_env(env)
     assert (s.port, s.model, s.warmup, s.queue_timeout_seconds) == (9001, "/models/x.gguf", False, 2.5)
@@ -32,6 +33,7 @@ def test_environment_values_are_parsed_by_type() -> None:
     assert s.gguf_kernel is False and Settings().gguf_kernel is True
     assert s.gguf_activations == "int8" and Settings().gguf_activations == "fp32"
     assert s.fused_layers is False and Settings().fused_layers is True
+    assert s.degrade == "off" and Settings.from_env({"TTFT_DEGRADE": "int8"}).degrade == "int8"
 
 
 def test_cli_overrides_win_over_the_environment_and_none_means_not_given() -> None:
@@ -48,6 +50,11 @@ def test_cli_overrides_win_over_the_environment_and_none_means_not_given() -> No
         ({"TTFT_DEVICE": "tpu"}, "device must be auto, cpu"),
         ({"TTFT_ENGINE": "vllm"}, "engine must be single or batched"),
         ({"TTFT_GGUF_ACTIVATIONS": "int4"}, "gguf_activations must be int8 or fp32, got 'int4'"),
+        ({"TTFT_DEGRADE": "int4"}, "degrade must be off or int8, got 'int4'"),
+        (
+            {"TTFT_DEGRADE": "int8", "TTFT_GGUF_ACTIVATIONS": "int8"},
+            "degrade=int8 switches fp32 rows to int8 ones at run time, and gguf_activations=int8 makes them int8",
+        ),
         ({"TTFT_KV_CACHE_TOKENS": "0"}, "kv_cache_tokens must be at least 1"),
         ({"TTFT_MAX_TOKEN": "5"}, "unknown setting(s) TTFT_MAX_TOKEN"),
         ({"TTFT_DEFAULT_MAX_TOKENS": "9000"}, "default_max_tokens (9000) is above max_tokens_cap"),

@@ -79,6 +79,10 @@ class Settings:
     # The block kernel's rows: "fp32", the fp32 model's arithmetic; "int8", quantised per block of 32 inputs as
     # llama.cpp does (AVX-512 VNNI or AVX2): faster, other answers.
     gguf_activations: str = "fp32"
+    # The faster mode the engine may be switched to at run time (Engine.set_mode): "off", or "int8", the block
+    # kernel's int8 rows beside its fp32 ones (both arrangements held: more memory). Where the mode cannot run, the
+    # server refuses to start.
+    degrade: str = "off"
     # With the block kernel (fp32 or int8 rows): each Llama decoder layer's norms, projections, rotary embedding and
     # MLP in two C calls around its attention instead of ~40 torch calls; in the batched engine's steps, the whole
     # layer, cache write and attention included, in one (engine/cpu/decoder.py).
@@ -203,6 +207,13 @@ class Settings:
             raise SettingsError(f"engine must be single or batched, got {self.engine!r}")
         if self.gguf_activations not in ("int8", "fp32"):
             raise SettingsError(f"gguf_activations must be int8 or fp32, got {self.gguf_activations!r}")
+        if self.degrade not in ("off", "int8"):
+            raise SettingsError(f"degrade must be off or int8, got {self.degrade!r}")
+        if self.degrade == "int8" and self.gguf_activations == "int8":
+            raise SettingsError(
+                "degrade=int8 switches fp32 rows to int8 ones at run time, and gguf_activations=int8 makes them int8 "
+                "from the start: set one of them"
+            )
         if self.device not in ("auto", "cpu", "cuda", "mps") and not self.device.startswith("cuda:"):
             raise SettingsError(f"device must be auto, cpu, cuda, cuda:N or mps, got {self.device!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

@@ -16,6 +16,11 @@ from ttft_sse.stages import StageClock
 Role = Literal["system", "user", "assistant", "tool"]
 ROLES: tuple[str, ...] = ("system", "user", "assistant", "tool")
 FinishReason = Literal["stop", "length", "cancelled"]
+NORMAL = "normal"
+"""The mode every engine has: its normal arithmetic (on CPU with the block kernel, fp32 rows: the fp32 model's
+answers)."""
+INT8 = "int8"
+"""The faster mode the CPU engine may be switched to with ``TTFT_DEGRADE=int8``: the block kernel's int8 rows."""
 
 
 @dataclass(frozen=True)
@@ -83,6 +88,9 @@ class Finished:
     # Engine-side timings in milliseconds: prefill_ms (generation start → first token), decode_ms (first → last
     # token). The HTTP layer adds its own (ttft_ms, queue_ms, total_ms).
     timings: dict[str, float] = field(default_factory=dict)
+    # True when any of the request's tokens, its prompt's pass included, was computed in a mode other than
+    # "normal" (Engine.set_mode): its answer is not the normal arithmetic's. Conservative: never False when it was.
+    degraded: bool = False
 
 
 @dataclass(frozen=True)
@@ -103,6 +111,9 @@ class ModelInfo:
     # state: "interludes ready" (engine/batched/interlude.py), "prefill-process loading" (engine/batched/prefill.py),
     # ..., or "none".
     beside_batch: str = "none"
+    # The modes Engine.set_mode takes, "normal" first: ("normal", "int8") for the CPU engine started with
+    # TTFT_DEGRADE=int8 (docs/engine.md, "Degraded mode").
+    modes: tuple[str, ...] = (NORMAL,)
 
 
 class Engine(Protocol):
@@ -128,6 +139,24 @@ class Engine(Protocol):
         """Generate. Pieces as they are decoded, then one ``Finished``. Raises ``EngineError`` on failure."""
         ...
 
+    @property
+    def mode(self) -> str:
+        """The mode the last :meth:`set_mode` asked for (``"normal"`` until then)."""
+        ...
+
+    def set_mode(self, mode: str) -> None:
+        """Compute new steps in ``mode``, one of ``info.modes``; raises ``ValueError`` for another. Takes effect
+        between two steps, never inside one; a request computed in both modes says so (``Finished.degraded``). Safe
+        from any thread; it does not block."""
+        ...
+
     async def close(self) -> None:
         """Cancel every running generation and wait for their threads to end."""
         ...
+
+
+def check_mode(mode: str, modes: Sequence[str]) -> None:
+    """Raise ``ValueError`` unless ``mode`` is one of ``modes`` (an engine's ``info.modes``)."""
+    if mode not in modes:
+        hint = "" if len(modes) > 1 else " (TTFT_DEGRADE=int8 gives the CPU engine an int8 mode)"
+        raise ValueError(f"mode must be one of {', '.join(modes)}, got {mode!r}{hint}")

@@ -13,6 +13,8 @@ from contextlib import aclosing
 
 from ttft_sse.bridge import Emit, Workers
 from ttft_sse.engine.base import (
+    INT8,
+    NORMAL,
     ChatMessage,
     Finished,
     FinishReason,
@@ -21,6 +23,7 @@ from ttft_sse.engine.base import (
     Prompt,
     SamplingParams,
     Usage,
+    check_mode,
 )
 from ttft_sse.engine.text import StopMatcher
 from ttft_sse.errors import EngineError, PromptTooLong
@@ -35,7 +38,11 @@ class FakeEngine:
     * ``delay``: seconds between pieces;
     * ``fail_after``: raise ``RuntimeError`` in the worker thread after that many pieces;
     * ``hold_after``: after that many pieces, wait until ``release`` is set (or the request is cancelled);
-    * ``context_length``: prompts of that many words or more are refused.
+    * ``context_length``: prompts of that many words or more are refused;
+    * ``modes``: what :meth:`set_mode` takes (``("normal", "int8")`` scripts the CPU engine's degraded mode). A
+      generation reads the mode at its start (its prompt's pass) and before each piece (a step), so a switch takes
+      effect at its next piece; its ``Finished.degraded`` is True where any of those reads was not ``"normal"``;
+    * ``int8_delay``: seconds between pieces computed in ``"int8"`` (default ``delay``): the faster mode.
     """
 
     def __init__(
@@ -48,7 +55,11 @@ class FakeEngine:
         context_length: int = 64,
         load_seconds: float = 0.0,
         hold_load: bool = False,
+        modes: Sequence[str] = (NORMAL,),
+        int8_delay: float | None = None,
     ) -> None:
+        if not modes or modes[0] != NORMAL:
+            raise ValueError(f"modes must start with {NORMAL!r}, got {tuple(modes)!r}")
         self.pieces = list(pieces)
         self.delay = delay
         self.fail_after = fail_after
@@ -58,9 +69,17 @@ class FakeEngine:
         self.hold_load = hold_load
         self.loaded = threading.Event()  # with ``hold_load``: the load ends when this is set
         self.generated: list[int] = []  # completion tokens of every generation, cancelled ones included
+        self.int8_delay = delay if int8_delay is None else int8_delay
+        self._mode = NORMAL
         self._workers: Workers[Item] = Workers(name="ttft-fake")
         self._info = ModelInfo(
-            name="fake", source="fake", device="cpu", dtype="none", context_length=context_length, threads=1
+            name="fake",
+            source="fake",
+            device="cpu",
+            dtype="none",
+            context_length=context_length,
+            threads=1,
+            modes=tuple(modes),
         )
 
     @property
@@ -70,6 +89,14 @@ class FakeEngine:
     @property
     def active(self) -> int:
         return self._workers.active
+
+    @property
+    def mode(self) -> str:
+        return self._mode
+
+    def set_mode(self, mode: str) -> None:
+        check_mode(mode, self._info.modes)
+        self._mode = mode  # one reference swapped: generation threads read it whole
 
     def load(self, clock: StageClock) -> None:
         with clock.stage("model"):
@@ -93,6 +120,7 @@ class FakeEngine:
             stops = StopMatcher(params.stop)
             count, index = 0, 0
             reason: FinishReason = "stop"
+            degraded = self._mode != NORMAL  # the prompt's pass
             try:
                 for piece in self.pieces:
                     if cancelled.is_set():
@@ -107,8 +135,11 @@ class FakeEngine:
                             pass
                         if cancelled.is_set():
                             return
-                    if self.delay:
-                        time.sleep(self.delay)
+                    mode = self._mode  # this piece's step
+                    degraded = degraded or mode != NORMAL
+                    delay = self.int8_delay if mode == INT8 else self.delay
+                    if delay:
+                        time.sleep(delay)
                     count += 1
                     text = stops.feed(piece)
                     if text:
@@ -119,7 +150,7 @@ class FakeEngine:
                 if not stops.matched and (tail := stops.flush()):
                     emit(Piece(index, tail))
                 usage = Usage(prompt_tokens=prompt.n_tokens, completion_tokens=count)
-                emit(Finished(reason, usage, {"prefill_ms": 0.0, "decode_ms": 0.0}))
+                emit(Finished(reason, usage, {"prefill_ms": 0.0, "decode_ms": 0.0}, degraded=degraded))
             finally:
                 self.generated.append(count)
 

@@ -1,4 +1,10 @@
-"""The transformers engine: one ``model.generate`` per request, in a worker thread, streamed piece by piece."""
+"""The transformers engine: one ``model.generate`` per request, in a worker thread, streamed piece by piece.
+
+A generation takes the engine's mode (:meth:`SingleEngine.set_mode`) at its start and keeps it to its end: a switch
+applies to the generations that start after it. Each runs in a thread of its own, so one in int8 rows and one in fp32
+rows may run side by side (engine/cpu/kernel.py's ``ROWS`` is the thread's), and each ``Finished.degraded`` says its
+own generation's mode.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +20,8 @@ import structlog
 from ttft_sse.bridge import Emit, Workers
 from ttft_sse.engine import prompts, sampling
 from ttft_sse.engine.base import (
+    INT8,
+    NORMAL,
     ChatMessage,
     Finished,
     ModelInfo,
@@ -21,6 +29,7 @@ from ttft_sse.engine.base import (
     Prompt,
     SamplingParams,
     Usage,
+    check_mode,
 )
 from ttft_sse.engine.cpu import kernel
 from ttft_sse.engine.loading.model import load_model
@@ -47,6 +56,7 @@ class SingleEngine:
         self._eos: frozenset[int] = frozenset()
         self._janitor = CacheJanitor(0, lambda: None)  # replaced in load() when the model sits on CUDA
         self._library: Path | None = None  # the block kernel's library, where it serves the model
+        self._mode = NORMAL
 
     @property
     def info(self) -> ModelInfo:
@@ -57,6 +67,15 @@ class SingleEngine:
     @property
     def active(self) -> int:
         return self._workers.active
+
+    @property
+    def mode(self) -> str:
+        return self._mode
+
+    def set_mode(self, mode: str) -> None:
+        """Generations that start from now on run in ``mode`` (one of ``info.modes``); running ones keep theirs."""
+        check_mode(mode, self.info.modes)
+        self._mode = mode  # one reference swapped: a generation's thread reads it whole, once
 
     @property
     def janitor(self) -> CacheJanitor:
@@ -148,7 +167,8 @@ class SingleEngine:
         criteria = transformers.StoppingCriteriaList([_cancel_criterion(torch, cancelled)])
         started = time.perf_counter()
         streamer.started = started
-        with torch.inference_mode():
+        mode = self._mode  # the whole generation's, its prompt's pass included
+        with torch.inference_mode(), kernel.int8_rows(mode == INT8):
             self._model.generate(
                 input_ids=input_ids,
                 attention_mask=torch.ones_like(input_ids),
@@ -172,6 +192,7 @@ class SingleEngine:
                     "prefill_ms": round((first - started) * 1000, 1),
                     "decode_ms": round((ended - first) * 1000, 1),
                 },
+                degraded=mode != NORMAL,
             )
         )
 

@@ -34,6 +34,9 @@ The library does the batching, the paged cache and the prefix sharing. Written h
   Ours leaves greedy rows to the step's argmax (engine/cpu/argmax.py's on CPU, by ``torch.argmax``'s rule) and cuts
   and draws only the rows that sample, by engine/sampling.py (figures: docs/engine.md).
 
+Modes (``TTFT_DEGRADE=int8``, engine/batched/modes.py): :meth:`BatchedEngine.set_mode` takes effect at the next step
+the loop prepares; ``Finished.degraded`` says whether any of a request's tokens was computed in int8 rows.
+
 Not batched, on purpose: requests with a ``seed`` and requests too long for the shared cache run on the single-request
 engine (:class:`~ttft_sse.engine.single.SingleEngine`, same model and weights), which samples with the request's own
 generator: the library draws a whole batch's tokens from one global generator, where a ``seed`` reproduces nothing.
@@ -43,7 +46,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
 import itertools
 import time
 from collections import deque
@@ -55,11 +57,13 @@ from typing import Any
 import structlog
 
 from ttft_sse.bridge import Mailboxes, Resident
-from ttft_sse.engine.base import ChatMessage, Finished, ModelInfo, Piece, Prompt, SamplingParams, Usage
+from ttft_sse.engine.base import NORMAL, ChatMessage, Finished, ModelInfo, Piece, Prompt, SamplingParams, Usage
 from ttft_sse.engine.batched.claims import Arrivals, Claims, FirstToken
 from ttft_sse.engine.batched.hooks import keep_config_causal, missing_internals, pick_greedy_with, router
 from ttft_sse.engine.batched.interlude import Interlude
+from ttft_sse.engine.batched.modes import Modes
 from ttft_sse.engine.batched.prefill import PrefillProcess
+from ttft_sse.engine.batched.race import Race
 from ttft_sse.engine.batched.scheduler import PrefixCounters, register_scheduler, unregister_scheduler
 from ttft_sse.engine.cpu import argmax, attention, decoder, kernel
 from ttft_sse.engine.loading.model import KERNEL_DIR
@@ -122,10 +126,11 @@ class BatchedEngine:
         self._steps = 0
         self._prefill: PrefillProcess | Interlude | None = None  # what races the batch for first tokens, if any
         self._claims = Claims()
-        self._side_tasks: set[asyncio.Task[None]] = set()
+        self._race: Race | None = None  # asks self._prefill for first tokens
         self._side_first = 0
         self._interlude_first = 0
         self._batching_off: str | None = None  # why requests run on the single engine, where they must
+        self._modes = Modes((NORMAL,))  # the model's modes, once loaded
 
     @property
     def info(self) -> ModelInfo:
@@ -142,6 +147,15 @@ class BatchedEngine:
     @property
     def active(self) -> int:
         return self._single.active + self._mailboxes.count
+
+    @property
+    def mode(self) -> str:
+        return self._modes.wanted
+
+    def set_mode(self, mode: str) -> None:
+        """New steps take ``mode``: the batch's from its next step, the single engine's from its next generation."""
+        self._single.set_mode(mode)  # ValueError for a mode the model lacks
+        self._modes.want(mode)
 
     @property
     def model(self) -> Any:
@@ -170,6 +184,8 @@ class BatchedEngine:
 
     def load(self, clock: StageClock) -> None:
         self._single.load(clock)
+        self._modes = Modes(self.info.modes)
+        self._counters.modes = self._modes if len(self._modes.modes) > 1 else None
         missing = missing_internals()
         if missing:
             # Every request then runs on the single engine (its capacity stays 0): slower, never wrong.
@@ -180,6 +196,8 @@ class BatchedEngine:
             return
         keep_config_causal(self.model)
         self._start_prefill()  # before the loop: its scheduler hands its cache the interludes
+        if self._prefill is not None:
+            self._race = Race(self._prefill, self._claims, self._modes, self._mailboxes.deliver)
         with clock.stage("batching"):
             self._manager = self._create_manager(paged=attention.paged(self.model))
             self._loop = Resident(
@@ -314,6 +332,7 @@ class BatchedEngine:
         first_at: float | None = None
         index = 0
         in_library = False
+        self._modes.open(request_id)
         try:
             self._submit(request_id, prompt, params)
             in_library = True
@@ -350,6 +369,7 @@ class BatchedEngine:
                     "prefill_ms": round((first - started) * 1000, 1),
                     "decode_ms": round((ended - first) * 1000, 1),
                 },
+                degraded=self._modes.degraded(request_id),
             )
         finally:
             inbox.close()
@@ -370,8 +390,8 @@ class BatchedEngine:
         # Only where the batch's steps attend request by request (a cache that reads in place): there its greedy
         # first token is the side's, bit for bit. Raced before the library has the request, so that no step picks
         # its first token before the race is open.
-        if self._prefill is not None and self._counters.in_place and self._mailboxes.count > 1:
-            self._race(request_id, prompt, params)
+        if self._race is not None and self._race.open and self._counters.in_place and self._mailboxes.count > 1:
+            self._race.start(request_id, prompt, params)
         added = self._manager.add_request(
             list(prompt.token_ids),
             request_id=request_id,
@@ -395,6 +415,7 @@ class BatchedEngine:
         library if it still holds one (a stop sequence matched, or the client left: the library frees it at its
         next step; results of a step already in flight are dropped by the closed inbox)."""
         self._claims.close(request_id)
+        self._modes.close(request_id)
         if isinstance(self._prefill, Interlude):
             self._prefill.sweep()
         if self.janitor.count():
@@ -404,28 +425,6 @@ class BatchedEngine:
             emptying.add_done_callback(_log_failure)
         if in_library:
             self._manager.cancel_request(request_id)
-
-    def _race(self, request_id: str, prompt: Prompt, params: SamplingParams) -> None:
-        """Ask the interludes or the prefill process for the request's first token too; it goes to the request's
-        inbox if it comes before the batch's step has picked one (:class:`Claims`)."""
-        assert self._prefill is not None
-        prefill, claims = self._prefill, self._claims
-        claims.open(request_id)
-        temperature = 0.0 if params.greedy else float(params.temperature)
-        top_p = 1.0 if params.greedy else float(params.top_p)
-
-        # Interludes compute it only while no step in flight does; the process races that step too.
-        wanted = functools.partial(claims.beside if isinstance(prefill, Interlude) else claims.wanted, request_id)
-
-        async def ask() -> None:
-            token = await prefill.first_token(prompt.token_ids, wanted, temperature, top_p)
-            if token is not None and claims.side(request_id, token):
-                self._mailboxes.deliver([(request_id, FirstToken(token))])
-
-        # The task is never cancelled (see PrefillProcess.first_token); a strong reference keeps it until it ends.
-        task = asyncio.get_running_loop().create_task(ask(), name=f"ttft-prefill-{request_id}")
-        self._side_tasks.add(task)
-        task.add_done_callback(self._side_tasks.discard)
 
     def _down(self) -> bool:
         """The loop has ended, or is ending after a failure (it refuses new requests then)."""
@@ -443,7 +442,8 @@ class BatchedEngine:
         unregister_scheduler(self._scheduler)
         if self._prefill is not None:
             await asyncio.to_thread(self._prefill.stop)  # the waits in flight end: the child is gone
-            await asyncio.gather(*self._side_tasks, return_exceptions=True)
+        if self._race is not None:
+            await self._race.ended()
         await self._single.close()
 
     # -- state -------------------------------------------------------------------------------------------------

@@ -2,10 +2,10 @@
 
 The engine builds on private parts of transformers' continuous batching: the manager's batch-processor factory and
 output router, the runner's sampler, the per-request logits processors, the scheduler table and the FIFO scheduler's
-hooks, the paged cache's allocators. ``pyproject.toml`` pins the transformers versions the engine is tested with;
-:func:`missing_internals` checks at load that every name the engine uses is there, so that another version makes the
-engine fall back to one ``model.generate`` per request (the library's public path) with one log line, rather than
-crash mid-request or compute wrongly.
+hooks, the paged cache's allocators and the token ids they hash (engine/batched/modes.py). ``pyproject.toml`` pins
+the transformers versions the engine is tested with; :func:`missing_internals` checks at load that every name the
+engine uses is there, so that another version makes the engine fall back to one ``model.generate`` per request (the
+library's public path) with one log line, rather than crash mid-request or compute wrongly.
 """
 
 from __future__ import annotations
@@ -39,7 +39,14 @@ INTERNALS: dict[str, tuple[str, ...]] = {
     ),
     "transformers.generation.continuous_batching.requests": ("RequestStatus.PENDING", "RequestStatus.DECODING"),
     "transformers.generation.continuous_batching.model_runner": ("ModelRunner._sample",),
-    "transformers.generation.continuous_batching.cache": ("PagedAttentionCache.update",),
+    "transformers.generation.continuous_batching.cache": (
+        "PagedAttentionCache.update",
+        "PagedAttentionCache.mark_complete_blocks",
+    ),
+    "transformers.generation.continuous_batching.cache_allocators.cache_allocator": (
+        "CacheAllocator.match_prefix_blocks",
+        "CacheAllocator.mark_complete_blocks",
+    ),
     "transformers.generation.continuous_batching.cache_allocators.full_attention": ("FullAttentionCacheAllocator",),
     "transformers": ("ContinuousBatchingConfig", "GenerationConfig"),
 }

@@ -24,6 +24,11 @@ every engine draws by (engine/sampling.py); the batch's step then picks it (engi
 
 Prompts of more than :data:`NEW_TOKENS` tokens past the prefix the cache holds are declined, since the streams of the
 step in flight wait for them: the batch computes those itself.
+
+An interlude computes in the batching thread, so in the mode of the step it runs in or before (engine/batched/modes.py:
+a switch comes only between two steps, before the interlude that precedes a step), and its KV blocks are hashed for
+that mode's requests alone. Its ``computed`` callback lets the engine note the mode for the request whose first token
+it is.
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ class _Waiting:
     wanted: Callable[[], bool]
     loop: asyncio.AbstractEventLoop
     answer: asyncio.Future[int | None]
+    computed: Callable[[], None] | None
 
 
 @dataclass(frozen=True)
@@ -96,17 +102,25 @@ class Interlude:
         return "stopped" if self._stopping else "failed" if self._broken else "ready"
 
     async def first_token(
-        self, token_ids: Sequence[int], wanted: Callable[[], bool], temperature: float = 0.0, top_p: float = 1.0
+        self,
+        token_ids: Sequence[int],
+        wanted: Callable[[], bool],
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        *,
+        computed: Callable[[], None] | None = None,
     ) -> int | None:
         """The first token after ``token_ids``: the argmax at ``temperature`` 0, else drawn at ``temperature`` from
         the ``top_p``, computed at the batch's next layer. None if the interlude declined it, once nobody ``wanted``
-        it (:meth:`sweep`), or when the engine stops."""
+        it (:meth:`sweep`), or when the engine stops. ``computed`` is called in the batching thread once the token is
+        computed, before it is given."""
         if self._broken or self._stopping:
             return None
         loop = asyncio.get_running_loop()
         answer: asyncio.Future[int | None] = loop.create_future()
         with self._lock:
-            self._waiting.append(_Waiting((tuple(token_ids), float(temperature), float(top_p)), wanted, loop, answer))
+            ask = (tuple(token_ids), float(temperature), float(top_p))
+            self._waiting.append(_Waiting(ask, wanted, loop, answer, computed))
             self.waiting.value = len(self._waiting)
         return await asyncio.shield(answer)
 
@@ -145,6 +159,8 @@ class Interlude:
             return
         tokens = self._compute(serve, [one.ask for one in computed])
         for one, token in zip(computed, tokens, strict=True):
+            if token is not None and one.computed is not None:
+                one.computed()
             _settle(one.loop, one.answer, token)
 
     def _compute(self, in_place: Any, asks: list[Ask]) -> list[int | None]:

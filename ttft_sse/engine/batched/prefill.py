@@ -363,7 +363,9 @@ def main() -> None:
     settings: Settings = prompts.recv()
     logs.configure(level=settings.log_level, fmt=settings.log_format)
     began = time.perf_counter()
-    engine = SingleEngine(settings.replace(engine="single", kernel_helpers=0))
+    # Its first tokens are fp32 rows': the parent asks for none while the batch is degraded (engine/batched/race.py),
+    # so it holds no int8 records.
+    engine = SingleEngine(settings.replace(engine="single", kernel_helpers=0, degrade="off"))
     try:
         engine.load(StageClock())
         import torch

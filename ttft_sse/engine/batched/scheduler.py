@@ -1,5 +1,6 @@
-"""The batching loop's scheduler: the library's FIFO scheduler, counting what prefix sharing saves, and handing the
-cache read in place (engine/cpu/attention.py) the interludes (engine/batched/interlude.py)."""
+"""The batching loop's scheduler: the library's FIFO scheduler, counting what prefix sharing saves, handing the
+cache read in place (engine/cpu/attention.py) the interludes (engine/batched/interlude.py), and switching the engine's
+mode between two steps (engine/batched/modes.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ttft_sse.engine.batched.modes import Modes, keep_apart
 from ttft_sse.engine.cpu import attention
 
 SCHEDULER = "ttft_fifo"
@@ -24,6 +26,7 @@ class PrefixCounters:
     between: Callable[[Any], None] | None = None  # called between a batched step's layers (attention.InPlace.between)
     waiting: Any = None  # a ctypes int, not 0 while between has work (attention.InPlace.waiting)
     prefill_chunk: int = 0  # prompt tokens a step computes beside decoding streams (0: the whole token budget)
+    modes: Modes | None = None  # where the engine has more than one mode: switched here, between two steps
 
 
 def register_scheduler(counters: PrefixCounters, *, paged: bool) -> str:
@@ -49,8 +52,14 @@ def register_scheduler(counters: PrefixCounters, *, paged: bool) -> str:
                 self._in_place = getattr(cache, attention.IN_PLACE)
                 self._in_place.between = counters.between
                 self._in_place.waiting = counters.waiting
+            if counters.modes is not None:
+                keep_apart(cache, counters.modes)
 
         def schedule_batch(self, token_budget: int, cache_budget: int) -> Any:
+            # The coming step's mode, before anything of it is computed (the interlude below, the prefix matches, the
+            # forward pass): the step in flight has ended, and the next is not begun.
+            modes = counters.modes
+            mode = modes.step() if modes is not None else None
             decoding = sum(state.status == RequestStatus.DECODING for state in self.active_requests.values())
             # A newcomer that came after the last layer of the step just done (its output layer, sampling, this
             # preparation: the interludes' checks come before each layer) gets its first token from an interlude
@@ -65,7 +74,10 @@ def register_scheduler(counters: PrefixCounters, *, paged: bool) -> str:
                 # over more steps, each as short as a decode step plus that chunk. Alone, a prompt takes the whole
                 # budget.
                 token_budget = min(token_budget, decoding + counters.prefill_chunk)
-            return super().schedule_batch(token_budget, cache_budget)
+            scheduled = super().schedule_batch(token_budget, cache_budget)
+            if modes is not None and mode is not None and scheduled[0]:
+                modes.saw((future.state.request_id for future in scheduled[0]), mode)
+            return scheduled
 
         def _infer_request_tokens(self, state: Any, removed: set[str]) -> Any:
             # A prefix match moves a pending request to PREFILLING here, once.

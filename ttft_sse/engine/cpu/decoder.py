@@ -34,6 +34,11 @@ log, with the reason). Each row's result is its own arithmetic alone, as with th
 depend on its batch. With int8 rows (``TTFT_GGUF_ACTIVATIONS=int8``) each linear layer calls the int8 kernel; a
 rounding of the norm or of exp can then move an activation across a step (1/127 of its block's largest), so the
 probe allows 1e-2 of the largest value instead of 1e-4.
+
+With ``TTFT_DEGRADE=int8`` the linear layers hold int8 records beside their fp32 panels (engine/cpu/kernel.py), and
+each layer holds two arrangements: its fp32 one (q/k/v and gate/up joined) and an int8 one (the linear layers one by
+one, as with ``TTFT_GGUF_ACTIVATIONS=int8``), each checked on the probe; so does the chain of every layer. A thread
+computes with the int8 one while :data:`kernel.ROWS` says so for it.
 """
 
 from __future__ import annotations
@@ -125,6 +130,7 @@ class Chain:
     layers: tuple[Any, ...]
     addresses: Any  # a ctypes array of each layer's ``Layer``
     run: Any  # ttft_decoder_stack
+    int8_addresses: Any = None  # each layer's int8 ``Layer`` (TTFT_DEGRADE=int8), for a thread on int8 rows
 
 
 @dataclass(frozen=True)
@@ -188,8 +194,9 @@ def run_layers(
     made = {group: _c_step(shared, found.firsts[group]) for group, shared in steps.items()}  # held: C reads them
     pointers = (_PTR * len(found.groups))(*(ctypes.addressof(made[group]) for group in found.groups))
     waiting = in_place.waiting if between else None
+    layers = chain.int8_addresses if kernel.ROWS.int8 and chain.int8_addresses is not None else chain.addresses
     stack = Stack(
-        len(chain.layers), ctypes.addressof(chain.addresses), ctypes.addressof(pointers),
+        len(chain.layers), ctypes.addressof(layers), ctypes.addressof(pointers),
         ctypes.addressof(found.keys), ctypes.addressof(found.values),
         None if waiting is None else ctypes.addressof(waiting),
     )  # fmt: skip
@@ -253,7 +260,7 @@ def whole(layer: Any, shared: attention.Step, x: Any, rows: int, cos: Any, sin: 
     step = c_step(shared, layer.self_attn)  # held until the call returns: decoder.c reads it
     y = torch.empty_like(x)
     status = layer.whole(
-        layer.address, ctypes.addressof(step), x.data_ptr(), rows, cos.data_ptr(), sin.data_ptr(),
+        layer.addresses[kernel.ROWS.int8], ctypes.addressof(step), x.data_ptr(), rows, cos.data_ptr(), sin.data_ptr(),
         keys.data_ptr(), values.data_ptr(), y.data_ptr(),
     )  # fmt: skip
     if status != 0:
@@ -281,22 +288,28 @@ def fuse(model: Any, torch: Any, library: Path) -> int:
     calls = (function(library, HEAD), function(library, TAIL), function(library, LAYER))
     for layer in layers:
         _attach(layer, torch, *calls)
+    both = layers[0].arithmetic_int8 is not None  # TTFT_DEGRADE=int8: the int8 arrangement is checked too
     try:
         _check(layers[0], model, torch)
+        if both:
+            with kernel.int8_rows():
+                _check(layers[0], model, torch)
     except (AttributeError, RuntimeError, TypeError) as exc:  # a model unlike Llama's around its layers
         for layer in layers:
             layer.__class__ = LlamaDecoderLayer
             del layer.arithmetic, layer.norms, layer.joined, layer.address, layer.head, layer.tail, layer.whole
-            del layer.chain
+            del layer.chain, layer.arithmetic_int8, layer.addresses
         log.warning("decoder_not_fused", reason=str(exc))
         return 0
     # All of them, in the model's order (its layers' list, each at its own cache index): a step runs them in one call.
     ordered = list(getattr(model.base_model, "layers", []))
     if ordered == candidates == layers and all(m.self_attn.layer_idx == i for i, m in enumerate(ordered)):
-        chain = Chain(tuple(layers), (_PTR * len(layers))(*(m.address for m in layers)), function(library, STACK))
+        arrays = [(_PTR * len(layers))(*(m.addresses[int8] for m in layers)) for int8 in (0, 1)]
+        chain = Chain(tuple(layers), arrays[0], function(library, STACK), arrays[1] if both else None)
         for layer in layers:
             layer.chain = chain
-    log.info("decoder_fused", layers=len(layers), of=len(candidates), one_call=layers[0].chain is not None)
+    extra = {"int8_too": True} if both else {}  # TTFT_DEGRADE=int8: both arrangements
+    log.info("decoder_fused", layers=len(layers), of=len(candidates), one_call=layers[0].chain is not None, **extra)
     return len(layers)
 
 
@@ -330,6 +343,9 @@ def _attach(layer: Any, torch: Any, head: Any, tail: Any, whole: Any) -> None:
         codes, scales, zeros = (pointers[0], 0, 0) if int8 else pointers
         return Linear(codes, scales, zeros, module.in_features, module.out_features, module.bits, int8)
 
+    def int8_linear(module: Any) -> Linear:  # TTFT_DEGRADE=int8: the records held beside the panels
+        return Linear(module.records.data_ptr(), 0, 0, module.in_features, module.out_features, module.bits, 1)
+
     # Joined first: the layers then compute on views of the joined arrays (their own panels of them).
     parts = {name: [layer.get_submodule(LINEARS[part]) for part in names] for name, names in JOINED.items()}
     joined = {name: kernel.join(modules, torch) for name, modules in parts.items()}
@@ -344,7 +360,7 @@ def _attach(layer: Any, torch: Any, head: Any, tail: Any, whole: Any) -> None:
 
     # The norms' weights as decoder.c reads them, kept alive should their parameters be given other tensors.
     layer.norms = (layer.input_layernorm.weight.data, layer.post_attention_layernorm.weight.data)
-    layer.arithmetic = Layer(
+    sizes = (
         layer.norms[0].shape[0],
         config.num_attention_heads,
         config.num_key_value_heads,
@@ -352,10 +368,15 @@ def _attach(layer: Any, torch: Any, head: Any, tail: Any, whole: Any) -> None:
         layer.mlp.gate_proj.out_features,
         float(layer.input_layernorm.variance_epsilon),
         *(weight.data_ptr() for weight in layer.norms),
-        *(linear(layer.get_submodule(path)) for path in LINEARS.values()),
-        *(joined_linear(name) for name in JOINED),
     )
+    linears = [layer.get_submodule(path) for path in LINEARS.values()]
+    layer.arithmetic = Layer(*sizes, *map(linear, linears), *(joined_linear(name) for name in JOINED))
     layer.address = ctypes.addressof(layer.arithmetic)
+    # The int8 arrangement, where the linear layers hold records (none joined: the joined layers' codes NULL).
+    both = all(getattr(m, "records", None) is not None for m in linears)
+    layer.arithmetic_int8 = Layer(*sizes, *map(int8_linear, linears)) if both else None
+    int8 = layer.address if layer.arithmetic_int8 is None else ctypes.addressof(layer.arithmetic_int8)
+    layer.addresses = (layer.address, int8)
     layer.head, layer.tail, layer.whole = head, tail, whole
     layer.chain = None  # fuse() gives it the model's, if every layer is fused
     layer.__class__ = fused_layer_class()
@@ -374,7 +395,7 @@ def _check(layer: Any, model: Any, torch: Any) -> None:
         got = layer(rows, position_ids=positions, position_embeddings=embeddings)
     # With int8 rows a rounding of the norm or of exp can move a value across a step (1/127 of its block's largest),
     # so 1e-2 of the largest value is allowed then; a broken C half still fails it (a test).
-    int8 = any(getattr(m, "activations", None) == "int8" for m in layer.modules())
+    int8 = kernel.ROWS.int8 or any(getattr(m, "activations", None) == "int8" for m in layer.modules())
     if not weights.agrees(got, want, within=1e-2 if int8 else 1e-4):
         raise RuntimeError("the C decoder layer disagrees with the library's on a probe")
 
@@ -386,8 +407,10 @@ def fused_layer_class() -> type[Any]:
 
     class FusedDecoderLayer(LlamaDecoderLayer):  # type: ignore[misc]
         arithmetic: Layer  # what decoder.c reads (its pointers: the norm weights and the kernel's arrays)
+        arithmetic_int8: Layer | None  # the same on the linear layers' int8 records (TTFT_DEGRADE=int8), else None
         norms: tuple[Any, Any]  # the tensors behind arithmetic's norm weights
         address: int  # arithmetic's
+        addresses: tuple[int, int]  # the address for a thread on start-up rows, and for one on int8 rows (ROWS)
         head: Any
         tail: Any
         whole: Any  # ttft_decoder_layer: head, cache write, attention and tail in one call
@@ -456,8 +479,9 @@ def _around_attention(
     shape = x.shape[:-1]
     q = torch.empty((*shape, layer.heads * layer.dim))
     k, v = torch.empty((*shape, layer.kv_heads * layer.dim)), torch.empty((*shape, layer.kv_heads * layer.dim))
+    address = module.addresses[kernel.ROWS.int8]
     status = module.head(
-        module.address, x.data_ptr(), rows, cos.data_ptr(), sin.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr()
+        address, x.data_ptr(), rows, cos.data_ptr(), sin.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr()
     )
     if status != 0:
         raise RuntimeError(f"the C decoder layer failed before its attention ({status})")
@@ -469,7 +493,7 @@ def _around_attention(
     out, _ = attend(self_attn, query, key, value, attention_mask, dropout=0.0, scaling=self_attn.scaling, **kwargs)
     out = out.reshape(*shape, -1).contiguous()
     y = torch.empty_like(x)
-    status = module.tail(module.address, x.data_ptr(), out.data_ptr(), rows, y.data_ptr())
+    status = module.tail(address, x.data_ptr(), out.data_ptr(), rows, y.data_ptr())
     if status != 0:
         raise RuntimeError(f"the C decoder layer failed after its attention ({status})")
     return y

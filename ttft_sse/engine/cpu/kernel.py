@@ -17,6 +17,11 @@ F16C; laid out by :func:`records`; both builds give the same bits). Each row's r
 others in the call, but not of rounding: an activation that moves by an fp32 rounding can cross a step and move by
 1/127 of its block. So the answers are the int8 model's, not the fp32 model's, hence off by default.
 
+``TTFT_DEGRADE=int8`` keeps fp32 rows as the start-up arithmetic and gives every layer the records too
+(:func:`apply`'s ``degrade``), so that the engine can switch to int8 rows at run time: a thread's passes use them
+while :data:`ROWS` says so for that thread (the batching thread between two steps, a generation's thread at its
+start), and every other thread keeps fp32 rows.
+
 The kernel is C, built at the first start by the system's C compiler for this CPU (``-march=native``: AVX-512 or AVX2
 with FMA) into the cache directory, named by a hash of the source, the flags, the compiler and the CPU's flags, and
 loaded with ctypes (which lets go of the GIL during a call). Without a compiler, on another CPU family, or if the
@@ -38,7 +43,9 @@ import hashlib
 import os
 import shutil
 import subprocess
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -183,6 +190,33 @@ def load(path: Path, name: str, arguments: tuple[Any, ...]) -> Any:
     return fn
 
 
+class ThreadRows(threading.local):
+    """The rows the calling thread's passes give the layers that hold both arrangements (``TTFT_DEGRADE=int8``):
+    int8 ones while ``int8`` is set, else the layers' start-up rows. Every thread starts without it; only the
+    thread that sets it is switched, so a pass in another thread (the single engine's, beside the batch) keeps its
+    own. Layers holding one arrangement ignore it."""
+
+    int8 = False
+
+
+ROWS = ThreadRows()
+
+
+@contextmanager
+def int8_rows(on: bool = True) -> Iterator[None]:
+    """The calling thread's :data:`ROWS` set to ``on`` for the length of the block, then back to what it was."""
+    before = ROWS.int8
+    ROWS.int8 = on
+    try:
+        yield
+    finally:
+        ROWS.int8 = before
+
+
+class Refused(RuntimeError):
+    """The block kernel cannot serve the model as asked (:func:`apply` with ``degrade``); the message says why."""
+
+
 def apply(
     model: Any,
     gguf_path: str | Path,
@@ -191,6 +225,7 @@ def apply(
     directory: Path,
     cache: Path | None = None,
     activations: str = "fp32",
+    degrade: bool = False,
 ) -> str | None:
     """Make every fp32 linear layer of ``model`` whose weight the GGUF file at ``gguf_path`` holds as Q4_0, Q4_1 or
     Q8_0 a ``BlockLinear`` on those codes, with the kernel built in ``directory``; the codes are kept in ``cache``
@@ -201,17 +236,41 @@ def apply(
     Returns the activations the layers use, or None when nothing changed: logged with the reason when the kernel
     cannot be built or disagrees with its reference on a probe. A changed layer drops its fp32 weight unless
     another module shares it (a tied LM head's is the embedding's). Nothing changes either when torch runs on more
-    than one thread: the kernel runs on one, and oneDNN's fp32 GEMMs on all of them are faster for prompts."""
+    than one thread: the kernel runs on one, and oneDNN's fp32 GEMMs on all of them are faster for prompts.
+
+    ``degrade`` (with fp32 ``activations``): each layer holds the int8 rows' records beside its fp32 panels, both
+    checked on the probe, and a thread computes with them while :data:`ROWS` says so. Where that cannot be (the
+    reasons above, or a CPU without int8 rows), raises :class:`Refused` with the reason instead."""
+    if degrade and activations != "fp32":
+        raise ValueError("degrade adds int8 rows to fp32 ones: activations must be fp32")
+    try:
+        return _apply(model, gguf_path, torch, directory, cache, activations, degrade)
+    except Refused as exc:
+        if degrade:
+            raise
+        log.warning("weights_not_blocks", reason=str(exc))
+        return None
+
+
+def _apply(
+    model: Any,
+    gguf_path: str | Path,
+    torch: Any,
+    directory: Path,
+    cache: Path | None,
+    activations: str,
+    degrade: bool,
+) -> str:
     threads = torch.get_num_threads()
     if threads > 1:
-        log.warning("weights_not_blocks", reason=f"the block kernel runs on one thread; torch has {threads}")
-        return None
+        raise Refused(f"the block kernel runs on one thread; torch has {threads}")
     try:
         library = build(directory)
     except (OSError, RuntimeError) as exc:
-        log.warning("weights_not_blocks", reason=f"the kernel was not built: {exc}")
-        return None
-    if activations == "int8" and not takes_int8(library):
+        raise Refused(f"the kernel was not built: {exc}") from exc
+    if (activations == "int8" or degrade) and not takes_int8(library):
+        if degrade:
+            raise Refused("the CPU has neither AVX-512 VNNI nor AVX2 with F16C, which int8 rows need")
         reason = "the CPU has neither AVX-512 VNNI nor AVX2 with F16C: the rows stay fp32"
         log.warning("activations_not_int8", reason=reason)
         activations = "fp32"
@@ -222,21 +281,24 @@ def apply(
     }
     found = gguf_codes.of_layers(layers, gguf_path, cache)
     if not found:
-        log.warning("weights_not_blocks", reason="no linear weight of the model is stored as Q4_0, Q4_1 or Q8_0")
-        return None
+        raise Refused("no linear weight of the model is stored as Q4_0, Q4_1 or Q8_0")
     changed = [layers[name] for name in found]
     for name, layer in zip(found, changed, strict=True):
-        _attach(layer, found[name], library, activations, torch)
+        _attach(layer, found[name], library, activations, torch, degrade)
     try:
         for bits in sorted({codes.bits for codes in found.values()}):
-            _check(next(layer for layer in changed if layer.bits == bits), torch)
+            probed = next(layer for layer in changed if layer.bits == bits)
+            _check(probed, torch, int8=activations == "int8")
+            if degrade:
+                with int8_rows():
+                    _check(probed, torch, int8=True)
     except RuntimeError as exc:
         for layer in changed:  # back to the plain fp32 layers they were
             layer.fence()  # as BlockLinear's __del__ does: a helper may still read the codes (kernel.c)
             layer.__class__ = torch.nn.Linear
             del layer.arrays, layer.multiply, layer.bits, layer.activations, layer.fence
-        log.warning("weights_not_blocks", reason=str(exc))
-        return None
+            del layer.records, layer.int8_multiply
+        raise Refused(str(exc)) from exc
     others = (m for m in model.modules() if not isinstance(m, block_linear_class()))
     shared = {id(p) for m in others for p in m.parameters(recurse=False)}
     for layer in changed:
@@ -247,21 +309,23 @@ def apply(
     return activations
 
 
-def _check(layer: Any, torch: Any) -> None:
-    """The layer against its reference in fp64 (the fp32 weights times the rows, quantised first for int8
-    activations), and each row of a call against the same row alone (bit for bit)."""
+def _check(layer: Any, torch: Any, *, int8: bool) -> None:
+    """The layer against its reference in fp64 (the fp32 weights times the rows, quantised first where ``int8``: the
+    rows the calling thread gives it are int8 ones), and each row of a call against the same row alone (bit for
+    bit)."""
     for count in PROBE_ROWS:
         rows = weights.probe_rows(torch, count, layer.in_features)
         with torch.no_grad():
-            seen = quantised_rows(rows, torch) if layer.activations == "int8" else rows.double()
+            seen = quantised_rows(rows, torch) if int8 else rows.double()
             bias = None if layer.bias is None else layer.bias.double()
             want = torch.nn.functional.linear(seen, layer.weight.double(), bias)
             got = layer(rows)
             alone = torch.cat([layer(rows[i : i + 1]) for i in range(count)])
+        kind = "the block kernel" + (" with int8 rows" if ROWS.int8 and layer.records is not None else "")
         if not weights.agrees(got, want):
-            raise RuntimeError(f"the block kernel disagrees with its fp64 reference at {count} rows")
+            raise RuntimeError(f"{kind} disagrees with its fp64 reference at {count} rows")
         if not torch.equal(got, alone):
-            raise RuntimeError(f"the block kernel's rows depend on the other rows at {count} rows")
+            raise RuntimeError(f"{kind}'s rows depend on the other rows at {count} rows")
 
 
 def quantised_rows(rows: Any, torch: Any) -> Any:
@@ -332,19 +396,28 @@ def _by_panel(per_block: npt.NDArray[np.float32], dtype: type[np.floating[Any]])
     return np.ascontiguousarray(full.reshape(-1, PANEL, blocks).transpose(0, 2, 1))
 
 
-def _attach(layer: Any, codes: gguf_codes.Codes, library: Path, activations: str, torch: Any) -> None:
-    """Make ``layer`` a ``BlockLinear`` on ``codes`` with the kernel of the library at ``library``."""
+def _attach(
+    layer: Any, codes: gguf_codes.Codes, library: Path, activations: str, torch: Any, degrade: bool = False
+) -> None:
+    """Make ``layer`` a ``BlockLinear`` on ``codes`` with the kernel of the library at ``library``; with ``degrade``,
+    holding the int8 rows' records too."""
     layer.kernel = function(library, INT8 if activations == "int8" else FP32)
     layer.fence = load(library, "ttft_helper_fence", ())
     layer.bits = codes.bits
     layer.activations = activations
+    layer.records = torch.from_numpy(records(codes)) if degrade else None
     arrays = (records(codes),) if activations == "int8" else panels(codes)
     _hold(layer, tuple(torch.from_numpy(a) for a in arrays))
+    if degrade:
+        int8, held = function(library, INT8), layer.records.data_ptr()
+        inputs, outputs, bits = layer.in_features, layer.out_features, layer.bits
+        layer.int8_multiply = lambda x, m, y: int8(x, m, inputs, held, bits, outputs, y)
     layer.__class__ = block_linear_class()
 
 
 def _hold(layer: Any, arrays: tuple[Any, ...]) -> None:
-    """``layer`` (being made a ``BlockLinear``) on ``arrays``, its codes in the kernel's layout."""
+    """``layer`` (being made a ``BlockLinear``) on ``arrays``, its codes in the kernel's layout for its start-up
+    rows; without records, int8 rows (:data:`ROWS`) compute with these too."""
     kernel, inputs, outputs, bits = layer.kernel, layer.in_features, layer.out_features, layer.bits
     layer.arrays = arrays
     pointers = [a.data_ptr() for a in arrays]
@@ -352,6 +425,8 @@ def _hold(layer: Any, arrays: tuple[Any, ...]) -> None:
         layer.multiply = lambda x, m, y: kernel(x, m, inputs, pointers[0], bits, outputs, y)
     else:
         layer.multiply = lambda x, m, y: kernel(x, m, inputs, pointers[0], bits, pointers[1], pointers[2], outputs, y)
+    if layer.records is None:
+        layer.int8_multiply = layer.multiply
 
 
 def join(layers: list[Any], torch: Any) -> tuple[Any, ...] | None:
@@ -383,7 +458,10 @@ def block_linear_class() -> type[Any]:
     class BlockLinear(torch.nn.Linear):  # type: ignore[misc]
         arrays: tuple[Any, ...]  # the codes in the kernel's layout (kept alive: multiply holds their addresses)
         multiply: Callable[[int, int, int], int]  # (rows' address, row count, output's address) -> status
-        kernel: Any  # kernel.c's function for its rows (fp32 or int8)
+        # TTFT_DEGRADE=int8: the codes as int8 rows' records (kept alive: int8_multiply holds their address), else None
+        records: Any
+        int8_multiply: Callable[[int, int, int], int]  # multiply for a thread on int8 rows (ROWS); else multiply
+        kernel: Any  # kernel.c's function for its start-up rows (fp32 or int8)
         bits: int
         activations: str
         fence: Callable[[], int]  # kernel.c's ttft_helper_fence
@@ -402,7 +480,8 @@ def block_linear_class() -> type[Any]:
                 y = self.forward(x.to(torch.float32).contiguous())
                 return y if x.dtype == torch.float32 else y.to(x.dtype)
             y = torch.empty((*x.shape[:-1], self.out_features))
-            if self.multiply(x.data_ptr(), x.numel() // self.in_features, y.data_ptr()) != 0:
+            multiply = self.int8_multiply if ROWS.int8 else self.multiply
+            if multiply(x.data_ptr(), x.numel() // self.in_features, y.data_ptr()) != 0:
                 raise MemoryError("the block kernel could not allocate its buffer")
             return y if self.bias is None else y + self.bias
 

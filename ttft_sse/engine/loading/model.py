@@ -13,7 +13,7 @@ from typing import Any
 
 import structlog
 
-from ttft_sse.engine.base import ModelInfo
+from ttft_sse.engine.base import INT8, NORMAL, ModelInfo
 from ttft_sse.engine.cpu import attention, codes, decoder, grouped, kernel, weights
 from ttft_sse.engine.loading import sources
 from ttft_sse.errors import StartupError
@@ -47,9 +47,11 @@ def load_model(settings: Settings, clock: StageClock) -> Loaded:
     threads = settings.torch_threads
     torch.set_num_threads(threads)
     source = sources.resolve(settings.model)
-    location = sources.materialize(source, settings.cache_dir, clock)
     device = _pick_device(settings, torch)
     dtype = _pick_dtype(settings, torch, device)
+    if settings.degrade == INT8 and (reason := _no_int8_mode(settings, source, device, dtype, torch)) is not None:
+        raise _refused(reason)  # before the model is read: nothing it holds could change this
+    location = sources.materialize(source, settings.cache_dir, clock)
     try:
         with clock.stage("tokenizer"):
             tokenizer = transformers.AutoTokenizer.from_pretrained(location)
@@ -90,6 +92,7 @@ def load_model(settings: Settings, clock: StageClock) -> Loaded:
         threads=threads,
         weights=layout,
         kernel_helpers=helpers,
+        modes=(NORMAL, INT8) if settings.degrade == INT8 else (NORMAL,),
     )
     return Loaded(
         torch=torch,
@@ -109,15 +112,20 @@ def _arrange(
     if not on_cpu_in_fp32:
         return "as loaded", None, 0
     activations = None
+    degrade = settings.degrade == INT8
     if settings.gguf_kernel and source.kind == "gguf":
-        activations = kernel.apply(
-            model,
-            source.location,
-            torch,
-            directory=settings.cache_dir / KERNEL_DIR,
-            cache=Path(location) / codes.CACHE_FILE,  # for a GGUF, location is its converted directory
-            activations=settings.gguf_activations,
-        )
+        try:
+            activations = kernel.apply(
+                model,
+                source.location,
+                torch,
+                directory=settings.cache_dir / KERNEL_DIR,
+                cache=Path(location) / codes.CACHE_FILE,  # for a GGUF, location is its converted directory
+                activations=settings.gguf_activations,
+                degrade=degrade,
+            )
+        except kernel.Refused as exc:  # only with degrade: the int8 mode cannot exist
+            raise _refused(str(exc)) from exc
     # The layers left (none of the bundled model's with the block kernel) get the fp32 layouts.
     layout = weights.arrange(model, torch, packed=settings.packed_weights)
     library: Path | None = None
@@ -125,7 +133,12 @@ def _arrange(
     if activations is not None:
         library = kernel.build(settings.cache_dir / KERNEL_DIR)
         if settings.fused_layers:  # after arrange: it copies the norms' weights
-            decoder.fuse(model, torch, library)
+            decoder.fuse(model, torch, library)  # with degrade, both arrangements or neither
+        if degrade:  # the price of the run-time switch: the int8 records, held beside the fp32 panels
+            held = [m.records for m in model.modules() if getattr(m, "records", None) is not None]
+            fused = sum(getattr(m, "arithmetic_int8", None) is not None for m in model.modules())
+            mib = round(sum(r.numel() * r.element_size() for r in held) / 2**20, 1)
+            log.info("degrade_ready", modes=[NORMAL, INT8], int8_records_mib=mib, layers=len(held), fused=fused)
         helpers = kernel.start_helpers(library, settings.helper_threads)
         log.info("kernel_helpers", helpers=helpers, asked=settings.helper_threads)
         blocks = "gguf-blocks-int8" if activations == "int8" else "gguf-blocks"
@@ -133,6 +146,26 @@ def _arrange(
         layout = f"{blocks}+{layout}" if plain else blocks
     log.info("weights_arranged", layout=layout)
     return layout, library, helpers
+
+
+def _no_int8_mode(settings: Settings, source: sources.ModelSource, device: str, dtype: Any, torch: Any) -> str | None:
+    """Why the int8 mode (``TTFT_DEGRADE=int8``: the block kernel's int8 rows) cannot exist with these settings, as
+    far as they tell before the model is read; None where it may (the kernel's own checks come at load)."""
+    if not settings.gguf_kernel:
+        return "TTFT_GGUF_KERNEL=false turns off the block kernel, whose int8 rows it is"
+    if source.kind != "gguf":
+        return f"it needs a GGUF model's Q4_0/Q4_1/Q8_0 blocks, and {source.location!r} is a {source.kind} model"
+    if device != "cpu" or dtype != torch.float32:
+        runs = f"{device} in {str(dtype).removeprefix('torch.')}"
+        return f"it is the CPU block kernel's, for fp32 on CPU; the model runs on {runs}"
+    if settings.torch_threads > 1:
+        return f"the block kernel runs on one torch thread, and TTFT_THREADS gives {settings.torch_threads}"
+    return None
+
+
+def _refused(reason: str) -> StartupError:
+    log.error("degrade_refused", reason=reason)
+    return StartupError(f"TTFT_DEGRADE=int8 cannot run here: {reason}. Set TTFT_DEGRADE=off, or see docs/engine.md")
 
 
 def _pick_device(settings: Settings, torch: Any) -> str:
