@@ -55,7 +55,7 @@ def test_a_job_is_accepted_at_once_and_its_result_has_text_usage_and_timings(cli
     assert set(queued) == VIEW_KEYS
     assert queued["status"] == "queued" and len(queued["id"]) == 32
     done = poll(client, queued["id"], "done")
-    assert set(done) == VIEW_KEYS | {"text", "finish_reason", "usage", "timings"}
+    assert set(done) == VIEW_KEYS | {"text", "finish_reason", "usage", "timings", "degraded"}
     assert (done["text"], done["finish_reason"]) == ("Hello, world!", "stop")
     assert done["usage"] == {"prompt_tokens": 2, "completion_tokens": 4, "total_tokens": 6}
     assert (done["attempts"], done["tokens"]) == (1, 4)

@@ -288,6 +288,7 @@ def test_chat_reply_has_openais_shape_usage_and_our_timings(client: TestClient) 
     body = response.json()
     timings = body.pop("timings")
     assert {"queue_ms", "prefill_ms", "ttft_ms", "total_ms"} <= set(timings)
+    assert body.pop("degraded") is False  # beside our timings: made in the engine's normal mode
     assert isinstance(body.pop("created"), int)
     assert body == {
         "id": "chatcmpl-r-1",
@@ -331,8 +332,9 @@ def test_chat_stream_framing(client: TestClient) -> None:
     ]
     assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * 5 + ["stop"]
     assert [sorted(set(c) - {"id", "object", "created", "model", "choices"}) for c in chunks] == [[]] * 5 + [
-        ["timings"]
+        ["degraded", "timings"]
     ]
+    assert chunks[-1]["degraded"] is False
     assert {"queue_ms", "prefill_ms", "ttft_ms", "total_ms"} <= set(chunks[-1]["timings"])
 
 

@@ -93,6 +93,7 @@ def result_of(finished: Finished, text: str, wait_ms: float) -> dict[str, Any]:
         "finish_reason": finished.finish_reason,
         "usage": finished.usage.as_dict(),
         "timings": {"wait_ms": round(wait_ms, 1), **finished.timings},
+        "degraded": finished.degraded,
     }
 
 

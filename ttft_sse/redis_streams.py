@@ -160,7 +160,7 @@ def encode(item: Item) -> tuple[str, str]:
         return "piece", json.dumps({"index": item.index, "text": item.text}, ensure_ascii=False)
     if isinstance(item, Finished):
         usage = {"prompt_tokens": item.usage.prompt_tokens, "completion_tokens": item.usage.completion_tokens}
-        body = {"finish_reason": item.finish_reason, "usage": usage, "timings": item.timings}
+        body = {"finish_reason": item.finish_reason, "usage": usage, "timings": item.timings, "degraded": item.degraded}
         return "finished", json.dumps(body)
     return "error", json.dumps(item.to_dict(), ensure_ascii=False)
 
@@ -171,7 +171,7 @@ def decode(kind: str, data: str) -> Item:
         return Piece(body["index"], body["text"])
     if kind == "finished":
         usage = Usage(body["usage"]["prompt_tokens"], body["usage"]["completion_tokens"])
-        return Finished(body["finish_reason"], usage, body["timings"])
+        return Finished(body["finish_reason"], usage, body["timings"], degraded=body.get("degraded", False))
     return ServiceError.from_dict(body)
 
 

@@ -96,6 +96,8 @@ class Runtime:
             if self.targets is not None and settings.degrade != "off"
             else None
         )
+        if settings.degrade != "off" and self.targets is None:
+            log.warning("degrade_idle", reason="TTFT_DEGRADE switches on first-token targets: TTFT_SLA_MS is not set")
         self.metrics = Metrics(
             gate=self.gate, clock=self.lifecycle.clock, engine=engine, targets=self.targets, degrader=self.degrader
         )

@@ -151,8 +151,6 @@ class Settings:
     sla_ms: str | None = None
     # Generation slots only the high lane may take. -1: one where TTFT_SLA_MS sets a high target, else none.
     high_reserved_slots: int = -1
-    # The engine's faster mode to switch to while a lane misses its first-token target: "off" or "int8".
-    degrade: str = "off"
     job_runners: int = 1
     max_jobs: int = 1000
     job_ttl_seconds: float = 600.0
@@ -229,10 +227,6 @@ class Settings:
             parse_targets(self.sla_ms)
         except ValueError as exc:
             raise SettingsError(str(exc)) from None
-        if self.degrade not in ("off", "int8"):
-            raise SettingsError(f"degrade must be off or int8, got {self.degrade!r}")
-        if self.degrade != "off" and not self.sla_ms:
-            raise SettingsError("degrade switches modes on first-token targets: set sla_ms (TTFT_SLA_MS) too")
         if not -1 <= self.high_reserved_slots < self.max_concurrency:
             raise SettingsError(
                 f"high_reserved_slots must be -1 (auto) or 0 to {self.max_concurrency - 1} (below max_concurrency), "

@@ -1,12 +1,12 @@
 """First-token targets per lane (``TTFT_SLA_MS``): refuse at once what would miss its target, and degrade to the
 engine's faster mode (``TTFT_DEGRADE``) while a lane misses it.
 
-* **Prediction at admission** (:meth:`Targets.check`): a newcomer's first token comes after its wait for a slot
-  (nothing when one is free for its lane; else the requests ahead of it in its lane or a better one, served ``slots``
-  at a time, each for the median slot hold time: the gate's :meth:`~ttft_sse.gate.Gate.slot_wait`) plus the time
-  from admission to a first token (the 90th percentile of the last :data:`WINDOW_SECONDS`). When that passes the
-  lane's target the request is refused at once with a 503 that names the target, with ``Retry-After``; overflow jobs
-  (``POST /jobs``) are the way to run it later. Until a first token has been measured nothing is refused. Every
+* **Prediction at admission** (:meth:`Targets.check`): a newcomer that would wait for a slot gets its first token
+  after that wait (the requests ahead of it in its lane or a better one, served ``slots`` at a time, each for the
+  median slot hold time: the gate's :meth:`~ttft_sse.gate.Gate.slot_wait`) plus the time from admission to a first
+  token (the 90th percentile of the last :data:`WINDOW_SECONDS`). When that passes the lane's target the request is
+  refused at once with a 503 that names the target, with ``Retry-After``; overflow jobs (``POST /jobs``) are the way
+  to run it later. A newcomer with a slot free for it is admitted whatever the engine's pace. Until a first token has been measured nothing is refused. Every
   admitted request with a target is counted ``met`` or ``missed`` (``ttft_sse_first_token_targets_total``): how
   often the prediction was wrong.
 * **Degradation** (:class:`Degrader`): when a lane's first-token p99 over the last :data:`WINDOW_SECONDS` passes its
@@ -126,9 +126,11 @@ class Targets:
         return wait + engine
 
     def check(self, lane: Lane) -> None:
-        """Refuse (``Overloaded``) a newcomer in ``lane`` whose first token is predicted past the lane's target."""
+        """Refuse (``Overloaded``) a newcomer in ``lane`` that would wait for a slot and whose first token is then
+        predicted past the lane's target. With a slot free for it, it is admitted: waiting is what refusing at once
+        spares a client, and where the engine alone is slower than a target, the degrader is the remedy."""
         target = self.targets.get(lane)
-        if target is None:
+        if target is None or not self._gate.slot_wait(lane):
             return
         predicted = self.predict(lane)
         if predicted is None or predicted <= target:

@@ -29,6 +29,7 @@ async def complete(request: Request) -> Response:
             "finish_reason": finished.finish_reason,
             "usage": finished.usage.as_dict(),
             "timings": finished.timings,
+            "degraded": finished.degraded,
         },
         headers={"Server-Timing": server_timing(finished.timings)},
     )

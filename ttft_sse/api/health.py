@@ -40,6 +40,8 @@ async def readyz(request: Request) -> JSONResponse:
             "threads": info.threads,
             "kernel_helpers": info.kernel_helpers,
             "beside_batch": info.beside_batch,
+            "modes": list(info.modes),
+            "mode": runtime.engine.mode,
             "startup": lifecycle.startup_report(),
             "running": runtime.gate.running,
             "waiting": runtime.gate.waiting,

@@ -126,7 +126,7 @@ class Reply:
             )
         else:
             frame = self._frame("text_completion", {"text": text}, finished.finish_reason)
-        return {**frame, "usage": finished.usage.as_dict(), "timings": finished.timings}
+        return {**frame, "usage": finished.usage.as_dict(), "timings": finished.timings, "degraded": finished.degraded}
 
 
 def _event(data: Any) -> ServerSentEvent:
@@ -152,7 +152,9 @@ async def _chunks(run: Run, reply: Reply, *, include_usage: bool) -> AsyncIterat
                 if isinstance(item, Piece):
                     yield _event(reply.chunk(item.text, **extra))
                 else:
-                    final = reply.chunk(None, finish_reason=item.finish_reason, timings=item.timings, **extra)
+                    final = reply.chunk(
+                        None, finish_reason=item.finish_reason, timings=item.timings, degraded=item.degraded, **extra
+                    )
                     yield _event(final)
                     if include_usage:
                         yield _event(reply.usage_chunk(item.usage))

@@ -79,7 +79,12 @@ def sse_event(item: Queued | Piece | Finished | Exception, *, id: str | None = N
     if isinstance(item, Queued):
         return ServerSentEvent(_json({"position": item.position}), event="queued", id=id)
     if isinstance(item, Finished):
-        done = {"finish_reason": item.finish_reason, "usage": item.usage.as_dict(), "timings": item.timings}
+        done = {
+            "finish_reason": item.finish_reason,
+            "usage": item.usage.as_dict(),
+            "timings": item.timings,
+            "degraded": item.degraded,
+        }
         return ServerSentEvent(_json(done), event="done", id=id)
     if isinstance(item, ServiceError):
         return ServerSentEvent(_json(item.to_dict()), event="error", id=id)
