@@ -152,6 +152,7 @@ def test_generation_is_503_with_retry_after_until_the_model_is_ready() -> None:
         assert response.headers["retry-after"] == "5"
         engine.loaded.set()
         eventually(lambda: c.get("/readyz").status_code == 200)
+        assert c.get("/readyz").json()["weights_by_type"] == {}  # no GGUF on the block kernel
         assert c.post("/complete", json={"prompt": "hi"}).status_code == 200
 
 

@@ -73,8 +73,8 @@ class Settings:
     dtype: str = "auto"
     # fp32 on CPU: keep a oneDNN pre-packed copy of every linear weight for 2-32 rows (engine/cpu/weights.py).
     packed_weights: bool = True
-    # fp32 on CPU, a GGUF model: layers stored as Q4_0/Q4_1/Q8_0 run on the block kernel from the file's own
-    # blocks, in fp32 (engine/cpu/kernel.py).
+    # fp32 on CPU, a GGUF model: layers stored as Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K run on the block kernel from
+    # the file's own blocks, in fp32 (engine/cpu/kernel.py).
     gguf_kernel: bool = True
     # The block kernel's rows: "fp32", the fp32 model's arithmetic; "int8", quantised per block of 32 inputs as
     # llama.cpp does (AVX-512 VNNI or AVX2): faster, other answers.

@@ -6,9 +6,9 @@ engine's faster mode (``TTFT_DEGRADE``) while a lane misses it.
   median slot hold time: the gate's :meth:`~ttft_sse.gate.Gate.slot_wait`) plus the time from admission to a first
   token (the 90th percentile of the last :data:`WINDOW_SECONDS`). When that passes the lane's target the request is
   refused at once with a 503 that names the target, with ``Retry-After``; overflow jobs (``POST /jobs``) are the way
-  to run it later. A newcomer with a slot free for it is admitted whatever the engine's pace. Until a first token has been measured nothing is refused. Every
-  admitted request with a target is counted ``met`` or ``missed`` (``ttft_sse_first_token_targets_total``): how
-  often the prediction was wrong.
+  to run it later. A newcomer with a slot free for it is admitted whatever the engine's pace. Until a first token
+  has been measured nothing is refused. Every admitted request with a target is counted ``met`` or ``missed``
+  (``ttft_sse_first_token_targets_total``): how often the prediction was wrong.
 * **Degradation** (:class:`Degrader`): when a lane's first-token p99 over the last :data:`WINDOW_SECONDS` passes its
   target (from :data:`MIN_SAMPLES` first tokens), the engine switches to its faster mode for new steps; it switches
   back once, for :data:`RECOVER_SECONDS`, no lane's first tokens since the switch have passed :data:`MARGIN` of its

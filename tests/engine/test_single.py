@@ -43,6 +43,7 @@ def test_model_info(engine: SingleEngine) -> None:
     assert (info.name, info.device, info.dtype, info.threads) == ("SmolLM2-135M-Instruct", "cpu", "float32", 1)
     assert info.context_length == 8192
     assert info.weights == "gguf-blocks"  # every linear layer on the block kernel (tests/engine/cpu/test_kernel.py)
+    assert info.weights_by_type == {"Q4_1": "blocks: 210", "Q8_0": "blocks: 1"}
 
 
 def test_without_the_block_kernel_linear_weights_are_stored_transposed_and_packed(settings: Settings) -> None:
@@ -53,6 +54,7 @@ def test_without_the_block_kernel_linear_weights_are_stored_transposed_and_packe
     engine = SingleEngine(dataclasses.replace(settings, gguf_kernel=False))
     engine.load(StageClock())
     assert engine.info.weights == "column-major+packed"
+    assert engine.info.weights_by_type == {}  # the block kernel was not tried
     model = engine.model
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     assert len(linears) == 30 * 7 + 1  # q, k, v, o, gate, up, down per layer, and the LM head

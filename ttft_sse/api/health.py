@@ -36,6 +36,7 @@ async def readyz(request: Request) -> JSONResponse:
             "device": info.device,
             "dtype": info.dtype,
             "weights": info.weights,
+            "weights_by_type": info.weights_by_type,
             "context_length": info.context_length,
             "threads": info.threads,
             "kernel_helpers": info.kernel_helpers,

@@ -105,6 +105,9 @@ class ModelInfo:
     # "column-major+packed" (engine/cpu/weights.py), "gguf-blocks" (engine/cpu/kernel.py;
     # "gguf-blocks+column-major+packed" when some layers are not stored as blocks).
     weights: str = "as loaded"
+    # For a GGUF on the block kernel, the path of each GGUF type's linear layers (engine/cpu/kernel.py's by_type),
+    # e.g. {"Q4_K": "blocks: 168", "Q6_K": "fp32: 42 (no kernel layout for 16-input scales)"}; else empty.
+    weights_by_type: dict[str, str] = field(default_factory=dict)
     # The block kernel's helper threads (engine/cpu/kernel.py), 0 without them.
     kernel_helpers: int = 0
     # Who else may give the first token of a request that arrives while the batched engine's step runs, and its

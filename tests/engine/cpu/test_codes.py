@@ -9,24 +9,79 @@ import numpy as np
 import pytest
 from structlog.testing import capture_logs
 
-from tests.support.ggufs import KINDS, layers_of, quantised
+from tests.support.ggufs import KINDS, layers_of, quantise_k, quantised, write_gguf
 from ttft_sse.engine.cpu import codes
 
 torch = pytest.importorskip("torch")
 gguf = pytest.importorskip("gguf")
 
 
-@pytest.mark.parametrize(
-    ("kind", "bits", "low", "high"), [("Q4_0", 4, -8, 7), ("Q4_1", 4, -8, 7), ("Q8_0", 8, -127, 127)]
-)
-def test_codes_give_back_the_weight_ggufs_own_dequantisation_gives(kind: str, bits: int, low: int, high: int) -> None:
-    blocks, want = quantised((48, 96), kind)
-    found = codes.decode(blocks, int(KINDS[kind]), (48, 96))
-    assert found.q.shape == (48, 96) and found.q.dtype == np.int8 and found.bits == bits
-    assert int(found.q.min()) >= low and int(found.q.max()) <= high
-    assert found.scale.shape == found.zero.shape == (48, 3)
+FORMS = [  # type, bits, the codes' range, whether the zeros are nonzero
+    ("Q4_0", 4, -8, 7, False),
+    ("Q4_1", 4, -8, 7, True),
+    ("Q5_0", 8, -16, 15, False),
+    ("Q5_1", 8, -16, 15, True),
+    ("Q8_0", 8, -127, 127, False),
+    ("Q4_K", 4, -8, 7, True),
+    ("Q5_K", 8, -16, 15, True),
+]
+
+
+@pytest.mark.parametrize(("kind", "bits", "low", "high", "zeros"), FORMS)
+def test_codes_give_back_the_weight_ggufs_own_dequantisation_gives(
+    kind: str, bits: int, low: int, high: int, zeros: bool
+) -> None:
+    blocks, want = quantised((48, 512), kind)  # two K-quant super-blocks a row
+    found = codes.decode(blocks, int(KINDS[kind]), (48, 512))
+    assert found.q.shape == (48, 512) and found.q.dtype == np.int8 and found.bits == bits
+    assert (int(found.q.min()), int(found.q.max())) == (low, high)  # every code is used
+    assert found.scale.shape == found.zero.shape == (48, 16) and found.scale.dtype == found.zero.dtype == np.float32
     assert found.dense().tobytes() == want.tobytes()  # every bit, the sign of zero too
-    assert np.any(found.zero) == (kind == "Q4_1")
+    assert np.any(found.zero) == zeros
+
+
+@pytest.mark.parametrize("kind", [kind for kind, *_ in FORMS])
+def test_blocks_of_zeros_keep_ggufs_sign_of_zero(kind: str) -> None:
+    """A row of zeros (a padded vocabulary's) and a block of zeros: gguf's d*q + m (or - dmin*m) is +0.0 there, its
+    d*(q-8) of Q4_0 and Q5_0 -0.0 where d < 0. A zero of +0.0 added to a code's -0.0 gives the first, a zero of
+    -0.0 the second: the layer is matched either way."""
+    data = (np.random.default_rng(0).standard_normal((16, 256)) * 0.02).astype(np.float32)
+    data[3], data[5, 32:64] = 0, 0
+    blocks = quantise_k(data, kind) if kind in ("Q4_K", "Q5_K") else gguf.quants.quantize(data, KINDS[kind])
+    want = gguf.quants.dequantize(blocks, KINDS[kind]).astype(np.float32)
+    found = codes.decode(blocks, int(KINDS[kind]), (16, 256))
+    assert found.dense().tobytes() == want.tobytes()
+    assert np.all(want[3] == 0) and np.all(want[5, 32:64] == 0)
+    assert np.any(np.signbit(want) & (want == 0)) == (kind in ("Q4_0", "Q5_0"))  # their d = largest / -8 or -16
+
+
+@pytest.mark.parametrize("sigma", [0.02, 1.0])
+@pytest.mark.parametrize("kind", ["Q5_1", "Q4_K", "Q5_K"])
+def test_the_zeros_are_exact_for_weights_of_any_usual_size(kind: str, sigma: float) -> None:
+    """The zero m + 16d (Q5_1) or middle*d*sc - dmin*m (K-quants) is rounded to fp32: exact, so the weights are
+    gguf's bit for bit, where the values it adds are of similar size, as in quantised weights."""
+    for seed in range(4):
+        blocks, want = quantised((64, 1024), kind, seed=seed, sigma=sigma)
+        assert codes.decode(blocks, int(KINDS[kind]), (64, 1024)).dense().tobytes() == want.tobytes()
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K"])
+def test_a_k_quant_whose_zero_is_not_exact_is_not_matched(kind: str) -> None:
+    """A super-block of d = 1, dmin = 2**-24 (fp16's least), every sc and m 1 and every code 0: gguf's weight is
+    1*0 - 2**-24, but the zero 8 - 2**-24 (16 - 2**-24 for Q5_K) rounds to 8 in fp32, so the codes give -8 + 8 = 0.
+    The layer holding it keeps its type and gets no codes: it stays fp32."""
+    blocks, _ = quantised((16, 256), kind)
+    blocks = blocks.copy()
+    crafted = np.zeros(blocks.shape[1], np.uint8)  # codes (and Q5_K's fifth bits) 0
+    crafted[0:4] = np.array([1.0, 2.0**-24], np.float16).view(np.uint8)  # d, dmin
+    crafted[4:8] = crafted[8:12] = 1  # sc and m of blocks 0-3 (their top 2 bits, blocks 4-7's, 0)
+    crafted[12:16] = 0x11  # sc and m of blocks 4-7, low 4 bits
+    blocks[0] = crafted
+    want = gguf.quants.dequantize(blocks, KINDS[kind]).astype(np.float32)
+    found = codes.decode(blocks, int(KINDS[kind]), (16, 256))
+    assert np.all(want[0] == -(2.0**-24)) and np.all(found.dense()[0] == 0)
+    assert found.dense()[1:].tobytes() == want[1:].tobytes()
+    assert codes._match(want, codes._index([codes.Stored(kind, want[:, :64], found)])) == (kind, None)
 
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
@@ -34,9 +89,19 @@ def test_packed_codes_are_the_files_own_bytes_and_unpack_to_the_same_codes(kind:
     blocks, _ = quantised((8, 64), kind)
     found = codes.decode(blocks, int(KINDS[kind]), (8, 64))
     packed = found.packed()
-    raw = np.asarray(blocks).reshape(8, 2, codes.BLOCK_BYTES[int(KINDS[kind])])
+    raw = np.asarray(blocks).reshape(8, 2, codes.FORMATS[int(KINDS[kind])].size)
     header = raw.shape[-1] - codes.BLOCK * found.bits // 8  # d (and m): the codes come last in a block
     assert packed.tobytes() == np.ascontiguousarray(raw[..., header:]).tobytes()
+    again = codes.Codes.unpacked(packed, found.scale, found.zero, found.bits)
+    assert again.q.dtype == np.int8 and np.array_equal(again.q, found.q)
+
+
+@pytest.mark.parametrize("kind", ["Q5_0", "Q5_1", "Q4_K", "Q5_K"])
+def test_packed_codes_of_the_other_types_unpack_to_the_same_codes(kind: str) -> None:
+    blocks, _ = quantised((8, 256), kind)
+    found = codes.decode(blocks, int(KINDS[kind]), (8, 256))
+    packed = found.packed()
+    assert packed.shape == (8, 256 * found.bits // 8)
     again = codes.Codes.unpacked(packed, found.scale, found.zero, found.bits)
     assert again.q.dtype == np.int8 and np.array_equal(again.q, found.q)
 
@@ -45,25 +110,70 @@ def test_packed_codes_are_the_files_own_bytes_and_unpack_to_the_same_codes(kind:
 def test_a_weight_is_matched_in_any_row_order_and_only_when_every_bit_agrees(column: int) -> None:
     blocks, dense = quantised((64, 128), "Q4_1")
     found = codes.decode(blocks, int(KINDS["Q4_1"]), (64, 128))
-    candidates = codes._index([found])
+    candidates = codes._index([codes.Stored("Q4_1", dense[:, :64], found)])
     assert codes.HASHED_COLUMNS == 64  # column 5 changes the row's hash, column 100 only the full comparison
 
     order = np.random.default_rng(1).permutation(64)
-    matched = codes._match(dense[order], candidates)
-    assert matched is not None and matched.dense().tobytes() == dense[order].tobytes()
+    kind, matched = codes._match(dense[order], candidates)
+    assert kind == "Q4_1" and matched is not None and matched.dense().tobytes() == dense[order].tobytes()
 
     changed = dense.copy()
     changed[3, column] = np.nextafter(changed[3, column], np.float32(np.inf))  # one bit off
-    assert codes._match(changed, candidates) is None
-    assert codes._match(np.zeros((64, 128), np.float32), candidates) is None
+    # Its rows are still known by their hashes where the change is past them: its type, without codes.
+    assert codes._match(changed, candidates) == ("Q4_1" if column >= 64 else codes.UNKNOWN, None)
+    assert codes._match(np.zeros((64, 128), np.float32), candidates) == (codes.UNKNOWN, None)
 
 
 def test_of_layers_finds_the_layers_the_file_holds_as_blocks(tmp_path: Path) -> None:
     layers, path = layers_of(tmp_path)
     found = codes.of_layers(layers, path, None)
-    assert sorted(found) == ["down", "up"] and (found["up"].bits, found["down"].bits) == (4, 8)
-    for name, got in found.items():
+    assert found.kinds == {"up": "Q4_1", "down": "Q8_0", "other": "F32"}
+    assert sorted(found.codes) == ["down", "up"] and (found.codes["up"].bits, found.codes["down"].bits) == (4, 8)
+    for name, got in found.codes.items():
         assert got.dense().tobytes() == layers[name].weight.detach().numpy().tobytes()
+
+
+def k_quant_layers(tmp_path: Path) -> tuple[dict[str, Any], Path]:
+    """Layers whose weights a file holds as Q4_K, Q5_K, Q5_0, Q5_1, Q6_K and F16 (the Q5_K rows reordered), and a
+    Q4_K one it does not hold (another weight, quantised with another seed)."""
+    path = tmp_path / "k.gguf"
+    tensors, layers = {}, {}
+    for seed, kind in enumerate(["Q4_K", "Q5_K", "Q5_0", "Q5_1", "Q6_K"]):
+        blocks, dense = quantised((32, 256), kind, seed=seed, sigma=0.02)
+        tensors[kind.lower()] = (blocks, kind)
+        layers[kind.lower()] = dense[::-1].copy() if kind == "Q5_K" else dense
+    half = np.random.default_rng(9).standard_normal((32, 256)).astype(np.float16)
+    tensors["f16"] = (half, "F16")
+    layers["f16"] = half.astype(np.float32)
+    layers["elsewhere"] = quantised((32, 256), "Q4_K", seed=99, sigma=0.02)[1]
+    write_gguf(path, tensors)
+    linears = {}
+    for name, weight in layers.items():
+        linears[name] = torch.nn.Linear(256, 32, bias=False)
+        with torch.no_grad():
+            linears[name].weight.copy_(torch.from_numpy(weight))
+    return linears, path
+
+
+def test_of_layers_finds_every_layers_type_and_the_codes_of_those_the_kernel_runs(tmp_path: Path) -> None:
+    layers, path = k_quant_layers(tmp_path)
+    found = codes.of_layers(layers, path, None)
+    assert found.kinds == {
+        "q4_k": "Q4_K",
+        "q5_k": "Q5_K",
+        "q5_0": "Q5_0",
+        "q5_1": "Q5_1",
+        "q6_k": "Q6_K",
+        "f16": "F16",
+        "elsewhere": codes.UNKNOWN,
+    }
+    assert sorted(found.codes) == ["q4_k", "q5_0", "q5_1", "q5_k"]
+    assert {name: c.bits for name, c in found.codes.items()} == {"q4_k": 4, "q5_k": 8, "q5_0": 8, "q5_1": 8}
+    for name, got in found.codes.items():
+        assert got.dense().tobytes() == layers[name].weight.detach().numpy().tobytes()
+    assert codes.why_not("Q6_K") == "no kernel layout for 16-input scales"
+    assert codes.why_not("F16") == "not quantised"
+    assert codes.why_not(codes.UNKNOWN) == "no matrix of the file holds its rows"
 
 
 def test_the_codes_are_kept_for_the_next_start_which_does_not_read_the_file_again(
@@ -77,10 +187,35 @@ def test_the_codes_are_kept_for_the_next_start_which_does_not_read_the_file_agai
 
     monkeypatch.setattr(codes, "read", lambda _path: pytest.fail("the file was read again"))
     second = codes.of_layers(layers_of(tmp_path)[0], path, cache)
-    assert sorted(second) == sorted(first)
-    for name, got in second.items():
-        assert got.bits == first[name].bits and np.array_equal(got.q, first[name].q)
-        assert got.dense().tobytes() == first[name].dense().tobytes()
+    assert second.kinds == first.kinds == {"up": "Q4_1", "down": "Q8_0", "other": "F32"}
+    assert sorted(second.codes) == sorted(first.codes)
+    for name, got in second.codes.items():
+        assert got.bits == first.codes[name].bits and np.array_equal(got.q, first.codes[name].q)
+        assert got.dense().tobytes() == first.codes[name].dense().tobytes()
+
+
+def test_kept_k_quant_codes_give_back_the_same_weights(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    layers, path = k_quant_layers(tmp_path)
+    cache = tmp_path / codes.CACHE_FILE
+    first = codes.of_layers(layers, path, cache)
+    monkeypatch.setattr(codes, "read", lambda _path: pytest.fail("the file was read again"))
+    second = codes.of_layers(layers, path, cache)
+    assert second.kinds == first.kinds and sorted(second.codes) == sorted(first.codes)
+    for name, got in second.codes.items():
+        assert got.dense().tobytes() == layers[name].weight.detach().numpy().tobytes()
+
+
+def test_a_cache_without_the_layers_types_is_matched_again_and_rewritten(tmp_path: Path) -> None:
+    """As starts wrote it before the types were kept: codes alone."""
+    layers, path = layers_of(tmp_path)
+    cache = tmp_path / codes.CACHE_FILE
+    codes.of_layers(layers, path, cache)
+    with np.load(cache) as saved:
+        old = {key: saved[key] for key in saved.files if not key.endswith(".kind")}
+    np.savez(cache, **old)
+    assert codes._load_cached(cache, layers) is None
+    assert codes.of_layers(layers, path, cache).kinds["up"] == "Q4_1"
+    assert codes._load_cached(cache, layers) is not None
 
 
 def test_a_cache_that_no_longer_fits_the_weights_is_matched_again_and_rewritten(
@@ -98,11 +233,11 @@ def test_a_cache_that_no_longer_fits_the_weights_is_matched_again_and_rewritten(
 
     changed = flipped()
     found = codes.of_layers(changed, path, cache)
-    assert found["up"].dense().tobytes() == changed["up"].weight.detach().numpy().tobytes()
+    assert found.codes["up"].dense().tobytes() == changed["up"].weight.detach().numpy().tobytes()
 
     monkeypatch.setattr(codes, "read", lambda _path: pytest.fail("the rewritten cache was not used"))
     again = codes.of_layers(flipped(), path, cache)
-    assert again["up"].dense().tobytes() == found["up"].dense().tobytes()
+    assert again.codes["up"].dense().tobytes() == found.codes["up"].dense().tobytes()
 
 
 def test_an_unreadable_cache_is_ignored_with_a_warning(tmp_path: Path) -> None:

@@ -15,7 +15,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from tests.support.engines import collect, prompt_of
-from tests.support.ggufs import KINDS, layers_of, quantised
+from tests.support.ggufs import KINDS, layers_of, quantised, write_gguf
 from tests.support.paths import CACHE_DIR
 from tests.support.texts import PASSAGE
 from ttft_sse.engine.base import SamplingParams
@@ -121,6 +121,29 @@ def test_the_kernels_weights_are_the_files_dequantised_weights_bit_for_bit(
         whole = layer(eye)
     want = torch.from_numpy(dense).T  # gguf's own dequantisation, which transformers' loader uses
     assert torch.equal(tiles, want) and torch.equal(whole, want)
+
+
+@pytest.mark.parametrize("build", ["native", "avx2"])
+@pytest.mark.parametrize("kind", ["Q5_0", "Q5_1", "Q4_K", "Q5_K"])
+def test_the_kernel_runs_q5_and_k_quant_blocks_as_the_files_dequantised_weights(
+    kind: str, build: str, avx2_build: Path
+) -> None:
+    """Their codes read back by rows of the identity, bit for bit (in calls of 4 rows and of all 512), and their
+    product with random rows to fp32's roundings of the fp64 product."""
+    blocks, dense = quantised((38, 512), kind, sigma=0.02)
+    layer = block_layer_from(
+        blocks, kind, (38, 512), avx2_build if build == "avx2" else kernel.build(DIRECTORY), "fp32"
+    )
+    eye = torch.eye(512)
+    x = torch.randn(5, 512, dtype=torch.float64)
+    with torch.no_grad():
+        tiles = torch.cat([layer(eye[i : i + 4]) for i in range(0, 512, 4)])
+        whole = layer(eye)
+        got = layer(x.float())
+    want = torch.from_numpy(dense).T
+    assert torch.equal(tiles, want) and torch.equal(whole, want)
+    product = x @ torch.from_numpy(dense).double().T
+    assert float((got.double() - product).abs().max()) <= 1e-5 * float(product.abs().max())
 
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
@@ -411,9 +434,12 @@ def test_apply_puts_exactly_the_layers_the_file_holds_as_blocks_on_the_kernel(
     with torch.no_grad():
         want = model(x)
     with capture_logs() as logs:
-        assert kernel.apply(model, path, torch, directory=DIRECTORY, activations=activations) == activations
+        applied = kernel.apply(model, path, torch, directory=DIRECTORY, activations=activations)
+    rows = "blocks: 1" if activations == "fp32" else "blocks, int8 rows: 1"
+    by_type = {"F32": "fp32: 1 (not quantised)", "Q4_1": rows, "Q8_0": rows}
+    assert applied == (activations, by_type)
     blocks = {"event": "weights_blocks", "log_level": "info", "layers": 2, "q4": 1, "q8": 1}
-    assert {**blocks, "activations": activations} in logs
+    assert {**blocks, "activations": activations, "by_type": by_type} in logs
     assert [type(layer).__name__ for layer in model] == ["BlockLinear", "BlockLinear", "Linear"]
     assert [getattr(layer, "activations", None) for layer in model] == [activations, activations, None]
     assert [layer.weight.numel() for layer in model] == [0, 0, 16 * 32]  # fp32 weights on codes are dropped
@@ -432,7 +458,7 @@ def test_on_a_cpu_without_avx512_vnni_or_f16c_int8_rows_fall_back_to_fp32_and_th
     monkeypatch.setattr(kernel, "FLAGS", (*kernel.FLAGS, "-mno-avx512vnni", "-mno-f16c"))
     with capture_logs() as logs:
         got = kernel.apply(model, path, torch, directory=tmp_path / "kernels", activations="int8")
-    assert got == "fp32"
+    assert got.activations == "fp32"
     assert [entry["event"] for entry in logs] == ["kernel_built", "activations_not_int8", "weights_blocks"]
     assert logs[1] == {
         "event": "activations_not_int8",
@@ -445,10 +471,148 @@ def test_on_a_cpu_without_avx512_vnni_or_f16c_int8_rows_fall_back_to_fp32_and_th
 def test_a_weight_another_module_shares_is_kept(tmp_path: Path) -> None:
     model, path = tiny_model(tmp_path, tied=True)
     with capture_logs():
-        assert kernel.apply(model, path, torch, directory=DIRECTORY) == "fp32"
+        assert kernel.apply(model, path, torch, directory=DIRECTORY).activations == "fp32"
     assert type(model[1]).__name__ == "BlockLinear"
     assert model[1].weight is model[3].weight and model[3].weight.shape == (32, 96)  # the embedding still reads it
     assert model[0].weight.numel() == 0
+
+
+def fma32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """fma(a, b, c) in fp32, element by element: a * b + c exactly, rounded once to the nearest fp32 (halves to
+    even). In fp64 a * b is exact and a * b + c is s plus an exact error e (Knuth's two-sum): s rounded to fp32 is
+    the exact sum's rounding unless s lies halfway between two fp32 values, where e's sign decides."""
+    product, addend = a.astype(np.float64) * b.astype(np.float64), c.astype(np.float64)
+    s = product + addend
+    back = s - product
+    e = (product - (s - back)) + (addend - back)
+    r = s.astype(np.float32)
+    other = np.where(s > r, np.nextafter(r, np.float32(np.inf)), np.nextafter(r, np.float32(-np.inf)))
+    halfway = (r != s) & (s - r.astype(np.float64) == other.astype(np.float64) - s)
+    beyond = np.sign(e) == np.sign(other.astype(np.float64) - s)  # the exact sum lies past s, towards other
+    return np.where(halfway & (e != 0), np.where(beyond, other, r), r)
+
+
+def kernel_product(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
+    """What the block kernel computes for rows ``x`` and fp32 weights ``weight`` (outputs x inputs), bit for bit:
+    each output one chain of fused multiply-adds in input order, from zero (kernel.c)."""
+    acc = np.zeros((x.shape[0], weight.shape[0]), np.float32)
+    for k in range(x.shape[1]):
+        acc = fma32(x[:, k : k + 1], weight[None, :, k], acc)
+    return acc
+
+
+K_MODEL = [  # name, GGUF type, inputs, outputs: a chain of 64 -> 256 -> 256 -> 256 -> 96 -> 48 features
+    ("q5_0", "Q5_0", 64, 256),
+    ("q4_k", "Q4_K", 256, 256),
+    ("q6_k", "Q6_K", 256, 256),
+    ("q5_k", "Q5_K", 256, 96),
+    ("q5_1", "Q5_1", 96, 48),
+]
+
+
+def k_quant_model(tmp_path: Path) -> tuple[Any, Path]:
+    """Linear layers stored as Q5_0, Q4_K, Q6_K, Q5_K and Q5_1 in a file, holding gguf's dequantisation of them, as
+    a model (the Q4_K rows reordered, as transformers' loader does to q and k)."""
+    path = tmp_path / "k-quants.gguf"
+    model = torch.nn.Sequential()
+    tensors = {}
+    for seed, (name, kind, inputs, outputs) in enumerate(K_MODEL):
+        blocks, dense = quantised((outputs, inputs), kind, seed=seed, sigma=0.5 / inputs**0.5)
+        tensors[name] = (blocks, kind)
+        layer = torch.nn.Linear(inputs, outputs, bias=False)
+        with torch.no_grad():
+            layer.weight.copy_(torch.from_numpy(dense[::-1].copy() if kind == "Q4_K" else dense))
+        model.append(layer)
+    write_gguf(path, tensors)
+    return model, path
+
+
+def test_a_model_of_q5_and_k_quant_layers_runs_on_the_kernel_with_the_fp32_layers_outputs(tmp_path: Path) -> None:
+    model, path = k_quant_model(tmp_path)
+    weights = [layer.weight.detach().numpy().copy() for layer in model]
+    x = torch.from_numpy(np.random.default_rng(0).standard_normal((3, 64)).astype(np.float32))
+    with torch.no_grad():
+        before = model(x)
+    with capture_logs() as logs:
+        applied = kernel.apply(model, path, torch, directory=DIRECTORY, cache=tmp_path / codes.CACHE_FILE)
+    by_type = {
+        "Q4_K": "blocks: 1",
+        "Q5_0": "blocks: 1",
+        "Q5_1": "blocks: 1",
+        "Q5_K": "blocks: 1",
+        "Q6_K": "fp32: 1 (no kernel layout for 16-input scales)",
+    }
+    assert applied == ("fp32", by_type)
+    blocks = {"event": "weights_blocks", "log_level": "info", "layers": 4, "q4": 1, "q8": 3}
+    assert logs == [{**blocks, "activations": "fp32", "by_type": by_type}]
+    assert [type(layer).__name__ for layer in model] == ["BlockLinear"] * 2 + ["Linear"] + ["BlockLinear"] * 2
+    assert [getattr(layer, "bits", None) for layer in model] == [8, 4, None, 8, 8]
+    with torch.no_grad():
+        got = model(x)
+        # Each layer on the kernel holds the loaded weight, bit for bit: rows of the identity read it back.
+        for layer, weight in zip(model, weights, strict=True):
+            assert torch.equal(layer(torch.eye(layer.in_features)), torch.from_numpy(weight).T)
+    # The fp32 layers' outputs in the kernel's order of sums, exactly; the Q6_K layer is torch's own.
+    h = x.numpy()
+    for layer, weight in zip(model, weights, strict=True):
+        if type(layer) is torch.nn.Linear:
+            with torch.no_grad():
+                h = layer(torch.from_numpy(h)).numpy()
+        else:
+            h = kernel_product(h, weight)
+    assert np.array_equal(got.numpy().view(np.uint32), h.view(np.uint32))
+    # And in torch's order of sums, the same to fp32's roundings.
+    assert float((got - before).abs().max()) <= 1e-5 * float(before.abs().max())
+
+
+def test_with_int8_rows_layers_whose_scales_are_not_fp16_values_keep_fp32_rows(tmp_path: Path) -> None:
+    """Q5_0's scale d and offset -128d are the file's fp16 values: int8 rows. A K-quant's d*sc is not an fp16 value,
+    nor is Q5_1's offset m - 112d: fp32 rows, on the kernel all the same."""
+    skip_without_int8()
+    model, path = k_quant_model(tmp_path)
+    with capture_logs() as logs:
+        applied = kernel.apply(model, path, torch, directory=DIRECTORY, activations="int8")
+    fp32_rows = "blocks, fp32 rows: 1 (scales or offsets not fp16 values)"
+    by_type = {
+        "Q4_K": fp32_rows,
+        "Q5_0": "blocks, int8 rows: 1",
+        "Q5_1": fp32_rows,
+        "Q5_K": fp32_rows,
+        "Q6_K": "fp32: 1 (no kernel layout for 16-input scales)",
+    }
+    assert applied == ("int8", by_type)
+    assert [entry["event"] for entry in logs] == ["weights_blocks"]
+    assert [getattr(layer, "activations", None) for layer in model] == ["int8", "fp32", None, "fp32", "fp32"]
+
+
+def test_the_account_lists_each_path_a_types_layers_take() -> None:
+    kinds = {"a": "Q4_K", "b": "Q4_K", "c": "Q4_K", "d": "Q6_K", "e": codes.UNKNOWN, "f": "Q8_0"}
+    rows = {"a": "int8", "b": "fp32", "f": "int8"}
+    assert kernel.by_type(kinds, rows, "int8") == {
+        "Q4_K": "blocks, int8 rows: 1; blocks, fp32 rows: 1 (scales or offsets not fp16 values); "
+        "fp32: 1 (its blocks do not give back the loaded weight bit for bit)",
+        "Q6_K": "fp32: 1 (no kernel layout for 16-input scales)",
+        "Q8_0": "blocks, int8 rows: 1",
+        "unknown": "fp32: 1 (no matrix of the file holds its rows)",
+    }
+
+
+def test_a_model_with_no_layer_in_a_type_the_kernel_runs_is_left_as_it_was_and_the_log_names_its_types(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "q6_k.gguf"
+    blocks, dense = quantised((32, 256), "Q6_K")
+    write_gguf(path, {"only": (blocks, "Q6_K")})
+    model = torch.nn.Sequential(torch.nn.Linear(256, 32, bias=False))
+    with torch.no_grad():
+        model[0].weight.copy_(torch.from_numpy(dense))
+    with capture_logs() as logs:
+        applied = kernel.apply(model, path, torch, directory=DIRECTORY)
+    by_type = {"Q6_K": "fp32: 1 (no kernel layout for 16-input scales)"}
+    assert applied == (None, by_type)
+    reason = "no linear weight of the model is stored in a type the kernel runs"
+    assert logs == [{"event": "weights_not_blocks", "log_level": "warning", "reason": reason, "by_type": by_type}]
+    assert type(model[0]) is torch.nn.Linear
 
 
 def wrong_zeros(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -481,7 +645,7 @@ def test_where_the_kernel_cannot_serve_every_layer_stays_as_it_was_and_the_log_s
     model, path = tiny_model(tmp_path)
     cause(monkeypatch)
     with capture_logs() as logs:
-        assert kernel.apply(model, path, torch, directory=DIRECTORY) is None
+        assert kernel.apply(model, path, torch, directory=DIRECTORY) == (None, {})
     assert [type(layer) for layer in model] == [torch.nn.Linear] * 3
     assert not hasattr(model[0], "arrays") and model[0].weight.shape == (96, 64)
     assert logs == [{"event": "weights_not_blocks", "log_level": "warning", "reason": reason}]
@@ -526,8 +690,10 @@ async def test_the_bundled_model_runs_every_linear_layer_on_the_kernel(settings:
         assert len(on_kernel) == 7 * model.config.num_hidden_layers + 1  # q, k, v, o, gate, up, down; LM head
         assert model.lm_head.bits == 8 and model.lm_head.weight is model.get_input_embeddings().weight
         assert engine.info.weights == "gguf-blocks"
+        by_type = {"Q4_1": "blocks: 210", "Q8_0": "blocks: 1"}
+        assert engine.info.weights_by_type == by_type
         blocks = {"event": "weights_blocks", "log_level": "info", "layers": len(on_kernel), "q4": 210, "q8": 1}
-        assert {**blocks, "activations": "fp32"} in logs
+        assert {**blocks, "activations": "fp32", "by_type": by_type} in logs
         rows: list[int] = []
         head: list[int] = []
         first = model.model.layers[0]  # its linear layers run inside it, in C (engine/cpu/decoder.py)

@@ -1,15 +1,40 @@
 """A GGUF file's own quantised blocks, found again behind the fp32 weights transformers loaded from it.
 
-A GGUF quantised to Q4_0, Q4_1 or Q8_0 (the bundled SmolLM2 is Q4_1, its embedding and tied LM head Q8_0) stores
-each weight in blocks of 32 inputs: codes ``q`` with one scale ``d`` (and, for Q4_1, one minimum ``m``) a block.
-transformers loads the file by expanding every weight to fp32: Q4_0 ``w = d*(q-8)``, Q4_1 ``w = d*q + m``, Q8_0
-``w = d*q``. Kept as codes, a weight is 4.5 to 8.5 bits an input instead of 32: what a decode step, bound by the
-bytes it reads, gains by. The engine's kernels (engine/cpu/kernel.py) multiply by these codes.
+transformers loads a GGUF by expanding every weight to fp32 with ``gguf``'s dequantisation (the bundled SmolLM2 is
+Q4_1, its embedding and tied LM head Q8_0). Kept as codes, a weight is 4.5 to 8.5 bits an input instead of 32: what
+a decode step, bound by the bytes it reads, gains by. The engine's kernels (engine/cpu/kernel.py) multiply by
+:class:`Codes`: blocks of 32 inputs, a 4-bit or an 8-bit code an input, one fp32 scale and one fp32 zero a block,
+``w = q * scale + zero`` in one fused multiply-add. These GGUF types are read into that form (:data:`FORMATS`):
+
+====== ====================== =========== ========= ======================
+type   gguf's weight          codes       scale     zero
+====== ====================== =========== ========= ======================
+Q4_0   ``d*(q-8)``            4-bit q-8   d         -0.0
+Q4_1   ``d*q + m``            4-bit q-8   d         m + 8*d
+Q5_0   ``d*(q-16)``           8-bit q-16  d         -0.0
+Q5_1   ``d*q + m``            8-bit q-16  d         m + 16*d
+Q8_0   ``d*q``                8-bit q     d         -0.0
+Q4_K   ``(d*sc)*q - dmin*m``  4-bit q-8   d*sc      8*(d*sc) - dmin*m
+Q5_K   ``(d*sc)*q - dmin*m``  8-bit q-16  d*sc      16*(d*sc) - dmin*m
+====== ====================== =========== ========= ======================
+
+``d``, ``dmin`` and the legacy types' ``m`` are the file's fp16 values; a K-quant's ``sc`` and ``m`` are its 6-bit
+ones for each 32 inputs of a super-block of 256. A scale is exact in fp32 (11 bits times 6 at most) and so is its
+product with a code (17 bits times 5 at most), so the one rounding of ``fma(code, scale, zero)`` is that of the sum,
+as in gguf's ``scale*q + m`` (or ``- dmin*m``): the weights are gguf's bit for bit wherever the zero itself is exact
+in fp32 (two values of a few bits each, of similar size: nearly always), and a zero of -0.0 adds nothing, not even
+to a -0.0 (:class:`Codes`). Where the zero is not exact, the match below finds out, and the layer stays fp32:
+correctness never rests on it.
+
+Other types stay fp32 (:func:`why_not`): Q6_K, Q3_K and Q2_K have a scale for each 16 inputs, which the kernel's
+blocks of 32 cannot hold; the others have no layout here.
 
 Layers are matched to the file's tensors by their rows' bits, not by name, so no table of each architecture's names
 is needed, and a row order changed by transformers' loader (q and k) is found too. Only a layer whose codes give
-back exactly the fp32 weight transformers loaded gets them. Reading and matching the file takes seconds (most of it
-``gguf``'s reading of the metadata), so the codes are kept in the model's converted directory for the next start.
+back exactly the fp32 weight transformers loaded gets them. Every matrix of the file, of any type, is known by a
+hash of its rows' first columns as gguf dequantises them, so each layer's GGUF type is known too, whether it gets
+codes or not (:class:`Found`). Reading and matching the file takes seconds (most of it ``gguf``'s reading of the
+metadata), so the codes and types are kept in the model's converted directory for the next start.
 """
 
 from __future__ import annotations
@@ -27,13 +52,49 @@ import structlog
 log = structlog.get_logger("ttft_sse.engine")
 
 BLOCK = 32
-"""Inputs per GGUF block."""
+"""Inputs a block of :class:`Codes` (a K-quant's super-block holds 8 of them)."""
 
-# GGML type ids (gguf.GGMLQuantizationType), the bytes of one block (fp16 d, fp16 m for Q4_1, then the codes) and
-# the bits of one code.
-Q4_0, Q4_1, Q8_0 = 2, 3, 8
-BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}
-BITS = {Q4_0: 4, Q4_1: 4, Q8_0: 8}
+# GGML type ids (gguf.GGMLQuantizationType) of the types read into Codes.
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K = 2, 3, 6, 7, 8, 12, 13
+
+
+@dataclass(frozen=True)
+class Format:
+    """How a GGUF type is stored, and the codes it is read into."""
+
+    name: str
+    inputs: int  # inputs a stored block: 32, or a K-quant's super-block of 256
+    size: int  # bytes of a stored block
+    bits: int  # of its codes in Codes: 4 or 8
+
+
+FORMATS = {
+    Q4_0: Format("Q4_0", 32, 18, 4),  # fp16 d, 16 bytes of 4-bit codes
+    Q4_1: Format("Q4_1", 32, 20, 4),  # fp16 d, fp16 m, 16 bytes of 4-bit codes
+    Q5_0: Format("Q5_0", 32, 22, 8),  # fp16 d, 4 bytes of fifth bits, 16 bytes of low nibbles
+    Q5_1: Format("Q5_1", 32, 24, 8),  # fp16 d, fp16 m, 4 bytes of fifth bits, 16 bytes of low nibbles
+    Q8_0: Format("Q8_0", 32, 34, 8),  # fp16 d, 32 signed bytes
+    Q4_K: Format("Q4_K", 256, 144, 4),  # fp16 d, fp16 dmin, 12 bytes of 6-bit sc and m, 128 bytes of 4-bit codes
+    Q5_K: Format("Q5_K", 256, 176, 8),  # as Q4_K, with 32 bytes of fifth bits before the 128 of low nibbles
+}
+
+UNKNOWN = "unknown"
+"""The type of a layer whose rows no matrix of the file holds."""
+
+_SIXTEEN_INPUT_SCALES = frozenset({"Q2_K", "Q3_K", "Q6_K"})
+
+
+def why_not(kind: str) -> str:
+    """Why a layer whose weight the file holds as ``kind`` (a GGUF type's name) stays fp32."""
+    if kind in {f.name for f in FORMATS.values()}:
+        return "its blocks do not give back the loaded weight bit for bit"
+    if kind in _SIXTEEN_INPUT_SCALES:
+        return "no kernel layout for 16-input scales"
+    if kind in ("F32", "F16", "BF16"):
+        return "not quantised"
+    if kind == UNKNOWN:
+        return "no matrix of the file holds its rows"
+    return "no kernel layout for its blocks"
 
 
 @dataclass(frozen=True)
@@ -41,7 +102,10 @@ class Codes:
     """One weight as codes, ``w = q * scale + zero`` a block of :data:`BLOCK` inputs.
 
     ``q``: ``(out, in)`` int8, 4-bit codes less 8 (-8..7) or 8-bit ones (-128..127); ``scale``, ``zero``:
-    ``(out, in // BLOCK)`` float32; ``bits``: 4 or 8.
+    ``(out, in // BLOCK)`` float32; ``bits``: 4 or 8. ``q * scale`` is exact, so ``q * scale + zero`` has one
+    rounding, as the kernel's fused multiply-add has. The types whose weight adds nothing to ``d*q`` (Q4_0, Q5_0,
+    Q8_0) have zeros of -0.0: adding -0.0 changes no value, not even a -0.0 (a negative ``d`` times code 0), where
+    adding +0.0 would turn it into +0.0, other bits. The others add theirs, +0.0 included, as gguf does.
     """
 
     q: npt.NDArray[np.int8]
@@ -50,15 +114,15 @@ class Codes:
     bits: int
 
     def dense(self) -> npt.NDArray[np.float32]:
-        """The weight in fp32, as the file's own dequantisation gives it (``d*q + m``, ``d*(q-8)``, ``d*q``)."""
+        """The weight in fp32, as the kernel expands it and as the file's own dequantisation gives it (the table
+        above), bit for bit where the zero is exact."""
         scaled = np.repeat(self.scale, BLOCK, axis=1) * self.q.astype(np.float32)
-        zero = np.repeat(self.zero, BLOCK, axis=1)
-        # Adding a zero of 0 would turn Q4_0's -0.0 (a negative d times code 8) into +0.0: other bits.
-        return np.where(zero == 0, scaled, scaled + zero).astype(np.float32)
+        weight: npt.NDArray[np.float32] = scaled + np.repeat(self.zero, BLOCK, axis=1)
+        return weight
 
     def packed(self) -> npt.NDArray[np.uint8]:
-        """The codes as the file lays them out in a block, ``(out, in * bits // 8)`` bytes: 4-bit codes (plus 8)
-        two a byte, a block's first 16 inputs in the low nibbles and its last 16 in the high ones; 8-bit as is."""
+        """The codes as Q4_0 lays them out in a block, ``(out, in * bits // 8)`` bytes: 4-bit codes (plus 8) two a
+        byte, a block's first 16 inputs in the low nibbles and its last 16 in the high ones; 8-bit as is."""
         if self.bits == 8:
             return self.q.view(np.uint8)
         out = self.q.shape[0]
@@ -86,36 +150,109 @@ class Codes:
         return Codes(self.q[:, : blocks * BLOCK], self.scale[:, :blocks], self.zero[:, :blocks], self.bits)
 
 
+def _fp16(raw: npt.NDArray[np.uint8], at: int) -> npt.NDArray[np.float32]:
+    """The fp16 value at byte ``at`` of each stored block, in fp32."""
+    return raw[..., at : at + 2].copy().view(np.float16)[..., 0].astype(np.float32)
+
+
+def _nibbles(packed: npt.NDArray[np.uint8]) -> npt.NDArray[np.uint8]:
+    """A legacy block's 16 bytes of nibbles as its 32 values: the low nibbles first, then the high ones."""
+    return np.concatenate([packed & 0x0F, packed >> 4], axis=-1)
+
+
+def _fifth_bits(qh: npt.NDArray[np.uint8]) -> npt.NDArray[np.integer[Any]]:
+    """A Q5_0/Q5_1 block's 4 bytes of fifth bits as 32 values of 0 or 16 (uint8): input i's is bit i of the
+    little-endian 32-bit word."""
+    return np.unpackbits(qh, axis=-1, bitorder="little") << 4
+
+
+def _super_scales(raw: npt.NDArray[np.uint8]) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]:
+    """A Q4_K/Q5_K super-block's scales for each of its 8 blocks, ``d * sc`` and ``dmin * m`` (fp32 products, as
+    gguf computes them), from its 6-bit values packed as gguf's ``Q4_K.get_scale_min`` reads them: bytes 0-3 hold
+    sc of blocks 0-3 in their low 6 bits, 4-7 m of blocks 0-3; blocks 4-7 have their low 4 bits in bytes 8-11 (sc
+    in the low nibble, m in the high) and their top 2 bits in the top bits of bytes 0-3 (sc) and 4-7 (m)."""
+    packed = raw[..., 4:16]
+    low_sc, low_m, rest = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    sc = np.concatenate([low_sc & 0x3F, (rest & 0x0F) | ((low_sc >> 2) & 0x30)], axis=-1)
+    m = np.concatenate([low_m & 0x3F, (rest >> 4) | ((low_m >> 2) & 0x30)], axis=-1)
+    d, dmin = _fp16(raw, 0)[..., None], _fp16(raw, 2)[..., None]
+    return d * sc.astype(np.float32), dmin * m.astype(np.float32)
+
+
+def _super_nibbles(packed: npt.NDArray[np.uint8]) -> npt.NDArray[np.uint8]:
+    """A K-quant super-block's 128 bytes of nibbles as its 8 blocks' 32 values each: each 32 bytes hold two blocks,
+    the first in the low nibbles, the second in the high ones."""
+    pairs = packed.reshape(*packed.shape[:-1], 4, 1, 32)
+    both = np.concatenate([pairs & 0x0F, pairs >> 4], axis=-2)
+    return both.reshape(*packed.shape[:-1], 8, 32)
+
+
 def decode(blocks: npt.NDArray[np.uint8], kind: int, shape: tuple[int, int]) -> Codes:
-    """Split a Q4_0, Q4_1 or Q8_0 tensor's raw bytes into codes, scales and zeros. ``shape`` is ``(out, in)``."""
+    """Split a tensor's raw bytes, of one of the :data:`FORMATS`, into codes, scales and zeros (the table above).
+    ``shape`` is ``(out, in)``."""
     out, inputs = shape
-    raw = np.ascontiguousarray(blocks).reshape(out, inputs // BLOCK, BLOCK_BYTES[kind])
-    d = raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    zero = np.zeros_like(d)
+    form = FORMATS[kind]
+    raw = np.ascontiguousarray(blocks).reshape(out, inputs // form.inputs, form.size)
+    values: npt.NDArray[np.integer[Any]]  # each input's unsigned code (uint8: numpy types some as signed)
+    if kind in (Q4_K, Q5_K):
+        scale, minimum = _super_scales(raw)
+        if kind == Q4_K:
+            values, middle = _super_nibbles(raw[..., 16:144]), 8
+        else:
+            fifth = (raw[..., None, 16:48] >> np.arange(8, dtype=np.uint8)[:, None]) & 1  # block j's: bit j
+            values, middle = _super_nibbles(raw[..., 48:176]) | (fifth << 4), 16
+        # (d*sc)*q - dmin*m == (d*sc)*(q - middle) + (middle*(d*sc) - dmin*m); middle*(d*sc) is exact.
+        zero = np.float32(middle) * scale - minimum
+        q = values.reshape(out, inputs).astype(np.int8) - np.int8(middle)
+        return Codes(q, scale.reshape(out, -1), zero.reshape(out, -1), form.bits)
+    d = _fp16(raw, 0)
+    zero = np.full_like(d, -0.0)  # nothing added (Codes)
     if kind == Q8_0:
-        q = raw[..., 2:].copy().view(np.int8).reshape(out, inputs)
-        return Codes(q, d, zero, 8)
-    if kind == Q4_1:
-        m = raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-        packed = raw[..., 4:]
-        zero = m + 8 * d  # d*q + m == d*(q-8) + (m + 8d)
-    else:
-        packed = raw[..., 2:]
-    # Low nibbles hold a block's first 16 inputs, high nibbles its last 16.
-    q = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).reshape(out, inputs).astype(np.int8) - np.int8(8)
-    return Codes(q, d, zero, 4)
+        return Codes(raw[..., 2:].copy().view(np.int8).reshape(out, inputs), d, zero, 8)
+    if kind == Q4_0:
+        values, middle = _nibbles(raw[..., 2:]), 8
+    elif kind == Q4_1:
+        values, middle = _nibbles(raw[..., 4:]), 8
+    elif kind == Q5_0:
+        values, middle = _nibbles(raw[..., 6:]) | _fifth_bits(raw[..., 2:6]), 16
+    else:  # Q5_1
+        values, middle = _nibbles(raw[..., 8:]) | _fifth_bits(raw[..., 4:8]), 16
+    if kind in (Q4_1, Q5_1):
+        zero = _fp16(raw, 2) + np.float32(middle) * d  # d*q + m == d*(q - middle) + (m + middle*d)
+    q = values.reshape(out, inputs).astype(np.int8) - np.int8(middle)
+    return Codes(q, d, zero, form.bits)
 
 
-def read(path: str | Path) -> list[Codes]:
-    """Every Q4_0, Q4_1 or Q8_0 matrix in the GGUF file at ``path``."""
+@dataclass(frozen=True)
+class Stored:
+    """A matrix of the file: its GGUF type's name, the first columns of its weight as gguf dequantises them (at
+    least :data:`HASHED_COLUMNS`, or all of them: enough to know it by), and its codes where it is of one of the
+    :data:`FORMATS`."""
+
+    kind: str
+    head: npt.NDArray[np.float32]
+    codes: Codes | None = None
+
+
+def read(path: str | Path) -> list[Stored]:
+    """Every matrix of the GGUF file at ``path`` whose type gguf can dequantise."""
     import gguf
 
     found = []
     for tensor in gguf.GGUFReader(str(path)).tensors:
-        kind = int(tensor.tensor_type)
-        if kind in BLOCK_BYTES and len(tensor.shape) == 2:
-            inputs, out = (int(n) for n in tensor.shape)  # GGUF lists the fastest-moving dimension first
-            found.append(decode(np.asarray(tensor.data), kind, (out, inputs)))
+        if len(tensor.shape) != 2:
+            continue
+        inputs, out = (int(n) for n in tensor.shape)  # GGUF lists the fastest-moving dimension first
+        kind = gguf.GGMLQuantizationType(int(tensor.tensor_type))
+        per_block, size = gguf.GGML_QUANT_SIZES[kind]
+        raw = np.asarray(tensor.data).view(np.uint8).reshape(out, -1)
+        blocks = -(-min(inputs, HASHED_COLUMNS) // per_block)  # those that hold the hashed columns
+        try:
+            head = gguf.quants.dequantize(np.ascontiguousarray(raw[:, : blocks * size]), kind)
+        except NotImplementedError:  # nor could transformers' loader have read it
+            continue
+        codes = decode(raw, int(kind), (out, inputs)) if int(kind) in FORMATS else None
+        found.append(Stored(kind.name, np.asarray(head, np.float32).reshape(out, -1), codes))
     return found
 
 
@@ -144,8 +281,8 @@ def _code_hashes(codes: Codes) -> npt.NDArray[np.uint64]:
 
 @dataclass(frozen=True)
 class _Candidate:
-    codes: Codes
-    hashes: npt.NDArray[np.uint64]  # of the rows of codes.dense(), their first HASHED_COLUMNS
+    stored: Stored
+    hashes: npt.NDArray[np.uint64]  # of the rows of its weight as gguf dequantises it, their first HASHED_COLUMNS
 
 
 def _fingerprint(hashes: npt.NDArray[np.uint64]) -> tuple[int, int]:
@@ -153,64 +290,90 @@ def _fingerprint(hashes: npt.NDArray[np.uint64]) -> tuple[int, int]:
     return len(hashes), int(hashes.sum(dtype=np.uint64))
 
 
-def _index(stored: list[Codes]) -> dict[tuple[int, int], list[_Candidate]]:
+def _index(stored: list[Stored]) -> dict[tuple[int, int], list[_Candidate]]:
     """The file's matrices by the fingerprint of their rows."""
     candidates: dict[tuple[int, int], list[_Candidate]] = {}
-    for codes in stored:
-        candidate = _Candidate(codes, _code_hashes(codes))
+    for matrix in stored:
+        candidate = _Candidate(matrix, _row_hashes(matrix.head))
         candidates.setdefault(_fingerprint(candidate.hashes), []).append(candidate)
     return candidates
 
 
-def _match(weight: npt.NDArray[np.float32], candidates: dict[tuple[int, int], list[_Candidate]]) -> Codes | None:
-    """The codes whose rows are exactly ``weight``'s rows, put in ``weight``'s row order; ``None`` if none are."""
-    if weight.shape[1] % BLOCK:
-        return None
+def _match(
+    weight: npt.NDArray[np.float32], candidates: dict[tuple[int, int], list[_Candidate]]
+) -> tuple[str, Codes | None]:
+    """The GGUF type of the file's matrix with ``weight``'s rows (:data:`UNKNOWN` if none has them), and its codes
+    put in ``weight``'s row order if they give back exactly ``weight`` (``None`` if not, or if it has none)."""
     hashes = _row_hashes(weight)
+    kind = UNKNOWN
     for candidate in candidates.get(_fingerprint(hashes), []):
+        kind = candidate.stored.kind
+        codes = candidate.stored.codes
+        if codes is None or weight.shape != codes.q.shape:
+            continue
         mine, theirs = np.argsort(hashes, kind="stable"), np.argsort(candidate.hashes, kind="stable")
         order = np.empty_like(theirs)
         order[mine] = theirs  # row i of weight is row order[i] of the codes, if the hashes are all distinct
-        codes = candidate.codes.rows(order)
-        if np.array_equal(codes.dense(), weight):
-            return codes
-    return None
+        ordered = codes.rows(order)
+        if np.array_equal(ordered.dense(), weight):
+            return kind, ordered
+    return kind, None
+
+
+@dataclass(frozen=True)
+class Found:
+    """What the file holds of each layer: its GGUF type (:data:`UNKNOWN` where no matrix has its rows), and the
+    codes of those whose weight they give back bit for bit."""
+
+    kinds: dict[str, str]  # every layer asked about
+    codes: dict[str, Codes]
 
 
 CACHE_FILE = "gguf-codes.npz"
-"""Where :func:`of_layers` keeps the codes it matched, by layer name, in the model's converted directory."""
+"""Where :func:`of_layers` keeps what it found, by layer name, in the model's converted directory."""
 
 
-def _load_cached(path: Path | None, layers: dict[str, Any]) -> dict[str, Codes] | None:
-    """The codes saved by an earlier start, if every one still gives back its layer's rows (checked on the
-    hashed columns: the converted directory is keyed by the file's contents, this guards against a changed loader)."""
+def _load_cached(path: Path | None, layers: dict[str, Any]) -> Found | None:
+    """What an earlier start found, if it is of the same layers and each of its codes still gives back its layer's
+    rows (checked on the hashed columns: the converted directory is keyed by the file's contents, this guards
+    against a changed loader). A cache without the layers' types, as starts before they were kept wrote, is
+    matched again."""
     if path is None or not path.is_file():
         return None
     try:
         with np.load(path) as saved:
             names = {key.rsplit(".", 1)[0] for key in saved.files}
+            if any(f"{name}.kind" not in saved.files for name in names):
+                return None
+            kinds = {name: str(saved[f"{name}.kind"]) for name in names}
             found = {}
             for name in names:
-                bits = int(saved[f"{name}.bits"])
-                found[name] = Codes.unpacked(saved[f"{name}.q"], saved[f"{name}.scale"], saved[f"{name}.zero"], bits)
+                if f"{name}.q" in saved.files:
+                    bits = int(saved[f"{name}.bits"])
+                    q, scale, zero = (saved[f"{name}.{part}"] for part in ("q", "scale", "zero"))
+                    found[name] = Codes.unpacked(q, scale, zero, bits)
     except (OSError, ValueError, KeyError) as exc:
         log.warning("codes_cache_unreadable", path=str(path), reason=repr(exc))
         return None
+    if names != set(layers):
+        return None
     for name, codes in found.items():
-        layer = layers.get(name)
-        if layer is None or tuple(layer.weight.shape) != codes.q.shape:
+        layer = layers[name]
+        if tuple(layer.weight.shape) != codes.q.shape:
             return None
         want = _row_hashes(layer.weight.detach().numpy())
         if not np.array_equal(want, _code_hashes(codes)):
             return None
-    return found
+    return Found(kinds, found)
 
 
-def _save_cached(path: Path | None, found: dict[str, Codes]) -> None:
+def _save_cached(path: Path | None, found: Found) -> None:
     if path is None:
         return
     arrays: dict[str, npt.NDArray[Any]] = {}
-    for name, codes in found.items():
+    for name, kind in found.kinds.items():
+        arrays[f"{name}.kind"] = np.asarray(kind)
+    for name, codes in found.codes.items():
         arrays[f"{name}.q"], arrays[f"{name}.bits"] = codes.packed(), np.asarray(codes.bits)
         arrays[f"{name}.scale"], arrays[f"{name}.zero"] = codes.scale, codes.zero
     partial = path.with_name(f".{path.name}.{os.getpid()}.partial.npz")
@@ -222,16 +385,18 @@ def _save_cached(path: Path | None, found: dict[str, Codes]) -> None:
         partial.unlink(missing_ok=True)
 
 
-def of_layers(layers: dict[str, Any], gguf_path: str | Path, cache: Path | None) -> dict[str, Codes]:
-    """The codes of each of ``layers`` (``torch.nn.Linear`` by name) the file holds, from the cache of an earlier
-    start or else by matching the file's blocks."""
+def of_layers(layers: dict[str, Any], gguf_path: str | Path, cache: Path | None) -> Found:
+    """The GGUF type of each of ``layers`` (``torch.nn.Linear`` by name) and the codes of those the file holds in
+    one of the :data:`FORMATS` bit for bit, from the cache of an earlier start or else by matching the file's
+    matrices."""
     found = _load_cached(cache, layers)
     if found is None:
         candidates = _index(read(gguf_path))
-        found = {}
+        kinds, codes = {}, {}
         for name, layer in layers.items():
-            codes = _match(layer.weight.detach().numpy(), candidates)
-            if codes is not None:
-                found[name] = codes
+            kinds[name], matched = _match(layer.weight.detach().numpy(), candidates)
+            if matched is not None:
+                codes[name] = matched
+        found = Found(kinds, codes)
         _save_cached(cache, found)
     return found

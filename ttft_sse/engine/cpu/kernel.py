@@ -1,11 +1,11 @@
 """The block kernel: fp32 rows times linear weights kept in a GGUF file's own blocks, on CPU (``TTFT_GGUF_KERNEL``).
 
-A decode step is bound by the bytes it reads. transformers expands a GGUF's Q4_0/Q4_1/Q8_0 weights to fp32, 32 bits
-an input; ``kernel.c`` multiplies fp32 rows by the file's codes instead (engine/cpu/codes.py: 4.5 to 8.5 bits an
-input), laid out by :func:`panels` in panels of 16 outputs. For each input it expands a panel's 16 codes to exactly
-the fp32 weights transformers' loader gives and multiplies them into 16 outputs with one fused multiply-add, input
-after input. Decode steps and short prompts gain; long prompts, where both are near the core's fp32 peak, lose a
-little (figures: docs/engine.md).
+A decode step is bound by the bytes it reads. transformers expands a GGUF's quantised weights to fp32, 32 bits an
+input; ``kernel.c`` multiplies fp32 rows by the file's codes instead (engine/cpu/codes.py: Q4_0, Q4_1, Q5_0, Q5_1,
+Q8_0, Q4_K and Q5_K as 4-bit or 8-bit codes), laid out by :func:`panels` in panels of 16 outputs. For each input it
+expands a panel's 16 codes to exactly the fp32 weights transformers' loader gives and multiplies them into 16
+outputs with one fused multiply-add, input after input. Decode steps and short prompts gain; long prompts, where
+both are near the core's fp32 peak, lose a little (figures: docs/engine.md).
 
 The answers are the fp32 model's: the same weights and fp32 arithmetic, summed in another order than oneDNN's. And
 each row's result is the same bits whatever else the call holds (checked at load): a stream's answer does not depend
@@ -15,7 +15,9 @@ on the batch it shares steps with, which oneDNN's GEMMs, whose blocking depends 
 max|x| / 127, as llama.cpp does for these formats, and multiplies by the codes in integers (AVX-512 VNNI, or AVX2 with
 F16C; laid out by :func:`records`; both builds give the same bits). Each row's result is still independent of the
 others in the call, but not of rounding: an activation that moves by an fp32 rounding can cross a step and move by
-1/127 of its block. So the answers are the int8 model's, not the fp32 model's, hence off by default.
+1/127 of its block. So the answers are the int8 model's, not the fp32 model's, hence off by default. The records
+hold scales and offsets in fp16: a layer whose scales or offsets are not fp16 values (a K-quant's ``d*sc``, Q5_1's
+offsets) keeps fp32 rows on the kernel (:func:`in_records`).
 
 ``TTFT_DEGRADE=int8`` keeps fp32 rows as the start-up arithmetic and gives every layer the records too
 (:func:`apply`'s ``degrade``), so that the engine can switch to int8 rows at run time: a thread's passes use them
@@ -44,6 +46,7 @@ import os
 import shutil
 import subprocess
 import threading
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -180,6 +183,13 @@ def takes_int8(path: Path) -> bool:
     return bool(function(path, INT8)(None, 0, gguf_codes.BLOCK, None, 4, 0, None) == 0)
 
 
+class Applied(NamedTuple):
+    """What :func:`apply` did."""
+
+    activations: str | None  # "int8" where any layer on the kernel takes int8 rows, else "fp32"; None: no layer
+    by_type: dict[str, str]  # the path of each GGUF type's layers (:func:`by_type`); empty where the kernel is off
+
+
 @functools.cache
 def load(path: Path, name: str, arguments: tuple[Any, ...]) -> Any:
     """The function ``name`` of a library :func:`build` made (at ``path``), taking ``arguments`` (ctypes types) and
@@ -226,21 +236,24 @@ def apply(
     cache: Path | None = None,
     activations: str = "fp32",
     degrade: bool = False,
-) -> str | None:
-    """Make every fp32 linear layer of ``model`` whose weight the GGUF file at ``gguf_path`` holds as Q4_0, Q4_1 or
-    Q8_0 a ``BlockLinear`` on those codes, with the kernel built in ``directory``; the codes are kept in ``cache``
-    for the next start (engine/cpu/codes.py). ``activations``: ``"int8"`` quantises each row per block of 32 inputs
-    first, as llama.cpp does (on a CPU with neither AVX-512 VNNI nor AVX2 and F16C the log says so and the rows stay
-    fp32); ``"fp32"`` keeps the fp32 model's arithmetic.
+) -> Applied:
+    """Make every fp32 linear layer of ``model`` whose weight the GGUF file at ``gguf_path`` holds in one of the
+    types engine/cpu/codes.py reads (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K) a ``BlockLinear`` on those codes,
+    with the kernel built in ``directory``; the codes are kept in ``cache`` for the next start. ``activations``:
+    ``"int8"`` quantises each row per block of 32 inputs first, as llama.cpp does, in each layer whose scales and
+    offsets the int8 records hold (:func:`in_records`; the others keep fp32 rows, as all do on a CPU with neither
+    AVX-512 VNNI nor AVX2 and F16C, where the log says so); ``"fp32"`` keeps the fp32 model's arithmetic.
 
-    Returns the activations the layers use, or None when nothing changed: logged with the reason when the kernel
-    cannot be built or disagrees with its reference on a probe. A changed layer drops its fp32 weight unless
-    another module shares it (a tied LM head's is the embedding's). Nothing changes either when torch runs on more
-    than one thread: the kernel runs on one, and oneDNN's fp32 GEMMs on all of them are faster for prompts.
+    Returns the activations the layers use (None when nothing changed: logged with the reason when the kernel
+    cannot be built or disagrees with its reference on a probe) and the path of each GGUF type's layers, also
+    logged. A changed layer drops its fp32 weight unless another module shares it (a tied LM head's is the
+    embedding's). Nothing changes either when torch runs on more than one thread: the kernel runs on one, and
+    oneDNN's fp32 GEMMs on all of them are faster for prompts.
 
     ``degrade`` (with fp32 ``activations``): each layer holds the int8 rows' records beside its fp32 panels, both
     checked on the probe, and a thread computes with them while :data:`ROWS` says so. Where that cannot be (the
-    reasons above, or a CPU without int8 rows), raises :class:`Refused` with the reason instead."""
+    reasons above, a CPU without int8 rows, or a layer whose scales the records cannot hold), raises
+    :class:`Refused` with the reason instead."""
     if degrade and activations != "fp32":
         raise ValueError("degrade adds int8 rows to fp32 ones: activations must be fp32")
     try:
@@ -249,7 +262,7 @@ def apply(
         if degrade:
             raise
         log.warning("weights_not_blocks", reason=str(exc))
-        return None
+        return Applied(None, {})
 
 
 def _apply(
@@ -260,7 +273,7 @@ def _apply(
     cache: Path | None,
     activations: str,
     degrade: bool,
-) -> str:
+) -> Applied:
     threads = torch.get_num_threads()
     if threads > 1:
         raise Refused(f"the block kernel runs on one thread; torch has {threads}")
@@ -274,21 +287,35 @@ def _apply(
         reason = "the CPU has neither AVX-512 VNNI nor AVX2 with F16C: the rows stay fp32"
         log.warning("activations_not_int8", reason=reason)
         activations = "fp32"
+        reason = "the CPU has neither AVX-512 VNNI nor AVX2 with F16C: the rows stay fp32"
+        log.warning("activations_not_int8", reason=reason)
+        activations = "fp32"
     layers = {
         name: m
         for name, m in model.named_modules()
         if type(m) is torch.nn.Linear and m.weight.dtype == torch.float32 and m.in_features % gguf_codes.BLOCK == 0
     }
     found = gguf_codes.of_layers(layers, gguf_path, cache)
-    if not found:
-        raise Refused("no linear weight of the model is stored as Q4_0, Q4_1 or Q8_0")
-    changed = [layers[name] for name in found]
-    for name, layer in zip(found, changed, strict=True):
-        _attach(layer, found[name], library, activations, torch, degrade)
+    if not found.codes:
+        paths = by_type(found.kinds, {}, activations)
+        reason = "no linear weight of the model is stored in a type the kernel runs"
+        if degrade:
+            raise Refused(reason)
+        log.warning("weights_not_blocks", reason=reason, by_type=paths)
+        return Applied(None, paths)
+    rows = {
+        name: "fp32" if activations == "int8" and not in_records(codes) else activations
+        for name, codes in found.codes.items()
+    }
+    if degrade and (outside := sorted({found.kinds[n] for n, c in found.codes.items() if not in_records(c)})):
+        raise Refused(f"int8 rows cannot hold the scales of the {', '.join(outside)} layers (not fp16 values)")
+    changed = [layers[name] for name in found.codes]
+    for name, layer in zip(found.codes, changed, strict=True):
+        _attach(layer, found.codes[name], library, rows[name], torch, degrade)
     try:
-        for bits in sorted({codes.bits for codes in found.values()}):
-            probed = next(layer for layer in changed if layer.bits == bits)
-            _check(probed, torch, int8=activations == "int8")
+        for bits, row in sorted({(layer.bits, layer.activations) for layer in changed}):  # one layer of each
+            probed = next(m for m in changed if (m.bits, m.activations) == (bits, row))
+            _check(probed, torch, int8=row == "int8")
             if degrade:
                 with int8_rows():
                     _check(probed, torch, int8=True)
@@ -304,9 +331,34 @@ def _apply(
     for layer in changed:
         if id(layer.weight) not in shared:  # never read again: the fp32 weight's memory goes back
             layer.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
-    counts = {bits: sum(codes.bits == bits for codes in found.values()) for bits in (4, 8)}
-    log.info("weights_blocks", layers=len(changed), q4=counts[4], q8=counts[8], activations=activations)
-    return activations
+    counts = {bits: sum(codes.bits == bits for codes in found.codes.values()) for bits in (4, 8)}
+    used = "int8" if "int8" in rows.values() else "fp32"
+    paths = by_type(found.kinds, rows, activations)
+    log.info("weights_blocks", layers=len(changed), q4=counts[4], q8=counts[8], activations=used, by_type=paths)
+    return Applied(used, paths)
+
+
+def by_type(kinds: dict[str, str], rows: dict[str, str], asked: str) -> dict[str, str]:
+    """The path of each GGUF type's layers, by the type's name (engine/cpu/codes.py's ``UNKNOWN`` for layers no
+    matrix of the file holds), e.g. ``{"Q4_K": "blocks: 168", "Q6_K": "fp32: 42 (no kernel layout for 16-input
+    scales)"}``. ``kinds``: each layer's type; ``rows``: the rows of each layer on the kernel, ``"fp32"`` or
+    ``"int8"``; ``asked``: the rows asked for. A type whose layers take more than one path lists each, joined by
+    "; ": on the kernel with the rows asked for, then with fp32 rows where int8 ones were asked for but the records
+    do not hold the layer, then fp32 layers, with the reason."""
+    paths: dict[str, Counter[tuple[int, str]]] = {}
+    for name, kind in kinds.items():
+        row = rows.get(name)
+        if row is None:
+            path = (2, f"fp32: {{}} ({gguf_codes.why_not(kind)})")
+        elif row == asked:
+            path = (0, "blocks: {}" if row == "fp32" else "blocks, int8 rows: {}")
+        else:
+            path = (1, "blocks, fp32 rows: {} (scales or offsets not fp16 values)")
+        paths.setdefault(kind, Counter())[path] += 1
+    return {
+        kind: "; ".join(text.format(count) for (_, text), count in sorted(counted.items()))
+        for kind, counted in sorted(paths.items())
+    }
 
 
 def _check(layer: Any, torch: Any, *, int8: bool) -> None:
@@ -380,6 +432,19 @@ def records(codes: gguf_codes.Codes) -> npt.NDArray[np.uint8]:
     offset = codes.zero - shift * codes.scale
     scales, offsets = (_by_panel(values, np.float16).view(np.uint8) for values in (codes.scale, offset))
     return np.ascontiguousarray(np.concatenate([by_block, scales, offsets], axis=2))
+
+
+def in_records(codes: gguf_codes.Codes) -> bool:
+    """Whether :func:`records` holds ``codes``' weights exactly: every scale and offset an fp16 value, and each
+    offset plus the codes' shift times the scale the zero (Q4_0, Q4_1, Q5_0 and Q8_0 as the file stores them; not a
+    K-quant's ``d*sc``, of up to 17 bits, nor Q5_1's ``m - 112*d``)."""
+    shift = 8 if codes.bits == 4 else 128
+    offset = codes.zero - shift * codes.scale
+    with np.errstate(over="ignore", invalid="ignore"):
+        if not all(np.array_equal(v.astype(np.float16).astype(np.float32), v) for v in (codes.scale, offset)):
+            return False
+    restored = offset.astype(np.float64) + shift * codes.scale.astype(np.float64)  # exact: fp16 values
+    return np.array_equal(restored, codes.zero.astype(np.float64))
 
 
 def _padded(outputs: int) -> int:

@@ -65,7 +65,7 @@ def load_model(settings: Settings, clock: StageClock) -> Loaded:
                 model = model.to(device)
             model.eval()
             on_cpu_in_fp32 = device == "cpu" and dtype == torch.float32
-            layout, library, helpers = _arrange(settings, model, torch, source, location, on_cpu_in_fp32)
+            layout, library, helpers, by_type = _arrange(settings, model, torch, source, location, on_cpu_in_fp32)
             if device == "cpu" and settings.grouped_attention:
                 grouped.group(model, torch)
             # Both engines' attention, request by request: the marked modules' calls reach the C attention through the
@@ -91,6 +91,7 @@ def load_model(settings: Settings, clock: StageClock) -> Loaded:
         context_length=int(context),
         threads=threads,
         weights=layout,
+        weights_by_type=by_type,
         kernel_helpers=helpers,
         modes=(NORMAL, INT8) if settings.degrade == INT8 else (NORMAL,),
     )
@@ -106,16 +107,17 @@ def load_model(settings: Settings, clock: StageClock) -> Loaded:
 
 def _arrange(
     settings: Settings, model: Any, torch: Any, source: sources.ModelSource, location: str, on_cpu_in_fp32: bool
-) -> tuple[str, Path | None, int]:
+) -> tuple[str, Path | None, int, dict[str, str]]:
     """Lay the weights out for the CPU kernels (engine/cpu/kernel.py, engine/cpu/weights.py). Returns the layout,
-    the block kernel's library (None where it serves no layer) and how many helper threads it started."""
+    the block kernel's library (None where it serves no layer), how many helper threads it started and the path of
+    each GGUF type's layers (empty where the block kernel was not tried or could not run)."""
     if not on_cpu_in_fp32:
-        return "as loaded", None, 0
-    activations = None
+        return "as loaded", None, 0, {}
+    applied = kernel.Applied(None, {})
     degrade = settings.degrade == INT8
     if settings.gguf_kernel and source.kind == "gguf":
         try:
-            activations = kernel.apply(
+            applied = kernel.apply(
                 model,
                 source.location,
                 torch,
@@ -130,6 +132,7 @@ def _arrange(
     layout = weights.arrange(model, torch, packed=settings.packed_weights)
     library: Path | None = None
     helpers = 0
+    activations = applied.activations
     if activations is not None:
         library = kernel.build(settings.cache_dir / KERNEL_DIR)
         if settings.fused_layers:  # after arrange: it copies the norms' weights
@@ -145,7 +148,7 @@ def _arrange(
         plain = any(type(m) is torch.nn.Linear for m in model.modules())
         layout = f"{blocks}+{layout}" if plain else blocks
     log.info("weights_arranged", layout=layout)
-    return layout, library, helpers
+    return layout, library, helpers, applied.by_type
 
 
 def _no_int8_mode(settings: Settings, source: sources.ModelSource, device: str, dtype: Any, torch: Any) -> str | None:
