@@ -127,3 +127,6 @@ def test_the_degrader_switches_on_a_missed_p99_and_back_after_a_calm_spell() -> 
     clock.now += RECOVER_SECONDS + 1  # then nothing slow for a whole spell (no traffic at all counts as calm)
     degrader.evaluate()
     assert not degrader.degraded and modes.seen == ["int8", "normal"] and degrader.switches == 2
+    targets.observe(Lane.NORMAL, 0.1, 0.1)  # the slow first tokens of before the switch are still in the window,
+    degrader.evaluate()  # but they were made in the other mode: no flapping back
+    assert not degrader.degraded and degrader.switches == 2

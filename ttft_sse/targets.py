@@ -175,8 +175,10 @@ class Degrader:
         targets, now = self._targets, self._targets.now()
         targets.recent.trim(now)
         if not self.degraded:
+            # Only first tokens made since the last switch: those of the other mode say nothing of this one.
+            start = max(now - WINDOW_SECONDS, self._since)
             for lane, target in targets.targets.items():
-                seen = [t.seconds for t in targets.recent.since(now - WINDOW_SECONDS, lane)]
+                seen = [t.seconds for t in targets.recent.since(start, lane)]
                 if len(seen) >= MIN_SAMPLES and (p99 := quantile(seen, 0.99)) > target:
                     self._switch(
                         True,

@@ -44,3 +44,26 @@ def test_a_normal_request_past_its_target_is_refused_while_the_high_lane_is_serv
         assert 'ttft_sse_first_token_target_seconds{lane="normal"} 0.5' in metrics
         assert 'ttft_sse_requests_total{endpoint="stream",outcome="overloaded"} 1.0' in metrics
         assert 'ttft_sse_first_token_targets_total{lane="high",result="met"} 1.0' in metrics
+
+
+def test_the_engine_degrades_while_first_tokens_miss_and_recovers_after() -> None:
+    """A scripted engine whose normal mode gives first tokens past the target and whose faster mode does not: the
+    gauge rises once ten first tokens missed, answers say degraded, and it falls back once they come in time."""
+    from tests.support.servers import eventually
+    from ttft_sse import targets as targets_module
+
+    engine = FakeEngine(["x"], delay=0.35, modes=("normal", "int8"), int8_delay=0.0)
+    app = fake_app(engine, sla_ms="normal:300", degrade="int8")
+    with running(app) as base, httpx.Client(base_url=base, timeout=60) as client:
+        answers = [client.post("/complete", json={"prompt": "hi"}).json() for _ in range(targets_module.MIN_SAMPLES)]
+        assert [a["degraded"] for a in answers] == [False] * targets_module.MIN_SAMPLES
+        metrics = client.get("/metrics").text
+        assert "ttft_sse_degraded 1.0" in metrics and "ttft_sse_degrade_switches_total 1.0" in metrics
+        assert client.get("/readyz").json()["mode"] == "int8"
+        fast = client.post("/complete", json={"prompt": "hi"}).json()
+        assert fast["degraded"] is True  # made in the faster mode, and saying so
+        # Then calm (no slow first token) for RECOVER_SECONDS: the degrader's once-a-second look switches back.
+        eventually(lambda: "ttft_sse_degraded 0.0" in client.get("/metrics").text, timeout=30)
+        assert client.get("/readyz").json()["mode"] == "normal"
+        assert client.post("/complete", json={"prompt": "hi"}).json()["degraded"] is False
+        assert "ttft_sse_degrade_switches_total 2.0" in client.get("/metrics").text
