@@ -3,10 +3,13 @@ refused at once, while the high lane keeps its reserved slot. Ordering, not spee
 
 from __future__ import annotations
 
+import json
+
 import httpx
 
 from tests.support.servers import StreamReader, fake_app, running
 from ttft_sse.engine.fake import FakeEngine
+from ttft_sse.settings import Settings
 
 HIGH, NORMAL = "vip-key-000001", "std-key-000002"
 PIECES = [f" w{i}" for i in range(10)]  # 10 pieces 0.1 s apart: a generation holds its slot about a second
@@ -67,3 +70,49 @@ def test_the_engine_degrades_while_first_tokens_miss_and_recovers_after() -> Non
         assert client.get("/readyz").json()["mode"] == "normal"
         assert client.post("/complete", json={"prompt": "hi"}).json()["degraded"] is False
         assert "ttft_sse_degrade_switches_total 2.0" in client.get("/metrics").text
+
+
+def test_under_overload_with_the_real_model_a_normal_request_streams_in_time_or_is_refused_at_once(
+    settings: Settings,
+) -> None:
+    """4x overload (8 streams at once on 2 slots, one kept for the high lane) with the real model: every normal
+    request either streams with its first token within its target (and a decode step's slack; generous here, the
+    machine is shared) or is refused with first_token_target before a slot frees; the high request is served."""
+    from ttft_sse.app import create_app
+
+    target_ms, slack_ms = 1500, 1000
+    app = create_app(
+        settings.replace(
+            api_keys=f"{HIGH}:high,{NORMAL}:normal",
+            sla_ms=f"high:{target_ms},normal:{target_ms}",
+            max_concurrency=2,
+            max_queue=16,
+            queue_timeout_seconds=120,
+        )
+    )
+    body = {"prompt": "Write a long story about a dragon who learns to fly.", "max_tokens": 48}
+    with running(app) as base, httpx.Client(base_url=base, timeout=120) as client:
+        for _ in range(3):  # measured first: a slot's hold and admission to first token
+            assert client.post("/complete", json=body, headers={"X-API-Key": NORMAL}).status_code == 200
+        readers = [
+            StreamReader(f"{base}/stream", method="POST", json=body, headers={"X-API-Key": NORMAL}) for _ in range(8)
+        ]
+        vip = StreamReader(f"{base}/stream", method="POST", json=body, headers={"X-API-Key": HIGH})
+        served = refused = 0
+        for reader in readers:
+            reader.started.wait(120)
+            if reader.status == 503:
+                error = json.loads(reader.body)["error"]
+                assert error["code"] == "first_token_target", error
+                refused += 1
+                continue
+            assert reader.status == 200
+            events = reader.rest()
+            tokens = [e for e in events if e.event == "token"]
+            assert events[-1].event == "done" and tokens
+            served += 1
+            ttft_ms = events[-1].data["timings"]["ttft_ms"]
+            assert ttft_ms <= target_ms + slack_ms, ttft_ms
+        vip_events = vip.rest()
+        assert vip.status == 200 and vip_events[-1].event == "done"
+        assert served >= 1 and refused >= 1  # the overload was real, and was refused, not queued past the target

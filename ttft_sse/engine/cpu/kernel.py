@@ -287,9 +287,6 @@ def _apply(
         reason = "the CPU has neither AVX-512 VNNI nor AVX2 with F16C: the rows stay fp32"
         log.warning("activations_not_int8", reason=reason)
         activations = "fp32"
-        reason = "the CPU has neither AVX-512 VNNI nor AVX2 with F16C: the rows stay fp32"
-        log.warning("activations_not_int8", reason=reason)
-        activations = "fp32"
     layers = {
         name: m
         for name, m in model.named_modules()
