@@ -18,11 +18,11 @@ from starlette.routing import Mount, Route
 from starlette.testclient import TestClient
 
 from ttft_sse.api import openai_requests as openai
+from ttft_sse.api.openapi import document
 from ttft_sse.app import create_app
 from ttft_sse.engine.base import ROLES
 from ttft_sse.engine.fake import FakeEngine
 from ttft_sse.errors import InvalidRequest
-from ttft_sse.openapi import document
 from ttft_sse.schemas import FIELDS, MAX_STOP_SEQUENCES, MAX_TEMPERATURE, SEED_LIMIT, GenerationRequest
 from ttft_sse.settings import Settings
 

@@ -31,8 +31,8 @@ from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
 from tests.support.servers import Served, fake_app, serving
+from ttft_sse.api.openapi import document
 from ttft_sse.engine.fake import FakeEngine
-from ttft_sse.openapi import document
 from ttft_sse.settings import Settings
 
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "300"))

@@ -1,4 +1,4 @@
-"""``GET /openapi.json``: the API described as OpenAPI 3.1, from the validators' own schemas (``ttft_sse.openapi``)."""
+"""``GET /openapi.json``: the API as OpenAPI 3.1, from the validators' own schemas (``ttft_sse.api.openapi``)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from ttft_sse.api.body import runtime_of
-from ttft_sse.openapi import document
+from ttft_sse.api.openapi import document
 
 
 async def openapi_json(request: Request) -> JSONResponse:
