@@ -128,9 +128,10 @@ class Settings:
     max_concurrency: int = 8
     max_queue: int = 32
     batch_tokens: int = 512
-    # Prompt tokens a batched step computes beside streams that are decoding (chunked prefill): their largest gap
-    # between tokens while a long prompt prefills is about a decode step plus this many prompt rows. 0: no limit.
-    prefill_chunk_tokens: int = 16
+    # Prompt tokens a batched step computes beside streams that are decoding (chunked prefill; fewer once a long
+    # prompt's attention grows: engine/batched/scheduler.py): their gap between tokens while a long prompt prefills
+    # stays a few decode steps. 0: no limit.
+    prefill_chunk_tokens: int = 64
     kv_cache_tokens: int = 8192
     prefix_cache: bool = True
     queue_timeout_seconds: float = 30.0

@@ -71,3 +71,12 @@ async def test_a_long_prompt_alone_takes_the_whole_token_budget(engine: BatchedE
     assert finished.usage.completion_tokens == 2
     # A step that produced no token is not counted; the prompt's steps end in the first token's step.
     assert engine.stats().steps - steps == 2
+
+
+def test_a_chunk_shrinks_as_a_long_prompts_attention_grows() -> None:
+    from ttft_sse.engine.batched.scheduler import CHUNK_CONTEXT, MIN_CHUNK, chunk_rows
+
+    assert chunk_rows(64, 0) == chunk_rows(64, CHUNK_CONTEXT) == 64
+    assert chunk_rows(64, 2 * CHUNK_CONTEXT) == 32  # twice the keys: half the rows
+    assert chunk_rows(64, 5000) == MIN_CHUNK  # 13 by the proportion, but never below the floor
+    assert chunk_rows(8, 100_000) == 8  # a chunk set below the floor is kept as set

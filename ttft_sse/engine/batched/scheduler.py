@@ -15,6 +15,22 @@ SCHEDULER = "ttft_fifo"
 """The prefix of the scheduler names the engine registers with transformers (see :func:`register_scheduler`)."""
 
 
+CHUNK_CONTEXT = 1024
+"""Prompt tokens already computed up to which a chunk of prefill is ``TTFT_PREFILL_CHUNK_TOKENS`` rows; past it the
+chunk shrinks in proportion, since each of its rows attends to every earlier key (see :func:`chunk_rows`)."""
+MIN_CHUNK = 16
+"""The fewest prompt rows a chunk computes: below it, a step's fixed cost would make a long prompt's prefill crawl."""
+
+
+def chunk_rows(chunk: int, position: int) -> int:
+    """Prompt rows a step computes beside decoding streams, for a prompt with ``position`` tokens computed already:
+    ``chunk`` up to :data:`CHUNK_CONTEXT`, then ``chunk * CHUNK_CONTEXT / position`` (at least :data:`MIN_CHUNK`),
+    so that a chunk's attention, rows times keys, stays about the same however long the prompt grows."""
+    if position <= CHUNK_CONTEXT:
+        return chunk
+    return max(min(chunk, MIN_CHUNK), chunk * CHUNK_CONTEXT // position)
+
+
 @dataclass
 class PrefixCounters:
     """Written by the loop's scheduler, read by :meth:`BatchedEngine.stats`. They outlive a restarted loop."""
@@ -69,11 +85,14 @@ def register_scheduler(counters: PrefixCounters, *, paged: bool) -> str:
             if decoding and in_place is not None and in_place.between is not None:
                 in_place.between(in_place)
             if decoding and counters.prefill_chunk:
-                # Chunked prefill: beside streams that decode, a step computes at most ``prefill_chunk`` prompt
-                # tokens, so a long prompt cannot hold their next token for the time of a long chunk; it is computed
-                # over more steps, each as short as a decode step plus that chunk. Alone, a prompt takes the whole
-                # budget.
-                token_budget = min(token_budget, decoding + counters.prefill_chunk)
+                # Chunked prefill: beside streams that decode, a step computes at most a chunk of prompt tokens, so a
+                # long prompt cannot hold their next token for the time of a long chunk; it is computed over more
+                # steps, each as short as a decode step plus that chunk. Alone, a prompt takes the whole budget.
+                deepest = max(
+                    (s.position_offset for s in self.active_requests.values() if s.status == RequestStatus.PREFILLING),
+                    default=0,
+                )
+                token_budget = min(token_budget, decoding + chunk_rows(counters.prefill_chunk, deepest))
             scheduled = super().schedule_batch(token_budget, cache_budget)
             if modes is not None and mode is not None and scheduled[0]:
                 modes.saw((future.state.request_id for future in scheduled[0]), mode)
