@@ -17,11 +17,12 @@ from ttft_sse.settings import Settings
 from ttft_sse.stages import StageClock
 
 CHUNK = 16
+BUDGET = 128  # prompt tokens a step (TTFT_BATCH_TOKENS): the long prompt below is longer, the chat one shorter
 
 
 @pytest.fixture(scope="module")
 def engine(settings: Settings) -> Iterator[BatchedEngine]:
-    engine = BatchedEngine(settings.replace(prefill_chunk_tokens=CHUNK))
+    engine = BatchedEngine(settings.replace(prefill_chunk_tokens=CHUNK, batch_tokens=BUDGET))
     engine.load(StageClock())
     yield engine
     asyncio.run(engine.close())
@@ -33,7 +34,7 @@ async def test_a_long_prompt_beside_a_decoding_stream_is_computed_a_chunk_a_step
     """Beside a stream that decodes, each step computes at most CHUNK of the long prompt's tokens, and the stream
     gets a token in every one of those steps; the long prompt's answer is the single engine's all the same."""
     long = engine.prepare(prompt=PASSAGE * 4, messages=None, raw=True)
-    assert long.n_tokens > 300
+    assert long.n_tokens > 300 > BUDGET
     engine.batch_log.clear()
     late: asyncio.Task[tuple[str, Finished]] | None = None
     arrived = 0
@@ -59,6 +60,32 @@ async def test_a_long_prompt_beside_a_decoding_stream_is_computed_a_chunk_a_step
     # many as its prompt has chunks (whatever the prefix cache held of it, at most a few blocks).
     assert all(teller in step for step in log[arrived : first + 1])
     assert first - arrived >= (long.n_tokens - 32) // CHUNK
+    await eventually_idle(engine)
+
+
+async def test_a_prompt_that_fits_a_step_is_computed_in_one_beside_a_decoding_stream(engine: BatchedEngine) -> None:
+    """Chunking is for prompts longer than a step's budget: a chat message's prompt gets its first token in the first
+    step that holds it, as when nothing decodes."""
+    short = engine.prepare(prompt="Once again: " + PASSAGE, messages=None, raw=True)
+    assert CHUNK < short.n_tokens < BUDGET - 8
+    engine.batch_log.clear()
+    late: asyncio.Task[tuple[str, Finished]] | None = None
+    arrived = pieces = 0
+    async with aclosing(engine.stream(prompt_of(engine, STORY), SamplingParams(max_tokens=200))) as story:
+        async for item in story:
+            pieces += isinstance(item, Piece)
+            if pieces == 3:
+                arrived = len(engine.batch_log)
+                late = asyncio.create_task(collect(engine.stream(short, SamplingParams(max_tokens=2))))
+            if late is not None and late.done():
+                break
+    assert late is not None
+    await late
+    log = list(engine.batch_log)
+    teller = log[0][0]
+    (newcomer,) = {rid for step in log for rid in step} - {teller}
+    first = next(i for i, step in enumerate(log) if newcomer in step)
+    assert first - arrived <= 2  # the step in flight, then the one that computed it whole (not one per chunk)
     await eventually_idle(engine)
 
 

@@ -85,18 +85,23 @@ def register_scheduler(counters: PrefixCounters, *, paged: bool) -> str:
             if decoding and in_place is not None and in_place.between is not None:
                 in_place.between(in_place)
             if decoding and counters.prefill_chunk:
-                # Chunked prefill: beside streams that decode, a step computes at most a chunk of prompt tokens, so a
-                # long prompt cannot hold their next token for the time of a long chunk; it is computed over more
-                # steps, each as short as a decode step plus that chunk. Alone, a prompt takes the whole budget.
-                deepest = max(
-                    (s.position_offset for s in self.active_requests.values() if s.status == RequestStatus.PREFILLING),
-                    default=0,
-                )
-                token_budget = min(token_budget, decoding + chunk_rows(counters.prefill_chunk, deepest))
+                token_budget = self._chunked(token_budget, decoding)
             scheduled = super().schedule_batch(token_budget, cache_budget)
             if modes is not None and mode is not None and scheduled[0]:
                 modes.saw((future.state.request_id for future in scheduled[0]), mode)
             return scheduled
+
+        def _chunked(self, token_budget: int, decoding: int) -> int:
+            """Chunked prefill: beside streams that decode, a prompt longer than a step's budget (a document to
+            summarise) is computed a chunk a step to its end, so that it cannot hold their next token for the time of
+            a long pass; it takes more steps, each as short as a decode step plus the chunk. A prompt that fits one
+            step's budget (a chat message, a system prompt) is computed in one step, as alone."""
+            prompts = [s for s in self.active_requests.values() if s.status == RequestStatus.PREFILLING]
+            prompts += list(self.waiting_requests.values())
+            if not any(len(s.initial_tokens) > token_budget - decoding for s in prompts):
+                return token_budget
+            deepest = max((s.position_offset for s in prompts), default=0)
+            return min(token_budget, decoding + chunk_rows(counters.prefill_chunk, deepest))
 
         def _infer_request_tokens(self, state: Any, removed: set[str]) -> Any:
             # A prefix match moves a pending request to PREFILLING here, once.
