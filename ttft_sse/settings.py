@@ -131,7 +131,7 @@ class Settings:
     # Prompt tokens a batched step computes beside streams that are decoding (chunked prefill; fewer once a long
     # prompt's attention grows: engine/batched/scheduler.py): their gap between tokens while a long prompt prefills
     # stays a few decode steps. 0: no limit.
-    prefill_chunk_tokens: int = 64
+    prefill_chunk_tokens: int = 16
     kv_cache_tokens: int = 8192
     prefix_cache: bool = True
     queue_timeout_seconds: float = 30.0
