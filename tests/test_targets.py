@@ -130,3 +130,47 @@ def test_the_degrader_switches_on_a_missed_p99_and_back_after_a_calm_spell() -> 
     targets.observe(Lane.NORMAL, 0.1, 0.1)  # the slow first tokens of before the switch are still in the window,
     degrader.evaluate()  # but they were made in the other mode: no flapping back
     assert not degrader.degraded and degrader.switches == 2
+
+
+def test_better_lanes_arriving_stretch_the_wait_and_can_take_every_slot() -> None:
+    clock = Clock()
+    gate = Gate(slots=2, max_queue=8, timeout=30)
+    targets = Targets({Lane.NORMAL: 5.0}, gate, clock=clock)
+    targets.observe(Lane.NORMAL, 0.1, 0.1)
+    held = [gate.reserve(Lane.NORMAL), gate.reserve(Lane.NORMAL)]
+    for seconds in (1.0, 1.0, 1.0):
+        gate.record_service(seconds, Lane.NORMAL)
+    assert targets.predict(Lane.NORMAL) == pytest.approx(0.5 + 0.1)  # (0 + 1) / 2 slots x 1 s, plus 0.1 s
+    for _ in range(10):  # high requests let through at 1 a second over the last 10 s: they take half the slots
+        targets.check(Lane.HIGH)
+    assert targets.predict(Lane.NORMAL) == pytest.approx(0.5 / (1 - 1.0 * 1.0 / 2) + 0.1)
+    assert targets.predict(Lane.HIGH) == pytest.approx(0.5 + 0.1)  # no lane is better than the high one
+    for _ in range(10):  # now they take every slot: a normal request would never get one
+        targets.check(Lane.HIGH)
+    with pytest.raises(Overloaded, match="cannot come in time"):
+        targets.check(Lane.NORMAL)
+    clock.now += 11  # the high arrivals leave the rate's window
+    assert targets.predict(Lane.NORMAL) == pytest.approx(0.6)
+    for ticket in held:
+        ticket.release()
+
+
+def test_a_queued_request_may_wait_its_target_less_the_first_tokens_own_time() -> None:
+    targets = Targets({Lane.NORMAL: 1.0}, Gate(slots=1, max_queue=1, timeout=30), clock=Clock())
+    assert targets.queue_limit(Lane.LOW) == (None, None)
+    targets.observe(Lane.NORMAL, 0.25, 0.25)
+    wait, late = targets.queue_limit(Lane.NORMAL)
+    assert wait == pytest.approx(0.75) and late is not None
+    refusal = late()
+    assert refusal.code == "first_token_target" and "can no longer come in time after this wait" in str(refusal)
+
+
+async def test_the_gate_ends_a_wait_at_a_tickets_own_deadline_with_its_own_error() -> None:
+    gate = Gate(slots=1, max_queue=2, timeout=30)
+    held = gate.reserve(Lane.NORMAL)
+    queued = gate.reserve(Lane.NORMAL, wait=0.05, late=lambda: Overloaded("late", code="first_token_target"))
+    with pytest.raises(Overloaded) as ended:
+        async for _ in queued.wait():
+            pass
+    assert ended.value.code == "first_token_target" and gate.waiting == 0
+    held.release()

@@ -56,7 +56,16 @@ KEY_LANES: dict[str, Lane] = {lane.label: lane for lane in (Lane.HIGH, Lane.NORM
 class Ticket:
     """One request's claim on the gate. Release it exactly once, admitted or not (``release`` is idempotent)."""
 
-    def __init__(self, gate: Gate, lane: Lane, *, admitted: bool, patient: bool = False) -> None:
+    def __init__(
+        self,
+        gate: Gate,
+        lane: Lane,
+        *,
+        admitted: bool,
+        patient: bool = False,
+        deadline: Callable[[], Unavailable] | None = None,
+        wait: float | None = None,
+    ) -> None:
         self._gate = gate
         self.lane = lane
         self.patient = patient
@@ -65,6 +74,9 @@ class Ticket:
         self.created = time.perf_counter()
         self.admitted_at = self.created if admitted else None
         self._moved = asyncio.Event()
+        # A wait shorter than the gate's, and the error that ends it (a lane's first-token target: ttft_sse/targets.py)
+        self._wait = wait
+        self._late = deadline
 
     @property
     def position(self) -> int:
@@ -81,7 +93,8 @@ class Ticket:
         Raises ``Overloaded`` when the gate's timeout passes first (never for a patient ticket), and the gate's
         refusal when the gate is closed while this ticket waits.
         """
-        deadline = None if self.patient else self.created + self._gate.timeout
+        longest = self._gate.timeout if self._wait is None else min(self._wait, self._gate.timeout)
+        deadline = None if self.patient else self.created + longest
         last = 0
         while not self.admitted:
             if (refusal := self._gate.refusal) is not None:
@@ -101,6 +114,8 @@ class Ticket:
             except TimeoutError:
                 if not self.admitted:
                     self.release()
+                    if self._late is not None and longest < self._gate.timeout:
+                        raise self._late() from None
                     raise Overloaded(
                         f"waited {self._gate.timeout:g} s in the queue without a free generation slot",
                         retry_after=self._gate.retry_after(self.lane),
@@ -151,7 +166,16 @@ class Gate:
     def closed(self) -> bool:
         return self.refusal is not None
 
-    def reserve(self, lane: Lane = Lane.NORMAL, *, patient: bool = False) -> Ticket:
+    def reserve(
+        self,
+        lane: Lane = Lane.NORMAL,
+        *,
+        patient: bool = False,
+        wait: float | None = None,
+        late: Callable[[], Unavailable] | None = None,
+    ) -> Ticket:
+        """A ticket in ``lane``: admitted, queued, or ``Overloaded`` at once. A queued one waits at most the gate's
+        timeout, or ``wait`` seconds where that is shorter; then ``late()`` is raised (else ``Overloaded``)."""
         if self.refusal is not None:
             raise self.refusal()
         # Invariant: a slot free for a lane means nobody of it or a better lane waits (``_leave`` admits the moment
@@ -166,7 +190,7 @@ class Gate:
                 f"retry after {_whole(seconds)} s, or POST the same body to /jobs to run it later",
                 retry_after=seconds,
             )
-        ticket = Ticket(self, lane, admitted=False, patient=patient)
+        ticket = Ticket(self, lane, admitted=False, patient=patient, deadline=late, wait=wait)
         self._lanes[lane].append(ticket)
         self._bounded += not patient
         self._notify_behind(lane)  # everyone in a lower lane just moved back one place
@@ -252,6 +276,10 @@ class Gate:
         """A slot is free for ``lane``: the high lane may take every slot, the others all but the reserved ones."""
         return self.running < (self.slots if lane is Lane.HIGH else self.slots - self.reserved)
 
+    def usable(self, lane: Lane) -> int:
+        """The slots ``lane`` may take: all for the high lane, all but the reserved ones for the others."""
+        return self.slots if lane is Lane.HIGH else self.slots - self.reserved
+
     def slot_wait(self, lane: Lane) -> float | None:
         """Seconds until a newcomer in ``lane`` would have a slot: 0 when one is free for it now; else the requests
         ahead of it served ``slots`` at a time, each for the median hold time; None before any has been measured."""
@@ -261,8 +289,7 @@ class Gate:
         median = self.service_seconds(lane)
         if median is None:
             return None
-        usable = self.slots if lane is Lane.HIGH else self.slots - self.reserved
-        return (ahead + 1) / usable * median
+        return (ahead + 1) / self.usable(lane) * median
 
     def _notify_behind(self, lane: Lane) -> None:
         """Wake every waiter whose position may have changed; each one re-reads it and reports only a change."""

@@ -128,10 +128,13 @@ class Generations:
         """Take a gate ticket in ``caller``'s lane. Job-lane tickets are patient (no deadline, no queue place).
 
         With first-token targets, a request whose first token is predicted past its lane's target is refused here
-        (``Overloaded``), before it takes a slot or a queue place."""
+        (``Overloaded``), before it takes a slot or a queue place; one queued is refused once it has waited as long as
+        its target allows."""
+        wait = late = None
         if self._targets is not None and caller.lane is not Lane.JOBS and record:
             self._targets.check(caller.lane)
-        ticket = self._gate.reserve(caller.lane, patient=caller.lane is Lane.JOBS)
+            wait, late = self._targets.queue_limit(caller.lane)
+        ticket = self._gate.reserve(caller.lane, patient=caller.lane is Lane.JOBS, wait=wait, late=late)
         return Run(
             self._lifecycle,
             self._engine,

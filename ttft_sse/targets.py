@@ -37,6 +37,7 @@ from ttft_sse.gate import KEY_LANES, Gate, Lane
 log = structlog.get_logger("ttft_sse.targets")
 
 WINDOW_SECONDS = 30.0  # first tokens the p99 and the admission-to-first-token estimate are taken over
+RATE_SECONDS = 10.0  # admissions the better lanes' arrival rates are counted over
 MIN_SAMPLES = 10  # first tokens of a lane, in the window, before its p99 can switch the engine to its faster mode
 RECOVER_SECONDS = 10.0  # how long first tokens must stay under MARGIN of their targets before switching back
 MARGIN = 0.7  # of a lane's target, what its first tokens must stay under to switch back
@@ -107,6 +108,7 @@ class Targets:
         self._gate = gate
         self._clock = clock
         self.recent = FirstTokens()
+        self._arrivals: deque[tuple[float, Lane]] = deque()  # (when, lane) of requests let through check()
 
     def now(self) -> float:
         return self._clock()
@@ -118,28 +120,61 @@ class Targets:
         return quantile(seen, 0.9) if seen else None
 
     def predict(self, lane: Lane) -> float | None:
-        """Seconds from now to a newcomer's first token in ``lane``; None while nothing has been measured."""
+        """Seconds from now to a newcomer's first token in ``lane``; None while nothing has been measured.
+
+        Its wait for a slot is the gate's :meth:`~ttft_sse.gate.Gate.slot_wait`, stretched by the better lanes'
+        newcomers, who will be admitted before it while it waits: where they arrive at ``r`` a second and hold a
+        slot ``h`` seconds each, they take ``r * h`` of its lane's ``n`` slots, so the queue ahead drains at
+        ``1 - r * h / n`` of the pace (never, when they take all of it)."""
         engine = self.engine_seconds()
         wait = self._gate.slot_wait(lane)
         if engine is None or wait is None:
             return None
-        return wait + engine
+        if wait == 0:
+            return engine
+        hold = self._gate.service_seconds(lane) or 0.0
+        taken = self._rate_above(lane) * hold / self._gate.usable(lane)
+        return math.inf if taken >= 1 else wait / (1 - taken) + engine
+
+    def _rate_above(self, lane: Lane) -> float:
+        now = self.now()
+        while self._arrivals and self._arrivals[0][0] < now - RATE_SECONDS:
+            self._arrivals.popleft()
+        return sum(other < lane for _, other in self._arrivals) / RATE_SECONDS
 
     def check(self, lane: Lane) -> None:
         """Refuse (``Overloaded``) a newcomer in ``lane`` that would wait for a slot and whose first token is then
         predicted past the lane's target. With a slot free for it, it is admitted: waiting is what refusing at once
         spares a client, and where the engine alone is slower than a target, the degrader is the remedy."""
         target = self.targets.get(lane)
-        if target is None or not self._gate.slot_wait(lane):
-            return
-        predicted = self.predict(lane)
-        if predicted is None or predicted <= target:
-            return
-        raise Overloaded(
-            f"the first token would come in about {predicted * 1000:.0f} ms, past the {lane.label} lane's target of "
-            f"{target * 1000:.0f} ms (TTFT_SLA_MS); retry later, or POST the same body to /jobs to run it when there "
-            "is room",
-            retry_after=max(1.0, predicted - target),
+        if target is not None and self._gate.slot_wait(lane):
+            predicted = self.predict(lane)
+            if predicted is not None and predicted > target:
+                raise self._refusal(lane, target, predicted)
+        self._arrivals.append((self.now(), lane))
+
+    def queue_limit(self, lane: Lane) -> tuple[float | None, Callable[[], Overloaded] | None]:
+        """How long a queued request of ``lane`` may wait for a slot before its first token can no longer meet the
+        target (the target less admission → first token), and the refusal it then gets; (None, None) without a
+        target. The prediction errs; this bounds how long an admitted request is kept waiting."""
+        target = self.targets.get(lane)
+        if target is None:
+            return None, None
+        waited = max(0.0, target - (self.engine_seconds() or 0.0))
+        return waited, lambda: self._refusal(lane, target, None)
+
+    def _refusal(self, lane: Lane, target: float, predicted: float | None) -> Overloaded:
+        """The 503 for ``lane``: at admission, with the ``predicted`` first token; or after a wait, without."""
+        if predicted is None:
+            when, excess = "can no longer come in time after this wait", None
+        elif math.isfinite(predicted):
+            when, excess = f"would come in about {predicted * 1000:.0f} ms", max(1.0, predicted - target)
+        else:
+            when, excess = "cannot come in time (the better lanes take every slot)", None
+        return Overloaded(
+            f"the first token {when}, past the {lane.label} lane's target of {target * 1000:.0f} ms "
+            "(TTFT_SLA_MS); retry later, or POST the same body to /jobs to run it when there is room",
+            retry_after=min(60.0, excess) if excess is not None else self._gate.retry_after(lane),
             code="first_token_target",
         )
 
