@@ -24,7 +24,7 @@ import structlog
 
 from ttft_sse.auth import Caller
 from ttft_sse.engine.base import Engine, Finished, Piece, Prompt, SamplingParams
-from ttft_sse.errors import EngineError, NotReady, PromptTooLong
+from ttft_sse.errors import EngineError, NotReady, Overloaded, PromptTooLong
 from ttft_sse.gate import Gate, Lane, Ticket
 from ttft_sse.lifecycle import Lifecycle
 from ttft_sse.metrics import Metrics, Outcome, outcome_of
@@ -187,6 +187,14 @@ class Run:
         self._ticket.release()
         self._metrics.observe_ended("cancelled")  # a no-op once ``events`` has counted the request
 
+    def _waited_too_long(self, exc: Overloaded) -> None:
+        """A queued request refused at its lane's first-token deadline: a miss, for the targets and the degrader."""
+        if self._targets is not None and exc.code == "first_token_target":
+            self._targets.missed(self.caller.lane, time.perf_counter() - self._arrival)
+            self._metrics.observe_target(self.caller.lane.label, False)
+            if self._degrader is not None:
+                self._degrader.evaluate()
+
     def _first_token(self, at: float) -> None:
         """Record the first token against the lane's target, and let the degrader look at the first tokens."""
         if self._targets is not None:
@@ -204,8 +212,12 @@ class Run:
         finished: Finished | None = None
         metrics = self._metrics
         try:
-            async for position in self._ticket.wait():
-                yield Queued(position)
+            try:
+                async for position in self._ticket.wait():
+                    yield Queued(position)
+            except Overloaded as exc:
+                self._waited_too_long(exc)
+                raise
             queue_s = self._ticket.waited
             metrics.observe_admitted(queue_s)
             if self._lifecycle.cutting:

@@ -71,7 +71,7 @@ class FirstToken:
     at: float  # when it was given (the monotonic clock of :class:`Targets`)
     lane: Lane
     seconds: float  # from the request's arrival
-    engine_seconds: float  # from its admission (a slot)
+    engine_seconds: float | None  # from its admission (a slot); None for a request refused while it waited
 
 
 class FirstTokens:
@@ -116,7 +116,7 @@ class Targets:
     def engine_seconds(self) -> float | None:
         """The 90th percentile of admission → first token over the window; None before any first token."""
         self.recent.trim(self.now())
-        seen = [t.engine_seconds for t in self.recent.since(-math.inf)]
+        seen = [t.engine_seconds for t in self.recent.since(-math.inf) if t.engine_seconds is not None]
         return quantile(seen, 0.9) if seen else None
 
     def predict(self, lane: Lane) -> float | None:
@@ -177,6 +177,11 @@ class Targets:
             retry_after=min(60.0, excess) if excess is not None else self._gate.retry_after(lane),
             code="first_token_target",
         )
+
+    def missed(self, lane: Lane, seconds: float) -> None:
+        """A request of ``lane`` refused after waiting ``seconds`` for a slot: a first token it did not get in time,
+        which the degrader counts like a late one (the prediction let it in; the engine's pace kept it out)."""
+        self.recent.add(FirstToken(self.now(), lane, seconds, None))
 
     def observe(self, lane: Lane, seconds: float, engine_seconds: float) -> bool | None:
         """Record a first token; returns whether it met its lane's target (None for a lane without one)."""
