@@ -66,19 +66,21 @@ def test_the_prediction_is_the_slot_wait_plus_admission_to_first_token() -> None
     targets.check(Lane.NORMAL)
     for engine_seconds in [0.1] * 9 + [0.3]:
         targets.observe(Lane.NORMAL, engine_seconds, engine_seconds)
-    assert targets.engine_seconds() == pytest.approx(0.12)  # p90 of nine 0.1 s and one 0.3 s
-    assert targets.predict(Lane.NORMAL) == pytest.approx(0.12)  # a slot is free
+    assert targets.engine_seconds() == pytest.approx(0.1)  # p90 by nearest rank of nine 0.1 s and one 0.3 s
+    targets.observe(Lane.NORMAL, 0.3, 0.3)
+    assert targets.engine_seconds() == pytest.approx(0.3)  # two of eleven past the 90th percentile's rank
+    assert targets.predict(Lane.NORMAL) == pytest.approx(0.3)  # a slot is free
     held = [gate.reserve(Lane.NORMAL), gate.reserve(Lane.NORMAL)]
     for seconds in (2.0, 2.0, 2.0):
         gate.record_service(seconds, Lane.NORMAL)
     # No slot: the next one frees in about (0 ahead + 1) / 2 slots x 2 s median hold.
-    assert targets.predict(Lane.NORMAL) == pytest.approx(1.0 + 0.12)
+    assert targets.predict(Lane.NORMAL) == pytest.approx(1.0 + 0.3)
     with pytest.raises(Overloaded) as refused:
         targets.check(Lane.NORMAL)
     assert refused.value.code == "first_token_target"
     assert "past the normal lane's target of 1000 ms (TTFT_SLA_MS)" in str(refused.value)
     assert "/jobs" in str(refused.value)
-    assert refused.value.retry_after == pytest.approx(1.0)  # at least a second
+    assert refused.value.retry_after == pytest.approx(1.0)  # at least a second (0.3 s past the target)
     targets.check(Lane.LOW)  # a lane without a target is never refused here
     for ticket in held:
         ticket.release()
@@ -174,3 +176,14 @@ async def test_the_gate_ends_a_wait_at_a_tickets_own_deadline_with_its_own_error
             pass
     assert ended.value.code == "first_token_target" and gate.waiting == 0
     held.release()
+
+
+def test_a_request_refused_at_its_deadline_counts_as_slower_than_any_first_token() -> None:
+    clock = Clock()
+    targets = Targets({Lane.HIGH: 0.3}, Gate(slots=1, max_queue=1, timeout=1), clock=clock)
+    degrader = Degrader(targets, Modes())
+    for _ in range(MIN_SAMPLES - 1):
+        targets.observe(Lane.HIGH, 0.05, 0.05)
+    targets.missed(Lane.HIGH)
+    degrader.evaluate()
+    assert degrader.degraded  # one refusal in ten puts the p99 past the target

@@ -190,7 +190,7 @@ class Run:
     def _waited_too_long(self, exc: Overloaded) -> None:
         """A queued request refused at its lane's first-token deadline: a miss, for the targets and the degrader."""
         if self._targets is not None and exc.code == "first_token_target":
-            self._targets.missed(self.caller.lane, time.perf_counter() - self._arrival)
+            self._targets.missed(self.caller.lane)
             self._metrics.observe_target(self.caller.lane.label, False)
             if self._degrader is not None:
                 self._degrader.evaluate()

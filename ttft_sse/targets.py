@@ -22,7 +22,6 @@ first token between two layers of the step in flight, so a free slot is what a h
 from __future__ import annotations
 
 import math
-import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -93,11 +92,10 @@ class FirstTokens:
 
 
 def quantile(values: Iterable[float], q: float) -> float:
-    """The ``q`` quantile by linear interpolation between ranks (a p99 of few values lies between the two slowest)."""
+    """The ``q`` quantile by nearest rank: one of the values, never between two (a refused request's first token is
+    ``inf``, and counts as slower than any)."""
     ordered = sorted(values)
-    if len(ordered) == 1:
-        return ordered[0]
-    return statistics.quantiles(ordered, n=100, method="inclusive")[round(q * 100) - 1]
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
 
 
 class Targets:
@@ -178,10 +176,10 @@ class Targets:
             code="first_token_target",
         )
 
-    def missed(self, lane: Lane, seconds: float) -> None:
-        """A request of ``lane`` refused after waiting ``seconds`` for a slot: a first token it did not get in time,
-        which the degrader counts like a late one (the prediction let it in; the engine's pace kept it out)."""
-        self.recent.add(FirstToken(self.now(), lane, seconds, None))
+    def missed(self, lane: Lane) -> None:
+        """A request of ``lane`` refused after waiting for a slot: a first token it never got, which the degrader
+        counts as slower than any (the prediction let it in; the engine's pace kept it out)."""
+        self.recent.add(FirstToken(self.now(), lane, math.inf, None))
 
     def observe(self, lane: Lane, seconds: float, engine_seconds: float) -> bool | None:
         """Record a first token; returns whether it met its lane's target (None for a lane without one)."""
