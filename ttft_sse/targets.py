@@ -218,10 +218,10 @@ class Degrader:
             for lane, target in targets.targets.items():
                 seen = [t.seconds for t in targets.recent.since(start, lane)]
                 if len(seen) >= MIN_SAMPLES and (p99 := quantile(seen, 0.99)) > target:
+                    worst = "a refused request's" if math.isinf(p99) else f"{p99 * 1000:.0f} ms"
                     self._switch(
                         True,
-                        f"the {lane.label} lane's first-token p99 is {p99 * 1000:.0f} ms, over its "
-                        f"{target * 1000:.0f} ms target",
+                        f"the {lane.label} lane's first-token p99 is {worst}, over its {target * 1000:.0f} ms target",
                     )
                     return
             return
