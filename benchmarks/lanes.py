@@ -15,64 +15,31 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import signal
-import socket
 import statistics
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import httpx
+from serve import serving
 
-ROOT = Path(__file__).resolve().parent.parent
 HIGH_KEY, NORMAL_KEY = "bench-high-key-01", "bench-normal-key-02"
 PROMPT = "Name three colours of the rainbow."
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 @contextmanager
 def _server(concurrency: int) -> Iterator[str]:
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TTFT_")}
-    env.update(
-        TTFT_API_KEYS=f"{HIGH_KEY}:high,{NORMAL_KEY}:normal",
-        TTFT_MAX_CONCURRENCY=str(concurrency),
-        TTFT_MAX_QUEUE="256",
-        TTFT_QUEUE_TIMEOUT_SECONDS="600",
-        TTFT_THREADS=os.environ.get("TTFT_THREADS", "1"),
-        TTFT_LOG_LEVEL="warning",
-    )
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ttft_sse", "serve", "--port", str(port)], cwd=ROOT, env=env, start_new_session=True
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None:
-                raise SystemExit(f"the server exited with {proc.returncode}")
-            try:
-                if httpx.get(f"{base}/readyz", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise SystemExit("the server did not become ready in 300 s")
-            time.sleep(0.2)
+    with serving(
+        {
+            "TTFT_API_KEYS": f"{HIGH_KEY}:high,{NORMAL_KEY}:normal",
+            "TTFT_MAX_CONCURRENCY": str(concurrency),
+            "TTFT_MAX_QUEUE": "256",
+            "TTFT_QUEUE_TIMEOUT_SECONDS": "600",
+            "TTFT_THREADS": os.environ.get("TTFT_THREADS", "1"),
+        }
+    ) as base:
         yield base
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(60)
 
 
 async def _one(client: httpx.AsyncClient, base: str, lane: str, key: str, max_tokens: int) -> dict[str, Any]:

@@ -16,65 +16,24 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
-import signal
-import socket
-import subprocess
-import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
 import httpx
+from serve import ROOT, serving
 
-ROOT = Path(__file__).resolve().parent.parent
 KEYS = {"high": "bench-high-key-01", "normal": "bench-normal-key-02", "low": "bench-low-key-003"}
 TARGETS = "high:300,normal:1500,low:6000"
 ARMS = {"lanes": {}, "targets": {"TTFT_SLA_MS": TARGETS}, "degrade": {"TTFT_SLA_MS": TARGETS, "TTFT_DEGRADE": "int8"}}
 MIX = ["high", "normal", "normal", "normal", "low"]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-@contextmanager
-def _server(extra: dict[str, str]) -> Iterator[str]:
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TTFT_")}
-    env.update(
-        TTFT_API_KEYS=",".join(f"{key}:{lane}" for lane, key in KEYS.items()),
-        TTFT_MAX_QUEUE="64",
-        TTFT_LOG_LEVEL="warning",
-        **extra,
-    )
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ttft_sse", "serve", "--port", str(port)], cwd=ROOT, env=env, start_new_session=True
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None:
-                raise SystemExit(f"the server exited with {proc.returncode}")
-            try:
-                if httpx.get(f"{base}/readyz", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise SystemExit("the server did not become ready in 300 s")
-            time.sleep(0.2)
-        yield base
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(60)
+def _server(extra: dict[str, str]) -> AbstractContextManager[str]:
+    keys = ",".join(f"{key}:{lane}" for lane, key in KEYS.items())
+    return serving({"TTFT_API_KEYS": keys, "TTFT_MAX_QUEUE": "64", **extra})
 
 
 async def _one(client: httpx.AsyncClient, base: str, lane: str, question: str, max_tokens: int) -> dict[str, Any]:

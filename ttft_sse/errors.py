@@ -33,7 +33,9 @@ hostile value can neither fail to encode nor echo a megabyte back.
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from typing import Any
 
 import structlog
@@ -261,3 +263,16 @@ EXCEPTION_HANDLERS: dict[Any, Any] = {
     HTTPException: _http_error,
     Exception: _unexpected_error,
 }
+
+
+@contextlib.contextmanager
+def redis_unavailable(store: str) -> Iterator[None]:
+    """Translate Redis being down into the service's trouble, not the client's: a 503 naming ``store`` (the job
+    queue, the stream store) with a short Retry-After."""
+    from redis.exceptions import RedisError
+
+    try:
+        yield
+    except RedisError as exc:
+        log.error("redis_unavailable", store=store, error_type=type(exc).__name__, error=str(exc))
+        raise Unavailable(f"{store} (Redis) cannot be reached; try again shortly", retry_after=5) from exc

@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import Awaitable, Iterator
+from collections.abc import Awaitable
 from functools import partial
 from typing import TYPE_CHECKING, Any, cast
 
@@ -37,7 +37,7 @@ import anyio
 import structlog
 
 from ttft_sse.auth import Caller
-from ttft_sse.errors import Conflict, Overloaded, Unavailable
+from ttft_sse.errors import Conflict, Overloaded, Unavailable, redis_unavailable
 from ttft_sse.jobs import Job, is_job_id, new_job_id, unknown
 from ttft_sse.schemas import GenerationRequest
 from ttft_sse.settings import Settings
@@ -145,18 +145,6 @@ def job_from_hash(job_id: str, fields: dict[str, str]) -> Job:
     )
 
 
-@contextlib.contextmanager
-def _redis_errors() -> Iterator[None]:
-    """Redis being down is the service's trouble, not the client's: 503 with a short Retry-After."""
-    from redis.exceptions import RedisError
-
-    try:
-        yield
-    except RedisError as exc:
-        log.error("redis_unavailable", error_type=type(exc).__name__, error=str(exc))
-        raise Unavailable("the job queue (Redis) cannot be reached; try again shortly", retry_after=5) from exc
-
-
 def celery_app(settings: Settings) -> Celery:
     """The Celery app both sides share: the broker is ``TTFT_REDIS_URL``; job state lives in our own keys."""
     from celery import Celery
@@ -206,7 +194,7 @@ class RedisJobs:
 
     async def start(self) -> None:
         try:
-            with _redis_errors():
+            with redis_unavailable("the job queue"):
                 await self._redis.ping()
         except Unavailable:
             pass  # logged; each job request answers 503 until Redis is back
@@ -218,7 +206,7 @@ class RedisJobs:
     async def submit(self, request: GenerationRequest, prepared: Prepared, caller: Caller) -> Job:
         settings = self._settings
         job = Job(id=new_job_id(), status="queued", created=time.time(), owner=caller.key_id)
-        with _redis_errors():
+        with redis_unavailable("the job queue"):
             queued = await self._redis.llen(QUEUE)
             if queued >= settings.max_jobs:
                 raise Overloaded(
@@ -246,7 +234,7 @@ class RedisJobs:
     async def get(self, job_id: str, caller: Caller) -> Job:
         job = await self._load(job_id, caller)
         if job.status == "running":
-            with _redis_errors():
+            with redis_unavailable("the job queue"):
                 beat = await cast(Awaitable[str | None], self._redis.hget(key_of(job_id), "heartbeat"))
             if beat is not None and time.time() - float(beat) > self._settings.job_lease_seconds:
                 # Shown, not stored: the record turns over when another worker takes the job (see module doc).
@@ -256,7 +244,7 @@ class RedisJobs:
 
     async def cancel(self, job_id: str, caller: Caller) -> Job:
         job = await self._load(job_id, caller)
-        with _redis_errors():
+        with redis_unavailable("the job queue"):
             outcome = await self._cancel_script(
                 keys=[key_of(job_id)], args=[repr(time.time()), round(self._settings.job_ttl_seconds)]
             )
@@ -271,7 +259,7 @@ class RedisJobs:
     async def _load(self, job_id: str, caller: Caller) -> Job:
         if not is_job_id(job_id):
             raise unknown(job_id)
-        with _redis_errors():
+        with redis_unavailable("the job queue"):
             fields = await cast(Awaitable[dict[str, str]], self._redis.hgetall(key_of(job_id)))
         if not fields or (fields.get("owner") or None) != caller.key_id:
             raise unknown(job_id)

@@ -40,7 +40,7 @@ import os
 import re
 import secrets
 import socket
-from collections.abc import AsyncGenerator, Iterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from typing import TYPE_CHECKING, cast
 
@@ -50,7 +50,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from ttft_sse.engine.base import Finished, Piece, Usage
-from ttft_sse.errors import Cancelled, Gone, NotFound, Overloaded, ServiceError, Unavailable
+from ttft_sse.errors import Cancelled, Gone, NotFound, Overloaded, ServiceError, Unavailable, redis_unavailable
 from ttft_sse.generation import Queued
 from ttft_sse.settings import Settings
 from ttft_sse.streams import Entry, Item, Position, dropped, resume_point
@@ -175,16 +175,6 @@ def decode(kind: str, data: str) -> Item:
     return ServiceError.from_dict(body)
 
 
-@contextlib.contextmanager
-def _redis_errors() -> Iterator[None]:
-    """Redis being down is the service's trouble, not the client's: 503 with a short Retry-After."""
-    try:
-        yield
-    except RedisError as exc:
-        log.error("redis_unavailable", error_type=type(exc).__name__, error=str(exc))
-        raise Unavailable("the stream store (Redis) cannot be reached; try again shortly", retry_after=5) from exc
-
-
 def _unknown(stream_id: str) -> NotFound:
     return NotFound(f"no stream {stream_id!r}; create one with POST /streams", code="stream_not_found")
 
@@ -239,7 +229,7 @@ class RedisStreams:
         stream_id = secrets.token_urlsafe(12)
         keys = Keys(stream_id)
         try:
-            with _redis_errors():
+            with redis_unavailable("the stream store"):
                 await self._heartbeat()
                 async with self._redis.pipeline(transaction=True) as pipe:
                     pipe.hset(
@@ -264,7 +254,7 @@ class RedisStreams:
         if not STREAM_ID.fullmatch(stream_id):
             raise _unknown(stream_id)
         keys = Keys(stream_id)
-        with _redis_errors():
+        with redis_unavailable("the stream store"):
             async with self._redis.pipeline(transaction=False) as pipe:
                 pipe.hmget(keys.meta, ["state", "last", "why"])
                 pipe.exists(keys.alive, keys.reader)
@@ -292,7 +282,7 @@ class RedisStreams:
         keys = Keys(stream_id)
         token = secrets.token_hex(8)
         lease_ms, grace_ms = round(LEASE_SECONDS * 1000), round(self.grace * 1000)
-        with _redis_errors():
+        with redis_unavailable("the stream store"):
             async with self._redis.pipeline(transaction=False) as pipe:
                 pipe.set(keys.reader, token, px=lease_ms, get=True)
                 pipe.pexpire(keys.alive, grace_ms)
@@ -303,7 +293,7 @@ class RedisStreams:
         got = True  # the last read brought entries (none made yet counts as "go on reading")
         try:
             while not self._closing.is_set():
-                with _redis_errors():
+                with redis_unavailable("the stream store"):
                     async with self._redis.pipeline(transaction=False) as pipe:
                         pipe.get(keys.reader)
                         pipe.pexpire(keys.alive, grace_ms)
@@ -326,7 +316,7 @@ class RedisStreams:
                 if queued and int(queued) != told:
                     told = int(queued)
                     yield Queued(told)
-                with _redis_errors():
+                with redis_unavailable("the stream store"):
                     reply: list[tuple[str, list[tuple[str, dict[str, str]]]]] = await self._redis.xread(
                         {keys.events: f"0-{cursor}"}, count=READ_BATCH, block=round(POLL_SECONDS * 1000)
                     )  # type: ignore[assignment]  # redis-py types the RESP2 reply loosely
@@ -354,7 +344,7 @@ class RedisStreams:
         if not STREAM_ID.fullmatch(stream_id):
             raise _unknown(stream_id)
         final = Cancelled(f"stream {stream_id} was deleted; its generation was cancelled", code="cancelled")
-        with _redis_errors():
+        with redis_unavailable("the stream store"):
             was, why = await self._end_stream(stream_id, final, state="gone", why="it was deleted")
         if was == "missing":
             raise _unknown(stream_id)
@@ -482,7 +472,7 @@ class RedisStreams:
             f"the answer is incomplete: start a new stream",
             code="owner_lost",
         )
-        with _redis_errors():
+        with redis_unavailable("the stream store"):
             was, _ = await self._end_stream(stream_id, final, state="ended", why="")
         if was == "live":
             log.warning("stream_owner_lost", stream_id=stream_id, owner=owner)
