@@ -337,7 +337,7 @@ def _attach(layer: Any, torch: Any, head: Any, tail: Any, whole: Any) -> None:
     attention, config = layer.self_attn, layer.self_attn.config
 
     def linear(module: Any) -> Linear:
-        # fp32 rows: codes, scales and zeros (kernel.panels); int8 rows: the records alone (kernel.records).
+        # fp32 rows: codes, scales and zeros (layouts.panels); int8 rows: the records alone (layouts.records).
         int8 = module.activations == "int8"
         pointers = [a.data_ptr() for a in module.arrays]
         codes, scales, zeros = (pointers[0], 0, 0) if int8 else pointers

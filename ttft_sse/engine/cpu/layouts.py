@@ -1,0 +1,81 @@
+"""A weight's codes in the block kernel's layouts (kernel.c): panels of 16 outputs for fp32 rows, records for int8
+rows; and whether the records can hold a weight exactly."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from ttft_sse.engine.cpu import codes as gguf_codes
+
+PANEL = 16
+"""Outputs a panel of kernel.c's layout."""
+
+
+def panels(codes: gguf_codes.Codes) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.float32], npt.NDArray[np.float32]]:
+    """``codes`` in kernel.c's layout: panels of :data:`PANEL` outputs (the last one padded with zero weights), the
+    codes of each input's 16 outputs side by side (4-bit ones two inputs a byte, plus 8), and a block's 16 scales
+    and zeros likewise."""
+    out, inputs = codes.q.shape
+    padded = _padded(out)
+    q = np.zeros((padded, inputs), np.int8)
+    q[:out] = codes.q
+    by_input = q.reshape(padded // PANEL, PANEL, inputs).transpose(0, 2, 1)  # panels x inputs x 16
+    if codes.bits == 4:
+        unsigned = (by_input.astype(np.int16) + 8).astype(np.uint8)
+        packed = unsigned[:, 0::2] | (unsigned[:, 1::2] << 4)
+    else:
+        packed = by_input.view(np.uint8)
+    scales, zeros = (_by_panel(values, np.float32) for values in (codes.scale, codes.zero))
+    return np.ascontiguousarray(packed), scales, zeros
+
+
+def records(codes: gguf_codes.Codes) -> npt.NDArray[np.uint8]:
+    """``codes`` in the int8 kernel's layout (kernel.c): panels of :data:`PANEL` outputs (the last one padded with
+    zero weights), each a record a block of 32 inputs: the unsigned codes four inputs a lane (4-bit ones: inputs
+    8g..8g+3 in the low nibbles, 8g+4..8g+7 in the high ones), then the 16 scales and the 16 offsets in fp16
+    (w = scale * code + offset; both are the file's own fp16 values)."""
+    out, inputs = codes.q.shape
+    padded, blocks = _padded(out), inputs // gguf_codes.BLOCK
+    unsigned = np.zeros((padded, inputs), np.uint8)
+    shift = 8 if codes.bits == 4 else 128
+    unsigned[:out] = (codes.q.astype(np.int16) + shift).astype(np.uint8)
+    lanes: npt.NDArray[np.integer[Any]]  # uint8 (numpy types the shifted nibbles as signed)
+    if codes.bits == 4:
+        pairs = unsigned.reshape(padded // PANEL, PANEL, inputs // 8, 2, 4)  # panel, output, group, half, input
+        lanes = (pairs[:, :, :, 0] | (pairs[:, :, :, 1] << 4)).transpose(0, 2, 1, 3)  # panel, group, output, input
+    else:
+        lanes = unsigned.reshape(padded // PANEL, PANEL, inputs // 4, 4).transpose(0, 2, 1, 3)
+    by_block = np.ascontiguousarray(lanes).reshape(padded // PANEL, blocks, -1)
+    offset = codes.zero - shift * codes.scale
+    scales, offsets = (_by_panel(values, np.float16).view(np.uint8) for values in (codes.scale, offset))
+    return np.ascontiguousarray(np.concatenate([by_block, scales, offsets], axis=2))
+
+
+def in_records(codes: gguf_codes.Codes) -> bool:
+    """Whether :func:`records` holds ``codes``' weights exactly: every scale and offset an fp16 value, and each
+    offset plus the codes' shift times the scale the zero (Q4_0, Q4_1, Q5_0 and Q8_0 as the file stores them; not a
+    K-quant's ``d*sc``, of up to 17 bits, nor Q5_1's ``m - 112*d``)."""
+    shift = 8 if codes.bits == 4 else 128
+    offset = codes.zero - shift * codes.scale
+    with np.errstate(over="ignore", invalid="ignore"):
+        if not all(np.array_equal(v.astype(np.float16).astype(np.float32), v) for v in (codes.scale, offset)):
+            return False
+    restored = offset.astype(np.float64) + shift * codes.scale.astype(np.float64)  # exact: fp16 values
+    return np.array_equal(restored, codes.zero.astype(np.float64))
+
+
+def _padded(outputs: int) -> int:
+    """``outputs`` rounded up to whole panels."""
+    return -(-outputs // PANEL) * PANEL
+
+
+def _by_panel(per_block: npt.NDArray[np.float32], dtype: type[np.floating[Any]]) -> npt.NDArray[Any]:
+    """A value per output and block (outputs x blocks) as ``dtype``, panel by panel: panels x blocks x 16, the
+    padding outputs zero."""
+    out, blocks = per_block.shape
+    full = np.zeros((_padded(out), blocks), dtype)
+    full[:out] = per_block
+    return np.ascontiguousarray(full.reshape(-1, PANEL, blocks).transpose(0, 2, 1))
