@@ -8,7 +8,7 @@
 ``single``     one ``model.generate`` per request in a worker thread (GPU, other models, seeded requests)
 ``loading/``   where weights come from (``sources``) and how a model is loaded and laid out (``model``)
 ``batched/``   concurrent requests in one forward pass per step (transformers' continuous batching, with our
-               scheduler, token selection and library hooks), and first tokens beside the batch
+               scheduler, token selection, modes and library hooks), and first tokens beside the batch
                (``interlude``: between two layers of the step in flight; ``prefill``: a second process)
 ``cpu/``       the C kernels and their Python wrappers: block kernel over a GGUF's own blocks (``kernel``,
                ``codes``), decoder layers in C (``decoder``), attention request by request over the KV cache in
