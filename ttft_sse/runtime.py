@@ -52,7 +52,6 @@ from ttft_sse.generation import Generations
 from ttft_sse.jobs import EmbeddedJobs, JobStore
 from ttft_sse.lifecycle import Lifecycle
 from ttft_sse.metrics import Metrics
-from ttft_sse.redis_streams import RedisStreams
 from ttft_sse.schemas import GenerationRequest
 from ttft_sse.settings import Settings
 from ttft_sse.streams import Streams, StreamStore
@@ -217,6 +216,8 @@ class Runtime:
 def _stream_store(settings: Settings) -> StreamStore:
     """With a Redis URL, streams live in Redis, so that any replica sharing it can resume or delete them."""
     if settings.redis_url:
+        from ttft_sse.redis_streams import RedisStreams  # imports redis: only when asked for
+
         return RedisStreams(settings)
     return Streams(
         grace=settings.resume_grace_seconds,
