@@ -153,8 +153,9 @@ def test_unknown_and_malformed_ids_are_refused_alike_on_every_server(pair: Pair)
 def test_the_buffer_bound_holds_in_redis_as_in_memory(pair: Pair) -> None:
     stream_id = pair.create(pair.a)
     eventually(lambda: pair.engine_a.generated == [len(WORDS)])
-    too_old = pair.client.get(f"{pair.b}/streams/{stream_id}", headers={"Last-Event-ID": f"{stream_id}.7"})
+    # The tail first: it follows until the final event is in Redis (the engine's count comes before that write).
     tail = pair.read(pair.b, stream_id, last=f"{stream_id}.8")
+    too_old = pair.client.get(f"{pair.b}/streams/{stream_id}", headers={"Last-Event-ID": f"{stream_id}.7"})
     assert too_old.status_code == 410
     assert too_old.json()["error"]["code"] == "events_dropped"
     assert "keeps the last 4 events (from 9 now)" in too_old.json()["error"]["message"]
