@@ -19,27 +19,13 @@ import httpx
 import pytest
 import redis
 
-from tests.support.processes import redis_server, wait_until
+from tests.support.processes import wait_until
 from tests.support.servers import free_port, running
 from ttft_sse.app import create_app
 from ttft_sse.engine.fake import FakeEngine
 from ttft_sse.redis_jobs import QUEUE, key_of
 from ttft_sse.settings import Settings
 from ttft_sse.worker import JobRunner
-
-
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    with redis_server(tmp_path_factory.mktemp("redis")) as url:
-        yield url
-
-
-@pytest.fixture
-def r(redis_url: str) -> Iterator[redis.Redis]:
-    client = redis.Redis.from_url(redis_url, decode_responses=True)
-    client.flushdb()
-    yield client
-    client.close()
 
 
 def settings_for(url: str, **changes: Any) -> Settings:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -19,7 +18,6 @@ import redis
 from tests.integration.test_page import LATEST, ask, expect_state, latest, shown
 from tests.support.browser import chromium
 from tests.support.nginx import nginx
-from tests.support.processes import redis_server
 from tests.support.servers import SSEEvent, StreamReader, eventually, fake_app, free_port, parse_sse, running
 from tests.support.tcpproxy import tcp_proxy
 from ttft_sse.engine.base import Piece
@@ -28,20 +26,6 @@ from ttft_sse.redis_streams import LEASE_SECONDS, POLL_SECONDS, Keys, encode
 
 WORDS = tuple(f" w{i}" for i in range(12))
 TEXT = "".join(WORDS)
-
-
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    with redis_server(Path(tmp_path_factory.mktemp("redis"))) as url:
-        yield url
-
-
-@pytest.fixture
-def r(redis_url: str) -> Iterator[redis.Redis]:
-    client = redis.Redis.from_url(redis_url, decode_responses=True)
-    client.flushdb()
-    yield client
-    client.close()
 
 
 class Pair:
