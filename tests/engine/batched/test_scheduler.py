@@ -5,12 +5,13 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterator
 from contextlib import aclosing
+from dataclasses import dataclass
 
 import pytest
 
 from tests.support.engines import collect, eventually_idle, prompt_of
 from tests.support.texts import PASSAGE, STORY
-from ttft_sse.engine.base import Finished, Piece, SamplingParams
+from ttft_sse.engine.base import Finished, Piece, Prompt, SamplingParams
 from ttft_sse.engine.batched.engine import BatchedEngine
 from ttft_sse.engine.single import SingleEngine
 from ttft_sse.settings import Settings
@@ -28,6 +29,43 @@ def engine(settings: Settings) -> Iterator[BatchedEngine]:
     asyncio.run(engine.close())
 
 
+@dataclass(frozen=True)
+class Beside:
+    """A newcomer sent while a story streams: its answer, and the step log from its arrival."""
+
+    text: str
+    steps: list[tuple[str, ...]]  # the request ids that got a token, step by step, from the newcomer's arrival
+    teller: str  # the story's request id
+    newcomer: str
+
+    @property
+    def first(self) -> int:
+        """Steps from the newcomer's arrival to the one that gave its first token."""
+        return next(i for i, step in enumerate(self.steps) if self.newcomer in step)
+
+
+async def beside_a_story(engine: BatchedEngine, newcomer: Prompt, max_tokens: int) -> Beside:
+    """Stream a long story; after its third piece send ``newcomer``; stop the story once the newcomer has ended."""
+    engine.batch_log.clear()
+    late: asyncio.Task[tuple[str, Finished]] | None = None
+    arrived = pieces = 0
+    async with aclosing(engine.stream(prompt_of(engine, STORY), SamplingParams(max_tokens=600))) as story:
+        async for item in story:
+            pieces += isinstance(item, Piece)
+            if pieces == 3:
+                arrived = len(engine.batch_log)
+                late = asyncio.create_task(collect(engine.stream(newcomer, SamplingParams(max_tokens=max_tokens))))
+            if late is not None and late.done():
+                break
+    assert late is not None
+    text, _ = await late
+    await eventually_idle(engine)
+    log = list(engine.batch_log)
+    teller = log[0][0]
+    (other,) = {rid for step in log for rid in step} - {teller}
+    return Beside(text, log[arrived:], teller, other)
+
+
 async def test_a_long_prompt_beside_a_decoding_stream_is_computed_a_chunk_a_step(
     engine: BatchedEngine, reference: SingleEngine
 ) -> None:
@@ -35,32 +73,13 @@ async def test_a_long_prompt_beside_a_decoding_stream_is_computed_a_chunk_a_step
     gets a token in every one of those steps; the long prompt's answer is the single engine's all the same."""
     long = engine.prepare(prompt=PASSAGE * 4, messages=None, raw=True)
     assert long.n_tokens > 300 > BUDGET
-    engine.batch_log.clear()
-    late: asyncio.Task[tuple[str, Finished]] | None = None
-    arrived = 0
-    pieces = 0
-    async with aclosing(engine.stream(prompt_of(engine, STORY), SamplingParams(max_tokens=600))) as story:
-        async for item in story:
-            pieces += isinstance(item, Piece)
-            if pieces == 3:
-                arrived = len(engine.batch_log)
-                late = asyncio.create_task(collect(engine.stream(long, SamplingParams(max_tokens=8))))
-            if late is not None and late.done():
-                break
-    assert late is not None
-    text, _ = await late
+    seen = await beside_a_story(engine, long, max_tokens=8)
     expected, _ = await collect(reference.stream(long, SamplingParams(max_tokens=8)))
-    assert text == expected
-
-    log = list(engine.batch_log)
-    teller = log[0][0]
-    (newcomer,) = {rid for step in log for rid in step} - {teller}
-    first = next(i for i, step in enumerate(log) if newcomer in step)
+    assert seen.text == expected
     # Every step from the newcomer's arrival to its first token decoded the story too, and there were at least as
     # many as its prompt has chunks (whatever the prefix cache held of it, at most a few blocks).
-    assert all(teller in step for step in log[arrived : first + 1])
-    assert first - arrived >= (long.n_tokens - 32) // CHUNK
-    await eventually_idle(engine)
+    assert all(seen.teller in step for step in seen.steps[: seen.first + 1])
+    assert seen.first >= (long.n_tokens - 32) // CHUNK
 
 
 async def test_a_prompt_that_fits_a_step_is_computed_in_one_beside_a_decoding_stream(engine: BatchedEngine) -> None:
@@ -68,25 +87,8 @@ async def test_a_prompt_that_fits_a_step_is_computed_in_one_beside_a_decoding_st
     step that holds it, as when nothing decodes."""
     short = engine.prepare(prompt="Once again: " + PASSAGE, messages=None, raw=True)
     assert CHUNK < short.n_tokens < BUDGET - 8
-    engine.batch_log.clear()
-    late: asyncio.Task[tuple[str, Finished]] | None = None
-    arrived = pieces = 0
-    async with aclosing(engine.stream(prompt_of(engine, STORY), SamplingParams(max_tokens=200))) as story:
-        async for item in story:
-            pieces += isinstance(item, Piece)
-            if pieces == 3:
-                arrived = len(engine.batch_log)
-                late = asyncio.create_task(collect(engine.stream(short, SamplingParams(max_tokens=2))))
-            if late is not None and late.done():
-                break
-    assert late is not None
-    await late
-    log = list(engine.batch_log)
-    teller = log[0][0]
-    (newcomer,) = {rid for step in log for rid in step} - {teller}
-    first = next(i for i, step in enumerate(log) if newcomer in step)
-    assert first - arrived <= 2  # the step in flight, then the one that computed it whole (not one per chunk)
-    await eventually_idle(engine)
+    seen = await beside_a_story(engine, short, max_tokens=2)
+    assert seen.first <= 2  # the step in flight, then the one that computed it whole (not one per chunk)
 
 
 async def test_a_long_prompt_alone_takes_the_whole_token_budget(engine: BatchedEngine) -> None:
