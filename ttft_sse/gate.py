@@ -240,15 +240,12 @@ class Gate:
     def retry_after(self, lane: Lane = Lane.NORMAL) -> float:
         """Seconds until a newcomer in ``lane`` would likely get a slot.
 
-        Everyone already waiting in its lane or a better one goes first; the slots serve them ``slots`` at a
-        time, each for the median hold time (:meth:`service_seconds`). One second until a generation has been
-        measured; never more than :data:`MAX_RETRY_AFTER_SECONDS`.
+        Everyone already waiting in its lane or a better one goes first; the slots it may take serve them that
+        many at a time, each for the median hold time (:meth:`service_seconds`). One second until a generation has
+        been measured; never more than :data:`MAX_RETRY_AFTER_SECONDS`.
         """
-        ahead = sum(len(self._lanes[other]) for other in Lane if other <= lane)
-        median = self.service_seconds(lane)
-        if median is None:
-            return 1.0
-        return min(MAX_RETRY_AFTER_SECONDS, max(1.0, (ahead + 1) / self.slots * median))
+        wait = self._queue_wait(lane)
+        return 1.0 if wait is None else min(MAX_RETRY_AFTER_SECONDS, max(1.0, wait))
 
     def _leave(self, ticket: Ticket) -> None:
         if ticket.admitted:
@@ -283,13 +280,18 @@ class Gate:
     def slot_wait(self, lane: Lane) -> float | None:
         """Seconds until a newcomer in ``lane`` would have a slot: 0 when one is free for it now; else the requests
         ahead of it served ``slots`` at a time, each for the median hold time; None before any has been measured."""
-        ahead = sum(len(self._lanes[other]) for other in Lane if other <= lane)
-        if not ahead and self._free_for(lane):
+        if not self._ahead(lane) and self._free_for(lane):
             return 0.0
+        return self._queue_wait(lane)
+
+    def _ahead(self, lane: Lane) -> int:
+        """Requests waiting in ``lane`` or a better one: those admitted before a newcomer of ``lane``."""
+        return sum(len(self._lanes[other]) for other in Lane if other <= lane)
+
+    def _queue_wait(self, lane: Lane) -> float | None:
+        """Those ahead and the newcomer, served by the slots ``lane`` may take, each for the median hold time."""
         median = self.service_seconds(lane)
-        if median is None:
-            return None
-        return (ahead + 1) / self.usable(lane) * median
+        return None if median is None else (self._ahead(lane) + 1) / self.usable(lane) * median
 
     def _notify_behind(self, lane: Lane) -> None:
         """Wake every waiter whose position may have changed; each one re-reads it and reports only a change."""
