@@ -5,7 +5,7 @@ import asyncio
 import pytest
 
 from ttft_sse.errors import Overloaded, Unavailable
-from ttft_sse.gate import MAX_RETRY_AFTER_SECONDS, Gate, Lane
+from ttft_sse.gate import MAX_RETRY_AFTER_SECONDS, Gate, Lane, queue_seconds
 
 
 async def test_slots_then_queue_then_overload_with_retry_after() -> None:
@@ -199,6 +199,14 @@ def test_retry_after_is_capped() -> None:
     for _ in range(10):
         gate.reserve()
     assert gate.retry_after() == MAX_RETRY_AFTER_SECONDS  # eleven ahead times 50 s would be 550 s
+
+
+def test_queue_seconds_is_the_median_run_times_those_ahead_over_the_servers_within_bounds() -> None:
+    """The estimate jobs' Retry-After comes from (embedded and Redis queues alike)."""
+    assert queue_seconds(3, 2, [4.0, 4.0, 4.0, 400.0]) == 8.0  # (3 + 1) / 2 * median 4 s; the mean would say 208
+    assert queue_seconds(0, 1, []) == 1.0  # nothing measured yet
+    assert queue_seconds(0, 4, [0.2]) == 1.0  # never under a second
+    assert queue_seconds(99, 1, [30.0]) == MAX_RETRY_AFTER_SECONDS
 
 
 def test_retry_after_uses_the_newcomers_lane_and_every_lane_until_it_has_one() -> None:

@@ -29,12 +29,22 @@ import enum
 import statistics
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 
 from ttft_sse.errors import Overloaded, Unavailable
 
 SERVICE_WINDOW = 32  # recent generations of a lane whose slot hold times make its Retry-After estimate
 MAX_RETRY_AFTER_SECONDS = 60.0  # past this an estimate says little; a client should look again by then
+
+
+def queue_seconds(ahead: int, servers: int, durations: Iterable[float]) -> float:
+    """Seconds until a newcomer behind ``ahead`` others is served, ``servers`` at a time, each for the median of
+    ``durations``: at least 1 s (1 s where nothing is measured yet) and at most :data:`MAX_RETRY_AFTER_SECONDS`.
+    The median, so that a few slow runs in the window do not move it. Retry-After for jobs comes from it too."""
+    measured = list(durations)
+    if not measured:
+        return 1.0
+    return min(MAX_RETRY_AFTER_SECONDS, max(1.0, (ahead + 1) / max(1, servers) * statistics.median(measured)))
 
 
 class Lane(enum.IntEnum):

@@ -30,7 +30,7 @@ import structlog
 from ttft_sse.auth import Caller
 from ttft_sse.engine.base import Finished, Piece
 from ttft_sse.errors import Conflict, NotFound, Overloaded, ServiceError
-from ttft_sse.gate import Lane
+from ttft_sse.gate import Lane, queue_seconds
 from ttft_sse.generation import Generations, Prepared
 from ttft_sse.schemas import GenerationRequest
 from ttft_sse.settings import Settings
@@ -198,9 +198,8 @@ class EmbeddedJobs:
         return job
 
     def retry_after(self) -> float:
-        """Queued jobs ahead, run ``job_runners`` at a time, times the mean of recent job run times."""
-        mean = sum(self._durations) / len(self._durations) if self._durations else 1.0
-        return max(1.0, (self._queued + 1) / self._settings.job_runners * mean)
+        """Queued jobs ahead, run ``job_runners`` at a time, each for the median of recent job run times."""
+        return queue_seconds(self._queued, self._settings.job_runners, self._durations)
 
     def _entry(self, job_id: str, caller: Caller) -> _Entry:
         self._expire()

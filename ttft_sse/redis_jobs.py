@@ -38,6 +38,7 @@ import structlog
 
 from ttft_sse.auth import Caller
 from ttft_sse.errors import Conflict, Overloaded, Unavailable, redis_unavailable
+from ttft_sse.gate import queue_seconds
 from ttft_sse.jobs import Job, is_job_id, new_job_id, unknown
 from ttft_sse.schemas import GenerationRequest
 from ttft_sse.settings import Settings
@@ -267,8 +268,7 @@ class RedisJobs:
 
     async def _retry_after(self, queued: int) -> float:
         recent = await cast(Awaitable[list[str]], self._redis.lrange(DURATIONS, 0, DURATION_WINDOW - 1))
-        mean = sum(float(x) for x in recent) / len(recent) if recent else 1.0
-        return max(1.0, (queued + 1) * mean)
+        return queue_seconds(queued, 1, (float(x) for x in recent))
 
 
 # -- the worker side --------------------------------------------------------------------------------------------
