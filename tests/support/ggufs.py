@@ -1,5 +1,5 @@
 """Small GGUF weights made by the tests: blocks quantised by gguf's own quantiser (or, for the K-quants it does not
-quantise, by :func:`quantise_k`, a port of llama.cpp's), and linear layers holding them."""
+quantise, by :func:`quantise_k` and :func:`quantise_q6_k`, ports of llama.cpp's), and linear layers holding them."""
 
 from __future__ import annotations
 
@@ -19,14 +19,20 @@ SUPER = 256
 
 def quantised(shape: tuple[int, int], kind: str, seed: int = 0, sigma: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
     """A random normal ``shape`` weight (standard deviation ``sigma``) quantised as ``kind``: (raw blocks, gguf's
-    dequantisation). gguf quantises the legacy types; :func:`quantise_k` Q4_K and Q5_K; Q6_K's blocks are random
-    bytes with a plausible fp16 scale (:func:`random_q6_k`)."""
-    rng = np.random.default_rng(seed)
-    if kind == "Q6_K":
-        blocks = random_q6_k(shape, rng)
+    dequantisation). gguf quantises the legacy types; :func:`quantise_k` Q4_K and Q5_K; :func:`quantise_q6_k`
+    Q6_K."""
+    data = (np.random.default_rng(seed).standard_normal(shape) * sigma).astype(np.float32)
+    return quantise(data, kind)
+
+
+def quantise(data: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray]:
+    """``data`` (fp32) quantised as ``kind``: (raw blocks, gguf's dequantisation)."""
+    if kind in ("Q4_K", "Q5_K"):
+        blocks = quantise_k(data, kind)
+    elif kind == "Q6_K":
+        blocks = quantise_q6_k(data)
     else:
-        data = (rng.standard_normal(shape) * sigma).astype(np.float32)
-        blocks = quantise_k(data, kind) if kind in ("Q4_K", "Q5_K") else gguf.quants.quantize(data, KINDS[kind])
+        blocks = gguf.quants.quantize(data, KINDS[kind])
     return blocks, gguf.quants.dequantize(blocks, KINDS[kind]).astype(np.float32)
 
 
@@ -99,12 +105,67 @@ def quantise_k(data: np.ndarray, kind: str) -> np.ndarray:
     return np.concatenate(parts, axis=1).reshape(rows, -1)
 
 
-def random_q6_k(shape: tuple[int, int], rng: np.random.Generator) -> np.ndarray:
-    """Q6_K blocks of random codes and 8-bit scales, with an fp16 ``d`` near 1e-3."""
-    rows, inputs = shape
-    blocks = rng.integers(0, 256, size=(rows * inputs // SUPER, 210), dtype=np.uint8)
-    blocks[:, 208:210] = (np.abs(rng.standard_normal((len(blocks), 1))) * 1e-3).astype(np.float16).view(np.uint8)
-    return blocks.reshape(rows, -1)
+def _qx(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
+    """llama.cpp's ``make_qx_quants`` (``rmse_type`` 1, no importance) for rows of 16 values (``x``: n x 16, fp32):
+    each row's scale and codes 0..2*nmax-1 (``w = scale * (l - nmax)``): the first guess ``-nmax / max`` (``max``
+    the value of largest magnitude, the first such), then 18 trial scales, each kept where it explains more of
+    ``sum(x^2 * x * l)`` by least squares weighted by ``x^2``. Sums run input after input, as llama.cpp's do."""
+    f = np.float32
+    largest = x[np.arange(len(x)), np.argmax(np.abs(x), axis=1)]
+    empty = np.abs(largest) < f(1e-15)
+    safe = np.where(empty, f(1), largest)
+    weight = x * x
+
+    def trial(inverse: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        codes = np.clip(np.rint(inverse[:, None] * x), -nmax, nmax - 1).astype(f)
+        sum_lx, sum_l2 = np.zeros(len(x), f), np.zeros(len(x), f)
+        for i in range(x.shape[1]):
+            sum_lx += weight[:, i] * x[:, i] * codes[:, i]
+            sum_l2 += weight[:, i] * codes[:, i] * codes[:, i]
+        return codes, sum_lx, sum_l2
+
+    codes, sum_lx, sum_l2 = trial(f(-nmax) / safe)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        scale = np.where(sum_l2 != 0, sum_lx / sum_l2, f(0)).astype(f)
+    best = scale * sum_lx
+    for step in (*range(-9, 0), *range(1, 10)):
+        candidate, lx, l2 = trial(-(f(nmax) + f(0.1) * f(step)) / safe)
+        better = (l2 > 0) & (lx * lx > best * l2)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            scale = np.where(better, lx / l2, scale).astype(f)
+        best = np.where(better, scale * lx, best)
+        codes = np.where(better[:, None], candidate, codes)
+    return np.where(empty, f(0), scale), np.where(empty[:, None], 0, codes + nmax).astype(np.uint8)
+
+
+def quantise_q6_k(data: np.ndarray) -> np.ndarray:
+    """``data`` (rows x a multiple of 256, fp32) as Q6_K blocks, as llama.cpp's ``quantize_row_q6_K_ref`` (what
+    llama-quantize uses without an importance matrix) makes them: each 16 inputs a scale (:func:`_qx`), each
+    super-block ``d`` (fp16) = the scale of largest magnitude over -128 and the signed 8-bit ``sc`` of each 16
+    inputs, then each value's code ``round(x / (d*sc))`` clamped to -32..31, plus 32."""
+    f = np.float32
+    rows, inputs = data.shape
+    assert inputs % SUPER == 0, f"Q6_K needs whole super-blocks of {SUPER} inputs, not {inputs}"
+    x = data.astype(f).reshape(-1, 16, 16)  # super-blocks x groups x inputs
+    scales, codes = _qx(x.reshape(-1, 16), 32)
+    scales, codes = scales.reshape(-1, 16), codes.reshape(-1, 16, 16)
+    largest = scales[np.arange(len(scales)), np.argmax(np.abs(scales), axis=1)]
+    empty = np.abs(largest) < f(1e-15)
+    inverse = f(-128) / np.where(empty, f(1), largest)
+    d = np.where(empty, f(0), f(1) / inverse).astype(np.float16)
+    sc = np.minimum(127, np.rint(inverse[:, None] * scales)).astype(np.int8)
+    step = d.astype(f)[:, None] * sc.astype(f)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        again = (np.clip(np.rint(x / step[..., None]), -32, 31) + 32).astype(np.uint8)
+    codes = np.where(step[..., None] != 0, again, codes).reshape(-1, 2, 4, 32)  # halves x quarters x inputs
+    codes = np.where(empty[:, None, None, None], 0, codes).astype(np.uint8)
+    low = codes & 0x0F
+    ql = np.concatenate([low[:, :, 0] | (low[:, :, 2] << 4), low[:, :, 1] | (low[:, :, 3] << 4)], axis=2)
+    high = codes >> 4
+    qh = high[:, :, 0] | (high[:, :, 1] << 2) | (high[:, :, 2] << 4) | (high[:, :, 3] << 6)
+    sc = np.where(empty[:, None], 0, sc)
+    parts = [ql.reshape(-1, 128), qh.reshape(-1, 64), sc.view(np.uint8), d.reshape(-1, 1).view(np.uint8)]
+    return np.concatenate(parts, axis=1).reshape(rows, -1)
 
 
 def layers_of(tmp_path: Path) -> tuple[dict[str, Any], Path]:

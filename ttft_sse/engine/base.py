@@ -106,7 +106,7 @@ class ModelInfo:
     # "gguf-blocks+column-major+packed" when some layers are not stored as blocks).
     weights: str = "as loaded"
     # For a GGUF on the block kernel, the path of each GGUF type's linear layers (engine/cpu/kernel.py's by_type),
-    # e.g. {"Q4_K": "blocks: 168", "Q6_K": "fp32: 42 (no kernel layout for 16-input scales)"}; else empty.
+    # e.g. {"Q4_K": "blocks: 168", "F16": "fp32: 42 (not quantised)"}; else empty.
     weights_by_type: dict[str, str] = field(default_factory=dict)
     # The block kernel's helper threads (engine/cpu/kernel.py), 0 without them.
     kernel_helpers: int = 0

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from structlog.testing import capture_logs
 
-from tests.support.ggufs import KINDS, layers_of, quantise_k, quantised, write_gguf
+from tests.support.ggufs import KINDS, layers_of, quantise, quantised, write_gguf
 from ttft_sse.engine.cpu import codes
 
 torch = pytest.importorskip("torch")
@@ -24,6 +24,7 @@ FORMS = [  # type, bits, the codes' range, whether the zeros are nonzero
     ("Q8_0", 8, -127, 127, False),
     ("Q4_K", 4, -8, 7, True),
     ("Q5_K", 8, -16, 15, True),
+    ("Q6_K", codes.SIXTEEN, -32, 31, False),
 ]
 
 
@@ -35,7 +36,8 @@ def test_codes_give_back_the_weight_ggufs_own_dequantisation_gives(
     found = codes.decode(blocks, int(KINDS[kind]), (48, 512))
     assert found.q.shape == (48, 512) and found.q.dtype == np.int8 and found.bits == bits
     assert (int(found.q.min()), int(found.q.max())) == (low, high)  # every code is used
-    assert found.scale.shape == found.zero.shape == (48, 16) and found.scale.dtype == found.zero.dtype == np.float32
+    scales = (48, 512 // found.group)  # Q6_K's cover 16 inputs
+    assert found.scale.shape == found.zero.shape == scales and found.scale.dtype == found.zero.dtype == np.float32
     assert found.dense().tobytes() == want.tobytes()  # every bit, the sign of zero too
     assert np.any(found.zero) == zeros
 
@@ -47,12 +49,12 @@ def test_blocks_of_zeros_keep_ggufs_sign_of_zero(kind: str) -> None:
     -0.0 the second: the layer is matched either way."""
     data = (np.random.default_rng(0).standard_normal((16, 256)) * 0.02).astype(np.float32)
     data[3], data[5, 32:64] = 0, 0
-    blocks = quantise_k(data, kind) if kind in ("Q4_K", "Q5_K") else gguf.quants.quantize(data, KINDS[kind])
-    want = gguf.quants.dequantize(blocks, KINDS[kind]).astype(np.float32)
+    blocks, want = quantise(data, kind)
     found = codes.decode(blocks, int(KINDS[kind]), (16, 256))
     assert found.dense().tobytes() == want.tobytes()
     assert np.all(want[3] == 0) and np.all(want[5, 32:64] == 0)
-    assert np.any(np.signbit(want) & (want == 0)) == (kind in ("Q4_0", "Q5_0"))  # their d = largest / -8 or -16
+    # Q4_0's and Q5_0's d = largest / -8 or -16; Q6_K's d*sc is negative where a group's largest value is positive
+    assert np.any(np.signbit(want) & (want == 0)) == (kind in ("Q4_0", "Q5_0", "Q6_K"))
 
 
 @pytest.mark.parametrize("sigma", [0.02, 1.0])
@@ -96,12 +98,12 @@ def test_packed_codes_are_the_files_own_bytes_and_unpack_to_the_same_codes(kind:
     assert again.q.dtype == np.int8 and np.array_equal(again.q, found.q)
 
 
-@pytest.mark.parametrize("kind", ["Q5_0", "Q5_1", "Q4_K", "Q5_K"])
+@pytest.mark.parametrize("kind", ["Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"])
 def test_packed_codes_of_the_other_types_unpack_to_the_same_codes(kind: str) -> None:
     blocks, _ = quantised((8, 256), kind)
     found = codes.decode(blocks, int(KINDS[kind]), (8, 256))
     packed = found.packed()
-    assert packed.shape == (8, 256 * found.bits // 8)
+    assert packed.shape == (8, 256 * (4 if found.bits == 4 else 8) // 8)
     again = codes.Codes.unpacked(packed, found.scale, found.zero, found.bits)
     assert again.q.dtype == np.int8 and np.array_equal(again.q, found.q)
 
@@ -134,14 +136,14 @@ def test_of_layers_finds_the_layers_the_file_holds_as_blocks(tmp_path: Path) -> 
 
 
 def k_quant_layers(tmp_path: Path) -> tuple[dict[str, Any], Path]:
-    """Layers whose weights a file holds as Q4_K, Q5_K, Q5_0, Q5_1, Q6_K and F16 (the Q5_K rows reordered), and a
-    Q4_K one it does not hold (another weight, quantised with another seed)."""
+    """Layers whose weights a file holds as Q4_K, Q5_K, Q5_0, Q5_1, Q6_K and F16 (the Q5_K and Q6_K rows reordered),
+    and a Q4_K one it does not hold (another weight, quantised with another seed)."""
     path = tmp_path / "k.gguf"
     tensors, layers = {}, {}
     for seed, kind in enumerate(["Q4_K", "Q5_K", "Q5_0", "Q5_1", "Q6_K"]):
         blocks, dense = quantised((32, 256), kind, seed=seed, sigma=0.02)
         tensors[kind.lower()] = (blocks, kind)
-        layers[kind.lower()] = dense[::-1].copy() if kind == "Q5_K" else dense
+        layers[kind.lower()] = dense[::-1].copy() if kind in ("Q5_K", "Q6_K") else dense
     half = np.random.default_rng(9).standard_normal((32, 256)).astype(np.float16)
     tensors["f16"] = (half, "F16")
     layers["f16"] = half.astype(np.float32)
@@ -167,11 +169,12 @@ def test_of_layers_finds_every_layers_type_and_the_codes_of_those_the_kernel_run
         "f16": "F16",
         "elsewhere": codes.UNKNOWN,
     }
-    assert sorted(found.codes) == ["q4_k", "q5_0", "q5_1", "q5_k"]
-    assert {name: c.bits for name, c in found.codes.items()} == {"q4_k": 4, "q5_k": 8, "q5_0": 8, "q5_1": 8}
+    assert sorted(found.codes) == ["q4_k", "q5_0", "q5_1", "q5_k", "q6_k"]
+    bits = {name: c.bits for name, c in found.codes.items()}
+    assert bits == {"q4_k": 4, "q5_k": 8, "q5_0": 8, "q5_1": 8, "q6_k": codes.SIXTEEN}
     for name, got in found.codes.items():
         assert got.dense().tobytes() == layers[name].weight.detach().numpy().tobytes()
-    assert codes.why_not("Q6_K") == "no kernel layout for 16-input scales"
+    assert codes.why_not("Q3_K") == "no kernel layout for 16-input scales and minimums"
     assert codes.why_not("F16") == "not quantised"
     assert codes.why_not(codes.UNKNOWN) == "no matrix of the file holds its rows"
 

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
+from tests.support.ggufs import quantise, write_gguf
 from tests.support.paths import CACHE_DIR
 from tests.support.texts import PASSAGE
 from ttft_sse.engine.cpu import attention, decoder, kernel
@@ -382,3 +383,73 @@ def test_a_probe_that_disagrees_leaves_every_layer_the_librarys(
     assert all(type(layer) is LlamaDecoderLayer and not hasattr(layer, "arithmetic") for layer in layers)
     reason = "the C decoder layer disagrees with the library's on a probe"
     assert logs == [{"event": "decoder_not_fused", "log_level": "warning", "reason": reason}]
+
+
+Q4_K_M = {
+    "q_proj": "Q4_K",
+    "k_proj": "Q4_K",
+    "v_proj": "Q6_K",
+    "o_proj": "Q4_K",
+    "gate_proj": "Q4_K",
+    "up_proj": "Q4_K",
+    "down_proj": "Q6_K",
+}
+"""llama.cpp's Q4_K_M mix of a decoder layer's linear layers (in about half of its layers: the others' attn_v and
+ffn_down are Q4_K too)."""
+
+
+def q4_k_m_model(path: Path) -> Any:
+    """A random 2-layer Llama 256 wide (whole K-quant super-blocks) whose linear layers hold gguf's dequantisation
+    of their weights quantised in the :data:`Q4_K_M` mix, written to a GGUF file at ``path`` (the LM head is not)."""
+    config = transformers.LlamaConfig(
+        vocab_size=96,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    tensors = {}
+    for name, module in model.named_modules():
+        kind = Q4_K_M.get(name.rsplit(".", 1)[-1])
+        if kind is not None:
+            blocks, dense = quantise(module.weight.detach().numpy(), kind)
+            tensors[name] = (blocks, kind)
+            with torch.no_grad():
+                module.weight.copy_(torch.from_numpy(dense))
+    write_gguf(path, tensors)
+    return model
+
+
+def test_a_model_in_the_q4_k_m_mix_is_fused_whole_and_answers_as_its_layers_unfused(
+    library: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its Q6_K attn_v and ffn_down run on the kernel too, so every decoder layer is fused (q/k/v not joined: Q4_K
+    and Q6_K codes differ), and the greedy answer is the one its layers give unfused on the kernel."""
+    if library != kernel.build(DIRECTORY):  # the AVX2 build: apply finds it by its flags
+        monkeypatch.setattr(kernel, "FLAGS", (*kernel.FLAGS, "-mno-avx512f"))
+    path = tmp_path / "q4_k_m.gguf"
+    model = q4_k_m_model(path)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the kernel runs on one
+    try:
+        applied = kernel.apply(model, path, torch, directory=library.parent)
+        unknown = "fp32: 1 (no matrix of the file holds its rows)"  # the LM head
+        assert applied == ("fp32", {"Q4_K": "blocks: 10", "Q6_K": "blocks: 4", "unknown": unknown})
+        prompt = torch.tensor([[1, 17, 5, 60, 33, 8]])
+        with torch.inference_mode():
+            unfused = model.generate(prompt, max_new_tokens=16, do_sample=False, pad_token_id=0)
+        with capture_logs() as logs:
+            assert decoder.fuse(model, torch, library) == 2
+        with torch.inference_mode():
+            fused = model.generate(prompt, max_new_tokens=16, do_sample=False, pad_token_id=0)
+    finally:
+        torch.set_num_threads(threads)
+    assert {"event": "decoder_fused", "log_level": "info", "layers": 2, "of": 2, "one_call": True} in logs
+    assert all(type(layer) is decoder.fused_layer_class() for layer in model.model.layers)
+    assert fused.shape == (1, 22) and len(set(fused[0, 6:].tolist())) > 1
+    assert torch.equal(fused, unfused)

@@ -124,7 +124,7 @@ def test_the_kernels_weights_are_the_files_dequantised_weights_bit_for_bit(
 
 
 @pytest.mark.parametrize("build", ["native", "avx2"])
-@pytest.mark.parametrize("kind", ["Q5_0", "Q5_1", "Q4_K", "Q5_K"])
+@pytest.mark.parametrize("kind", ["Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"])
 def test_the_kernel_runs_q5_and_k_quant_blocks_as_the_files_dequantised_weights(
     kind: str, build: str, avx2_build: Path
 ) -> None:
@@ -232,12 +232,16 @@ def test_a_strided_or_other_dtype_input_gives_what_its_contiguous_fp32_copy_give
     assert double.dtype == torch.float64 and torch.equal(double, want.double())
 
 
-@pytest.mark.parametrize("build", ["native", "avx2", "int8"])
-@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize(
+    ("kind", "build"),
+    [(kind, build) for kind in ("Q4_1", "Q8_0") for build in ("native", "avx2", "int8")]
+    + [("Q6_K", "native"), ("Q6_K", "avx2")],  # Q6_K has no int8 rows (layouts.in_records)
+)
 def test_each_row_is_the_same_bits_whatever_else_the_call_holds(kind: str, build: str, avx2_build: Path) -> None:
     activations = "int8" if build == "int8" else "fp32"
-    layer, _ = block_layer(kind, (70, 576), avx2_build if build == "avx2" else None, activations)
-    x = torch.randn(20, 576)
+    inputs = 512 if kind == "Q6_K" else 576  # whole super-blocks
+    layer, _ = block_layer(kind, (70, inputs), avx2_build if build == "avx2" else None, activations)
+    x = torch.randn(20, inputs)
     with torch.no_grad():
         alone = torch.cat([layer(x[i : i + 1]) for i in range(20)])
         for count in range(2, 21):
@@ -272,17 +276,19 @@ def helped(library: Path, call: Any, *, until: Any) -> kernel.HelperCounts:
     raise AssertionError(f"the helper thread did not take part in 400 calls: {counts}")
 
 
-@pytest.mark.parametrize("activations", ["fp32", "int8"])
-@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize(
+    ("kind", "activations"), [("Q4_1", "fp32"), ("Q4_1", "int8"), ("Q8_0", "fp32"), ("Q8_0", "int8"), ("Q6_K", "fp32")]
+)
 @pytest.mark.parametrize("rows", [1, 4, 5, 8, 37])
 def test_a_call_shared_with_a_helper_thread_gives_the_same_bits_as_alone(
     kind: str, rows: int, activations: str, alone_and_shared: tuple[Path, Path]
 ) -> None:
     alone, shared = alone_and_shared
     seed = rows * 10 + (activations == "int8")
-    blocks, _ = quantised((1000, 576), kind, seed=seed)  # 63 panels, the last 8 outputs of 16 real
-    layers = [block_layer_from(blocks, kind, (1000, 576), library, activations) for library in (alone, shared)]
-    x = torch.from_numpy(np.random.default_rng(seed).standard_normal((rows, 576)).astype(np.float32))
+    inputs = 512 if kind == "Q6_K" else 576  # whole super-blocks
+    blocks, _ = quantised((1000, inputs), kind, seed=seed)  # 63 panels, the last 8 outputs of 16 real
+    layers = [block_layer_from(blocks, kind, (1000, inputs), library, activations) for library in (alone, shared)]
+    x = torch.from_numpy(np.random.default_rng(seed).standard_normal((rows, inputs)).astype(np.float32))
     with torch.no_grad():
         want = layers[0](x)
         before = kernel.helper_counts(shared).by_helpers
@@ -438,7 +444,7 @@ def test_apply_puts_exactly_the_layers_the_file_holds_as_blocks_on_the_kernel(
     rows = "blocks: 1" if activations == "fp32" else "blocks, int8 rows: 1"
     by_type = {"F32": "fp32: 1 (not quantised)", "Q4_1": rows, "Q8_0": rows}
     assert applied == (activations, by_type)
-    blocks = {"event": "weights_blocks", "log_level": "info", "layers": 2, "q4": 1, "q8": 1}
+    blocks = {"event": "weights_blocks", "log_level": "info", "layers": 2, "q4": 1, "q8": 1, "q6": 0}
     assert {**blocks, "activations": activations, "by_type": by_type} in logs
     assert [type(layer).__name__ for layer in model] == ["BlockLinear", "BlockLinear", "Linear"]
     assert [getattr(layer, "activations", None) for layer in model] == [activations, activations, None]
@@ -540,26 +546,22 @@ def test_a_model_of_q5_and_k_quant_layers_runs_on_the_kernel_with_the_fp32_layer
         "Q5_0": "blocks: 1",
         "Q5_1": "blocks: 1",
         "Q5_K": "blocks: 1",
-        "Q6_K": "fp32: 1 (no kernel layout for 16-input scales)",
+        "Q6_K": "blocks: 1",
     }
     assert applied == ("fp32", by_type)
-    blocks = {"event": "weights_blocks", "log_level": "info", "layers": 4, "q4": 1, "q8": 3}
+    blocks = {"event": "weights_blocks", "log_level": "info", "layers": 5, "q4": 1, "q8": 3, "q6": 1}
     assert logs == [{**blocks, "activations": "fp32", "by_type": by_type}]
-    assert [type(layer).__name__ for layer in model] == ["BlockLinear"] * 2 + ["Linear"] + ["BlockLinear"] * 2
-    assert [getattr(layer, "bits", None) for layer in model] == [8, 4, None, 8, 8]
+    assert [type(layer).__name__ for layer in model] == ["BlockLinear"] * 5
+    assert [layer.bits for layer in model] == [8, 4, codes.SIXTEEN, 8, 8]
     with torch.no_grad():
         got = model(x)
         # Each layer on the kernel holds the loaded weight, bit for bit: rows of the identity read it back.
         for layer, weight in zip(model, weights, strict=True):
             assert torch.equal(layer(torch.eye(layer.in_features)), torch.from_numpy(weight).T)
-    # The fp32 layers' outputs in the kernel's order of sums, exactly; the Q6_K layer is torch's own.
+    # The fp32 layers' outputs in the kernel's order of sums, exactly.
     h = x.numpy()
-    for layer, weight in zip(model, weights, strict=True):
-        if type(layer) is torch.nn.Linear:
-            with torch.no_grad():
-                h = layer(torch.from_numpy(h)).numpy()
-        else:
-            h = kernel_product(h, weight)
+    for weight in weights:
+        h = kernel_product(h, weight)
     assert np.array_equal(got.numpy().view(np.uint32), h.view(np.uint32))
     # And in torch's order of sums, the same to fp32's roundings.
     assert float((got - before).abs().max()) <= 1e-5 * float(before.abs().max())
@@ -567,7 +569,7 @@ def test_a_model_of_q5_and_k_quant_layers_runs_on_the_kernel_with_the_fp32_layer
 
 def test_with_int8_rows_layers_whose_scales_are_not_fp16_values_keep_fp32_rows(tmp_path: Path) -> None:
     """Q5_0's scale d and offset -128d are the file's fp16 values: int8 rows. A K-quant's d*sc is not an fp16 value,
-    nor is Q5_1's offset m - 112d: fp32 rows, on the kernel all the same."""
+    nor is Q5_1's offset m - 112d, and Q6_K's scales cover 16 inputs: fp32 rows, on the kernel all the same."""
     skip_without_int8()
     model, path = k_quant_model(tmp_path)
     with capture_logs() as logs:
@@ -578,20 +580,21 @@ def test_with_int8_rows_layers_whose_scales_are_not_fp16_values_keep_fp32_rows(t
         "Q5_0": "blocks, int8 rows: 1",
         "Q5_1": fp32_rows,
         "Q5_K": fp32_rows,
-        "Q6_K": "fp32: 1 (no kernel layout for 16-input scales)",
+        "Q6_K": "blocks, fp32 rows: 1 (a scale each 16 inputs)",
     }
     assert applied == ("int8", by_type)
     assert [entry["event"] for entry in logs] == ["weights_blocks"]
-    assert [getattr(layer, "activations", None) for layer in model] == ["int8", "fp32", None, "fp32", "fp32"]
+    assert [layer.activations for layer in model] == ["int8", "fp32", "fp32", "fp32", "fp32"]
 
 
 def test_the_account_lists_each_path_a_types_layers_take() -> None:
-    kinds = {"a": "Q4_K", "b": "Q4_K", "c": "Q4_K", "d": "Q6_K", "e": codes.UNKNOWN, "f": "Q8_0"}
-    rows = {"a": "int8", "b": "fp32", "f": "int8"}
+    kinds = {"a": "Q4_K", "b": "Q4_K", "c": "Q4_K", "d": "Q6_K", "e": codes.UNKNOWN, "f": "Q8_0", "g": "Q3_K"}
+    rows = {"a": "int8", "b": "fp32", "d": "fp32", "f": "int8"}
     assert kernel.by_type(kinds, rows, "int8") == {
         "Q4_K": "blocks, int8 rows: 1; blocks, fp32 rows: 1 (scales or offsets not fp16 values); "
         "fp32: 1 (its blocks do not give back the loaded weight bit for bit)",
-        "Q6_K": "fp32: 1 (no kernel layout for 16-input scales)",
+        "Q3_K": "fp32: 1 (no kernel layout for 16-input scales and minimums)",
+        "Q6_K": "blocks, fp32 rows: 1 (a scale each 16 inputs)",
         "Q8_0": "blocks, int8 rows: 1",
         "unknown": "fp32: 1 (no matrix of the file holds its rows)",
     }
@@ -600,15 +603,15 @@ def test_the_account_lists_each_path_a_types_layers_take() -> None:
 def test_a_model_with_no_layer_in_a_type_the_kernel_runs_is_left_as_it_was_and_the_log_names_its_types(
     tmp_path: Path,
 ) -> None:
-    path = tmp_path / "q6_k.gguf"
-    blocks, dense = quantised((32, 256), "Q6_K")
-    write_gguf(path, {"only": (blocks, "Q6_K")})
+    path = tmp_path / "f16.gguf"
+    dense = np.random.default_rng(0).standard_normal((32, 256)).astype(np.float16)
+    write_gguf(path, {"only": (dense, "F16")})
     model = torch.nn.Sequential(torch.nn.Linear(256, 32, bias=False))
     with torch.no_grad():
-        model[0].weight.copy_(torch.from_numpy(dense))
+        model[0].weight.copy_(torch.from_numpy(dense.astype(np.float32)))
     with capture_logs() as logs:
         applied = kernel.apply(model, path, torch, directory=DIRECTORY)
-    by_type = {"Q6_K": "fp32: 1 (no kernel layout for 16-input scales)"}
+    by_type = {"F16": "fp32: 1 (not quantised)"}
     assert applied == (None, by_type)
     reason = "no linear weight of the model is stored in a type the kernel runs"
     assert logs == [{"event": "weights_not_blocks", "log_level": "warning", "reason": reason, "by_type": by_type}]
@@ -692,7 +695,7 @@ async def test_the_bundled_model_runs_every_linear_layer_on_the_kernel(settings:
         assert engine.info.weights == "gguf-blocks"
         by_type = {"Q4_1": "blocks: 210", "Q8_0": "blocks: 1"}
         assert engine.info.weights_by_type == by_type
-        blocks = {"event": "weights_blocks", "log_level": "info", "layers": len(on_kernel), "q4": 210, "q8": 1}
+        blocks = {"event": "weights_blocks", "log_level": "info", "layers": len(on_kernel), "q4": 210, "q8": 1, "q6": 0}
         assert {**blocks, "activations": "fp32", "by_type": by_type} in logs
         rows: list[int] = []
         head: list[int] = []

@@ -3,8 +3,8 @@
 transformers loads a GGUF by expanding every weight to fp32 with ``gguf``'s dequantisation (the bundled SmolLM2 is
 Q4_1, its embedding and tied LM head Q8_0). Kept as codes, a weight is 4.5 to 8.5 bits an input instead of 32: what
 a decode step, bound by the bytes it reads, gains by. The engine's kernels (engine/cpu/kernel.py) multiply by
-:class:`Codes`: blocks of 32 inputs, a 4-bit or an 8-bit code an input, one fp32 scale and one fp32 zero a block,
-``w = q * scale + zero`` in one fused multiply-add. These GGUF types are read into that form (:data:`FORMATS`):
+:class:`Codes`: a 4-bit or an 8-bit code an input, one fp32 scale and one fp32 zero a block of 32 inputs (16 for
+Q6_K), ``w = q * scale + zero`` in one fused multiply-add. These GGUF types are read into that form (:data:`FORMATS`):
 
 ====== ====================== =========== ========= ======================
 type   gguf's weight          codes       scale     zero
@@ -16,18 +16,21 @@ Q5_1   ``d*q + m``            8-bit q-16  d         m + 16*d
 Q8_0   ``d*q``                8-bit q     d         -0.0
 Q4_K   ``(d*sc)*q - dmin*m``  4-bit q-8   d*sc      8*(d*sc) - dmin*m
 Q5_K   ``(d*sc)*q - dmin*m``  8-bit q-16  d*sc      16*(d*sc) - dmin*m
+Q6_K   ``(d*sc)*(q-32)``      8-bit q-32  d*sc      -0.0, each 16 inputs
 ====== ====================== =========== ========= ======================
 
 ``d``, ``dmin`` and the legacy types' ``m`` are the file's fp16 values; a K-quant's ``sc`` and ``m`` are its 6-bit
-ones for each 32 inputs of a super-block of 256. A scale is exact in fp32 (11 bits times 6 at most) and so is its
-product with a code (17 bits times 5 at most), so the one rounding of ``fma(code, scale, zero)`` is that of the sum,
+ones for each 32 inputs of a super-block of 256; Q6_K's ``sc`` is a signed byte for each 16 inputs (its codes
+:data:`SIXTEEN`: 8-bit codes, a scale each 16 inputs, no zero). A scale is exact in fp32 (11 bits times 6 at most;
+Q6_K's 11 times 7) and so is its product with a code (17 bits times 5 at most; Q6_K's 18 times 5), so the one
+rounding of ``fma(code, scale, zero)`` is that of the sum,
 as in gguf's ``scale*q + m`` (or ``- dmin*m``): the weights are gguf's bit for bit wherever the zero itself is exact
 in fp32 (two values of a few bits each, of similar size: nearly always), and a zero of -0.0 adds nothing, not even
 to a -0.0 (:class:`Codes`). Where the zero is not exact, the match below finds out, and the layer stays fp32:
 correctness never rests on it.
 
-Other types stay fp32 (:func:`why_not`): Q6_K, Q3_K and Q2_K have a scale for each 16 inputs, which the kernel's
-blocks of 32 cannot hold; the others have no layout here.
+Other types stay fp32 (:func:`why_not`): Q3_K and Q2_K (their 2- and 3-bit codes with a minimum each 16 inputs
+have no layout here), F16, BF16 and F32 (not quantised), and the others.
 
 Layers are matched to the file's tensors by their rows' bits, not by name, so no table of each architecture's names
 is needed, and a row order changed by transformers' loader (q and k) is found too. Only a layer whose codes give
@@ -55,7 +58,11 @@ BLOCK = 32
 """Inputs a block of :class:`Codes` (a K-quant's super-block holds 8 of them)."""
 
 # GGML type ids (gguf.GGMLQuantizationType) of the types read into Codes.
-Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K = 2, 3, 6, 7, 8, 12, 13
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 8, 12, 13, 14
+
+SIXTEEN = 6
+"""The ``bits`` of Q6_K's codes: 8-bit codes (q - 32, of 6 bits), a scale each 16 inputs and no zero (the kernel's
+third layout, kernel.c)."""
 
 
 @dataclass(frozen=True)
@@ -65,7 +72,7 @@ class Format:
     name: str
     inputs: int  # inputs a stored block: 32, or a K-quant's super-block of 256
     size: int  # bytes of a stored block
-    bits: int  # of its codes in Codes: 4 or 8
+    bits: int  # of its codes in Codes: 4, 8, or SIXTEEN
 
 
 FORMATS = {
@@ -76,20 +83,21 @@ FORMATS = {
     Q8_0: Format("Q8_0", 32, 34, 8),  # fp16 d, 32 signed bytes
     Q4_K: Format("Q4_K", 256, 144, 4),  # fp16 d, fp16 dmin, 12 bytes of 6-bit sc and m, 128 bytes of 4-bit codes
     Q5_K: Format("Q5_K", 256, 176, 8),  # as Q4_K, with 32 bytes of fifth bits before the 128 of low nibbles
+    Q6_K: Format("Q6_K", 256, 210, SIXTEEN),  # 128 bytes of low nibbles, 64 of high 2 bits, 16 signed sc, fp16 d
 }
 
 UNKNOWN = "unknown"
 """The type of a layer whose rows no matrix of the file holds."""
 
-_SIXTEEN_INPUT_SCALES = frozenset({"Q2_K", "Q3_K", "Q6_K"})
+_NO_LAYOUT_K = frozenset({"Q2_K", "Q3_K"})
 
 
 def why_not(kind: str) -> str:
     """Why a layer whose weight the file holds as ``kind`` (a GGUF type's name) stays fp32."""
     if kind in {f.name for f in FORMATS.values()}:
         return "its blocks do not give back the loaded weight bit for bit"
-    if kind in _SIXTEEN_INPUT_SCALES:
-        return "no kernel layout for 16-input scales"
+    if kind in _NO_LAYOUT_K:
+        return "no kernel layout for 16-input scales and minimums"
     if kind in ("F32", "F16", "BF16"):
         return "not quantised"
     if kind == UNKNOWN:
@@ -97,15 +105,24 @@ def why_not(kind: str) -> str:
     return "no kernel layout for its blocks"
 
 
+def why_fp32_rows(kind: str) -> str:
+    """Why a layer on the kernel whose weight the file holds as ``kind`` keeps fp32 rows where int8 rows are asked
+    for: the int8 records hold an fp16 scale and offset each 32 inputs (engine/cpu/layouts.py's ``in_records``)."""
+    if kind == FORMATS[Q6_K].name:
+        return "a scale each 16 inputs"
+    return "scales or offsets not fp16 values"
+
+
 @dataclass(frozen=True)
 class Codes:
-    """One weight as codes, ``w = q * scale + zero`` a block of :data:`BLOCK` inputs.
+    """One weight as codes, ``w = q * scale + zero`` a block of :attr:`group` inputs (:data:`BLOCK`, or 16 for
+    :data:`SIXTEEN`).
 
-    ``q``: ``(out, in)`` int8, 4-bit codes less 8 (-8..7) or 8-bit ones (-128..127); ``scale``, ``zero``:
-    ``(out, in // BLOCK)`` float32; ``bits``: 4 or 8. ``q * scale`` is exact, so ``q * scale + zero`` has one
-    rounding, as the kernel's fused multiply-add has. The types whose weight adds nothing to ``d*q`` (Q4_0, Q5_0,
-    Q8_0) have zeros of -0.0: adding -0.0 changes no value, not even a -0.0 (a negative ``d`` times code 0), where
-    adding +0.0 would turn it into +0.0, other bits. The others add theirs, +0.0 included, as gguf does.
+    ``q``: ``(out, in)`` int8, 4-bit codes less 8 (-8..7) or 8-bit ones (-128..127; Q6_K's -32..31); ``scale``,
+    ``zero``: ``(out, in // group)`` float32; ``bits``: 4, 8 or :data:`SIXTEEN`. ``q * scale`` is exact, so ``q * scale
+    + zero`` has one rounding, as the kernel's fused multiply-add has. The types whose weight adds nothing to ``d*q``
+    (Q4_0, Q5_0, Q8_0, Q6_K) have zeros of -0.0: adding -0.0 changes no value, not even a -0.0 (a negative ``d`` times
+    code 0), where adding +0.0 would turn it into +0.0, other bits. The others add theirs, +0.0 included, as gguf does.
     """
 
     q: npt.NDArray[np.int8]
@@ -113,17 +130,22 @@ class Codes:
     zero: npt.NDArray[np.float32]
     bits: int
 
+    @property
+    def group(self) -> int:
+        """Inputs a scale and a zero: :data:`BLOCK`, or 16 for :data:`SIXTEEN`."""
+        return 16 if self.bits == SIXTEEN else BLOCK
+
     def dense(self) -> npt.NDArray[np.float32]:
         """The weight in fp32, as the kernel expands it and as the file's own dequantisation gives it (the table
         above), bit for bit where the zero is exact."""
-        scaled = np.repeat(self.scale, BLOCK, axis=1) * self.q.astype(np.float32)
-        weight: npt.NDArray[np.float32] = scaled + np.repeat(self.zero, BLOCK, axis=1)
+        scaled = np.repeat(self.scale, self.group, axis=1) * self.q.astype(np.float32)
+        weight: npt.NDArray[np.float32] = scaled + np.repeat(self.zero, self.group, axis=1)
         return weight
 
     def packed(self) -> npt.NDArray[np.uint8]:
         """The codes as Q4_0 lays them out in a block, ``(out, in * bits // 8)`` bytes: 4-bit codes (plus 8) two a
         byte, a block's first 16 inputs in the low nibbles and its last 16 in the high ones; 8-bit as is."""
-        if self.bits == 8:
+        if self.bits != 4:
             return self.q.view(np.uint8)
         out = self.q.shape[0]
         blocks = (self.q.astype(np.int16) + 8).astype(np.uint8).reshape(out, -1, 2, BLOCK // 2)
@@ -134,7 +156,7 @@ class Codes:
         cls, packed: npt.NDArray[np.uint8], scale: npt.NDArray[np.float32], zero: npt.NDArray[np.float32], bits: int
     ) -> Codes:
         """The inverse of :meth:`packed`."""
-        if bits == 8:
+        if bits != 4:
             return cls(packed.view(np.int8), scale, zero, bits)
         out = packed.shape[0]
         halves = packed.reshape(out, -1, 1, BLOCK // 2)
@@ -146,8 +168,8 @@ class Codes:
 
     def first(self, inputs: int) -> Codes:
         """The first ``inputs`` columns (whole blocks)."""
-        blocks = -(-inputs // BLOCK)
-        return Codes(self.q[:, : blocks * BLOCK], self.scale[:, :blocks], self.zero[:, :blocks], self.bits)
+        blocks = -(-inputs // self.group)
+        return Codes(self.q[:, : blocks * self.group], self.scale[:, :blocks], self.zero[:, :blocks], self.bits)
 
 
 def _fp16(raw: npt.NDArray[np.uint8], at: int) -> npt.NDArray[np.float32]:
@@ -194,6 +216,8 @@ def decode(blocks: npt.NDArray[np.uint8], kind: int, shape: tuple[int, int]) -> 
     form = FORMATS[kind]
     raw = np.ascontiguousarray(blocks).reshape(out, inputs // form.inputs, form.size)
     values: npt.NDArray[np.integer[Any]]  # each input's unsigned code (uint8: numpy types some as signed)
+    if kind == Q6_K:
+        return _decode_q6_k(raw, out, inputs)
     if kind in (Q4_K, Q5_K):
         scale, minimum = _super_scales(raw)
         if kind == Q4_K:
@@ -221,6 +245,20 @@ def decode(blocks: npt.NDArray[np.uint8], kind: int, shape: tuple[int, int]) -> 
         zero = _fp16(raw, 2) + np.float32(middle) * d  # d*q + m == d*(q - middle) + (m + middle*d)
     q = values.reshape(out, inputs).astype(np.int8) - np.int8(middle)
     return Codes(q, d, zero, form.bits)
+
+
+def _decode_q6_k(raw: npt.NDArray[np.uint8], out: int, inputs: int) -> Codes:
+    """Q6_K super-blocks (``out`` x super-blocks x 210 bytes) as codes, as gguf's ``Q6_K.dequantize_blocks`` reads
+    them: each half of 128 inputs has 64 bytes of low nibbles (inputs 0-63 of the half in the low nibbles, 64-127 in
+    the high ones) and 32 bytes of high 2 bits (input i's in bits 2*(i // 32) of byte i % 32); then 16 signed
+    scales, one each 16 inputs, and the fp16 ``d``. The scale is ``d*sc`` (an exact fp32 product, as gguf's)."""
+    low = raw[..., 0:128].reshape(*raw.shape[:-1], 2, 1, 64) >> np.array([0, 4], np.uint8)[:, None]
+    high = raw[..., 128:192].reshape(*raw.shape[:-1], 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8)[:, None]
+    values = (low & 0x0F).reshape(*raw.shape[:-1], 256) | ((high & 0x03).reshape(*raw.shape[:-1], 256) << 4)
+    scale = _fp16(raw, 208)[..., None] * raw[..., 192:208].view(np.int8).astype(np.float32)
+    q = values.reshape(out, inputs).astype(np.int8) - np.int8(32)
+    scale = scale.reshape(out, -1)
+    return Codes(q, scale, np.full_like(scale, -0.0), SIXTEEN)  # nothing added (Codes)
 
 
 @dataclass(frozen=True)
@@ -329,8 +367,9 @@ class Found:
     codes: dict[str, Codes]
 
 
-CACHE_FILE = "gguf-codes.npz"
-"""Where :func:`of_layers` keeps what it found, by layer name, in the model's converted directory."""
+CACHE_FILE = "gguf-codes-2.npz"
+"""Where :func:`of_layers` keeps what it found, by layer name, in the model's converted directory (its name
+changes with the types read into codes, so that a cache of fewer types is not taken for one of all of them)."""
 
 
 def _load_cached(path: Path | None, layers: dict[str, Any]) -> Found | None:

@@ -1,12 +1,13 @@
 /* fp32 rows times a weight kept in a GGUF file's own blocks, for CPU (ttft_sse/engine/cpu/kernel.py builds it).
 
    y[M,N] = x[M,K] . W[N,K]^T. W's blocks of 32 inputs hold w = q * scale + zero, one scale and one zero a block
-   (q: 4-bit codes less 8, or 8-bit codes). kernel.py lays them out in panels of 16 outputs (N padded to whole
-   panels with zero weights):
+   (q: 4-bit codes less 8, or 8-bit codes); or, with bits SIXTEEN (Q6_K's), w = q * scale with 8-bit codes and one
+   scale each 16 inputs, no zero (the kernel adds -0.0, which changes no value). kernel.py lays them out in panels
+   of 16 outputs (N padded to whole panels with zero weights):
      4-bit codes: panels x K/2 x 16 bytes; byte j of row i holds output j's code for input 2i (low nibble) and for
                   input 2i+1 (high nibble), each plus 8;
-     8-bit codes: panels x K x 16 signed bytes;
-     scale, zero: panels x K/32 x 16 floats.
+     8-bit codes: panels x K x 16 signed bytes (SIXTEEN's too);
+     scale, zero: panels x K/32 x 16 floats (SIXTEEN: scale panels x K/16 x 16 floats, zero unread).
    Each input's 16 weights of a panel are expanded to fp32 (the values transformers' loader gives: q * scale, then
    + zero) and multiplied into 16 outputs at once: out[n] = fma(x[k], w[k][n], out[n]) for k = 0, 1, ..., K-1, from
    zero. That chain is the same whatever M is and wherever a row falls, so a row's result does not depend on the
@@ -26,6 +27,11 @@
 
 #define P 16          /* outputs a panel */
 #define BLOCK 32      /* inputs a block */
+#define SIXTEEN 6     /* bits of Q6_K's layout: 8-bit codes, a scale each 16 inputs, no zero */
+
+/* Inputs a scale (and a zero) covers, and bytes a panel's codes take an input. */
+static inline int64_t scale_inputs(int bits) { return bits == SIXTEEN ? 16 : BLOCK; }
+static inline int64_t code_bytes(int64_t K, int bits) { return bits == 4 ? K * P / 2 : K * P; }
 #define GROUP 3       /* panels expanded into the buffer at a time */
 #define B_COLS 3      /* columns a tile over the buffer */
 
@@ -39,6 +45,7 @@ static inline pv pv_zero(void) { return _mm512_setzero_ps(); }
 static inline pv pv_load(const float *p) { return _mm512_loadu_ps(p); }
 static inline void pv_store(float *p, pv v) { _mm512_storeu_ps(p, v); }
 static inline pv pv_fma(float x, pv w, pv acc) { return _mm512_fmadd_ps(_mm512_set1_ps(x), w, acc); }
+static inline pv pv_set1(float x) { return _mm512_set1_ps(x); }
 /* Longer calls: tiles of up to 8 rows x 3 columns of 16 outputs over the expanded panels: a column is a panel, and
    the panel's helpers serve. */
 #define B_ROWS 8
@@ -83,6 +90,7 @@ static inline void pv_store(float *p, pv v) {
     cv_store(p + CV, v.hi);
 }
 static inline pv pv_fma(float x, pv w, pv acc) { return (pv){cv_fma(x, w.lo, acc.lo), cv_fma(x, w.hi, acc.hi)}; }
+static inline pv pv_set1(float x) { return (pv){_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
 static inline __m256 codes8(__m128i q, __m256 scale, __m256 zero) {
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), scale, zero);
 }
@@ -157,14 +165,14 @@ static inline __attribute__((always_inline)) void fused(int rows, int panels, co
     pv acc[ROWS][PANELS];
     for (int r = 0; r < rows; r++)
         for (int g = 0; g < panels; g++) acc[r][g] = pv_zero();
-    int64_t blocks = K / BLOCK;
+    int64_t inputs = scale_inputs(bits), blocks = K / inputs;
     for (int64_t b = 0; b < blocks; b++) {
         pv s[PANELS], z[PANELS];
         for (int g = 0; g < panels; g++) {
             s[g] = pv_load(scale + (g * blocks + b) * P);
-            z[g] = pv_load(zero + (g * blocks + b) * P);
+            z[g] = bits == SIXTEEN ? pv_set1(-0.0f) : pv_load(zero + (g * blocks + b) * P);
         }
-        for (int64_t i = b * BLOCK / 2; i < (b + 1) * BLOCK / 2; i++) {
+        for (int64_t i = b * inputs / 2; i < (b + 1) * inputs / 2; i++) {
             pv w0[PANELS], w1[PANELS];
             for (int g = 0; g < panels; g++) pair(codes + g * panel_bytes, bits, i, s[g], z[g], &w0[g], &w1[g]);
             for (int r = 0; r < rows; r++)
@@ -199,9 +207,10 @@ static inline __attribute__((always_inline)) void buffered(int rows, int cols, i
 }
 
 static void expand(const uint8_t *codes, int bits, const float *scale, const float *zero, int64_t K, float *w) {
-    for (int64_t b = 0; b < K / BLOCK; b++) {
-        pv s = pv_load(scale + P * b), z = pv_load(zero + P * b);
-        for (int64_t i = b * BLOCK / 2; i < (b + 1) * BLOCK / 2; i++) {
+    int64_t inputs = scale_inputs(bits);
+    for (int64_t b = 0; b < K / inputs; b++) {
+        pv s = pv_load(scale + P * b), z = bits == SIXTEEN ? pv_set1(-0.0f) : pv_load(zero + P * b);
+        for (int64_t i = b * inputs / 2; i < (b + 1) * inputs / 2; i++) {
             pv w0, w1;
             pair(codes, bits, i, s, z, &w0, &w1);
             pv_store(w + 2 * i * P, w0);
@@ -250,7 +259,7 @@ float *ttft_grow(struct ttft_buffer *b, int64_t floats) {
    the range and the tiles, so the results are the same bits however a call's panels are split. */
 static void fp32_panels(const float *x, int64_t M, int64_t K, const uint8_t *codes, int bits, const float *scale,
                         const float *zero, int64_t N, float *y, int64_t p0, int64_t p1, float *buffer) {
-    int64_t panel_bytes = K * P * bits / 8, blocks = K / BLOCK;
+    int64_t panel_bytes = code_bytes(K, bits), blocks = K / scale_inputs(bits); /* blocks: scales a panel's output */
     for (int64_t p = p0; p < p1; p += GROUP) {
         int group = p1 - p < GROUP ? (int)(p1 - p) : GROUP;
         if (M > FUSED_ROWS) {
@@ -300,11 +309,11 @@ static int fp32_buffer(int64_t M, int64_t K, float **buffer) {
 static int shared_fp32(const float *x, int64_t M, int64_t K, const uint8_t *codes, int bits, const float *scale,
                        const float *zero, int64_t N, float *y);
 
-/* Returns 0, or -1 if K is not whole blocks, bits is neither 4 nor 8, or a buffer cannot be allocated. With the
-   helper thread started (ttft_helper_start, below), a call large enough shares its panels with it. */
+/* Returns 0, or -1 if K is not whole blocks, bits is not 4, 8 or SIXTEEN, or a buffer cannot be allocated. With
+   the helper thread started (ttft_helper_start, below), a call large enough shares its panels with it. */
 int ttft_blocks_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, int bits, const float *scale,
                        const float *zero, int64_t N, float *y) {
-    if (K % BLOCK != 0 || (bits != 4 && bits != 8)) return -1;
+    if (K % BLOCK != 0 || (bits != 4 && bits != 8 && bits != SIXTEEN)) return -1;
     if (M <= 0) return 0;
     int shared = shared_fp32(x, M, K, codes, bits, scale, zero, N, y);
     if (shared <= 0) return shared;

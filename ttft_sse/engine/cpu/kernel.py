@@ -2,8 +2,8 @@
 
 A decode step is bound by the bytes it reads. transformers expands a GGUF's quantised weights to fp32, 32 bits an
 input; ``kernel.c`` multiplies fp32 rows by the file's codes instead (engine/cpu/codes.py: Q4_0, Q4_1, Q5_0, Q5_1,
-Q8_0, Q4_K and Q5_K as 4-bit or 8-bit codes), laid out by :func:`panels` in panels of 16 outputs. For each input it
-expands a panel's 16 codes to exactly the fp32 weights transformers' loader gives and multiplies them into 16
+Q8_0, Q4_K, Q5_K and Q6_K as 4-bit or 8-bit codes), laid out by :func:`panels` in panels of 16 outputs. For each
+input it expands a panel's 16 codes to exactly the fp32 weights transformers' loader gives and multiplies them into 16
 outputs with one fused multiply-add, input after input. Decode steps and short prompts gain; long prompts, where
 both are near the core's fp32 peak, lose a little (figures: docs/engine.md).
 
@@ -16,8 +16,8 @@ max|x| / 127, as llama.cpp does for these formats, and multiplies by the codes i
 F16C; laid out by :func:`records`; both builds give the same bits). Each row's result is still independent of the
 others in the call, but not of rounding: an activation that moves by an fp32 rounding can cross a step and move by
 1/127 of its block. So the answers are the int8 model's, not the fp32 model's, hence off by default. The records
-hold scales and offsets in fp16: a layer whose scales or offsets are not fp16 values (a K-quant's ``d*sc``, Q5_1's
-offsets) keeps fp32 rows on the kernel (:func:`in_records`).
+hold scales and offsets in fp16 each 32 inputs: a layer whose scales or offsets are not fp16 values (a K-quant's
+``d*sc``, Q5_1's offsets), or whose scales cover 16 inputs (Q6_K), keeps fp32 rows on the kernel (:func:`in_records`).
 
 ``TTFT_DEGRADE=int8`` keeps fp32 rows as the start-up arithmetic and gives every layer the records too
 (:func:`apply`'s ``degrade``), so that the engine can switch to int8 rows at run time: a thread's passes use them
@@ -237,7 +237,7 @@ def apply(
     degrade: bool = False,
 ) -> Applied:
     """Make every fp32 linear layer of ``model`` whose weight the GGUF file at ``gguf_path`` holds in one of the
-    types engine/cpu/codes.py reads (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K) a ``BlockLinear`` on those codes,
+    types engine/cpu/codes.py reads (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) a ``BlockLinear`` on those codes,
     with the kernel built in ``directory``; the codes are kept in ``cache`` for the next start. ``activations``:
     ``"int8"`` quantises each row per block of 32 inputs first, as llama.cpp does, in each layer whose scales and
     offsets the int8 records hold (:func:`in_records`; the others keep fp32 rows, as all do on a CPU with neither
@@ -304,7 +304,10 @@ def _apply(
         for name, codes in found.codes.items()
     }
     if degrade and (outside := sorted({found.kinds[n] for n, c in found.codes.items() if not in_records(c)})):
-        raise Refused(f"int8 rows cannot hold the scales of the {', '.join(outside)} layers (not fp16 values)")
+        raise Refused(
+            f"int8 rows cannot hold the scales of the {', '.join(outside)} layers (not fp16 values, or one each 16 "
+            "inputs)"
+        )
     changed = [layers[name] for name in found.codes]
     for name, layer in zip(found.codes, changed, strict=True):
         _attach(layer, found.codes[name], library, rows[name], torch, degrade)
@@ -327,20 +330,29 @@ def _apply(
     for layer in changed:
         if id(layer.weight) not in shared:  # never read again: the fp32 weight's memory goes back
             layer.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
-    counts = {bits: sum(codes.bits == bits for codes in found.codes.values()) for bits in (4, 8)}
+    counts = {bits: sum(codes.bits == bits for codes in found.codes.values()) for bits in (4, 8, gguf_codes.SIXTEEN)}
     used = "int8" if "int8" in rows.values() else "fp32"
     paths = by_type(found.kinds, rows, activations)
-    log.info("weights_blocks", layers=len(changed), q4=counts[4], q8=counts[8], activations=used, by_type=paths)
+    log.info(
+        "weights_blocks",
+        layers=len(changed),
+        q4=counts[4],
+        q8=counts[8],
+        q6=counts[gguf_codes.SIXTEEN],
+        activations=used,
+        by_type=paths,
+    )
     return Applied(used, paths)
 
 
 def by_type(kinds: dict[str, str], rows: dict[str, str], asked: str) -> dict[str, str]:
-    """The path of each GGUF type's layers, by the type's name (engine/cpu/codes.py's ``UNKNOWN`` for layers no
-    matrix of the file holds), e.g. ``{"Q4_K": "blocks: 168", "Q6_K": "fp32: 42 (no kernel layout for 16-input
-    scales)"}``. ``kinds``: each layer's type; ``rows``: the rows of each layer on the kernel, ``"fp32"`` or
-    ``"int8"``; ``asked``: the rows asked for. A type whose layers take more than one path lists each, joined by
-    "; ": on the kernel with the rows asked for, then with fp32 rows where int8 ones were asked for but the records
-    do not hold the layer, then fp32 layers, with the reason."""
+    """The path of each GGUF type's layers, by the type's name (engine/cpu/codes.py's ``UNKNOWN`` for layers no matrix
+    of the file holds), e.g. ``{"Q4_K": "blocks: 168", "F16": "fp32: 42 (not quantised)"}``. ``kinds``: each layer's
+    type; ``rows``: the rows of each layer on the kernel, ``"fp32"`` or ``"int8"``; ``asked``: the rows asked for. A
+    type whose layers take more than one path lists each, joined by "; ": on the kernel with the rows asked for, then
+    with fp32 rows where int8 ones were asked for but the records do not hold the layer, then fp32 layers, with the
+    reason.
+    """
     paths: dict[str, Counter[tuple[int, str]]] = {}
     for name, kind in kinds.items():
         row = rows.get(name)
@@ -349,7 +361,7 @@ def by_type(kinds: dict[str, str], rows: dict[str, str], asked: str) -> dict[str
         elif row == asked:
             path = (0, "blocks: {}" if row == "fp32" else "blocks, int8 rows: {}")
         else:
-            path = (1, "blocks, fp32 rows: {} (scales or offsets not fp16 values)")
+            path = (1, f"blocks, fp32 rows: {{}} ({gguf_codes.why_fp32_rows(kind)})")
         paths.setdefault(kind, Counter())[path] += 1
     return {
         kind: "; ".join(text.format(count) for (_, text), count in sorted(counted.items()))

@@ -17,7 +17,8 @@ PANEL = 16
 def panels(codes: gguf_codes.Codes) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.float32], npt.NDArray[np.float32]]:
     """``codes`` in kernel.c's layout: panels of :data:`PANEL` outputs (the last one padded with zero weights), the
     codes of each input's 16 outputs side by side (4-bit ones two inputs a byte, plus 8), and a block's 16 scales
-    and zeros likewise."""
+    and zeros likewise. Q6_K's codes (:data:`~ttft_sse.engine.cpu.codes.SIXTEEN`) have a scale each 16 inputs and
+    no zeros: their zeros are empty (panels x 0 x 16)."""
     out, inputs = codes.q.shape
     padded = _padded(out)
     q = np.zeros((padded, inputs), np.int8)
@@ -29,6 +30,8 @@ def panels(codes: gguf_codes.Codes) -> tuple[npt.NDArray[np.uint8], npt.NDArray[
     else:
         packed = by_input.view(np.uint8)
     scales, zeros = (_by_panel(values, np.float32) for values in (codes.scale, codes.zero))
+    if codes.bits == gguf_codes.SIXTEEN:  # each zero -0.0 (codes.decode), which kernel.c adds without reading it
+        zeros = np.zeros((padded // PANEL, 0, PANEL), np.float32)
     return np.ascontiguousarray(packed), scales, zeros
 
 
@@ -36,7 +39,9 @@ def records(codes: gguf_codes.Codes) -> npt.NDArray[np.uint8]:
     """``codes`` in the int8 kernel's layout (kernel.c): panels of :data:`PANEL` outputs (the last one padded with
     zero weights), each a record a block of 32 inputs: the unsigned codes four inputs a lane (4-bit ones: inputs
     8g..8g+3 in the low nibbles, 8g+4..8g+7 in the high ones), then the 16 scales and the 16 offsets in fp16
-    (w = scale * code + offset; both are the file's own fp16 values)."""
+    (w = scale * code + offset; both are the file's own fp16 values). Codes of 4 or 8 bits only (:func:`in_records`)."""
+    if codes.bits not in (4, 8):
+        raise ValueError(f"int8 records hold codes of 4 or 8 bits with a scale each 32 inputs, not {codes.bits}")
     out, inputs = codes.q.shape
     padded, blocks = _padded(out), inputs // gguf_codes.BLOCK
     unsigned = np.zeros((padded, inputs), np.uint8)
@@ -57,7 +62,10 @@ def records(codes: gguf_codes.Codes) -> npt.NDArray[np.uint8]:
 def in_records(codes: gguf_codes.Codes) -> bool:
     """Whether :func:`records` holds ``codes``' weights exactly: every scale and offset an fp16 value, and each
     offset plus the codes' shift times the scale the zero (Q4_0, Q4_1, Q5_0 and Q8_0 as the file stores them; not a
-    K-quant's ``d*sc``, of up to 17 bits, nor Q5_1's ``m - 112*d``)."""
+    K-quant's ``d*sc``, of up to 17 bits, nor Q5_1's ``m - 112*d``), and a scale each 32 inputs (not Q6_K's each
+    16)."""
+    if codes.bits not in (4, 8):
+        return False
     shift = 8 if codes.bits == 4 else 128
     offset = codes.zero - shift * codes.scale
     with np.errstate(over="ignore", invalid="ignore"):

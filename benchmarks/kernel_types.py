@@ -1,0 +1,112 @@
+"""The block kernel's speed by GGUF type: one linear layer a type, the same shape, on the kernel as the engine puts
+it there (engine/cpu/kernel.py's ``apply``), and torch's fp32 ``nn.Linear`` beside it.
+
+    .venv/bin/python benchmarks/kernel_types.py [--shape 576x1536] [--rows 1,4] [--types Q4_0,Q8_0,Q4_K,Q6_K]
+
+Prints, for each type and row count, the median and the least time a call over ``--repeats`` timed batches (the types
+take turns, batch by batch) and the picoseconds a weight (the median over outputs x inputs). The blocks are random bytes
+with fp16 scales of a plausible size: the kernel's speed does not depend on the values. One torch thread, as the engine
+runs the kernel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+
+from ttft_sse.engine.cpu import kernel
+from ttft_sse.engine.loading.model import KERNEL_DIR
+from ttft_sse.settings import Settings
+
+SCALES = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2)}
+SCALES["Q6_K"] = (208,)  # where each block's fp16 d (and m or dmin) lie
+
+
+def random_blocks(kind: str, outputs: int, inputs: int, rng: np.random.Generator) -> np.ndarray:
+    """Random blocks of ``kind`` for an ``outputs`` x ``inputs`` weight, each fp16 field near 1e-3."""
+    qtype = gguf.GGMLQuantizationType[kind]
+    per_block, size = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, size=(outputs * inputs // per_block, size), dtype=np.uint8)
+    for at in SCALES[kind]:
+        blocks[:, at : at + 2] = (rng.random((len(blocks), 1)) * 1e-3 + 1e-4).astype(np.float16).view(np.uint8)
+    return blocks.reshape(outputs, -1)
+
+
+def layer_of(kind: str, outputs: int, inputs: int, directory: Path, work: Path) -> torch.nn.Module:
+    """A linear layer holding gguf's dequantisation of random ``kind`` blocks, put on the kernel."""
+    blocks = random_blocks(kind, outputs, inputs, np.random.default_rng(0))
+    path = work / f"{kind}.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tensor("weight", blocks, raw_dtype=gguf.GGMLQuantizationType[kind])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    dense = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[kind]).astype(np.float32)
+    model = torch.nn.Sequential(torch.nn.Linear(inputs, outputs, bias=False))
+    with torch.no_grad():
+        model[0].weight.copy_(torch.from_numpy(dense))
+    applied = kernel.apply(model, path, torch, directory=directory)
+    if applied.activations is None:
+        raise SystemExit(f"{kind}: not on the kernel: {applied.by_type}")
+    return model[0]
+
+
+def calls_in(layer: torch.nn.Module, x: torch.Tensor, seconds: float) -> int:
+    """How many calls of ``layer`` on ``x`` take about ``seconds`` (after a warm-up)."""
+    for _ in range(20):
+        layer(x)
+    start, calls = time.perf_counter(), 0
+    while time.perf_counter() - start < seconds:
+        layer(x)
+        calls += 1
+    return calls
+
+
+def timed(layers: dict[str, torch.nn.Module], rows: int, inputs: int, repeats: int) -> dict[str, list[float]]:
+    """Seconds a call of ``rows`` rows of each layer, ``repeats`` batches of about 20 ms each, the layers taking
+    turns batch by batch (so that a busy spell of the machine falls on all of them alike)."""
+    x = torch.randn(rows, inputs)
+    samples: dict[str, list[float]] = {kind: [] for kind in layers}
+    with torch.no_grad():
+        calls = {kind: calls_in(layer, x, 0.02) for kind, layer in layers.items()}
+        for _ in range(repeats):
+            for kind, layer in layers.items():
+                start = time.perf_counter()
+                for _ in range(calls[kind]):
+                    layer(x)
+                samples[kind].append((time.perf_counter() - start) / calls[kind])
+    return samples
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default="576x1536", help="outputs x inputs (inputs: whole super-blocks of 256)")
+    parser.add_argument("--rows", default="1,4", help="rows a call, comma-separated")
+    parser.add_argument("--types", default="Q4_0,Q8_0,Q4_K,Q6_K", help="GGUF types, comma-separated")
+    parser.add_argument("--repeats", type=int, default=15)
+    args = parser.parse_args()
+    outputs, inputs = (int(n) for n in args.shape.split("x"))
+    torch.set_num_threads(1)
+    directory = Settings().cache_dir / KERNEL_DIR
+    with tempfile.TemporaryDirectory() as work:
+        layers = {kind: layer_of(kind, outputs, inputs, directory, Path(work)) for kind in args.types.split(",")}
+        fp32 = torch.nn.Linear(inputs, outputs, bias=False)
+        print(f"{outputs} x {inputs} weight, one thread; {args.repeats} batches a type, taking turns")
+        print(f"{'type':8} {'rows':>4} {'µs median':>10} {'µs least':>9} {'ps a weight (median)':>21}")
+        for rows in (int(n) for n in args.rows.split(",")):
+            for kind, seconds in timed({**layers, "fp32": fp32}, rows, inputs, args.repeats).items():
+                median, least = statistics.median(seconds), min(seconds)
+                weight = median * 1e12 / (outputs * inputs)
+                print(f"{kind:8} {rows:>4} {median * 1e6:>10.1f} {least * 1e6:>9.1f} {weight:>21.2f}")
+
+
+if __name__ == "__main__":
+    main()
