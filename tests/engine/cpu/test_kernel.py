@@ -21,6 +21,7 @@ from tests.support.texts import PASSAGE
 from ttft_sse.engine.base import SamplingParams
 from ttft_sse.engine.batched.engine import BatchedEngine
 from ttft_sse.engine.cpu import attention, codes, kernel
+from ttft_sse.engine.cpu.layouts import records
 from ttft_sse.engine.loading.model import KERNEL_DIR
 from ttft_sse.engine.single import SingleEngine
 from ttft_sse.settings import Settings
@@ -585,6 +586,20 @@ def test_with_int8_rows_layers_whose_scales_are_not_fp16_values_keep_fp32_rows(t
     assert applied == ("int8", by_type)
     assert [entry["event"] for entry in logs] == ["weights_blocks"]
     assert [layer.activations for layer in model] == ["int8", "fp32", "fp32", "fp32", "fp32"]
+
+
+def test_degrade_refuses_a_model_whose_layers_int8_records_cannot_hold_and_names_their_types(tmp_path: Path) -> None:
+    """TTFT_DEGRADE=int8 needs every layer in int8 records too: Q6_K's scales cover 16 inputs and a K-quant's d*sc
+    is not an fp16 value, so the int8 mode cannot exist; the model is left as it was."""
+    skip_without_int8()
+    model, path = k_quant_model(tmp_path)
+    with pytest.raises(kernel.Refused) as refused:
+        kernel.apply(model, path, torch, directory=DIRECTORY, degrade=True)
+    reason = "int8 rows cannot hold the scales of the Q4_K, Q5_1, Q5_K, Q6_K layers (not fp16 values, or one each 16"
+    assert str(refused.value) == f"{reason} inputs)"
+    assert [type(layer) for layer in model] == [torch.nn.Linear] * 5
+    with pytest.raises(ValueError, match="int8 records hold codes of 4 or 8 bits"):
+        records(codes.decode(quantised((16, 256), "Q6_K")[0], int(KINDS["Q6_K"]), (16, 256)))
 
 
 def test_the_account_lists_each_path_a_types_layers_take() -> None:
