@@ -429,18 +429,20 @@ def test_a_model_in_the_q4_k_m_mix_is_fused_whole_and_answers_as_its_layers_unfu
     library: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Its Q6_K attn_v and ffn_down run on the kernel too, so every decoder layer is fused (q/k/v not joined: Q4_K
-    and Q6_K codes differ), and the greedy answer is the one its layers give unfused on the kernel."""
+    and Q6_K codes differ), and the greedy answer is the one its layers give unfused, on the kernel and in torch."""
     if library != kernel.build(DIRECTORY):  # the AVX2 build: apply finds it by its flags
         monkeypatch.setattr(kernel, "FLAGS", (*kernel.FLAGS, "-mno-avx512f"))
     path = tmp_path / "q4_k_m.gguf"
     model = q4_k_m_model(path)
+    prompt = torch.tensor([[1, 17, 5, 60, 33, 8]])
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the kernel runs on one
     try:
+        with torch.inference_mode():
+            plain = model.generate(prompt, max_new_tokens=16, do_sample=False, pad_token_id=0)
         applied = kernel.apply(model, path, torch, directory=library.parent)
         unknown = "fp32: 1 (no matrix of the file holds its rows)"  # the LM head
         assert applied == ("fp32", {"Q4_K": "blocks: 10", "Q6_K": "blocks: 4", "unknown": unknown})
-        prompt = torch.tensor([[1, 17, 5, 60, 33, 8]])
         with torch.inference_mode():
             unfused = model.generate(prompt, max_new_tokens=16, do_sample=False, pad_token_id=0)
         with capture_logs() as logs:
@@ -452,4 +454,4 @@ def test_a_model_in_the_q4_k_m_mix_is_fused_whole_and_answers_as_its_layers_unfu
     assert {"event": "decoder_fused", "log_level": "info", "layers": 2, "of": 2, "one_call": True} in logs
     assert all(type(layer) is decoder.fused_layer_class() for layer in model.model.layers)
     assert fused.shape == (1, 22) and len(set(fused[0, 6:].tolist())) > 1
-    assert torch.equal(fused, unfused)
+    assert torch.equal(fused, unfused) and torch.equal(unfused, plain)

@@ -28,12 +28,12 @@
 #define P 16          /* outputs a panel */
 #define BLOCK 32      /* inputs a block */
 #define SIXTEEN 6     /* bits of Q6_K's layout: 8-bit codes, a scale each 16 inputs, no zero */
-
-/* Inputs a scale (and a zero) covers, and bytes a panel's codes take an input. */
-static inline int64_t scale_inputs(int bits) { return bits == SIXTEEN ? 16 : BLOCK; }
-static inline int64_t code_bytes(int64_t K, int bits) { return bits == 4 ? K * P / 2 : K * P; }
 #define GROUP 3       /* panels expanded into the buffer at a time */
 #define B_COLS 3      /* columns a tile over the buffer */
+
+/* Inputs a scale (and a zero) covers, and bytes a panel's codes take for K inputs. */
+static inline int64_t scale_inputs(int bits) { return bits == SIXTEEN ? 16 : BLOCK; }
+static inline int64_t code_bytes(int64_t K, int bits) { return bits == 4 ? K * P / 2 : K * P; }
 
 #if defined(__AVX512F__)
 /* 16 outputs in one register; tiles of up to 8 rows x 3 panels: 24 accumulators. */
