@@ -246,7 +246,7 @@ class BatchedEngine:
         layers = getattr(self.model.base_model, "layers", [])
         if not self._rows_alone():
             return "they need the block kernel and the C attention (a GGUF model, on CPU, in fp32)"
-        if not layers or not all(isinstance(layer, decoder.fused_layer_class()) for layer in layers):
+        if not layers or not all(isinstance(layer, decoder.FusedLayer) for layer in layers):
             return "they need the decoder layers in C (TTFT_FUSED_LAYERS)"
         if not self._settings.prefix_cache:
             return "they hand their KV to the batch through the prefix cache (TTFT_PREFIX_CACHE)"
