@@ -104,7 +104,7 @@ a character, so that every lower-case text tokenizes (a character a token) and a
 
 
 def _family_config(family: str, hidden: int, layers: int) -> Any:
-    from transformers import Gemma3TextConfig, Qwen2Config, Qwen3Config
+    from transformers import Gemma3TextConfig, NemotronConfig, Qwen2Config, Qwen3Config
 
     shared = {
         "vocab_size": len(GGUF_TOKENS),
@@ -133,13 +133,15 @@ def _family_config(family: str, hidden: int, layers: int) -> Any:
             rope_theta=1e6,
             **shared,
         )
+    if family == "nemotron":  # a family the engine has no fused layer for
+        return NemotronConfig(num_attention_heads=4, num_key_value_heads=2, rope_theta=1e6, **shared)
     raise ValueError(f"no GGUF family {family!r}; known: {', '.join(GGUF_FAMILIES)}")
 
 
-GGUF_FAMILIES = ("qwen2", "qwen3", "gemma3")
+GGUF_FAMILIES = ("qwen2", "qwen3", "gemma3", "nemotron")
 GEMMA3_WINDOW = 8
 """The tiny Gemma 3's sliding window, in tokens: shorter than the tests' prompts (a character a token)."""
-_ARCHITECTURES = {"qwen2": "QWEN2", "qwen3": "QWEN3", "gemma3": "GEMMA3"}
+_ARCHITECTURES = {"qwen2": "QWEN2", "qwen3": "QWEN3", "gemma3": "GEMMA3", "nemotron": "NEMOTRON"}
 
 
 def gguf_model(family: str, path: Path, *, hidden: int = 64, layers: int = 0, kind: str = "Q8_0") -> None:
@@ -161,7 +163,7 @@ def gguf_model(family: str, path: Path, *, hidden: int = 64, layers: int = 0, ki
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
-                parameter.copy_(torch.randn_like(parameter) * 0.5 + (0.0 if family == "gemma3" else 1.0))
+                parameter.copy_(torch.randn_like(parameter) * 0.5 + (1.0 if family in ("qwen2", "qwen3") else 0.0))
         # The specials' logits exactly 0, below the best of the others': a greedy answer runs to its length.
         model.lm_head.weight[:3] = 0.0
     architecture = gguf.MODEL_ARCH[_ARCHITECTURES[family]]
@@ -172,8 +174,8 @@ def gguf_model(family: str, path: Path, *, hidden: int = 64, layers: int = 0, ki
         target = names.get_name(base)
         assert target is not None, f"no GGUF name for {name}"
         data = parameter.detach().float().numpy()
-        if family == "gemma3" and name.endswith("norm.weight"):
-            data = data + np.float32(1.0)  # a Gemma GGUF stores 1 + w (convert_hf_to_gguf.py), the loader takes 1 off
+        if family in ("gemma3", "nemotron") and name.endswith("norm.weight"):
+            data = data + np.float32(1.0)  # the GGUF stores 1 + w (convert_hf_to_gguf.py), the loader takes 1 off
         quantise = data.ndim == 2 and ".layers." in name
         tensors[f"{target}.{suffix}"] = (gguf.quants.quantize(data, gguf.GGMLQuantizationType[kind]), kind) if (
             quantise
@@ -185,7 +187,7 @@ def gguf_model(family: str, path: Path, *, hidden: int = 64, layers: int = 0, ki
         "feed_forward_length": config.intermediate_size,
         "attention.head_count": config.num_attention_heads,
         "attention.head_count_kv": config.num_key_value_heads,
-        "attention.layer_norm_rms_epsilon": config.rms_norm_eps,
+        "attention.layer_norm_rms_epsilon": float(getattr(config, "rms_norm_eps", 1e-5)),
         "rope.freq_base": 1e6,
     }
     if family == "gemma3":

@@ -7,12 +7,14 @@ norm, a gated MLP, a residual sum) with some of these parts added:
 family      q/k/v biases      head norms      norms of the o and MLP outputs  gate
 =========== ================= =============== =============================== ==========
 Llama       no                no              no                              SiLU
+Mistral     no                no              no                              SiLU
 Qwen 2      yes               no              no                              SiLU
 Qwen 3      no                yes             no                              SiLU
 Gemma 3     no                yes             yes                             GELU-tanh
 =========== ================= =============== =============================== ==========
 
-(Mistral's and SmolLM's layers are transformers' ``LlamaDecoderLayer`` or a copy of it.) Gemma's RMS norm multiplies
+(SmolLM's layers are transformers' ``LlamaDecoderLayer``; Mistral's are a copy of it, and a Mistral GGUF loads as
+Llama.) Gemma's RMS norm multiplies
 by ``1 + w``: decoder.c is handed that sum, computed as Gemma's norm computes it (fp32), so the same factor. Its
 scaled embeddings are the model's, outside the layers; its attention scale (``query_pre_attn_scalar``) and sliding
 windows are the attention module's, which the fused layer calls (or, in one C call, reads: ``scaling``).
@@ -55,6 +57,10 @@ class Family:
 _T = "transformers.models"
 FAMILIES = (
     Family("llama", f"{_T}.llama.modeling_llama", "LlamaDecoderLayer", "LlamaRMSNorm", "post_attention_layernorm"),
+    Family(
+        "mistral", f"{_T}.mistral.modeling_mistral", "MistralDecoderLayer", "MistralRMSNorm",
+        "post_attention_layernorm",
+    ),
     Family(
         "qwen2", f"{_T}.qwen2.modeling_qwen2", "Qwen2DecoderLayer", "Qwen2RMSNorm", "post_attention_layernorm",
         biases=True,
