@@ -177,9 +177,9 @@ def gguf_model(family: str, path: Path, *, hidden: int = 64, layers: int = 0, ki
         if family in ("gemma3", "nemotron") and name.endswith("norm.weight"):
             data = data + np.float32(1.0)  # the GGUF stores 1 + w (convert_hf_to_gguf.py), the loader takes 1 off
         quantise = data.ndim == 2 and ".layers." in name
-        tensors[f"{target}.{suffix}"] = (gguf.quants.quantize(data, gguf.GGMLQuantizationType[kind]), kind) if (
-            quantise
-        ) else (data, "F32")
+        tensors[f"{target}.{suffix}"] = (
+            (gguf.quants.quantize(data, gguf.GGMLQuantizationType[kind]), kind) if (quantise) else (data, "F32")
+        )
     metadata: dict[str, Any] = {
         "context_length": config.max_position_embeddings,
         "embedding_length": hidden,
@@ -191,7 +191,11 @@ def gguf_model(family: str, path: Path, *, hidden: int = 64, layers: int = 0, ki
         "rope.freq_base": 1e6,
     }
     if family == "gemma3":
-        metadata |= {"attention.key_length": 32, "attention.value_length": 32, "attention.sliding_window": GEMMA3_WINDOW}
+        metadata |= {
+            "attention.key_length": 32,
+            "attention.value_length": 32,
+            "attention.sliding_window": GEMMA3_WINDOW,
+        }
     write_model_gguf(path, architecture, metadata, GGUF_TOKENS, tensors)
 
 

@@ -13,7 +13,7 @@ from structlog.testing import capture_logs
 
 from tests.support.paths import CACHE_DIR
 from tests.support.texts import PASSAGE
-from ttft_sse.engine.cpu import attention, decoder, kernel
+from ttft_sse.engine.cpu import attention, decoder, families, kernel
 from ttft_sse.engine.loading.model import KERNEL_DIR
 from ttft_sse.engine.single import SingleEngine
 from ttft_sse.settings import Settings
@@ -78,8 +78,16 @@ def test_every_decoder_layer_of_the_bundled_model_runs_in_c_and_the_log_says_so(
     engine, logs = loaded
     layers = list(engine.model.model.layers)
     assert len(layers) == 30 and all(type(layer) is decoder.fused_layer_class() for layer in layers)
-    assert {"event": "decoder_fused", "log_level": "info", "layers": 30, "of": 30, "one_call": True} in logs
+    assert {
+        "event": "decoder_fused",
+        "log_level": "info",
+        "family": "llama",
+        "layers": 30,
+        "of": 30,
+        "one_call": True,
+    } in logs
     assert engine.info.weights == "gguf-blocks"
+    assert engine.info.decoder == "fused: 30 of 30 layers"
     # All of them, in order: a batched step's first layer runs them in one call (run_layers).
     chain = layers[0].chain
     assert chain is not None and chain.layers == tuple(layers) and all(layer.chain is chain for layer in layers)
@@ -124,7 +132,14 @@ def test_with_int8_rows_every_decoder_layer_runs_in_c_too_and_predicts_what_the_
     layers = list(engine.model.model.layers)
     assert all(type(layer) is decoder.fused_layer_class() for layer in layers)
     assert all(layer.arithmetic.q.int8 == 1 and layer.arithmetic.down.int8 == 1 for layer in layers)
-    assert {"event": "decoder_fused", "log_level": "info", "layers": 30, "of": 30, "one_call": True} in logs
+    assert {
+        "event": "decoder_fused",
+        "log_level": "info",
+        "family": "llama",
+        "layers": 30,
+        "of": 30,
+        "one_call": True,
+    } in logs
     assert engine.info.weights == "gguf-blocks-int8"
     ids = engine.tokenizer(PASSAGE, return_tensors="pt").input_ids
     with torch.inference_mode():
@@ -351,11 +366,13 @@ def test_where_c_does_not_compute_the_layers_they_stay_the_librarys_and_the_log_
     with capture_logs() as logs:
         assert decoder.fuse(model, torch, kernel.build(DIRECTORY)) == 0
     assert all(type(layer) is LlamaDecoderLayer for layer in model.model.layers)
-    reason = "no decoder layer is all on the block kernel"
+    reason = "LlamaDecoderLayer: not every linear layer is on the block kernel"
     assert logs == [{"event": "decoder_not_fused", "log_level": "info", "reason": reason}]
+    assert families.label(model) == f"not fused ({reason}); each layer runs in transformers' Python"
     with capture_logs() as logs:
         assert decoder.fuse(torch.nn.Sequential(torch.nn.Linear(4, 4)), torch, kernel.build(DIRECTORY)) == 0
-    assert logs == [{"event": "decoder_not_fused", "log_level": "info", "reason": "no Llama decoder layer"}]
+    reason = "the model has no decoder layers"
+    assert logs == [{"event": "decoder_not_fused", "log_level": "info", "reason": reason}]
 
 
 @pytest.mark.parametrize("activations", ["fp32", "int8"])
@@ -380,5 +397,5 @@ def test_a_probe_that_disagrees_leaves_every_layer_the_librarys(
     with capture_logs() as logs:
         assert decoder.fuse(engine.model, torch, kernel.build(DIRECTORY)) == 0
     assert all(type(layer) is LlamaDecoderLayer and not hasattr(layer, "arithmetic") for layer in layers)
-    reason = "the C decoder layer disagrees with the library's on a probe"
+    reason = "LlamaDecoderLayer: the C decoder layer disagrees with the library's on a probe"
     assert logs == [{"event": "decoder_not_fused", "log_level": "warning", "reason": reason}]

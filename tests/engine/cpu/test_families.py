@@ -15,7 +15,7 @@ from tests.support import tinymodels
 from tests.support.engines import collect, prompt_of
 from ttft_sse.engine.base import SamplingParams
 from ttft_sse.engine.batched.engine import BatchedEngine
-from ttft_sse.engine.cpu import decoder, families
+from ttft_sse.engine.cpu import families
 from ttft_sse.engine.single import SingleEngine
 from ttft_sse.settings import Settings
 from ttft_sse.stages import StageClock
@@ -76,7 +76,7 @@ def test_every_decoder_layer_of_the_family_runs_in_c_and_the_log_and_readyz_labe
     engine, logs = singles(family)
     layers = list(engine.model.model.layers)
     n = LAYERS[family]
-    assert len(layers) == n and all(isinstance(layer, decoder.FusedLayer) for layer in layers)
+    assert len(layers) == n and all(isinstance(layer, families.FusedLayer) for layer in layers)
     assert all(layer.family.name == family for layer in layers)
     event = {"event": "decoder_fused", "log_level": "info", "family": family, "layers": n, "of": n, "one_call": True}
     assert event in logs  # the load probe against the family's own layer passed
@@ -156,16 +156,23 @@ async def test_concurrent_requests_on_the_batched_engine_each_get_the_text_they_
 def test_a_family_without_a_fused_form_runs_in_transformers_and_readyz_and_the_log_say_why(
     family_settings: Callable[..., Settings],
 ) -> None:
-    engine = SingleEngine(family_settings("nemotron"))
-    with capture_logs() as logs:
-        engine.load(StageClock())
+    from starlette.testclient import TestClient
+
+    from tests.support.servers import eventually
+    from ttft_sse.app import create_app
+
+    settings = family_settings("nemotron", engine="single")
+    engine = SingleEngine(settings)
+    with capture_logs() as logs, TestClient(create_app(settings, engine)) as client:
+        eventually(lambda: client.get("/readyz").status_code == 200)
+        ready = client.get("/readyz").json()
     assert engine.info.weights == "gguf-blocks"  # its linear layers are on the block kernel; its layers are not C
     reason = "NemotronDecoderLayer: no fused form"
     assert {"event": "decoder_not_fused", "log_level": "info", "reason": reason} in logs
     label = f"not fused ({reason}); each layer runs in transformers' Python"
-    assert engine.info.decoder == label
+    assert engine.info.decoder == ready["decoder"] == label
     assert [e["decoder"] for e in logs if e["event"] == "weights_arranged"] == [label]
-    assert not any(isinstance(m, decoder.FusedLayer) for m in engine.model.modules())
+    assert not any(isinstance(m, families.FusedLayer) for m in engine.model.modules())
 
 
 def test_each_family_is_found_by_its_layer_class_and_nothing_else_is() -> None:

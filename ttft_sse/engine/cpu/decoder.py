@@ -57,14 +57,13 @@ import structlog
 
 from ttft_sse.engine.cpu import attention, families, kernel, weights
 from ttft_sse.engine.cpu.families import LINEARS
+from ttft_sse.engine.cpu.structs import JOINED, Layer, Linear, Stack, Step
 
 log = structlog.get_logger("ttft_sse.engine")
 
 HEAD, TAIL, LAYER, SILU_MUL = "ttft_decoder_head", "ttft_decoder_tail", "ttft_decoder_layer", "ttft_silu_mul"
 STACK, GELU_MUL = "ttft_decoder_stack", "ttft_gelu_mul"
 """decoder.c's functions."""
-JOINED = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")}
-"""decoder.c's joined layers (kernel.join): one call each where the layers they join would take three and two."""
 PROBE_ROWS = 5
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _ARGUMENTS = {
@@ -75,56 +74,6 @@ _ARGUMENTS = {
     GELU_MUL: (_PTR, _PTR, _I64),  # g, u, n
     STACK: (_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR),  # stack, from, x, rows, cos, sin, out
 }
-
-
-class Linear(ctypes.Structure):
-    """decoder.c's ``struct linear``: a layer in the block kernel's layout."""
-
-    _fields_ = [
-        ("codes", _PTR),
-        ("scale", _PTR),
-        ("zero", _PTR),
-        ("inputs", _I64),
-        ("outputs", _I64),
-        ("bits", _I64),
-        ("int8", _I64),
-    ]
-
-
-class Layer(ctypes.Structure):
-    """decoder.c's ``struct layer``: a decoder layer's sizes, norm weights and linear layers."""
-
-    _fields_ = [
-        *((name, _I64) for name in ("hidden", "heads", "kv_heads", "dim", "intermediate")),
-        ("eps", ctypes.c_double),
-        ("input_norm", _PTR),
-        ("post_norm", _PTR),
-        *((name, Linear) for name in LINEARS),
-        *((name, Linear) for name in JOINED),
-        # A family's extra parts (engine/cpu/families.py), NULL or 0 where it has none.
-        *((name, _PTR) for name in ("q_bias", "k_bias", "v_bias", "q_norm", "k_norm", "attention_norm", "mlp_norm")),
-        ("gelu", _I64),
-    ]
-
-
-class Step(ctypes.Structure):
-    """decoder.c's ``struct step``: what the layers of a batched step share (:class:`attention.Step`), and the
-    attention function they call (attention.c's, from its own library)."""
-
-    _fields_ = [
-        ("attend", _PTR),
-        ("attend_part", _PTR),  # None: the step's attention is not shared with the kernel's helper threads
-        *((name, _PTR) for name in ("write", "index", "cu_q", "cu_k")),
-        *((name, _I64) for name in ("requests", "key_stride", "head_stride", "max_rows")),
-        ("scale", ctypes.c_float),
-    ]
-
-
-class Stack(ctypes.Structure):
-    """decoder.c's ``struct stack``: a batched step's layers in order, each with its step and its cache rows, and
-    the flag that stops the call between two of them."""
-
-    _fields_ = [("count", _I64), *((name, _PTR) for name in ("layers", "steps", "keys", "values", "waiting"))]
 
 
 @dataclass(frozen=True)
@@ -282,7 +231,7 @@ def fuse(model: Any, torch: Any, library: Path) -> int:
     """Make every decoder layer of ``model`` of a family decoder.c computes (engine/cpu/families.py) whose linear
     layers all run on the block kernel (built at ``library``) a fused one, after checking one against the library's
     layer on a probe; returns how many changed (0, logged with the reason, where none can or the probe disagrees).
-    :func:`label` says the same for ``/readyz``."""
+    ``families.label`` says the same for ``/readyz``."""
     candidates = families.decoder_layers(model)
     reasons = {id(m): families.why_not(m, families.family_of(m), torch) for m in candidates}
     layers = [m for m in candidates if reasons[id(m)] is None]
@@ -295,7 +244,7 @@ def fuse(model: Any, torch: Any, library: Path) -> int:
     base = family.classes()[0]
     calls = (function(library, HEAD), function(library, TAIL), function(library, LAYER))
     for layer in layers:
-        _attach(layer, family, torch, *calls)
+        _attach(layer, families.family_of(layer) or family, torch, *calls)
     both = layers[0].arithmetic_int8 is not None  # TTFT_DEGRADE=int8: the int8 arrangement is checked too
     try:
         _check(layers[0], model, torch)
@@ -314,38 +263,21 @@ def fuse(model: Any, torch: Any, library: Path) -> int:
         chain = Chain(tuple(layers), arrays[0], function(library, STACK), arrays[1] if both else None)
         for layer in layers:
             layer.chain = chain
-    extra = {"int8_too": True} if both else {}  # TTFT_DEGRADE=int8: both arrangements
+    extra: dict[str, Any] = {"int8_too": True} if both else {}  # TTFT_DEGRADE=int8: both arrangements
     if len(layers) < len(candidates):
         extra["others"] = next(reason for reason in reasons.values() if reason is not None)
     log.info(
         "decoder_fused", family=family.name, layers=len(layers), of=len(candidates),
         one_call=layers[0].chain is not None, **extra,
     )  # fmt: skip
-    _reasons[model] = extra.get("others")
+    families.remember(model, extra.get("others"))
     return len(layers)
-
-
-_reasons: weakref.WeakKeyDictionary[Any, str | None] = weakref.WeakKeyDictionary()
-"""Why :func:`fuse` left a model's layers (or some of them) the library's; None where it fused them all."""
 
 
 def _not_fused(model: Any, reason: str, level: str) -> int:
     getattr(log, level)("decoder_not_fused", reason=reason)
-    _reasons[model] = reason
+    families.remember(model, reason)
     return 0
-
-
-def label(model: Any, *, tried: str | None = None) -> str:
-    """What ``/readyz`` says of ``model``'s decoder layers: ``"fused: 24 of 24 layers"``, or ``"not fused (<why>);
-    each layer runs in transformers' Python"`` (several times slower a token; docs/engine.md). ``tried``: why
-    :func:`fuse` was not called, where it was not."""
-    layers = families.decoder_layers(model)
-    fused = sum(isinstance(m, FusedLayer) for m in layers)
-    reason = tried if tried is not None else _reasons.get(model, "not tried")
-    if fused:
-        rest = f"; the others run in transformers' Python ({reason})" if fused < len(layers) else ""
-        return f"fused: {fused} of {len(layers)} layers{rest}"
-    return f"not fused ({reason}); each layer runs in transformers' Python"
 
 
 def _attach(layer: Any, family: families.Family, torch: Any, head: Any, tail: Any, whole: Any) -> None:
@@ -424,20 +356,19 @@ def _check(layer: Any, model: Any, torch: Any) -> None:
         raise RuntimeError("the C decoder layer disagrees with the library's on a probe")
 
 
-class FusedLayer:
-    """What every fused decoder layer class is (:func:`fused_layer_class`)."""
-
-
-@functools.cache
-def fused_layer_class(base: type[Any] | None = None) -> type[Any]:
+def fused_layer_class(base: Any = None) -> type[Any]:
     """transformers' decoder layer class ``base`` (``LlamaDecoderLayer`` by default; a family's of
     engine/cpu/families.py) with its arithmetic in decoder.c, its cache and attention the model's."""
     if base is None:
         from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
         base = LlamaDecoderLayer
+    return _fused_class(base)
 
-    class FusedDecoderLayer(FusedLayer, base):  # type: ignore[misc,valid-type]
+
+@functools.cache
+def _fused_class(base: Any) -> type[Any]:
+    class FusedDecoderLayer(families.FusedLayer, base):  # type: ignore[misc]
         arithmetic: Layer  # what decoder.c reads (its pointers: the norm weights and the kernel's arrays)
         arithmetic_int8: Layer | None  # the same on the linear layers' int8 records (TTFT_DEGRADE=int8), else None
         norms: tuple[Any, Any]  # the tensors behind arithmetic's norm weights

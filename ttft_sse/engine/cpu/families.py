@@ -26,6 +26,7 @@ activation of another kind), is not fused; :func:`why_not` says why, for the log
 from __future__ import annotations
 
 import importlib
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -166,3 +167,29 @@ def rotary(model: Any, layer: Any, rows: Any, positions: Any) -> Any:
     if kind is not None and getattr(embedding, "layer_types", None):
         return embedding(rows, positions, kind)
     return embedding(rows, position_ids=positions)
+
+
+class FusedLayer:
+    """What every fused decoder layer class is (engine/cpu/decoder.py's ``fused_layer_class``)."""
+
+
+_reasons: weakref.WeakKeyDictionary[Any, str | None] = weakref.WeakKeyDictionary()
+"""Why decoder.py's ``fuse`` left a model's layers (or some of them) the library's; None where it fused them all."""
+
+
+def remember(model: Any, reason: str | None) -> None:
+    """Keep why ``model``'s layers (or some of them) are not fused, for :func:`label`; None: all are."""
+    _reasons[model] = reason
+
+
+def label(model: Any, *, tried: str | None = None) -> str:
+    """What ``/readyz`` says of ``model``'s decoder layers: ``"fused: 24 of 24 layers"``, or ``"not fused (<why>);
+    each layer runs in transformers' Python"`` (several times slower a token; docs/engine.md). ``tried``: why
+    decoder.py's ``fuse`` was not called, where it was not."""
+    layers = decoder_layers(model)
+    fused = sum(isinstance(m, FusedLayer) for m in layers)
+    reason = tried if tried is not None else _reasons.get(model) or "not tried"
+    if fused:
+        rest = f"; the others run in transformers' Python ({reason})" if fused < len(layers) else ""
+        return f"fused: {fused} of {len(layers)} layers{rest}"
+    return f"not fused ({reason}); each layer runs in transformers' Python"

@@ -14,7 +14,7 @@ from typing import Any
 import structlog
 
 from ttft_sse.engine.base import INT8, NORMAL, ModelInfo
-from ttft_sse.engine.cpu import attention, codes, decoder, grouped, kernel, weights
+from ttft_sse.engine.cpu import attention, codes, decoder, families, grouped, kernel, weights
 from ttft_sse.engine.loading import sources
 from ttft_sse.errors import StartupError
 from ttft_sse.settings import Settings
@@ -115,7 +115,7 @@ def _arrange(
     each GGUF type's layers (empty where the block kernel was not tried or could not run) and what ``/readyz`` says
     of the decoder layers (engine/cpu/decoder.py's label)."""
     if not on_cpu_in_fp32:
-        return "as loaded", None, 0, {}, decoder.label(model, tried="the C layers are for fp32 on CPU")
+        return "as loaded", None, 0, {}, families.label(model, tried="the C layers are for fp32 on CPU")
     applied = kernel.Applied(None, {})
     degrade = settings.degrade == INT8
     if settings.gguf_kernel and source.kind == "gguf":
@@ -152,7 +152,7 @@ def _arrange(
         blocks = "gguf-blocks-int8" if activations == "int8" else "gguf-blocks"
         plain = any(type(m) is torch.nn.Linear for m in model.modules())
         layout = f"{blocks}+{layout}" if plain else blocks
-    layers = decoder.label(model, tried=tried)
+    layers = families.label(model, tried=tried)
     log.info("weights_arranged", layout=layout, decoder=layers)
     return layout, library, helpers, applied.by_type, layers
 
