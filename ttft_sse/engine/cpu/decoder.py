@@ -253,7 +253,7 @@ def fuse(model: Any, torch: Any, library: Path) -> int:
                 _check(layers[0], model, torch)
     except (AttributeError, RuntimeError, TypeError) as exc:  # a model unlike its family's around its layers
         for layer in layers:
-            layer.__class__ = base
+            layer.__class__ = layer.family.classes()[0]
             del layer.arithmetic, layer.norms, layer.joined, layer.address, layer.head, layer.tail, layer.whole
             del layer.chain, layer.arithmetic_int8, layer.addresses, layer.family, layer.biases
         return _not_fused(model, f"{base.__name__}: {exc}", "warning")
