@@ -355,6 +355,24 @@ def test_silu_times_up_is_within_roundings_of_fp64_over_the_whole_range(library:
     assert bool(nan.isnan().all())
 
 
+def test_gelu_times_up_is_within_roundings_of_g_times_u_of_fp64_over_the_whole_range(library: Path) -> None:
+    """Gemma 3's gate: GELU's tanh approximation. Where 1 + tanh cancels (g below about -3) the error is one of
+    g * u's roundings, not of the result's, as with torch's own fp32 GELU (both 1.23 of them here); NaN stays NaN."""
+    gelu_mul = decoder.function(library, decoder.GELU_MUL)
+    g = torch.cat([torch.linspace(-120.0, 120.0, 20001), torch.tensor([0.0, -0.0, 1e-30, -1e-30, 88.5, -87.5])])
+    u = torch.linspace(-2.0, 3.0, g.numel())
+    want = torch.nn.functional.gelu(g.double(), approximate="tanh") * u.double()
+    got = g.clone()
+    assert gelu_mul(got.data_ptr(), u.data_ptr(), got.numel()) == 0
+    error = (got.double() - want).abs()
+    assert bool((error <= ULPS * 2.0**-23 * (g.double() * u.double()).abs() + 1e-30).all())
+    positive = g > 1.0  # no cancellation: within roundings of the result
+    assert bool((error[positive] <= 4 * 2.0**-23 * want[positive].abs()).all())
+    nan = torch.tensor([float("nan")] * 3)
+    assert gelu_mul(nan.data_ptr(), torch.ones(3).data_ptr(), 3) == 0
+    assert bool(nan.isnan().all())
+
+
 def test_where_c_does_not_compute_the_layers_they_stay_the_librarys_and_the_log_says_why() -> None:
     """A model whose linear layers are not on the block kernel (plain fp32 weights), and a model of another
     family."""
