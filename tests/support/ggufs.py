@@ -199,3 +199,37 @@ def write_gguf(path: Path, tensors: dict[str, tuple[np.ndarray, str]]) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def write_model_gguf(
+    path: Path, architecture: Any, metadata: dict[str, Any], tokens: tuple[str, ...], tensors: dict[str, Any]
+) -> None:
+    """A model's GGUF, as llama.cpp's converter writes one: ``architecture`` (a ``gguf.MODEL_ARCH``), its metadata
+    (keys without the architecture's prefix), a sentencepiece vocabulary of ``tokens`` (``<unk>``, ``<s>``, ``</s>``
+    first; a BOS added) and ``tensors`` as :func:`write_gguf` takes them."""
+    name = gguf.MODEL_ARCH_NAMES[architecture]
+    writer = gguf.GGUFWriter(str(path), name)
+    writer.add_name(f"tiny-{name}")
+    for key, value in metadata.items():
+        full = f"{name}.{key}"
+        if isinstance(value, float):
+            writer.add_float32(full, value)
+        else:
+            writer.add_uint32(full, value)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(list(tokens))
+    writer.add_token_scores([0.0] * 3 + [-float(i) for i in range(len(tokens) - 3)])
+    writer.add_token_types([2, 3, 3] + [1] * (len(tokens) - 3))
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    writer.add_add_bos_token(True)
+    for tensor, (data, kind) in tensors.items():
+        if kind in ("F32", "F16"):
+            writer.add_tensor(tensor, data.astype(np.float32 if kind == "F32" else np.float16))
+        else:
+            writer.add_tensor(tensor, data, raw_dtype=gguf.GGMLQuantizationType[kind])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

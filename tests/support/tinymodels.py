@@ -93,3 +93,120 @@ def _load_tokenizer(directory: Path) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(directory))
+
+
+# GGUF families: a random-weight model of each, written as a user's GGUF is (llama.cpp's tensor names and metadata,
+# convert_hf_to_gguf.py's), its linear layers quantised, so that it loads through the path a user's file takes.
+_CHARACTERS = tuple("\u2581abcdefghijklmnopqrstuvwxyz.,?!:;'\"")
+GGUF_TOKENS = ("<unk>", "<s>", "</s>", *_CHARACTERS)
+"""The GGUF models' vocabulary (a sentencepiece one, ``tokenizer.ggml.model`` "llama"): the specials, then one token
+a character, so that every lower-case text tokenizes (a character a token) and a BOS comes first."""
+
+
+def _family_config(family: str, hidden: int, layers: int) -> Any:
+    from transformers import Gemma3TextConfig, NemotronConfig, Qwen2Config, Qwen3Config
+
+    shared = {
+        "vocab_size": len(GGUF_TOKENS),
+        "hidden_size": hidden,
+        "intermediate_size": 2 * hidden,
+        "num_hidden_layers": layers,
+        "max_position_embeddings": 512,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": None,
+        "tie_word_embeddings": False,
+    }
+    if family == "qwen2":
+        return Qwen2Config(num_attention_heads=4, num_key_value_heads=2, rope_theta=1e6, **shared)
+    if family == "qwen3":
+        # transformers reads no head_dim from a Qwen3 GGUF: the config's default (128) is what it loads.
+        return Qwen3Config(num_attention_heads=4, num_key_value_heads=2, head_dim=128, rope_theta=1e6, **shared)
+    if family == "gemma3":
+        # A Gemma 3 GGUF carries neither the layer pattern nor the local rotary base nor query_pre_attn_scalar:
+        # the loader takes the defaults (every 6th layer full, 10000, 256), so these are the same.
+        return Gemma3TextConfig(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            sliding_window=GEMMA3_WINDOW,
+            rope_theta=1e6,
+            **shared,
+        )
+    if family == "nemotron":  # a family the engine has no fused layer for
+        return NemotronConfig(num_attention_heads=4, num_key_value_heads=2, rope_theta=1e6, **shared)
+    raise ValueError(f"no GGUF family {family!r}; known: {', '.join(GGUF_FAMILIES)}")
+
+
+GGUF_FAMILIES = ("qwen2", "qwen3", "gemma3", "nemotron")
+GEMMA3_WINDOW = 8
+"""The tiny Gemma 3's sliding window, in tokens: shorter than the tests' prompts (a character a token)."""
+_ARCHITECTURES = {"qwen2": "QWEN2", "qwen3": "QWEN3", "gemma3": "GEMMA3", "nemotron": "NEMOTRON"}
+
+
+def gguf_model(family: str, path: Path, *, hidden: int = 64, layers: int = 0, kind: str = "Q8_0") -> None:
+    """A random-weight ``family`` model (:data:`GGUF_FAMILIES`) written as a GGUF at ``path``: its decoder layers'
+    linear layers quantised as ``kind``, everything else fp32; every bias and norm weight random (none is what the
+    library initialises it to, so each changes the output). ``layers`` 0: 2 (6 for Gemma 3, one full and five
+    sliding-window layers)."""
+    import gguf
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tests.support.ggufs import write_model_gguf
+
+    layers = layers or (6 if family == "gemma3" else 2)
+    config = _family_config(family, hidden, layers)
+    torch.manual_seed(SEED)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                parameter.copy_(torch.randn_like(parameter) * 0.5 + (1.0 if family in ("qwen2", "qwen3") else 0.0))
+        # The specials' logits exactly 0, below the best of the others': a greedy answer runs to its length.
+        model.lm_head.weight[:3] = 0.0
+    architecture = gguf.MODEL_ARCH[_ARCHITECTURES[family]]
+    names = gguf.get_tensor_name_map(architecture, layers)
+    tensors: dict[str, tuple[np.ndarray, str]] = {}
+    for name, parameter in model.state_dict().items():
+        base, suffix = name.rsplit(".", 1)
+        target = names.get_name(base)
+        assert target is not None, f"no GGUF name for {name}"
+        data = parameter.detach().float().numpy()
+        if family in ("gemma3", "nemotron") and name.endswith("norm.weight"):
+            data = data + np.float32(1.0)  # the GGUF stores 1 + w (convert_hf_to_gguf.py), the loader takes 1 off
+        quantise = data.ndim == 2 and ".layers." in name
+        tensors[f"{target}.{suffix}"] = (
+            (gguf.quants.quantize(data, gguf.GGMLQuantizationType[kind]), kind) if (quantise) else (data, "F32")
+        )
+    metadata: dict[str, Any] = {
+        "context_length": config.max_position_embeddings,
+        "embedding_length": hidden,
+        "block_count": layers,
+        "feed_forward_length": config.intermediate_size,
+        "attention.head_count": config.num_attention_heads,
+        "attention.head_count_kv": config.num_key_value_heads,
+        "attention.layer_norm_rms_epsilon": float(getattr(config, "rms_norm_eps", 1e-5)),
+        "rope.freq_base": 1e6,
+    }
+    if family == "gemma3":
+        metadata |= {
+            "attention.key_length": 32,
+            "attention.value_length": 32,
+            "attention.sliding_window": GEMMA3_WINDOW,
+        }
+    write_model_gguf(path, architecture, metadata, GGUF_TOKENS, tensors)
+
+
+def build_gguf(family: str, root: Path, **sizes: int) -> Path:
+    """The GGUF of ``family``'s tiny model (:func:`gguf_model`, of ``sizes``) under ``root``, written there unless
+    it is there already."""
+    suffix = "".join(f"-{key}{value}" for key, value in sorted(sizes.items()))
+    path = root / f"tiny-{family}{suffix}.gguf"
+    if not path.is_file():
+        root.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(".partial")
+        gguf_model(family, partial, **sizes)
+        partial.rename(path)
+    return path

@@ -37,6 +37,7 @@ async def readyz(request: Request) -> JSONResponse:
             "dtype": info.dtype,
             "weights": info.weights,
             "weights_by_type": info.weights_by_type,
+            "decoder": info.decoder,
             "context_length": info.context_length,
             "threads": info.threads,
             "kernel_helpers": info.kernel_helpers,

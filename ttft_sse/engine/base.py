@@ -108,6 +108,9 @@ class ModelInfo:
     # For a GGUF on the block kernel, the path of each GGUF type's linear layers (engine/cpu/kernel.py's by_type),
     # e.g. {"Q4_K": "blocks: 168", "F16": "fp32: 42 (not quantised)"}; else empty.
     weights_by_type: dict[str, str] = field(default_factory=dict)
+    # Whether the decoder layers run in C (engine/cpu/decoder.py's label), e.g. "fused: 30 of 30 layers", or
+    # "not fused (Phi3DecoderLayer: no fused form); each layer runs in transformers' Python"; empty where no model.
+    decoder: str = ""
     # The block kernel's helper threads (engine/cpu/kernel.py), 0 without them.
     kernel_helpers: int = 0
     # Who else may give the first token of a request that arrives while the batched engine's step runs, and its

@@ -14,7 +14,7 @@ from structlog.testing import capture_logs
 from tests.support.ggufs import quantise, write_gguf
 from tests.support.paths import CACHE_DIR
 from tests.support.texts import PASSAGE
-from ttft_sse.engine.cpu import attention, decoder, kernel
+from ttft_sse.engine.cpu import attention, decoder, families, kernel
 from ttft_sse.engine.loading.model import KERNEL_DIR
 from ttft_sse.engine.single import SingleEngine
 from ttft_sse.settings import Settings
@@ -79,8 +79,16 @@ def test_every_decoder_layer_of_the_bundled_model_runs_in_c_and_the_log_says_so(
     engine, logs = loaded
     layers = list(engine.model.model.layers)
     assert len(layers) == 30 and all(type(layer) is decoder.fused_layer_class() for layer in layers)
-    assert {"event": "decoder_fused", "log_level": "info", "layers": 30, "of": 30, "one_call": True} in logs
+    assert {
+        "event": "decoder_fused",
+        "log_level": "info",
+        "family": "llama",
+        "layers": 30,
+        "of": 30,
+        "one_call": True,
+    } in logs
     assert engine.info.weights == "gguf-blocks"
+    assert engine.info.decoder == "fused: 30 of 30 layers"
     # All of them, in order: a batched step's first layer runs them in one call (run_layers).
     chain = layers[0].chain
     assert chain is not None and chain.layers == tuple(layers) and all(layer.chain is chain for layer in layers)
@@ -125,7 +133,14 @@ def test_with_int8_rows_every_decoder_layer_runs_in_c_too_and_predicts_what_the_
     layers = list(engine.model.model.layers)
     assert all(type(layer) is decoder.fused_layer_class() for layer in layers)
     assert all(layer.arithmetic.q.int8 == 1 and layer.arithmetic.down.int8 == 1 for layer in layers)
-    assert {"event": "decoder_fused", "log_level": "info", "layers": 30, "of": 30, "one_call": True} in logs
+    assert {
+        "event": "decoder_fused",
+        "log_level": "info",
+        "family": "llama",
+        "layers": 30,
+        "of": 30,
+        "one_call": True,
+    } in logs
     assert engine.info.weights == "gguf-blocks-int8"
     ids = engine.tokenizer(PASSAGE, return_tensors="pt").input_ids
     with torch.inference_mode():
@@ -341,6 +356,24 @@ def test_silu_times_up_is_within_roundings_of_fp64_over_the_whole_range(library:
     assert bool(nan.isnan().all())
 
 
+def test_gelu_times_up_is_within_roundings_of_g_times_u_of_fp64_over_the_whole_range(library: Path) -> None:
+    """Gemma 3's gate: GELU's tanh approximation. Where 1 + tanh cancels (g below about -3) the error is one of
+    g * u's roundings, not of the result's, as with torch's own fp32 GELU (both 1.23 of them here); NaN stays NaN."""
+    gelu_mul = decoder.function(library, decoder.GELU_MUL)
+    g = torch.cat([torch.linspace(-120.0, 120.0, 20001), torch.tensor([0.0, -0.0, 1e-30, -1e-30, 88.5, -87.5])])
+    u = torch.linspace(-2.0, 3.0, g.numel())
+    want = torch.nn.functional.gelu(g.double(), approximate="tanh") * u.double()
+    got = g.clone()
+    assert gelu_mul(got.data_ptr(), u.data_ptr(), got.numel()) == 0
+    error = (got.double() - want).abs()
+    assert bool((error <= ULPS * 2.0**-23 * (g.double() * u.double()).abs() + 1e-30).all())
+    positive = g > 1.0  # no cancellation: within roundings of the result
+    assert bool((error[positive] <= 4 * 2.0**-23 * want[positive].abs()).all())
+    nan = torch.tensor([float("nan")] * 3)
+    assert gelu_mul(nan.data_ptr(), torch.ones(3).data_ptr(), 3) == 0
+    assert bool(nan.isnan().all())
+
+
 def test_where_c_does_not_compute_the_layers_they_stay_the_librarys_and_the_log_says_why() -> None:
     """A model whose linear layers are not on the block kernel (plain fp32 weights), and a model of another
     family."""
@@ -352,11 +385,13 @@ def test_where_c_does_not_compute_the_layers_they_stay_the_librarys_and_the_log_
     with capture_logs() as logs:
         assert decoder.fuse(model, torch, kernel.build(DIRECTORY)) == 0
     assert all(type(layer) is LlamaDecoderLayer for layer in model.model.layers)
-    reason = "no decoder layer is all on the block kernel"
+    reason = "LlamaDecoderLayer: not every linear layer is on the block kernel"
     assert logs == [{"event": "decoder_not_fused", "log_level": "info", "reason": reason}]
+    assert families.label(model) == f"not fused ({reason}); each layer runs in transformers' Python"
     with capture_logs() as logs:
         assert decoder.fuse(torch.nn.Sequential(torch.nn.Linear(4, 4)), torch, kernel.build(DIRECTORY)) == 0
-    assert logs == [{"event": "decoder_not_fused", "log_level": "info", "reason": "no Llama decoder layer"}]
+    reason = "the model has no decoder layers"
+    assert logs == [{"event": "decoder_not_fused", "log_level": "info", "reason": reason}]
 
 
 @pytest.mark.parametrize("activations", ["fp32", "int8"])
@@ -381,7 +416,7 @@ def test_a_probe_that_disagrees_leaves_every_layer_the_librarys(
     with capture_logs() as logs:
         assert decoder.fuse(engine.model, torch, kernel.build(DIRECTORY)) == 0
     assert all(type(layer) is LlamaDecoderLayer and not hasattr(layer, "arithmetic") for layer in layers)
-    reason = "the C decoder layer disagrees with the library's on a probe"
+    reason = "LlamaDecoderLayer: the C decoder layer disagrees with the library's on a probe"
     assert logs == [{"event": "decoder_not_fused", "log_level": "warning", "reason": reason}]
 
 

@@ -65,7 +65,7 @@ from ttft_sse.engine.batched.modes import Modes
 from ttft_sse.engine.batched.prefill import PrefillProcess
 from ttft_sse.engine.batched.race import Race
 from ttft_sse.engine.batched.scheduler import PrefixCounters, register_scheduler, unregister_scheduler
-from ttft_sse.engine.cpu import argmax, attention, decoder, kernel
+from ttft_sse.engine.cpu import argmax, attention, families, kernel
 from ttft_sse.engine.loading.model import KERNEL_DIR
 from ttft_sse.engine.single import CacheJanitor, SingleEngine
 from ttft_sse.engine.text import TokenText
@@ -246,7 +246,7 @@ class BatchedEngine:
         layers = getattr(self.model.base_model, "layers", [])
         if not self._rows_alone():
             return "they need the block kernel and the C attention (a GGUF model, on CPU, in fp32)"
-        if not layers or not all(isinstance(layer, decoder.fused_layer_class()) for layer in layers):
+        if not layers or not all(isinstance(layer, families.FusedLayer) for layer in layers):
             return "they need the decoder layers in C (TTFT_FUSED_LAYERS)"
         if not self._settings.prefix_cache:
             return "they hand their KV to the batch through the prefix cache (TTFT_PREFIX_CACHE)"

@@ -5,7 +5,13 @@
      h = norm(x);  q, k, v = h.Wq, h.Wk, h.Wv;  q, k = rotary(q), rotary(k)       (ttft_decoder_head)
      attention, by the library's cache and the engine's attention function        (not here)
      x = x + a.Wo;  h = norm(x);  x = x + (silu(h.Wg) * h.Wu).Wd                  (ttft_decoder_tail)
-   with norm(x) = w * (x * (1 / sqrt(mean(x^2) + eps))) and silu(g) = g / (1 + exp(-g)). In a batched step over a
+   with norm(x) = w * (x * (1 / sqrt(mean(x^2) + eps))) and silu(g) = g / (1 + exp(-g)). Other families add parts,
+   each where its pointer in struct layer is not NULL (decoder.py's Family says which):
+     Qwen 2:   q, k, v = h.Wq + bq, h.Wk + bk, h.Wv + bv
+     Qwen 3:   q, k = norm(q), norm(k) over each head (weights of dim values), before the rotary embedding
+     Gemma 3:  the same head norms; x = x + norm(a.Wo) and x = x + norm((gelu(h.Wg) * h.Wu).Wd), with
+               gelu(g) = g/2 * (1 + tanh(sqrt(2/pi) * (g + 0.044715 g^3))); its norms' weights are 1 + w (decoder.py
+               hands them over so: the same fp32 value Gemma's norm multiplies by). In a batched step over a
    paged KV cache read in place, ttft_decoder_layer does all three in one call: the head, the new keys and values
    written into the cache's rows, the attention by attention.c's function (handed over as a pointer: it is built into
    its own library), the tail; and ttft_decoder_stack runs a step's layers one after another in one call, stopping
@@ -63,6 +69,27 @@ static inline vf exp_(vf x) {
     return y * (vf)((whole + 127) << 23);
 }
 
+/* gelu(g), tanh's approximation as torch computes it, with tanh(t) = 1 - 2 / (exp(2t) + 1). */
+static inline vf gelu_(vf g) {
+    vf inner = splat(0.7978845608028654f) * (g + splat(0.044715f) * (g * g * g));
+    vf tanh = splat(1.0f) - splat(2.0f) / (exp_(inner + inner) + splat(1.0f));
+    return splat(0.5f) * g * (splat(1.0f) + tanh);
+}
+
+/* g[i] = gelu(g[i]) * u[i], i < n. Returns 0. */
+int ttft_gelu_mul(float *g, const float *u, int64_t n) {
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES) store(g + i, gelu_(load(g + i)) * load(u + i));
+    if (i < n) {
+        float a[LANES] = {0}, b[LANES] = {0};
+        memcpy(a, g + i, sizeof(float) * (n - i));
+        memcpy(b, u + i, sizeof(float) * (n - i));
+        store(a, gelu_(load(a)) * load(b));
+        memcpy(g + i, a, sizeof(float) * (n - i));
+    }
+    return 0;
+}
+
 /* g[i] = silu(g[i]) * u[i], i < n. Returns 0. */
 int ttft_silu_mul(float *g, const float *u, int64_t n) {
     int64_t i = 0;
@@ -81,6 +108,7 @@ int ttft_silu_mul(float *g, const float *u, int64_t n) {
     return 0;
 }
 
+/* y = norm(x) for M rows of n values (y may be x). */
 static void norm(const float *x, int64_t M, int64_t n, const float *w, float eps, float *y) {
     for (int64_t r = 0; r < M; r++) {
         const float *a = x + r * n;
@@ -127,7 +155,18 @@ struct layer { /* decoder.py's Layer */
        one call each instead of three and two: a call shared with the kernel's helpers costs its rows' copy and a
        start whatever its size. codes NULL: not joined, the layers one by one. */
     struct linear qkv, gate_up;
+    /* A family's extra parts (the file's head), NULL or 0 where it has none. */
+    const float *q_bias, *k_bias, *v_bias; /* Qwen 2 */
+    const float *q_norm, *k_norm;          /* Qwen 3, Gemma 3: each head's norm weights (dim values) */
+    const float *attention_norm, *mlp_norm; /* Gemma 3: the norms of a.Wo and of the MLP's output */
+    int64_t gelu;                          /* Gemma 3: gelu(g) * u, not silu(g) * u */
 };
+
+static void add_bias(float *y, int64_t M, int64_t n, const float *b) {
+    if (b == NULL) return;
+    for (int64_t r = 0; r < M; r++)
+        for (int64_t i = 0; i < n; i++) y[r * n + i] = y[r * n + i] + b[i];
+}
 
 static int multiply(const struct linear *l, const float *x, int64_t M, float *y) {
     if (l->int8) return ttft_q8_linear(x, M, l->inputs, l->codes, (int)l->bits, l->outputs, y);
@@ -163,6 +202,11 @@ int ttft_decoder_head(const struct layer *L, const float *x, int64_t M, const fl
         } else if (multiply(&L->q, h, m, q + r * Q) || multiply(&L->k, h, m, k + r * KV) ||
                    multiply(&L->v, h, m, v + r * KV))
             return -1;
+        add_bias(q + r * Q, m, Q, L->q_bias);
+        add_bias(k + r * KV, m, KV, L->k_bias);
+        add_bias(v + r * KV, m, KV, L->v_bias);
+        if (L->q_norm != NULL) norm(q + r * Q, m * L->heads, L->dim, L->q_norm, (float)L->eps, q + r * Q);
+        if (L->k_norm != NULL) norm(k + r * KV, m * L->kv_heads, L->dim, L->k_norm, (float)L->eps, k + r * KV);
         rotary(q + r * Q, m, L->heads, L->dim, cos + r * L->dim, sin + r * L->dim);
         rotary(k + r * KV, m, L->kv_heads, L->dim, cos + r * L->dim, sin + r * L->dim);
     }
@@ -181,6 +225,7 @@ int ttft_decoder_tail(const struct layer *L, const float *x, const float *a, int
         float *y = out + r * H;
         const float *xr = x + r * H;
         if (multiply(&L->o, a + r * A, m, y)) return -1;
+        if (L->attention_norm != NULL) norm(y, m, H, L->attention_norm, (float)L->eps, y);
         for (int64_t i = 0; i < m * H; i++) y[i] = xr[i] + y[i];
         norm(y, m, H, L->post_norm, (float)L->eps, h);
         if (L->gate_up.codes != NULL) {
@@ -191,8 +236,12 @@ int ttft_decoder_tail(const struct layer *L, const float *x, const float *a, int
             }
         } else if (multiply(&L->gate, h, m, g) || multiply(&L->up, h, m, u))
             return -1;
-        ttft_silu_mul(g, u, m * I);
+        if (L->gelu)
+            ttft_gelu_mul(g, u, m * I);
+        else
+            ttft_silu_mul(g, u, m * I);
         if (multiply(&L->down, g, m, d)) return -1;
+        if (L->mlp_norm != NULL) norm(d, m, H, L->mlp_norm, (float)L->eps, d);
         for (int64_t i = 0; i < m * H; i++) y[i] = y[i] + d[i];
     }
     return 0;

@@ -1,5 +1,8 @@
 """Decoder layers in C around the library's cache and attention, on the block kernel (``TTFT_FUSED_LAYERS``).
 
+The families it computes (Llama, Qwen 2, Qwen 3, Gemma 3) and the parts each adds to Llama's layer are described in
+engine/cpu/families.py; below, "Llama decoder layer" stands for any of them.
+
 With the block kernel (engine/cpu/kernel.py) the matrix products are a small part of a decode step: the rest is the
 ~40 torch calls and the Python of each decoder layer (norms, projections, the rotary embedding, the MLP's activation,
 residual sums), each call a few µs whatever its size (figures: docs/engine.md). :func:`fuse` makes each Llama decoder
@@ -52,18 +55,15 @@ from typing import Any
 
 import structlog
 
-from ttft_sse.engine.cpu import attention, kernel, weights
+from ttft_sse.engine.cpu import attention, families, kernel, weights
+from ttft_sse.engine.cpu.families import LINEARS
+from ttft_sse.engine.cpu.structs import JOINED, Layer, Linear, Stack, Step
 
 log = structlog.get_logger("ttft_sse.engine")
 
 HEAD, TAIL, LAYER, SILU_MUL = "ttft_decoder_head", "ttft_decoder_tail", "ttft_decoder_layer", "ttft_silu_mul"
-STACK = "ttft_decoder_stack"
+STACK, GELU_MUL = "ttft_decoder_stack", "ttft_gelu_mul"
 """decoder.c's functions."""
-LINEARS = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj"}
-LINEARS |= {"gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
-"""decoder.c's linear layers and the submodules of a Llama decoder layer that hold them."""
-JOINED = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")}
-"""decoder.c's joined layers (kernel.join): one call each where the layers they join would take three and two."""
 PROBE_ROWS = 5
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _ARGUMENTS = {
@@ -71,55 +71,9 @@ _ARGUMENTS = {
     TAIL: (_PTR, _PTR, _PTR, _I64, _PTR),  # layer, x, attention's output, rows, out
     LAYER: (_PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR),  # layer, step, x, rows, cos, sin, keys, values, out
     SILU_MUL: (_PTR, _PTR, _I64),  # g, u, n
+    GELU_MUL: (_PTR, _PTR, _I64),  # g, u, n
     STACK: (_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR),  # stack, from, x, rows, cos, sin, out
 }
-
-
-class Linear(ctypes.Structure):
-    """decoder.c's ``struct linear``: a layer in the block kernel's layout."""
-
-    _fields_ = [
-        ("codes", _PTR),
-        ("scale", _PTR),
-        ("zero", _PTR),
-        ("inputs", _I64),
-        ("outputs", _I64),
-        ("bits", _I64),
-        ("int8", _I64),
-    ]
-
-
-class Layer(ctypes.Structure):
-    """decoder.c's ``struct layer``: a decoder layer's sizes, norm weights and linear layers."""
-
-    _fields_ = [
-        *((name, _I64) for name in ("hidden", "heads", "kv_heads", "dim", "intermediate")),
-        ("eps", ctypes.c_double),
-        ("input_norm", _PTR),
-        ("post_norm", _PTR),
-        *((name, Linear) for name in LINEARS),
-        *((name, Linear) for name in JOINED),
-    ]
-
-
-class Step(ctypes.Structure):
-    """decoder.c's ``struct step``: what the layers of a batched step share (:class:`attention.Step`), and the
-    attention function they call (attention.c's, from its own library)."""
-
-    _fields_ = [
-        ("attend", _PTR),
-        ("attend_part", _PTR),  # None: the step's attention is not shared with the kernel's helper threads
-        *((name, _PTR) for name in ("write", "index", "cu_q", "cu_k")),
-        *((name, _I64) for name in ("requests", "key_stride", "head_stride", "max_rows")),
-        ("scale", ctypes.c_float),
-    ]
-
-
-class Stack(ctypes.Structure):
-    """decoder.c's ``struct stack``: a batched step's layers in order, each with its step and its cache rows, and
-    the flag that stops the call between two of them."""
-
-    _fields_ = [("count", _I64), *((name, _PTR) for name in ("layers", "steps", "keys", "values", "waiting"))]
 
 
 @dataclass(frozen=True)
@@ -274,66 +228,59 @@ def function(path: Path, name: str) -> Any:
 
 
 def fuse(model: Any, torch: Any, library: Path) -> int:
-    """Make every Llama decoder layer of ``model`` whose linear layers all run on the block kernel (built at
-    ``library``) a ``FusedDecoderLayer``, after checking one against the library's layer on a probe; returns how
-    many changed (0, logged with the reason, where none can or the probe disagrees)."""
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
-
-    candidates = [m for m in model.modules() if type(m) is LlamaDecoderLayer]
-    layers = [m for m in candidates if _fits(m, torch)]
+    """Make every decoder layer of ``model`` of a family decoder.c computes (engine/cpu/families.py) whose linear
+    layers all run on the block kernel (built at ``library``) a fused one, after checking one against the library's
+    layer on a probe; returns how many changed (0, logged with the reason, where none can or the probe disagrees).
+    ``families.label`` says the same for ``/readyz``."""
+    candidates = families.decoder_layers(model)
+    reasons = {id(m): families.why_not(m, families.family_of(m), torch) for m in candidates}
+    layers = [m for m in candidates if reasons[id(m)] is None]
     if not layers:
-        reason = "no Llama decoder layer" if not candidates else "no decoder layer is all on the block kernel"
-        log.info("decoder_not_fused", reason=reason)
-        return 0
+        found = [reason for reason in reasons.values() if reason is not None]
+        reason = found[0] if found else "the model has no decoder layers"
+        return _not_fused(model, reason, "info")
+    family = families.family_of(layers[0])
+    assert family is not None
+    base = family.classes()[0]
     calls = (function(library, HEAD), function(library, TAIL), function(library, LAYER))
     for layer in layers:
-        _attach(layer, torch, *calls)
+        _attach(layer, families.family_of(layer) or family, torch, *calls)
     both = layers[0].arithmetic_int8 is not None  # TTFT_DEGRADE=int8: the int8 arrangement is checked too
     try:
         _check(layers[0], model, torch)
         if both:
             with kernel.int8_rows():
                 _check(layers[0], model, torch)
-    except (AttributeError, RuntimeError, TypeError) as exc:  # a model unlike Llama's around its layers
+    except (AttributeError, RuntimeError, TypeError) as exc:  # a model unlike its family's around its layers
         for layer in layers:
-            layer.__class__ = LlamaDecoderLayer
+            layer.__class__ = layer.family.classes()[0]
             del layer.arithmetic, layer.norms, layer.joined, layer.address, layer.head, layer.tail, layer.whole
-            del layer.chain, layer.arithmetic_int8, layer.addresses
-        log.warning("decoder_not_fused", reason=str(exc))
-        return 0
+            del layer.chain, layer.arithmetic_int8, layer.addresses, layer.family, layer.biases
+        return _not_fused(model, f"{base.__name__}: {exc}", "warning")
     # All of them, in the model's order (its layers' list, each at its own cache index): a step runs them in one call.
-    ordered = list(getattr(model.base_model, "layers", []))
-    if ordered == candidates == layers and all(m.self_attn.layer_idx == i for i, m in enumerate(ordered)):
+    if candidates == layers and all(m.self_attn.layer_idx == i for i, m in enumerate(layers)):
         arrays = [(_PTR * len(layers))(*(m.addresses[int8] for m in layers)) for int8 in (0, 1)]
         chain = Chain(tuple(layers), arrays[0], function(library, STACK), arrays[1] if both else None)
         for layer in layers:
             layer.chain = chain
-    extra = {"int8_too": True} if both else {}  # TTFT_DEGRADE=int8: both arrangements
-    log.info("decoder_fused", layers=len(layers), of=len(candidates), one_call=layers[0].chain is not None, **extra)
+    extra: dict[str, Any] = {"int8_too": True} if both else {}  # TTFT_DEGRADE=int8: both arrangements
+    if len(layers) < len(candidates):
+        extra["others"] = next(reason for reason in reasons.values() if reason is not None)
+    log.info(
+        "decoder_fused", family=family.name, layers=len(layers), of=len(candidates),
+        one_call=layers[0].chain is not None, **extra,
+    )  # fmt: skip
+    families.remember(model, extra.get("others"))
     return len(layers)
 
 
-def _fits(layer: Any, torch: Any) -> bool:
-    """Whether decoder.c computes ``layer``: its linear layers on the block kernel without biases, RMS norms,
-    SiLU, heads of at most 256 values."""
-    from transformers.activations import SiLUActivation
-    from transformers.models.llama.modeling_llama import LlamaRMSNorm
-
-    block = kernel.block_linear_class()
-    linears = [layer.get_submodule(path) for path in LINEARS.values()]
-    return (
-        all(type(m) is block and m.activations in ("fp32", "int8") and m.bias is None for m in linears)
-        and all(
-            type(n) is LlamaRMSNorm and n.weight.dtype == torch.float32 and n.weight.is_contiguous()
-            for n in (layer.input_layernorm, layer.post_attention_layernorm)
-        )
-        and type(layer.mlp.act_fn) in (torch.nn.SiLU, SiLUActivation)
-        and layer.self_attn.head_dim % 2 == 0
-        and layer.self_attn.head_dim <= 256
-    )
+def _not_fused(model: Any, reason: str, level: str) -> int:
+    getattr(log, level)("decoder_not_fused", reason=reason)
+    families.remember(model, reason)
+    return 0
 
 
-def _attach(layer: Any, torch: Any, head: Any, tail: Any, whole: Any) -> None:
+def _attach(layer: Any, family: families.Family, torch: Any, head: Any, tail: Any, whole: Any) -> None:
     attention, config = layer.self_attn, layer.self_attn.config
 
     def linear(module: Any) -> Linear:
@@ -358,40 +305,49 @@ def _attach(layer: Any, torch: Any, head: Any, tail: Any, whole: Any) -> None:
         outputs = sum(m.out_features for m in modules)
         return Linear(*(a.data_ptr() for a in arrays), modules[0].in_features, outputs, modules[0].bits, 0)
 
-    # The norms' weights as decoder.c reads them, kept alive should their parameters be given other tensors.
-    layer.norms = (layer.input_layernorm.weight.data, layer.post_attention_layernorm.weight.data)
+    # The norms' weights as decoder.c reads them (Gemma's: 1 + w), kept alive should their parameters be given
+    # other tensors; then the biases, where the family has them.
+    layer.norms = tuple(families.norm_weights(layer, family, torch))
+    biases = tuple(layer.get_submodule(LINEARS[p]).bias.data for p in "qkv") if family.biases else ()
+    layer.biases = biases
     sizes = (
         layer.norms[0].shape[0],
         config.num_attention_heads,
         config.num_key_value_heads,
         attention.head_dim,
         layer.mlp.gate_proj.out_features,
-        float(layer.input_layernorm.variance_epsilon),
-        *(weight.data_ptr() for weight in layer.norms),
+        families.epsilon(layer.input_layernorm),
+        *(weight.data_ptr() for weight in layer.norms[:2]),
     )
+    rest = iter(layer.norms[2:])
+    extras: dict[str, int] = {f"{p}_bias": b.data_ptr() for p, b in zip("qkv", biases, strict=False)}
+    if family.head_norms:
+        extras |= {"q_norm": next(rest).data_ptr(), "k_norm": next(rest).data_ptr()}
+    if family.output_norms is not None:
+        extras |= {"attention_norm": next(rest).data_ptr(), "mlp_norm": next(rest).data_ptr()}
+    extras["gelu"] = int(family.gelu)
     linears = [layer.get_submodule(path) for path in LINEARS.values()]
-    layer.arithmetic = Layer(*sizes, *map(linear, linears), *(joined_linear(name) for name in JOINED))
+    layer.arithmetic = Layer(*sizes, *map(linear, linears), *(joined_linear(name) for name in JOINED), **extras)
     layer.address = ctypes.addressof(layer.arithmetic)
     # The int8 arrangement, where the linear layers hold records (none joined: the joined layers' codes NULL).
     both = all(getattr(m, "records", None) is not None for m in linears)
-    layer.arithmetic_int8 = Layer(*sizes, *map(int8_linear, linears)) if both else None
+    layer.arithmetic_int8 = Layer(*sizes, *map(int8_linear, linears), **extras) if both else None
     int8 = layer.address if layer.arithmetic_int8 is None else ctypes.addressof(layer.arithmetic_int8)
     layer.addresses = (layer.address, int8)
     layer.head, layer.tail, layer.whole = head, tail, whole
     layer.chain = None  # fuse() gives it the model's, if every layer is fused
-    layer.__class__ = fused_layer_class()
+    layer.family = family
+    layer.__class__ = fused_layer_class(type(layer))
 
 
 def _check(layer: Any, model: Any, torch: Any) -> None:
     """``layer`` against the library's layer it was, on a probe of causal rows without a cache."""
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
-
     hidden = layer.arithmetic.hidden
     rows = weights.probe_rows(torch, PROBE_ROWS, hidden)[None] * 4.0
     positions = torch.arange(PROBE_ROWS)[None]
-    embeddings = model.model.rotary_emb(rows, position_ids=positions)
+    embeddings = families.rotary(model, layer, rows, positions)
     with torch.no_grad():
-        want = LlamaDecoderLayer.forward(layer, rows, position_ids=positions, position_embeddings=embeddings)
+        want = layer.family.classes()[0].forward(layer, rows, position_ids=positions, position_embeddings=embeddings)
         got = layer(rows, position_ids=positions, position_embeddings=embeddings)
     # With int8 rows a rounding of the norm or of exp can move a value across a step (1/127 of its block's largest),
     # so 1e-2 of the largest value is allowed then; a broken C half still fails it (a test).
@@ -400,12 +356,19 @@ def _check(layer: Any, model: Any, torch: Any) -> None:
         raise RuntimeError("the C decoder layer disagrees with the library's on a probe")
 
 
-@functools.cache
-def fused_layer_class() -> type[Any]:
-    """transformers' ``LlamaDecoderLayer`` with its arithmetic in decoder.c, its cache and attention the model's."""
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+def fused_layer_class(base: Any = None) -> type[Any]:
+    """transformers' decoder layer class ``base`` (``LlamaDecoderLayer`` by default; a family's of
+    engine/cpu/families.py) with its arithmetic in decoder.c, its cache and attention the model's."""
+    if base is None:
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-    class FusedDecoderLayer(LlamaDecoderLayer):  # type: ignore[misc]
+        base = LlamaDecoderLayer
+    return _fused_class(base)
+
+
+@functools.cache
+def _fused_class(base: Any) -> type[Any]:
+    class FusedDecoderLayer(families.FusedLayer, base):  # type: ignore[misc]
         arithmetic: Layer  # what decoder.c reads (its pointers: the norm weights and the kernel's arrays)
         arithmetic_int8: Layer | None  # the same on the linear layers' int8 records (TTFT_DEGRADE=int8), else None
         norms: tuple[Any, Any]  # the tensors behind arithmetic's norm weights
@@ -415,6 +378,8 @@ def fused_layer_class() -> type[Any]:
         tail: Any
         whole: Any  # ttft_decoder_layer: head, cache write, attention and tail in one call
         chain: Chain | None  # every layer of the model, where all are fused: a batched step's first runs them all
+        family: families.Family
+        biases: tuple[Any, ...]  # the tensors behind arithmetic's biases (Qwen 2), else empty
 
         def forward(
             self,
@@ -429,7 +394,7 @@ def fused_layer_class() -> type[Any]:
             in_place: attention.InPlace | None = getattr(cache, attention.IN_PLACE, None)
             if in_place is not None and hidden_states is in_place.stacked:
                 return hidden_states  # the step's first layer computed this one too (run_layers)
-            assert position_embeddings is not None, "Llama's model passes every layer its rotary embedding"
+            assert position_embeddings is not None, "the model passes every layer its rotary embedding"
             layer = self.arithmetic
             shape = hidden_states.shape[:-1]
             x = hidden_states.contiguous()  # fp32: fuse() takes only layers on the kernel
@@ -442,6 +407,7 @@ def fused_layer_class() -> type[Any]:
             kwargs = {"position_ids": position_ids, "use_cache": use_cache, **kwargs}
             return _around_attention(self, cache, attention_mask, kwargs, x, rows, cos, sin)
 
+    FusedDecoderLayer.__name__ = FusedDecoderLayer.__qualname__ = f"Fused{base.__name__}"
     return FusedDecoderLayer
 
 
@@ -490,6 +456,9 @@ def _around_attention(
     if cache is not None:
         key, value = cache.update(key, value, self_attn.layer_idx, kwargs=kwargs)
     attend = ALL_ATTENTION_FUNCTIONS.get_interface(self_attn.config._attn_implementation, eager_attention_forward)
+    window = getattr(self_attn, "sliding_window", None)  # Gemma 3's sliding layers, as its attention passes it
+    if window is not None:
+        kwargs = {**kwargs, "sliding_window": window}
     out, _ = attend(self_attn, query, key, value, attention_mask, dropout=0.0, scaling=self_attn.scaling, **kwargs)
     out = out.reshape(*shape, -1).contiguous()
     y = torch.empty_like(x)

@@ -14,7 +14,7 @@ from typing import Any
 import structlog
 
 from ttft_sse.engine.base import INT8, NORMAL, ModelInfo
-from ttft_sse.engine.cpu import attention, codes, decoder, grouped, kernel, weights
+from ttft_sse.engine.cpu import attention, codes, decoder, families, grouped, kernel, weights
 from ttft_sse.engine.loading import sources
 from ttft_sse.errors import StartupError
 from ttft_sse.settings import Settings
@@ -65,7 +65,8 @@ def load_model(settings: Settings, clock: StageClock) -> Loaded:
                 model = model.to(device)
             model.eval()
             on_cpu_in_fp32 = device == "cpu" and dtype == torch.float32
-            layout, library, helpers, by_type = _arrange(settings, model, torch, source, location, on_cpu_in_fp32)
+            arranged = _arrange(settings, model, torch, source, location, on_cpu_in_fp32)
+            layout, library, helpers, by_type, layers = arranged
             if device == "cpu" and settings.grouped_attention:
                 grouped.group(model, torch)
             # Both engines' attention, request by request: the marked modules' calls reach the C attention through the
@@ -92,6 +93,7 @@ def load_model(settings: Settings, clock: StageClock) -> Loaded:
         threads=threads,
         weights=layout,
         weights_by_type=by_type,
+        decoder=layers,
         kernel_helpers=helpers,
         modes=(NORMAL, INT8) if settings.degrade == INT8 else (NORMAL,),
     )
@@ -107,12 +109,13 @@ def load_model(settings: Settings, clock: StageClock) -> Loaded:
 
 def _arrange(
     settings: Settings, model: Any, torch: Any, source: sources.ModelSource, location: str, on_cpu_in_fp32: bool
-) -> tuple[str, Path | None, int, dict[str, str]]:
+) -> tuple[str, Path | None, int, dict[str, str], str]:
     """Lay the weights out for the CPU kernels (engine/cpu/kernel.py, engine/cpu/weights.py). Returns the layout,
-    the block kernel's library (None where it serves no layer), how many helper threads it started and the path of
-    each GGUF type's layers (empty where the block kernel was not tried or could not run)."""
+    the block kernel's library (None where it serves no layer), how many helper threads it started, the path of
+    each GGUF type's layers (empty where the block kernel was not tried or could not run) and what ``/readyz`` says
+    of the decoder layers (engine/cpu/decoder.py's label)."""
     if not on_cpu_in_fp32:
-        return "as loaded", None, 0, {}
+        return "as loaded", None, 0, {}, families.label(model, tried="the C layers are for fp32 on CPU")
     applied = kernel.Applied(None, {})
     degrade = settings.degrade == INT8
     if settings.gguf_kernel and source.kind == "gguf":
@@ -133,7 +136,9 @@ def _arrange(
     library: Path | None = None
     helpers = 0
     activations = applied.activations
+    tried: str | None = "the block kernel serves none of its linear layers (a GGUF model's Q4/Q5/Q8 blocks)"
     if activations is not None:
+        tried = None if settings.fused_layers else "TTFT_FUSED_LAYERS=false"
         library = kernel.build(settings.cache_dir / KERNEL_DIR)
         if settings.fused_layers:  # after arrange: it copies the norms' weights
             decoder.fuse(model, torch, library)  # with degrade, both arrangements or neither
@@ -147,8 +152,9 @@ def _arrange(
         blocks = "gguf-blocks-int8" if activations == "int8" else "gguf-blocks"
         plain = any(type(m) is torch.nn.Linear for m in model.modules())
         layout = f"{blocks}+{layout}" if plain else blocks
-    log.info("weights_arranged", layout=layout)
-    return layout, library, helpers, applied.by_type
+    layers = families.label(model, tried=tried)
+    log.info("weights_arranged", layout=layout, decoder=layers)
+    return layout, library, helpers, applied.by_type, layers
 
 
 def _no_int8_mode(settings: Settings, source: sources.ModelSource, device: str, dtype: Any, torch: Any) -> str | None:

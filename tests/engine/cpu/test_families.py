@@ -1,0 +1,213 @@
+"""The decoder-layer families in C (engine/cpu/families.py, engine/cpu/decoder.py), on tiny random-weight GGUFs of
+each family (tests/support/tinymodels.py) loaded as a user's file is."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from structlog.testing import capture_logs
+
+from tests.support import tinymodels
+from tests.support.engines import collect, prompt_of
+from ttft_sse.engine.base import SamplingParams
+from ttft_sse.engine.batched.engine import BatchedEngine
+from ttft_sse.engine.cpu import decoder, families
+from ttft_sse.engine.single import SingleEngine
+from ttft_sse.settings import Settings
+from ttft_sse.stages import StageClock
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("gguf")
+
+FUSED = ("qwen2", "qwen3", "gemma3")
+LAYERS = {"qwen2": 2, "qwen3": 2, "gemma3": 6}
+# Longer than the tiny Gemma 3's sliding window (a character a token), so its sliding layers drop keys.
+PROMPTS = (
+    "tell me a story about a dragon who could fly",
+    "what is the capital of france? paris is.",
+    "hello world, how are you?",
+    "write a short answer: why is it so?",
+)
+assert all(len(p) > 2 * tinymodels.GEMMA3_WINDOW for p in PROMPTS)
+
+
+@pytest.fixture(scope="module")
+def gguf_of(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    root = tmp_path_factory.mktemp("family-ggufs")
+    return lambda family: tinymodels.build_gguf(family, root)
+
+
+@pytest.fixture(scope="module")
+def family_settings(gguf_of: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Any]:
+    cache = tmp_path_factory.mktemp("family-cache")
+
+    def make(family: str, **changes: Any) -> Settings:
+        base = Settings(model=str(gguf_of(family)), cache_dir=cache, threads=1, prefill_process=False)
+        return base.replace(**changes)
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def singles(family_settings: Callable[..., Settings]) -> Iterator[Callable[..., tuple[SingleEngine, list[Any]]]]:
+    """``singles(family, fused)``: the single engine on that family's GGUF, with or without the C layers, loaded
+    once, and its load's log."""
+    made: dict[tuple[str, bool], tuple[SingleEngine, list[Any]]] = {}
+
+    def get(family: str, fused: bool = True) -> tuple[SingleEngine, list[Any]]:
+        if (family, fused) not in made:
+            engine = SingleEngine(family_settings(family, fused_layers=fused))
+            with capture_logs() as logs:
+                engine.load(StageClock())
+            made[family, fused] = (engine, logs)
+        return made[family, fused]
+
+    yield get
+
+
+@pytest.mark.parametrize("family", FUSED)
+def test_every_decoder_layer_of_the_family_runs_in_c_and_the_log_and_readyz_label_say_so(
+    singles: Callable[..., tuple[SingleEngine, list[Any]]], family: str
+) -> None:
+    engine, logs = singles(family)
+    layers = list(engine.model.model.layers)
+    n = LAYERS[family]
+    assert len(layers) == n and all(isinstance(layer, families.FusedLayer) for layer in layers)
+    assert all(layer.family.name == family for layer in layers)
+    event = {"event": "decoder_fused", "log_level": "info", "family": family, "layers": n, "of": n, "one_call": True}
+    assert event in logs  # the load probe against the family's own layer passed
+    assert engine.info.decoder == f"fused: {n} of {n} layers"
+    assert engine.info.weights == "gguf-blocks"
+
+
+@pytest.mark.parametrize("family", FUSED)
+def test_the_fused_layers_give_the_family_layers_logits_within_roundings(
+    singles: Callable[..., tuple[SingleEngine, list[Any]]], family: str
+) -> None:
+    """Every position's logits of a prompt at once and then token by token on a cache, with the C layers and with
+    the library's own layers of the family swapped back in (the same modules, the same weights)."""
+    engine, _ = singles(family)
+    model = engine.model
+    ids = engine.tokenizer(PROMPTS[0], return_tensors="pt").input_ids
+    import transformers
+
+    def logits() -> tuple[Any, Any]:
+        whole = model(ids).logits[0]
+        cache = transformers.DynamicCache(config=model.config)
+        steps = [model(ids[:, :5], cache=cache).logits[0]]
+        steps += [model(ids[:, i : i + 1], cache=cache).logits[0] for i in range(5, ids.shape[1])]
+        return whole, torch.cat(steps)
+
+    layers = list(model.model.layers)
+    fused = [type(layer) for layer in layers]
+    with torch.inference_mode():
+        got = logits()
+        for layer in layers:
+            layer.__class__ = layer.family.classes()[0]
+        try:
+            want = logits()
+        finally:
+            for layer, kind in zip(layers, fused, strict=True):
+                layer.__class__ = kind
+    for g, w in zip(got, want, strict=True):
+        assert float((g - w).abs().max()) <= 1e-4 * float(w.abs().max())
+        assert torch.equal(g.argmax(-1), w.argmax(-1))
+
+
+@pytest.mark.parametrize("family", FUSED)
+async def test_the_fused_engines_greedy_answer_is_the_unfused_engines(
+    singles: Callable[..., tuple[SingleEngine, list[Any]]], family: str
+) -> None:
+    """The reference: the same GGUF on the same block kernel with the family's layers in transformers' Python
+    (``TTFT_FUSED_LAYERS=false``). For Gemma 3 the prompts and answers are longer than its sliding window."""
+    fused, _ = singles(family)
+    plain, _ = singles(family, fused=False)
+    assert fused.info.decoder.startswith("fused")
+    assert plain.info.decoder == "not fused (TTFT_FUSED_LAYERS=false); each layer runs in transformers' Python"
+    params = SamplingParams(max_tokens=24)
+    for prompt in PROMPTS:
+        got = await collect(fused.stream(prompt_of(fused, prompt), params))
+        want = await collect(plain.stream(prompt_of(plain, prompt), params))
+        assert got[0] == want[0] and got[1].usage == want[1].usage, prompt
+        assert want[1].usage.completion_tokens == 24
+
+
+@pytest.mark.parametrize("family", FUSED)
+async def test_concurrent_requests_on_the_batched_engine_each_get_the_text_they_get_alone(
+    family_settings: Callable[..., Settings], family: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Qwen's steps run every layer in one C call over the paged cache read in place (``ttft_decoder_stack``);
+    Gemma 3's cache has sliding-window layers, which it does not read in place, so each of its layers runs its two
+    C calls around the library's cache and attention (which applies the window)."""
+    engine = BatchedEngine(family_settings(family))
+    engine.load(StageClock())
+    stacked: list[int] = []
+    run_layers = decoder.run_layers
+
+    def spy(*arguments: Any, between: bool) -> Any:
+        stacked.append(1)
+        return run_layers(*arguments, between=between)
+
+    monkeypatch.setattr(decoder, "run_layers", spy)
+    try:
+        assert engine.info.decoder == f"fused: {LAYERS[family]} of {LAYERS[family]} layers"
+        params = SamplingParams(max_tokens=20)
+        alone = [await collect(engine.stream(prompt_of(engine, p), params)) for p in PROMPTS]
+        together = await asyncio.gather(*(collect(engine.stream(prompt_of(engine, p), params)) for p in PROMPTS))
+        assert [(t, f.usage) for t, f in together] == [(t, f.usage) for t, f in alone]
+        assert all(f.usage.completion_tokens == 20 for _, f in alone)
+        assert bool(stacked) == (family != "gemma3")
+    finally:
+        await engine.close()
+
+
+def test_a_family_without_a_fused_form_runs_in_transformers_and_readyz_and_the_log_say_why(
+    family_settings: Callable[..., Settings],
+) -> None:
+    from starlette.testclient import TestClient
+
+    from tests.support.servers import eventually
+    from ttft_sse.app import create_app
+
+    settings = family_settings("nemotron", engine="single")
+    engine = SingleEngine(settings)
+    with capture_logs() as logs, TestClient(create_app(settings, engine)) as client:
+        eventually(lambda: client.get("/readyz").status_code == 200)
+        ready = client.get("/readyz").json()
+    assert engine.info.weights == "gguf-blocks"  # its linear layers are on the block kernel; its layers are not C
+    reason = "NemotronDecoderLayer: no fused form"
+    assert {"event": "decoder_not_fused", "log_level": "info", "reason": reason} in logs
+    label = f"not fused ({reason}); each layer runs in transformers' Python"
+    assert engine.info.decoder == ready["decoder"] == label
+    assert [e["decoder"] for e in logs if e["event"] == "weights_arranged"] == [label]
+    assert not any(isinstance(m, families.FusedLayer) for m in engine.model.modules())
+
+
+def test_each_family_is_found_by_its_layer_class_and_nothing_else_is() -> None:
+    from transformers import Gemma3TextConfig, NemotronConfig, Qwen3Config
+
+    small = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2, "num_key_value_heads": 1}
+    gemma = transformers_layer(Gemma3TextConfig(head_dim=16, **small), "gemma3")
+    qwen3 = transformers_layer(Qwen3Config(head_dim=16, **small), "qwen3")
+    nemotron = transformers_layer(NemotronConfig(**small), "nemotron")
+    assert [families.family_of(m) for m in (gemma, qwen3, nemotron)] == [
+        *(f for name in ("gemma3", "qwen3") for f in families.FAMILIES if f.name == name),
+        None,
+    ]
+    # Not on the block kernel: the reason names the class.
+    assert families.why_not(qwen3, families.family_of(qwen3), torch) == (
+        "Qwen3DecoderLayer: not every linear layer is on the block kernel"
+    )
+    assert families.why_not(nemotron, None, torch) == "NemotronDecoderLayer: no fused form"
+
+
+def transformers_layer(config: Any, family: str) -> Any:
+    import importlib
+
+    module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    kind = {"gemma3": "Gemma3DecoderLayer", "qwen3": "Qwen3DecoderLayer", "nemotron": "NemotronDecoderLayer"}[family]
+    return getattr(module, kind)(config, 0)
