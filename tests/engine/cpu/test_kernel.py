@@ -734,3 +734,15 @@ def test_with_int8_rows_the_bundled_model_predicts_nearly_what_it_predicts_in_fp
     divergence = float((p.exp() * (p - q)).sum(-1).mean())
     assert agreement >= 0.9 and divergence <= 0.01, (agreement, divergence)
     assert not torch.equal(fp32, int8)  # the rows really were quantised
+
+
+def test_the_probe_compares_every_output_of_a_small_layer_and_of_a_large_one_each_panel_offset_and_the_last_panel() -> (
+    None
+):
+    assert kernel._probed(96, torch).tolist() == list(range(96))
+    outputs = 49152  # the bundled model's LM head
+    probed = kernel._probed(outputs, torch)
+    assert len(probed) <= kernel.PROBED_OUTPUTS
+    assert set(range(outputs - kernel.PANEL, outputs)) <= set(probed.tolist())
+    assert {int(i) % kernel.PANEL for i in probed} == set(range(kernel.PANEL))
+    assert int(probed[1] - probed[0]) * kernel.PROBED_OUTPUTS >= outputs - kernel.PANEL  # spread over every panel
