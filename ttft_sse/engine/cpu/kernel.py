@@ -52,10 +52,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import numpy as np
+import numpy.typing as npt
 import structlog
 
+from ttft_sse.engine.cpu import arrangement, weights
 from ttft_sse.engine.cpu import codes as gguf_codes
-from ttft_sse.engine.cpu import weights
 from ttft_sse.engine.cpu.layouts import PANEL, in_records, panels, records
 
 log = structlog.get_logger("ttft_sse.engine")
@@ -238,7 +240,9 @@ def apply(
 ) -> Applied:
     """Make every fp32 linear layer of ``model`` whose weight the GGUF file at ``gguf_path`` holds in one of the
     types engine/cpu/codes.py reads (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K) a ``BlockLinear`` on those codes,
-    with the kernel built in ``directory``; the codes are kept in ``cache`` for the next start. ``activations``:
+    with the kernel built in ``directory``; the codes are kept in ``cache`` for the next start, and the layers' arrays
+    as laid out beside it (engine/cpu/arrangement.py), which a later start maps instead of reading and laying out
+    the codes again. ``activations``:
     ``"int8"`` quantises each row per block of 32 inputs first, as llama.cpp does, in each layer whose scales and
     offsets the int8 records hold (:func:`in_records`; the others keep fp32 rows, as all do on a CPU with neither
     AVX-512 VNNI nor AVX2 and F16C, where the log says so); ``"fp32"`` keeps the fp32 model's arithmetic.
@@ -291,23 +295,33 @@ def _apply(
         for name, m in model.named_modules()
         if type(m) is torch.nn.Linear and m.weight.dtype == torch.float32 and m.in_features % gguf_codes.BLOCK == 0
     }
-    found = gguf_codes.of_layers(layers, gguf_path, cache)
-    if not found.codes:
-        paths = by_type(found.kinds, {}, activations)
-        reason = "no linear weight of the model is stored in a type the kernel runs"
-        if degrade:
-            raise Refused(reason)
-        log.warning("weights_not_blocks", reason=reason, by_type=paths)
-        return Applied(None, paths)
-    rows = {
-        name: "fp32" if activations == "int8" and not in_records(codes) else activations
-        for name, codes in found.codes.items()
-    }
-    if degrade and (outside := sorted({found.kinds[n] for n, c in found.codes.items() if not in_records(c)})):
-        raise Refused(f"int8 rows cannot hold the scales of the {', '.join(outside)} layers (not fp16 values)")
-    changed = [layers[name] for name in found.codes]
-    for name, layer in zip(found.codes, changed, strict=True):
-        _attach(layer, found.codes[name], library, rows[name], torch, degrade)
+    stored = None if cache is None else arrangement.path_for(cache, activations, degrade)
+    key = arrangement.key(library, activations, degrade)
+    weights_now = {name: m.weight.detach().numpy() for name, m in layers.items()}
+    kept = None if stored is None else arrangement.load(stored, key, weights_now)
+    fresh = kept is None
+    if kept is None:
+        found = gguf_codes.of_layers(layers, gguf_path, cache)
+        if not found.codes:
+            paths = by_type(found.kinds, {}, activations)
+            reason = "no linear weight of the model is stored in a type the kernel runs"
+            if degrade:
+                raise Refused(reason)
+            log.warning("weights_not_blocks", reason=reason, by_type=paths)
+            return Applied(None, paths)
+        rows = {
+            name: "fp32" if activations == "int8" and not in_records(codes) else activations
+            for name, codes in found.codes.items()
+        }
+        if degrade and (outside := sorted({found.kinds[n] for n, c in found.codes.items() if not in_records(c)})):
+            raise Refused(f"int8 rows cannot hold the scales of the {', '.join(outside)} layers (not fp16 values)")
+        entries = {name: _entry(codes, rows[name], degrade, weights_now[name]) for name, codes in found.codes.items()}
+        kept = arrangement.Kept(found.kinds, entries)
+    entries = kept.entries
+    rows = {name: entry.rows for name, entry in entries.items()}
+    changed = [layers[name] for name in entries]
+    for name, layer in zip(entries, changed, strict=True):
+        _hold_entry(layer, entries[name], library, torch)
     try:
         for bits, row in sorted({(layer.bits, layer.activations) for layer in changed}):  # one layer of each
             probed = next(m for m in changed if (m.bits, m.activations) == (bits, row))
@@ -322,14 +336,16 @@ def _apply(
             del layer.arrays, layer.multiply, layer.bits, layer.activations, layer.fence
             del layer.records, layer.int8_multiply
         raise Refused(str(exc)) from exc
+    if fresh and stored is not None:  # probed: kept for the next start
+        arrangement.save(stored, key, kept)
     others = (m for m in model.modules() if not isinstance(m, block_linear_class()))
     shared = {id(p) for m in others for p in m.parameters(recurse=False)}
     for layer in changed:
         if id(layer.weight) not in shared:  # never read again: the fp32 weight's memory goes back
             layer.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
-    counts = {bits: sum(codes.bits == bits for codes in found.codes.values()) for bits in (4, 8)}
+    counts = {bits: sum(entry.bits == bits for entry in entries.values()) for bits in (4, 8)}
     used = "int8" if "int8" in rows.values() else "fp32"
-    paths = by_type(found.kinds, rows, activations)
+    paths = by_type(kept.kinds, rows, activations)
     log.info("weights_blocks", layers=len(changed), q4=counts[4], q8=counts[8], activations=used, by_type=paths)
     return Applied(used, paths)
 
@@ -413,14 +429,29 @@ def _attach(
 ) -> None:
     """Make ``layer`` a ``BlockLinear`` on ``codes`` with the kernel of the library at ``library``; with ``degrade``,
     holding the int8 rows' records too."""
-    layer.kernel = function(library, INT8 if activations == "int8" else FP32)
-    layer.fence = load(library, "ttft_helper_fence", ())
-    layer.bits = codes.bits
-    layer.activations = activations
-    layer.records = torch.from_numpy(records(codes)) if degrade else None
+    _hold_entry(layer, _entry(codes, activations, degrade, layer.weight.detach().numpy()), library, torch)
+
+
+def _entry(
+    codes: gguf_codes.Codes, activations: str, degrade: bool, weight: npt.NDArray[np.float32]
+) -> arrangement.Entry:
+    """``codes`` laid out for ``activations`` rows (and, with ``degrade``, as int8 records beside them): what a layer
+    on the kernel holds, and what a start keeps for the next one (engine/cpu/arrangement.py)."""
     arrays = (records(codes),) if activations == "int8" else panels(codes)
-    _hold(layer, tuple(torch.from_numpy(a) for a in arrays))
-    if degrade:
+    held = records(codes) if degrade else None
+    out, inputs = codes.q.shape
+    return arrangement.Entry((out, inputs), codes.bits, activations, arrays, held, arrangement.rows_checksum(weight))
+
+
+def _hold_entry(layer: Any, entry: arrangement.Entry, library: Path, torch: Any) -> None:
+    """Make ``layer`` a ``BlockLinear`` on the arrays of ``entry`` with the kernel of the library at ``library``."""
+    layer.kernel = function(library, INT8 if entry.rows == "int8" else FP32)
+    layer.fence = load(library, "ttft_helper_fence", ())
+    layer.bits = entry.bits
+    layer.activations = entry.rows
+    layer.records = None if entry.records is None else torch.from_numpy(entry.records)
+    _hold(layer, tuple(torch.from_numpy(a) for a in entry.arrays))
+    if layer.records is not None:
         int8, held = function(library, INT8), layer.records.data_ptr()
         inputs, outputs, bits = layer.in_features, layer.out_features, layer.bits
         layer.int8_multiply = lambda x, m, y: int8(x, m, inputs, held, bits, outputs, y)
