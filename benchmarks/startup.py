@@ -5,8 +5,10 @@
 
 Each run starts ``python -m ttft_sse serve`` on a free loopback port, polls ``/readyz`` every 10 ms from the moment
 the process is started, and notes the wall time to the first answer (the port bound) and to the first 200 (ready),
-with the stages ``/readyz`` reports. Then it sends one streamed chat request and notes its time to the first token
-event, and stops the server with SIGTERM. Printed: each run, then the median of each figure over the runs.
+with the stages ``/readyz`` reports and the CPU seconds the process used by then (``ready_cpu_s``: on shared
+cores the wall times grow with the load, the CPU seconds hardly). Then it sends one streamed chat request and notes
+its time to the first token event, and stops the server with SIGTERM. ``--root`` starts another checkout's server
+(the same figures for a comparison). Printed: each run, then the median of each figure over the runs.
 Run ``ttft-sse prepare`` first, so that no run pays the one-off conversion.
 """
 
@@ -20,6 +22,7 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -44,7 +47,14 @@ def _first_token(client: httpx.Client, base: str) -> float:
     return seen
 
 
-def run_once(env: dict[str, str], timeout: float) -> dict[str, Any]:
+def _cpu_seconds(pid: int) -> float:
+    """User plus system CPU seconds the process has used so far (Linux): a figure that, unlike wall time, barely
+    moves when other work shares the cores."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def run_once(env: dict[str, str], timeout: float, root: Path) -> dict[str, Any]:
     port = free_port()
     full = {k: v for k, v in os.environ.items() if not k.startswith("TTFT_")}
     full.update(TTFT_LOG_LEVEL="warning", **env)
@@ -52,7 +62,7 @@ def run_once(env: dict[str, str], timeout: float) -> dict[str, Any]:
     started = time.perf_counter()
     proc = subprocess.Popen(
         [sys.executable, "-m", "ttft_sse", "serve", "--port", str(port)],
-        cwd=ROOT,
+        cwd=root,
         env=full,
         start_new_session=True,
         stdout=subprocess.DEVNULL,
@@ -73,6 +83,7 @@ def run_once(env: dict[str, str], timeout: float) -> dict[str, Any]:
                     out.setdefault("bound_s", now)
                     if answer.status_code == 200:
                         out["ready_s"] = now
+                        out["ready_cpu_s"] = _cpu_seconds(proc.pid)
                         stages = answer.json()["startup"].items()
                         out.update({k.removesuffix("_ms") + "_s": v / 1000 for k, v in stages})
                         break
@@ -92,11 +103,12 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=300)
     parser.add_argument("--env", action="append", default=[], help="NAME=VALUE for the server (repeatable)")
     parser.add_argument("--json", help="write every run's figures here")
+    parser.add_argument("--root", type=Path, default=ROOT, help="the checkout whose ttft_sse is started")
     args = parser.parse_args()
     env = dict(item.split("=", 1) for item in args.env)
     runs = []
     for i in range(args.runs):
-        figures = run_once(env, args.timeout)
+        figures = run_once(env, args.timeout, args.root)
         runs.append(figures)
         print(f"run {i + 1}: " + "  ".join(f"{k} {v:.3f}" for k, v in figures.items()), flush=True)
     names = list(dict.fromkeys(k for run in runs for k in run))
