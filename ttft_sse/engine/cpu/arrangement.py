@@ -35,6 +35,9 @@ import numpy as np
 import numpy.typing as npt
 import structlog
 
+from ttft_sse.engine.cpu.codes import Codes
+from ttft_sse.engine.cpu.layouts import panels, records
+
 log = structlog.get_logger("ttft_sse.engine")
 
 FORMAT = 1
@@ -67,6 +70,15 @@ class Kept:
 
     kinds: dict[str, str]
     entries: dict[str, Entry]
+
+
+def laid_out(codes: Codes, rows: str, degrade: bool, weight: npt.NDArray[np.float32]) -> Entry:
+    """``codes`` laid out for ``rows`` (``"fp32"``: panels; ``"int8"``: records), with the records beside them where
+    ``degrade``; ``weight`` is the fp32 weight the codes give back, as loaded."""
+    arrays = (records(codes),) if rows == "int8" else panels(codes)
+    held = records(codes) if degrade else None
+    out, inputs = codes.q.shape
+    return Entry((out, inputs), codes.bits, rows, arrays, held, rows_checksum(weight))
 
 
 def path_for(codes_cache: Path, activations: str, degrade: bool) -> Path:

@@ -52,13 +52,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import numpy as np
-import numpy.typing as npt
 import structlog
 
 from ttft_sse.engine.cpu import arrangement, weights
 from ttft_sse.engine.cpu import codes as gguf_codes
-from ttft_sse.engine.cpu.layouts import PANEL, in_records, panels, records
+from ttft_sse.engine.cpu.layouts import PANEL, in_records
 
 log = structlog.get_logger("ttft_sse.engine")
 
@@ -315,7 +313,10 @@ def _apply(
         }
         if degrade and (outside := sorted({found.kinds[n] for n, c in found.codes.items() if not in_records(c)})):
             raise Refused(f"int8 rows cannot hold the scales of the {', '.join(outside)} layers (not fp16 values)")
-        entries = {name: _entry(codes, rows[name], degrade, weights_now[name]) for name, codes in found.codes.items()}
+        entries = {
+            name: arrangement.laid_out(codes, rows[name], degrade, weights_now[name])
+            for name, codes in found.codes.items()
+        }
         kept = arrangement.Kept(found.kinds, entries)
     entries = kept.entries
     rows = {name: entry.rows for name, entry in entries.items()}
@@ -429,18 +430,8 @@ def _attach(
 ) -> None:
     """Make ``layer`` a ``BlockLinear`` on ``codes`` with the kernel of the library at ``library``; with ``degrade``,
     holding the int8 rows' records too."""
-    _hold_entry(layer, _entry(codes, activations, degrade, layer.weight.detach().numpy()), library, torch)
-
-
-def _entry(
-    codes: gguf_codes.Codes, activations: str, degrade: bool, weight: npt.NDArray[np.float32]
-) -> arrangement.Entry:
-    """``codes`` laid out for ``activations`` rows (and, with ``degrade``, as int8 records beside them): what a layer
-    on the kernel holds, and what a start keeps for the next one (engine/cpu/arrangement.py)."""
-    arrays = (records(codes),) if activations == "int8" else panels(codes)
-    held = records(codes) if degrade else None
-    out, inputs = codes.q.shape
-    return arrangement.Entry((out, inputs), codes.bits, activations, arrays, held, arrangement.rows_checksum(weight))
+    weight = layer.weight.detach().numpy()
+    _hold_entry(layer, arrangement.laid_out(codes, activations, degrade, weight), library, torch)
 
 
 def _hold_entry(layer: Any, entry: arrangement.Entry, library: Path, torch: Any) -> None:
