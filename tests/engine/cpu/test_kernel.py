@@ -551,7 +551,8 @@ def test_a_model_of_q5_and_k_quant_layers_runs_on_the_kernel_with_the_fp32_layer
     }
     assert applied == ("fp32", by_type)
     blocks = {"event": "weights_blocks", "log_level": "info", "layers": 5, "q4": 1, "q8": 3, "q6": 1}
-    assert logs == [{**blocks, "activations": "fp32", "by_type": by_type}]
+    kept = {"event": "arrangement_kept", "log_level": "info", "path": str(tmp_path / "kernel-arrays-fp32.bin")}
+    assert logs == [{**kept, "layers": 5, "mib": 0.1}, {**blocks, "activations": "fp32", "by_type": by_type}]
     assert [type(layer).__name__ for layer in model] == ["BlockLinear"] * 5
     assert [layer.bits for layer in model] == [8, 4, codes.SIXTEEN, 8, 8]
     with torch.no_grad():
@@ -752,3 +753,15 @@ def test_with_int8_rows_the_bundled_model_predicts_nearly_what_it_predicts_in_fp
     divergence = float((p.exp() * (p - q)).sum(-1).mean())
     assert agreement >= 0.9 and divergence <= 0.01, (agreement, divergence)
     assert not torch.equal(fp32, int8)  # the rows really were quantised
+
+
+def test_the_probe_compares_every_output_of_a_small_layer_and_of_a_large_one_each_panel_offset_and_the_last_panel() -> (
+    None
+):
+    assert kernel._probed(96, torch).tolist() == list(range(96))
+    outputs = 49152  # the bundled model's LM head
+    probed = kernel._probed(outputs, torch)
+    assert len(probed) <= kernel.PROBED_OUTPUTS
+    assert set(range(outputs - kernel.PANEL, outputs)) <= set(probed.tolist())
+    assert {int(i) % kernel.PANEL for i in probed} == set(range(kernel.PANEL))
+    assert int(probed[1] - probed[0]) * kernel.PROBED_OUTPUTS >= outputs - kernel.PANEL  # spread over every panel

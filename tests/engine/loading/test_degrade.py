@@ -13,7 +13,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from ttft_sse.engine.batched.engine import BatchedEngine
-from ttft_sse.engine.cpu import kernel
+from ttft_sse.engine.cpu import arrangement, kernel
 from ttft_sse.engine.loading.model import KERNEL_DIR
 from ttft_sse.engine.single import SingleEngine
 from ttft_sse.errors import StartupError
@@ -72,14 +72,15 @@ def test_int8_records_that_disagree_with_their_reference_are_refused(
 ) -> None:
     if not kernel.takes_int8(kernel.build(settings.cache_dir / KERNEL_DIR)):
         pytest.skip("the CPU has neither AVX-512 VNNI nor AVX2 with F16C")
-    records = kernel.records
+    records = arrangement.records
 
     def wrong(codes: Any) -> Any:  # every code one step off: the int8 probe fails, the fp32 one does not
         made = records(codes)
         made[:, :, : made.shape[2] - 64] ^= np.uint8(1)
         return made
 
-    monkeypatch.setattr(kernel, "records", wrong)
+    monkeypatch.setattr(arrangement, "records", wrong)
+    monkeypatch.setattr(arrangement, "load", lambda *_args: None)  # laid out now, as at a first start
     with pytest.raises(StartupError, match=f"^{REFUSED}the block kernel with int8 rows disagrees with its fp64"):
         SingleEngine(settings.replace(degrade="int8")).load(StageClock())
 

@@ -54,9 +54,9 @@ from typing import Any, NamedTuple
 
 import structlog
 
+from ttft_sse.engine.cpu import arrangement, weights
 from ttft_sse.engine.cpu import codes as gguf_codes
-from ttft_sse.engine.cpu import weights
-from ttft_sse.engine.cpu.layouts import PANEL, in_records, panels, records
+from ttft_sse.engine.cpu.layouts import PANEL, in_records
 
 log = structlog.get_logger("ttft_sse.engine")
 
@@ -238,7 +238,9 @@ def apply(
 ) -> Applied:
     """Make every fp32 linear layer of ``model`` whose weight the GGUF file at ``gguf_path`` holds in one of the
     types engine/cpu/codes.py reads (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) a ``BlockLinear`` on those codes,
-    with the kernel built in ``directory``; the codes are kept in ``cache`` for the next start. ``activations``:
+    with the kernel built in ``directory``; the codes are kept in ``cache`` for the next start, and the layers' arrays
+    as laid out beside it (engine/cpu/arrangement.py), which a later start maps instead of reading and laying out
+    the codes again. ``activations``:
     ``"int8"`` quantises each row per block of 32 inputs first, as llama.cpp does, in each layer whose scales and
     offsets the int8 records hold (:func:`in_records`; the others keep fp32 rows, as all do on a CPU with neither
     AVX-512 VNNI nor AVX2 and F16C, where the log says so); ``"fp32"`` keeps the fp32 model's arithmetic.
@@ -291,26 +293,39 @@ def _apply(
         for name, m in model.named_modules()
         if type(m) is torch.nn.Linear and m.weight.dtype == torch.float32 and m.in_features % gguf_codes.BLOCK == 0
     }
-    found = gguf_codes.of_layers(layers, gguf_path, cache)
-    if not found.codes:
-        paths = by_type(found.kinds, {}, activations)
-        reason = "no linear weight of the model is stored in a type the kernel runs"
-        if degrade:
-            raise Refused(reason)
-        log.warning("weights_not_blocks", reason=reason, by_type=paths)
-        return Applied(None, paths)
-    rows = {
-        name: "fp32" if activations == "int8" and not in_records(codes) else activations
-        for name, codes in found.codes.items()
-    }
-    if degrade and (outside := sorted({found.kinds[n] for n, c in found.codes.items() if not in_records(c)})):
-        raise Refused(
-            f"int8 rows cannot hold the scales of the {', '.join(outside)} layers (not fp16 values, or one each 16 "
-            "inputs)"
-        )
-    changed = [layers[name] for name in found.codes]
-    for name, layer in zip(found.codes, changed, strict=True):
-        _attach(layer, found.codes[name], library, rows[name], torch, degrade)
+    stored = None if cache is None else arrangement.path_for(cache, activations, degrade)
+    key = arrangement.key(library, activations, degrade)
+    weights_now = {name: m.weight.detach().numpy() for name, m in layers.items()}
+    kept = None if stored is None else arrangement.load(stored, key, weights_now)
+    fresh = kept is None
+    if kept is None:
+        found = gguf_codes.of_layers(layers, gguf_path, cache)
+        if not found.codes:
+            paths = by_type(found.kinds, {}, activations)
+            reason = "no linear weight of the model is stored in a type the kernel runs"
+            if degrade:
+                raise Refused(reason)
+            log.warning("weights_not_blocks", reason=reason, by_type=paths)
+            return Applied(None, paths)
+        rows = {
+            name: "fp32" if activations == "int8" and not in_records(codes) else activations
+            for name, codes in found.codes.items()
+        }
+        if degrade and (outside := sorted({found.kinds[n] for n, c in found.codes.items() if not in_records(c)})):
+            raise Refused(
+                f"int8 rows cannot hold the scales of the {', '.join(outside)} layers (not fp16 values, or one "
+                "each 16 inputs)"
+            )
+        entries = {
+            name: arrangement.laid_out(codes, rows[name], degrade, weights_now[name])
+            for name, codes in found.codes.items()
+        }
+        kept = arrangement.Kept(found.kinds, entries)
+    entries = kept.entries
+    rows = {name: entry.rows for name, entry in entries.items()}
+    changed = [layers[name] for name in entries]
+    for name, layer in zip(entries, changed, strict=True):
+        _hold_entry(layer, entries[name], library, torch)
     try:
         for bits, row in sorted({(layer.bits, layer.activations) for layer in changed}):  # one layer of each
             probed = next(m for m in changed if (m.bits, m.activations) == (bits, row))
@@ -325,14 +340,16 @@ def _apply(
             del layer.arrays, layer.multiply, layer.bits, layer.activations, layer.fence
             del layer.records, layer.int8_multiply
         raise Refused(str(exc)) from exc
+    if fresh and stored is not None:  # probed: kept for the next start
+        arrangement.save(stored, key, kept)
     others = (m for m in model.modules() if not isinstance(m, block_linear_class()))
     shared = {id(p) for m in others for p in m.parameters(recurse=False)}
     for layer in changed:
         if id(layer.weight) not in shared:  # never read again: the fp32 weight's memory goes back
             layer.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
-    counts = {bits: sum(codes.bits == bits for codes in found.codes.values()) for bits in (4, 8, gguf_codes.SIXTEEN)}
+    counts = {bits: sum(entry.bits == bits for entry in entries.values()) for bits in (4, 8, gguf_codes.SIXTEEN)}
     used = "int8" if "int8" in rows.values() else "fp32"
-    paths = by_type(found.kinds, rows, activations)
+    paths = by_type(kept.kinds, rows, activations)
     log.info(
         "weights_blocks",
         layers=len(changed),
@@ -369,20 +386,42 @@ def by_type(kinds: dict[str, str], rows: dict[str, str], asked: str) -> dict[str
     }
 
 
+PROBED_OUTPUTS = 1024
+"""At most this many of a layer's outputs, spread over all its panels, are checked against the fp64 reference (the
+reference of a large LM head on every output costs a second of start-up, and a wrong build or layout shows in every
+panel)."""
+
+
+def _probed(outputs: int, torch: Any) -> Any:
+    """The outputs :func:`_check` compares with the reference: every one of a small layer; of a large one, evenly
+    spaced ones (each offset within a panel in turn) and the last panel whole (where the padding lies)."""
+    if outputs <= PROBED_OUTPUTS:
+        return torch.arange(outputs)
+    step = -(-outputs // (PROBED_OUTPUTS - PANEL))
+    if step % PANEL == 0:
+        step += 1  # not always the same offset within a panel
+    spread = torch.arange(0, outputs, step)
+    last = torch.arange(max(0, outputs - PANEL), outputs)
+    return torch.unique(torch.cat([spread, last]))
+
+
 def _check(layer: Any, torch: Any, *, int8: bool) -> None:
     """The layer against its reference in fp64 (the fp32 weights times the rows, quantised first where ``int8``: the
-    rows the calling thread gives it are int8 ones), and each row of a call against the same row alone (bit for
-    bit)."""
+    rows the calling thread gives it are int8 ones), on the outputs :func:`_probed` picks; and each row of a call
+    against the same row alone (bit for bit, every output)."""
+    probed = _probed(layer.out_features, torch)
+    with torch.no_grad():
+        weight = layer.weight[probed].double()
+        bias = None if layer.bias is None else layer.bias[probed].double()
     for count in PROBE_ROWS:
         rows = weights.probe_rows(torch, count, layer.in_features)
         with torch.no_grad():
             seen = quantised_rows(rows, torch) if int8 else rows.double()
-            bias = None if layer.bias is None else layer.bias.double()
-            want = torch.nn.functional.linear(seen, layer.weight.double(), bias)
+            want = torch.nn.functional.linear(seen, weight, bias)
             got = layer(rows)
             alone = torch.cat([layer(rows[i : i + 1]) for i in range(count)])
         kind = "the block kernel" + (" with int8 rows" if ROWS.int8 and layer.records is not None else "")
-        if not weights.agrees(got, want):
+        if not weights.agrees(got[:, probed], want):
             raise RuntimeError(f"{kind} disagrees with its fp64 reference at {count} rows")
         if not torch.equal(got, alone):
             raise RuntimeError(f"{kind}'s rows depend on the other rows at {count} rows")
@@ -403,14 +442,19 @@ def _attach(
 ) -> None:
     """Make ``layer`` a ``BlockLinear`` on ``codes`` with the kernel of the library at ``library``; with ``degrade``,
     holding the int8 rows' records too."""
-    layer.kernel = function(library, INT8 if activations == "int8" else FP32)
+    weight = layer.weight.detach().numpy()
+    _hold_entry(layer, arrangement.laid_out(codes, activations, degrade, weight), library, torch)
+
+
+def _hold_entry(layer: Any, entry: arrangement.Entry, library: Path, torch: Any) -> None:
+    """Make ``layer`` a ``BlockLinear`` on the arrays of ``entry`` with the kernel of the library at ``library``."""
+    layer.kernel = function(library, INT8 if entry.rows == "int8" else FP32)
     layer.fence = load(library, "ttft_helper_fence", ())
-    layer.bits = codes.bits
-    layer.activations = activations
-    layer.records = torch.from_numpy(records(codes)) if degrade else None
-    arrays = (records(codes),) if activations == "int8" else panels(codes)
-    _hold(layer, tuple(torch.from_numpy(a) for a in arrays))
-    if degrade:
+    layer.bits = entry.bits
+    layer.activations = entry.rows
+    layer.records = None if entry.records is None else torch.from_numpy(entry.records)
+    _hold(layer, tuple(torch.from_numpy(a) for a in entry.arrays))
+    if layer.records is not None:
         int8, held = function(library, INT8), layer.records.data_ptr()
         inputs, outputs, bits = layer.in_features, layer.out_features, layer.bits
         layer.int8_multiply = lambda x, m, y: int8(x, m, inputs, held, bits, outputs, y)
