@@ -19,6 +19,7 @@ from ttft_sse.engine.base import ChatMessage, Finished, Piece, Prompt, SamplingP
 from ttft_sse.engine.llamacpp import library
 from ttft_sse.engine.llamacpp.engine import LlamaCppEngine
 from ttft_sse.engine.loading.sources import bundled_gguf
+from ttft_sse.errors import EngineError
 from ttft_sse.settings import Settings
 from ttft_sse.stages import StageClock
 
@@ -148,3 +149,23 @@ async def test_the_answer_ends_at_max_tokens_with_finish_reason_length(engine: L
     assert finished.finish_reason == "length"
     assert finished.usage.completion_tokens == 5
     assert text
+
+
+async def test_a_failed_step_fails_its_requests_and_the_next_request_starts_the_loop_again(
+    engine: LlamaCppEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    prompt = engine.prepare(prompt=QUESTIONS[5], messages=None, raw=False)
+    expected, _ = await collect(engine.stream(prompt, SamplingParams(max_tokens=8)))
+    real = engine.runner.decode
+
+    def broken(rows: object) -> None:
+        monkeypatch.setattr(engine.runner, "decode", real)
+        raise RuntimeError("decode failed")
+
+    monkeypatch.setattr(engine.runner, "decode", broken)
+    with pytest.raises(EngineError, match="generation failed: RuntimeError"):
+        await collect(engine.stream(prompt, SamplingParams(max_tokens=8)))
+    eventually(lambda: not engine.stats().running)
+    text, _ = await collect(engine.stream(prompt, SamplingParams(max_tokens=8)))
+    assert text == expected
+    assert engine.stats().running
