@@ -52,6 +52,13 @@ def test_sse_stream_complete_and_chat_completions_give_one_greedy_text(llama_ser
     assert done.data["finish_reason"] == complete["finish_reason"]
 
 
+def test_metrics_are_served_without_the_batched_engines_cache_series(llama_server: str) -> None:
+    metrics = httpx.get(f"{llama_server}/metrics")
+    assert metrics.status_code == 200
+    assert "ttft_sse_startup_stage_seconds" in metrics.text
+    assert "ttft_sse_prefix_cache_queries_tokens" not in metrics.text
+
+
 def scripted(rates: dict[str, dict[str, float]], calls: list[str]) -> choice.Measure:
     def measure(settings: Settings, name: str) -> choice.Rates:
         calls.append(name)

@@ -1,7 +1,7 @@
 """The llama.cpp engine with the real bundled model (a Q4_1 GGUF): against llama.cpp's own greedy answer, alone
 against together, cancellation and stop sequences freeing the sequence, seeded sampling.
 
-Observed through the engine's state (``stats()``, ``batch_log``, llama.cpp's KV cells), never through timing.
+Observed through the engine's state (``state()``, ``batch_log``, llama.cpp's KV cells), never through timing.
 """
 
 from __future__ import annotations
@@ -89,14 +89,14 @@ async def test_requests_together_get_exactly_the_text_they_get_alone(engine: Lla
     prompts = prompts_of(engine)
     params = SamplingParams(max_tokens=48)
     alone = [await collect(engine.stream(p, params)) for p in prompts]
-    steps = engine.stats().steps
+    steps = engine.state().steps
     together = await asyncio.gather(*(collect(engine.stream(p, params)) for p in prompts))
     assert [text for text, _ in together] == [text for text, _ in alone]
     assert [f.usage for _, f in together] == [f.usage for _, f in alone]
     assert [f.finish_reason for _, f in together] == [f.finish_reason for _, f in alone]
     # They did share steps: fewer steps than tokens.
     tokens = sum(f.usage.completion_tokens for _, f in together)
-    assert engine.stats().steps - steps < tokens
+    assert engine.state().steps - steps < tokens
     assert max(len(keys) for keys in engine.batch_log[-tokens:]) == len(prompts)
 
 
@@ -111,7 +111,7 @@ async def test_a_closed_stream_leaves_at_the_next_step_and_frees_its_kv_cells(en
                 break
     key = f"llama-{next(engine._ids) - 1}"
     steps_at_close = sum(key in keys for keys in engine.batch_log)
-    eventually(lambda: engine.stats().sequences == 0)
+    eventually(lambda: engine.state().sequences == 0)
     # The step in flight when the stream closed may still have given it a token; no later one did.
     assert sum(key in keys for keys in engine.batch_log) <= steps_at_close + 1
     assert sum(key in keys for keys in engine.batch_log) < 10
@@ -125,7 +125,7 @@ async def test_a_stop_sequence_ends_the_answer_and_frees_the_sequence(engine: Ll
     text, finished = await collect(engine.stream(prompt, SamplingParams(max_tokens=60, stop=(", 5,",))))
     assert text == full[: full.index(", 5,")]
     assert finished.finish_reason == "stop"
-    eventually(lambda: engine.stats().sequences == 0)
+    eventually(lambda: engine.state().sequences == 0)
     assert all(engine.runner.last_position(seq) == -1 for seq in range(engine.runner.shape.sequences))
 
 
@@ -165,7 +165,7 @@ async def test_a_failed_step_fails_its_requests_and_the_next_request_starts_the_
     monkeypatch.setattr(engine.runner, "decode", broken)
     with pytest.raises(EngineError, match="generation failed: RuntimeError"):
         await collect(engine.stream(prompt, SamplingParams(max_tokens=8)))
-    eventually(lambda: not engine.stats().running)
+    eventually(lambda: not engine.state().running)
     text, _ = await collect(engine.stream(prompt, SamplingParams(max_tokens=8)))
     assert text == expected
-    assert engine.stats().running
+    assert engine.state().running

@@ -215,7 +215,7 @@ class LlamaCppEngine:
         if self._runner is not None and not self._loop.alive:
             self._runner.close()
 
-    def stats(self) -> LlamaStats:
+    def state(self) -> LlamaStats:
         schedule = self._schedule
         return LlamaStats(
             running=self._loop.alive,
