@@ -1,13 +1,13 @@
 """Which engine serves the model: the one ``TTFT_ENGINE`` names, or for ``auto`` the faster of the batched engine and
 the llama.cpp engine on this model file, measured once and remembered.
 
-The measurement (:func:`measure`) loads each engine in turn and runs, through the engine interface, a short greedy
-decode alone (c=1: tokens a second of one stream) and eight streams at once (c=8: tokens a second of all of them, their
-prompts included). The engine faster at both wins; where each wins one, the one with the larger product of the two.
-The verdict is written beside the converted model in the cache directory (its folder is keyed by the GGUF file's
-size and bytes, engine/loading/sources.py), with what it depends on: the CPU, the threads, the concurrency and the
-llama-cpp-python version. A later start with the same ones reads it and measures nothing; ``ttft-sse prepare`` with
-``TTFT_ENGINE=auto`` measures ahead of the first start.
+The measurement (:func:`_measure`) loads each engine in turn and runs, through the engine interface, a greedy decode of
+48 tokens alone (c=1: tokens a second of one stream) and eight streams of 48 at once (c=8: tokens a second of all of
+them, their prompts included). The engine faster at both wins; where each wins one, the one with the larger product
+of the two. The verdict is written beside the converted model in the cache directory (its folder is keyed by the GGUF
+file's size and bytes, engine/loading/sources.py), with what it depends on: the CPU, the threads, the concurrency
+and the llama-cpp-python version. A later start with the same ones reads it and measures nothing; ``ttft-sse
+prepare`` with ``TTFT_ENGINE=auto`` measures ahead of the first start.
 
 ``auto`` needs no measurement where only one engine can run: a model that is not a GGUF, or llama-cpp-python not
 installed, gives the batched engine (``chosen_by`` says why). An explicit ``TTFT_ENGINE`` always wins.
@@ -40,7 +40,8 @@ Item = Piece | Finished
 
 CANDIDATES = ("batched", "llamacpp")
 VERDICT_STEM = "engine-choice"
-VERDICT_FORMAT = 1
+VERDICT_FORMAT = 2
+"""Bump when the measurement changes, so that verdicts taken by another one are taken again."""
 MEASURE_PROMPTS = (
     "Tell me a long story about a robot who learns to paint.",
     "Explain how a bicycle works, step by step.",
@@ -52,7 +53,7 @@ MEASURE_PROMPTS = (
     "Describe the history of the printing press.",
 )
 ALONE_TOKENS = 48
-TOGETHER_TOKENS = 24
+TOGETHER_TOKENS = 48
 TOGETHER = 8
 
 Rates = dict[str, float]  # {"c1": tokens/s, "c8": tokens/s}
