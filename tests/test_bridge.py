@@ -7,7 +7,7 @@ from contextlib import aclosing
 
 import pytest
 
-from ttft_sse.bridge import Emit, Mailboxes, Resident, Workers
+from ttft_sse.bridge import Commands, Emit, Loop, Mailboxes, Resident, Workers
 
 
 async def test_items_cross_in_order_and_the_thread_ends() -> None:
@@ -183,3 +183,48 @@ async def test_resident_threads_are_daemons_and_stop_off_the_event_loop() -> Non
     assert resident.alive and threads[0].daemon
     await resident.stop()
     assert not resident.alive
+
+
+async def test_a_loop_takes_posted_commands_in_order_and_ends_when_stopped() -> None:
+    seen: list[int] = []
+    done = threading.Event()
+
+    def body(commands: Commands[int]) -> None:
+        while not commands.stopping:
+            seen.extend(commands.take(wait=True))
+            if len(seen) == 3:
+                done.set()
+
+    loop: Loop[int] = Loop(name="test-loop", body=body, on_failure=lambda exc: None)
+    loop.start()
+    for command in (1, 2, 3):
+        loop.post(command)
+    assert done.wait(10)
+    await loop.stop()
+    assert seen == [1, 2, 3]
+    assert not loop.alive
+
+
+async def test_a_loop_whose_body_raises_reports_it_ends_and_starts_again() -> None:
+    failures: list[BaseException] = []
+    runs: list[int] = []
+
+    def body(commands: Commands[int]) -> None:
+        runs.append(1)
+        if len(runs) == 1:
+            raise ValueError("boom in the loop")
+        commands.take(wait=True)
+
+    loop: Loop[int] = Loop(name="test-loop", body=body, on_failure=failures.append)
+    loop.start()
+    for _ in range(1000):
+        if not loop.alive:
+            break
+        await asyncio.sleep(0.005)
+    assert not loop.alive
+    assert [str(exc) for exc in failures] == ["boom in the loop"]
+    assert isinstance(loop.failed, ValueError)
+    loop.start()
+    assert loop.alive and loop.failed is None
+    await loop.stop()
+    assert not loop.alive and runs == [1, 1]

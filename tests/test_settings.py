@@ -48,7 +48,7 @@ def test_cli_overrides_win_over_the_environment_and_none_means_not_given() -> No
         ({"TTFT_WARMUP": "maybe"}, "TTFT_WARMUP must be true or false"),
         ({"TTFT_MAX_CONCURRENCY": "0"}, "max_concurrency must be at least 1"),
         ({"TTFT_DEVICE": "tpu"}, "device must be auto, cpu"),
-        ({"TTFT_ENGINE": "vllm"}, "engine must be single or batched"),
+        ({"TTFT_ENGINE": "vllm"}, "engine must be batched, single, llamacpp or auto"),
         ({"TTFT_GGUF_ACTIVATIONS": "int4"}, "gguf_activations must be int8 or fp32, got 'int4'"),
         ({"TTFT_DEGRADE": "int4"}, "degrade must be off or int8, got 'int4'"),
         (

@@ -33,12 +33,15 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", help="address to bind (TTFT_HOST, default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port to bind (TTFT_PORT, default 8000)")
     serve.add_argument("--model", help="bundled, a .gguf file, a model directory or a model id (TTFT_MODEL)")
-    serve.add_argument("--engine", help="batched (shared forward passes) or single (TTFT_ENGINE)")
+    serve.add_argument(
+        "--engine", help="batched (shared forward passes), single, llamacpp (a GGUF on llama.cpp) or auto (TTFT_ENGINE)"
+    )
     serve.add_argument("--device", help="auto, cpu, cuda, cuda:N (TTFT_DEVICE)")
     serve.add_argument("--dtype", help="auto, float32, bfloat16, float16 (TTFT_DTYPE)")
     serve.add_argument("--threads", type=int, help="torch threads; 0 = half the cores (TTFT_THREADS)")
     prepare = commands.add_parser("prepare", help="convert the model into the cache so that serve starts fast")
     prepare.add_argument("--model", help="as for serve (TTFT_MODEL)")
+    prepare.add_argument("--engine", help="as for serve (TTFT_ENGINE); with auto, measure the engines once")
     worker = commands.add_parser("worker", help="run jobs queued in Redis (TTFT_REDIS_URL): a Celery worker")
     worker.add_argument("--redis-url", dest="redis_url", help="the queue's Redis, as the servers use (TTFT_REDIS_URL)")
     worker.add_argument(
@@ -107,6 +110,12 @@ def _prepare(settings: Settings) -> int:
         engine.load(clock)
         if engine.model.device.type == "cpu":
             argmax.build(settings.cache_dir / KERNEL_DIR)
+    if settings.engine == "auto":
+        from ttft_sse.engine import choice
+
+        # The faster engine for this file, measured once and kept beside the converted model (engine/choice.py).
+        chosen = choice.choose(settings)
+        structlog.get_logger("ttft_sse.prepare").info("engine_chosen", **chosen.as_dict())
     structlog.get_logger("ttft_sse.prepare").info("prepared", model=settings.model, path=location, **clock.as_dict())
     print(location)
     return 0

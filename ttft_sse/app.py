@@ -17,6 +17,7 @@ from ttft_sse.api.stream import stream
 from ttft_sse.api.streams import create_stream, stream_resource
 from ttft_sse.connection import CloseWhenBodyUnread
 from ttft_sse.engine.base import Engine
+from ttft_sse.engine.choice import create_engine
 from ttft_sse.errors import EXCEPTION_HANDLERS
 from ttft_sse.log import RequestContext
 from ttft_sse.runtime import Runtime, lifespan
@@ -24,21 +25,14 @@ from ttft_sse.settings import Settings
 
 
 def create_app(settings: Settings | None = None, engine: Engine | None = None) -> Starlette:
-    """Build the ASGI app. ``engine`` defaults to the transformers engine ``settings.engine`` names, for
+    """Build the ASGI app. ``engine`` defaults to the engine ``settings.engine`` names (engine/choice.py), for
     ``settings.model``.
 
     The model is loaded by the app's lifespan, not here: creating an app is cheap and has no side effects.
     """
     settings = settings or Settings()
     if engine is None:
-        if settings.engine == "batched":
-            from ttft_sse.engine.batched.engine import BatchedEngine
-
-            engine = BatchedEngine(settings)
-        else:
-            from ttft_sse.engine.single import SingleEngine
-
-            engine = SingleEngine(settings)
+        engine = create_engine(settings)
     app = Starlette(
         routes=[
             Route("/", page, methods=["GET"]),

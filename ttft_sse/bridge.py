@@ -2,7 +2,7 @@
 
 Two shapes of producer: :class:`Workers` runs one thread per request (``model.generate``); :class:`Mailboxes`
 serves many requests from one long-lived thread (a continuous-batching loop), which :class:`Resident` starts and
-stops.
+stops where a library creates it, and :class:`Loop` where it is ours (fed by :class:`Commands`).
 
 A blocking producer (``model.generate`` with a streamer) runs in its own thread and hands each item to the
 event loop with ``loop.call_soon_threadsafe``. The async side awaits an ``asyncio.Queue``: no thread of anyio's
@@ -299,3 +299,93 @@ class Mailboxes(Generic[K, T]):
 def _put_all(batch: list[tuple[asyncio.Queue[T], T]]) -> None:
     for queue, item in batch:
         queue.put_nowait(item)
+
+
+class Commands(Generic[T]):
+    """Commands posted from any thread to one :class:`Loop`'s thread, which takes them all at once."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._items: list[T] = []
+        self.stopping = False
+
+    def post(self, command: T) -> None:
+        with self._cond:
+            self._items.append(command)
+            self._cond.notify()
+
+    def stop(self) -> None:
+        with self._cond:
+            self.stopping = True
+            self._cond.notify()
+
+    def take(self, *, wait: bool) -> list[T]:
+        """Every command posted so far, in order. With ``wait``, block until there is one or the loop is stopping
+        (then the list may be empty)."""
+        with self._cond:
+            while wait and not self._items and not self.stopping:
+                self._cond.wait()
+            items, self._items = self._items, []
+            return items
+
+
+class Loop(Generic[T]):
+    """A long-lived daemon thread of ours that serves many requests: ``body(commands)`` runs in it until it returns,
+    and returns once ``commands.stopping`` is set (:meth:`stop`). It learns of new work from :meth:`post`, and hands
+    results back through :class:`Mailboxes`. A ``body`` that raises ends the thread; ``failed`` then holds the
+    exception (``on_failure`` is called with it first, in the thread) and :meth:`start` may start a new one."""
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        body: Callable[[Commands[T]], None],
+        on_failure: Callable[[BaseException], None],
+        stop_timeout: float = 30.0,
+    ) -> None:
+        self._name = name
+        self._body = body
+        self._on_failure = on_failure
+        self._stop_timeout = stop_timeout
+        self._commands: Commands[T] = Commands()
+        self._thread: threading.Thread | None = None
+        self.failed: BaseException | None = None
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> None:
+        """Start a thread (a new one after a failure; a no-op while one runs)."""
+        if self.alive:
+            return
+        self._commands = commands = Commands[T]()
+        self.failed = None
+
+        def run() -> None:
+            try:
+                self._body(commands)
+            except BaseException as exc:
+                self.failed = exc
+                self._on_failure(exc)
+
+        self._thread = threading.Thread(target=run, name=self._name, daemon=True)
+        self._thread.start()
+
+    def post(self, command: T) -> None:
+        self._commands.post(command)
+
+    async def stop(self) -> None:
+        """Ask the thread to stop and wait (bounded, off the event loop) until it has."""
+        self._commands.stop()
+        thread = self._thread
+        if thread is None:
+            return
+        with anyio.move_on_after(self._stop_timeout):
+            await anyio.to_thread.run_sync(thread.join, abandon_on_cancel=True)
+
+    def stop_now(self) -> None:
+        """From a thread that may block: ask the thread to stop and join it (bounded)."""
+        self._commands.stop()
+        if self._thread is not None:
+            self._thread.join(self._stop_timeout)

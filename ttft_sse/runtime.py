@@ -141,6 +141,7 @@ class Runtime:
             log.info(
                 "ready",
                 model=info.name,
+                engine=info.engine,
                 device=info.device,
                 dtype=info.dtype,
                 threads=info.threads,

@@ -18,6 +18,9 @@ from ttft_sse.gate import Lane
 from ttft_sse.targets import parse_targets
 
 ENV_PREFIX = "TTFT_"
+ENGINES = ("batched", "single", "llamacpp", "auto")
+"""What ``engine`` takes: the transformers engines, llama.cpp's (a GGUF model, with the ``llamacpp`` extra), or the
+faster of batched and llamacpp for this model file, measured once (engine/choice.py)."""
 
 
 class SettingsError(ValueError):
@@ -202,8 +205,8 @@ class Settings:
             raise SettingsError(
                 f"default_max_tokens ({self.default_max_tokens}) is above max_tokens_cap ({self.max_tokens_cap})"
             )
-        if self.engine not in ("single", "batched"):
-            raise SettingsError(f"engine must be single or batched, got {self.engine!r}")
+        if self.engine not in ENGINES:
+            raise SettingsError(f"engine must be {', '.join(ENGINES[:-1])} or {ENGINES[-1]}, got {self.engine!r}")
         if self.gguf_activations not in ("int8", "fp32"):
             raise SettingsError(f"gguf_activations must be int8 or fp32, got {self.gguf_activations!r}")
         if self.degrade not in ("off", "int8"):

@@ -36,3 +36,13 @@ async def eventually_idle(engine: BatchedEngine) -> None:
             return
         await asyncio.sleep(0.05)
     raise AssertionError(f"the batch still holds {engine.stats().requests} requests")
+
+
+def llama_cpp_or_skip() -> None:
+    """The llama.cpp engine's binding (the ``llamacpp`` extra): skipped without it, a failure under CI (the Makefile
+    installs it)."""
+    from tests.support.processes import missing
+    from ttft_sse.engine.llamacpp import library
+
+    if library.installed() != library.VERSION:
+        missing(f"{library.DISTRIBUTION}=={library.VERSION} (pip install -e '.[llamacpp]')")

@@ -6,6 +6,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from ttft_sse.api.body import runtime_of
+from ttft_sse.engine import choice
 from ttft_sse.runtime import Runtime
 
 
@@ -32,6 +33,7 @@ async def readyz(request: Request) -> JSONResponse:
         {
             "status": "ready",
             "model": info.name,
+            "engine": choice.report(runtime.engine),
             "source": info.source,
             "device": info.device,
             "dtype": info.dtype,

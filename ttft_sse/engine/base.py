@@ -120,6 +120,8 @@ class ModelInfo:
     # The modes Engine.set_mode takes, "normal" first: ("normal", "int8") for the CPU engine started with
     # TTFT_DEGRADE=int8 (docs/engine.md, "Degraded mode").
     modes: tuple[str, ...] = (NORMAL,)
+    # Which engine runs the model (/readyz's "engine"): "batched", "single", "llamacpp", "fake".
+    engine: str = ""
 
 
 class Engine(Protocol):

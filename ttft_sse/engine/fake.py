@@ -80,6 +80,7 @@ class FakeEngine:
             context_length=context_length,
             threads=1,
             modes=tuple(modes),
+            engine="fake",
         )
 
     @property

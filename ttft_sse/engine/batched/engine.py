@@ -142,7 +142,7 @@ class BatchedEngine:
             beside = f"prefill-process {self.prefill_process.state}"
         else:
             beside = "none"
-        return dataclasses.replace(self._single.info, beside_batch=beside)
+        return dataclasses.replace(self._single.info, beside_batch=beside, engine="batched")
 
     @property
     def active(self) -> int:

@@ -107,6 +107,7 @@ def load_model(settings: Settings, clock: StageClock) -> Loaded:
         decoder=layers,
         kernel_helpers=helpers,
         modes=(NORMAL, INT8) if settings.degrade == INT8 else (NORMAL,),
+        engine="single",  # the batched engine, which loads through here too, says "batched"
     )
     return Loaded(
         torch=torch,

@@ -1,0 +1,83 @@
+"""The llama.cpp engine's step plans: admission by ids and KV cells, a row per decoding stream, prompts chunked."""
+
+from __future__ import annotations
+
+from ttft_sse.engine.llamacpp.schedule import Schedule, Sequence
+
+
+def schedule(*, sequences: int = 4, cells: int = 1000, batch_tokens: int = 32, chunk: int = 4) -> Schedule:
+    return Schedule(sequences=sequences, cells=cells, batch_tokens=batch_tokens, chunk=chunk)
+
+
+def test_a_prompt_alone_is_computed_in_one_step_with_logits_at_its_last_row() -> None:
+    plan_of = schedule()
+    plan_of.add(Sequence("a", tuple(range(10, 20)), max_tokens=5))
+    assert [s.seq for s in plan_of.admit()] == [0]
+    plan = plan_of.plan()
+    assert [(r.seq, r.token, r.position, r.logits) for r in plan.rows] == [(0, 10 + i, i, i == 9) for i in range(10)]
+    assert [(row, s.key) for row, s in plan.outputs] == [(9, "a")]
+
+
+def test_decoding_streams_get_a_row_each_step_and_a_long_newcomer_goes_in_chunks() -> None:
+    plan_of = schedule(batch_tokens=8, chunk=3)
+    a = Sequence("a", (1, 2), max_tokens=50)
+    plan_of.add(a)
+    plan_of.admit()
+    plan_of.plan()
+    a.generated.append(7)  # its first token
+    plan_of.add(Sequence("b", tuple(range(100, 120)), max_tokens=5))  # 20 tokens: longer than a step's room
+    plan_of.admit()
+    first = plan_of.plan()
+    assert [(r.seq, r.token, r.position, r.logits) for r in first.rows] == [
+        (0, 7, 2, True),
+        (1, 100, 0, False),
+        (1, 101, 1, False),
+        (1, 102, 2, False),
+    ]
+    assert first.prompt_rows == 3
+    a.generated.append(8)
+    second = plan_of.plan()
+    assert [(r.seq, r.token, r.position) for r in second.rows] == [(0, 8, 3), (1, 103, 3), (1, 104, 4), (1, 105, 5)]
+
+
+def test_a_prompt_that_fits_what_is_left_of_the_step_goes_whole_beside_decoding_streams() -> None:
+    plan_of = schedule(batch_tokens=16, chunk=2)
+    a = Sequence("a", (1,), max_tokens=50)
+    plan_of.add(a)
+    plan_of.admit()
+    plan_of.plan()
+    a.generated.append(5)
+    plan_of.add(Sequence("b", tuple(range(10)), max_tokens=5))
+    plan_of.admit()
+    plan = plan_of.plan()
+    assert len(plan.rows) == 11
+    assert [s.key for _, s in plan.outputs] == ["a", "b"]
+
+
+def test_admission_waits_for_a_free_id_in_arrival_order() -> None:
+    plan_of = schedule(sequences=2)
+    for key in "abcd":
+        plan_of.add(Sequence(key, (1, 2, 3), max_tokens=4))
+    assert [(s.key, s.seq) for s in plan_of.admit()] == [("a", 0), ("b", 1)]
+    assert [s.key for s in plan_of.waiting] == ["c", "d"]
+    removed = plan_of.remove("a")
+    assert removed is not None and removed.seq == 0
+    assert [(s.key, s.seq) for s in plan_of.admit()] == [("c", 0)]
+    assert [s.key for s in plan_of.waiting] == ["d"]
+
+
+def test_a_cancelled_waiting_request_leaves_the_queue_and_holds_no_id() -> None:
+    plan_of = schedule(sequences=1)
+    plan_of.add(Sequence("a", (1,), max_tokens=1))
+    plan_of.add(Sequence("b", (1,), max_tokens=1))
+    plan_of.admit()
+    assert plan_of.remove("b") is None
+    assert not plan_of.waiting
+    assert plan_of.remove("a") is not None
+    assert plan_of.empty
+
+
+def test_a_sequence_too_big_for_the_cache_never_fits() -> None:
+    plan_of = schedule(cells=64)  # a sequence's cells
+    assert plan_of.fits(Sequence("a", tuple(range(32)), max_tokens=32))
+    assert not plan_of.fits(Sequence("b", tuple(range(32)), max_tokens=33))

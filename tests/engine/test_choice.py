@@ -1,0 +1,78 @@
+"""The engine choice: the rule, the verdict kept per model file and conditions, and an explicit setting winning."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.support.engines import llama_cpp_or_skip
+from ttft_sse.engine import choice
+from ttft_sse.engine.batched.engine import BatchedEngine
+from ttft_sse.engine.choice import AutoEngine, Choice, create_engine, decide
+from ttft_sse.engine.fake import FakeEngine
+from ttft_sse.engine.llamacpp.engine import LlamaCppEngine
+from ttft_sse.engine.single import SingleEngine
+from ttft_sse.settings import Settings
+
+
+def test_the_engine_faster_at_both_wins() -> None:
+    verdict = decide({"batched": {"c1": 50.0, "c8": 200.0}, "llamacpp": {"c1": 60.0, "c8": 210.0}})
+    assert (verdict.name, verdict.chosen_by, verdict.reason) == ("llamacpp", "measured", "faster at c=1 and at c=8")
+
+
+def test_a_split_verdict_goes_to_the_larger_product_of_the_two_rates() -> None:
+    # llama.cpp faster alone, the batched engine faster together, by more than it is slower alone.
+    verdict = decide({"batched": {"c1": 50.0, "c8": 200.0}, "llamacpp": {"c1": 60.0, "c8": 100.0}})
+    assert verdict.name == "batched"
+    verdict = decide({"batched": {"c1": 30.0, "c8": 200.0}, "llamacpp": {"c1": 80.0, "c8": 100.0}})
+    assert verdict.name == "llamacpp"
+
+
+def test_an_explicit_engine_setting_always_wins(tmp_path: Path) -> None:
+    assert isinstance(create_engine(Settings(engine="llamacpp")), LlamaCppEngine)
+    assert isinstance(create_engine(Settings(engine="batched")), BatchedEngine)
+    assert isinstance(create_engine(Settings(engine="single")), SingleEngine)
+    assert isinstance(create_engine(Settings(engine="auto")), AutoEngine)
+    assert choice.report(FakeEngine()) == {"name": "fake", "chosen_by": "setting"}
+
+
+def test_auto_needs_no_measurement_for_a_model_llama_cpp_cannot_serve(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+
+    def measure(settings: Settings, name: str) -> choice.Rates:
+        raise AssertionError("nothing to measure")
+
+    made = choice.choose(Settings(engine="auto", model=str(tmp_path)), measure=measure)
+    assert (made.name, made.chosen_by) == ("batched", "only candidate")
+    assert "GGUF" in made.reason
+
+
+def test_a_verdict_is_kept_per_set_of_conditions_and_read_back(tmp_path: Path) -> None:
+    llama_cpp_or_skip()
+    calls: list[tuple[str, int]] = []
+
+    def measure(settings: Settings, name: str) -> choice.Rates:
+        calls.append((name, settings.max_concurrency))
+        return {"c1": 10.0, "c8": 20.0} if name == "batched" else {"c1": 5.0, "c8": 30.0}
+
+    base = Settings(engine="auto", cache_dir=tmp_path)
+    first = choice.choose(base, measure=measure)
+    assert (first.name, first.chosen_by) == ("batched", "measured")  # 10 x 20 against 5 x 30
+    assert choice.choose(base, measure=measure) == Choice(
+        "batched", "measured before", first.reason, first.tokens_per_second
+    )
+    assert len(calls) == 2
+    other = base.replace(max_concurrency=4, max_queue=4)
+    assert choice.choose(other, measure=measure).chosen_by == "measured"  # other conditions: measured for them
+    assert calls[2:] == [("batched", 4), ("llamacpp", 4)]
+    assert choice.verdict_path(base) != choice.verdict_path(other)
+    assert choice.verdict_path(base).parent == choice.verdict_path(other).parent  # beside the converted model
+
+
+def test_auto_engine_is_the_chosen_engine_once_loaded() -> None:
+    engine = AutoEngine(Settings(engine="auto"))
+    with pytest.raises(RuntimeError, match="before load"):
+        _ = engine.info
+    assert engine.active == 0
+    assert not hasattr(engine, "stats")  # read through to the chosen engine, once there is one

@@ -1,0 +1,323 @@
+"""The llama.cpp engine: a GGUF model run by llama.cpp, with our continuous batching, text and sampling on top.
+
+One loop thread (:class:`~ttft_sse.bridge.Loop`) owns llama.cpp's context. Each turn it takes the commands posted
+since the last (new requests, cancellations), admits what fits (engine/llamacpp/schedule.py), and runs one
+``llama_decode`` over a row for every decoding stream and the next rows of the prompts being computed; then it picks
+one token for every row that asked for logits and hands the step's tokens to the event loop in one crossing
+(:class:`~ttft_sse.bridge.Mailboxes`). A sequence ends in the loop, at an end-of-sequence token or at its
+``max_tokens``, and its KV cells are freed there; a stream closed early (client gone, stop sequence) posts a
+cancellation, which the loop applies before its next step: it gets no further token.
+
+Shared with the other engines, so that a request means the same on each: the prompt (engine/prompts.py, with the
+tokenizer of the converted model, so the same token ids), the text and stop sequences (engine/text.py), and
+sampling (engine/sampling.py, over llama.cpp's logits, with the request's own generator: a ``seed`` reproduces its
+answer). A greedy token is the row's argmax (numpy's: the first index on a tie, as torch's).
+
+llama.cpp computes a step's rows together, and only some of its kernels give a row the same bits whatever else the
+step holds: docs/engine.md ("The llama.cpp engine") says what is promised.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import AsyncGenerator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import structlog
+
+from ttft_sse.bridge import Commands, Loop, Mailboxes
+from ttft_sse.engine import prompts, sampling
+from ttft_sse.engine.base import NORMAL, ChatMessage, Finished, ModelInfo, Piece, Prompt, SamplingParams, Usage
+from ttft_sse.engine.base import check_mode as _check_mode
+from ttft_sse.engine.llamacpp import library
+from ttft_sse.engine.llamacpp.schedule import Schedule
+from ttft_sse.engine.llamacpp.schedule import Sequence as Running
+from ttft_sse.engine.loading import sources
+from ttft_sse.engine.text import TokenText
+from ttft_sse.errors import EngineError, StartupError
+from ttft_sse.settings import Settings
+from ttft_sse.stages import StageClock
+
+log = structlog.get_logger("ttft_sse.engine")
+
+Item = Piece | Finished
+Delivery = tuple[int, bool] | EngineError  # (token, last) or why the request failed
+
+
+@dataclass
+class _Submit:
+    key: str
+    prompt: tuple[int, ...]
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class _Cancel:
+    key: str
+
+
+@dataclass(frozen=True)
+class LlamaStats:
+    """The loop's state, for tests and the benchmark. Counters only grow."""
+
+    running: bool  # the loop's thread is alive
+    sequences: int  # requests holding a sequence id
+    waiting: int  # requests waiting for a sequence id
+    steps: int  # decodes run
+    cells: int  # KV cells of each sequence
+
+
+class LlamaCppEngine:
+    """Engine over llama.cpp (llama-cpp-python's low-level API). Serves GGUF models only."""
+
+    def __init__(self, settings: Settings) -> None:
+        self._settings = settings
+        self._info: ModelInfo | None = None
+        self._runner: library.Runner | None = None
+        self._tokenizer: Any = None
+        self._eos: frozenset[int] = frozenset()
+        self._mailboxes: Mailboxes[str, Delivery] = Mailboxes(alive=self._alive, dead=self._dead)
+        self._loop: Loop[_Submit | _Cancel] = Loop(name="ttft-llama", body=self._run, on_failure=self._failed)
+        self._ids = itertools.count(1)
+        self._closed = False
+        self._schedule: Schedule | None = None
+        self._steps = 0
+        self.batch_log: list[tuple[str, ...]] = []
+        """The request ids that received a token, step by step (the most recent 512 steps)."""
+
+    # -- the interface -----------------------------------------------------------------------------------------
+
+    @property
+    def info(self) -> ModelInfo:
+        if self._info is None:
+            raise RuntimeError("LlamaCppEngine.info is read before load(); await the lifespan's readiness first")
+        return self._info
+
+    @property
+    def active(self) -> int:
+        return self._mailboxes.count
+
+    @property
+    def mode(self) -> str:
+        return NORMAL
+
+    def set_mode(self, mode: str) -> None:
+        _check_mode(mode, self.info.modes)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._tokenizer
+
+    @property
+    def runner(self) -> library.Runner:
+        if self._runner is None:
+            raise RuntimeError("LlamaCppEngine.runner is read before load()")
+        return self._runner
+
+    def load(self, clock: StageClock) -> None:
+        settings = self._settings
+        with clock.stage("imports"):
+            import transformers
+
+            library.binding()
+        source = sources.resolve(settings.model)
+        if source.kind != "gguf":
+            raise StartupError(
+                f"TTFT_ENGINE=llamacpp serves GGUF files, and {settings.model!r} is a {source.kind} model: "
+                "use TTFT_ENGINE=batched"
+            )
+        location = sources.materialize(source, settings.cache_dir, clock)  # the tokenizer, as the other engines'
+        with clock.stage("tokenizer"):
+            self._tokenizer = transformers.AutoTokenizer.from_pretrained(location)
+            self._eos = _eos(transformers, location, self._tokenizer)
+        threads = settings.torch_threads
+        shape = library.Shape(
+            cells=settings.kv_cache_tokens,
+            sequences=settings.max_concurrency,
+            batch_tokens=max(min(settings.batch_tokens, library.ROWS_PER_STEP), settings.max_concurrency),
+            threads=threads,
+        )
+        with clock.stage("model"):
+            self._runner = runner = library.open_runner(source.location, shape)
+        self._info = ModelInfo(
+            name=source.name,
+            source=source.location,
+            device="cpu",
+            dtype=runner.description.rsplit(" ", 1)[-1] if runner.description else "gguf",
+            context_length=min(runner.trained_context or runner.cells_per_sequence, runner.cells_per_sequence),
+            threads=threads,
+            weights=f"llama.cpp: {runner.description}",
+            engine="llamacpp",
+        )
+        log.info("llamacpp_loaded", model=source.name, description=runner.description, **vars(shape))
+        self._loop.start()
+
+    def prepare(self, *, prompt: str | None, messages: Sequence[ChatMessage] | None, raw: bool) -> Prompt:
+        return prompts.prepare(self._tokenizer, self.info.context_length, prompt=prompt, messages=messages, raw=raw)
+
+    async def stream(self, prompt: Prompt, params: SamplingParams) -> AsyncGenerator[Item, None]:
+        if self._closed or self._runner is None:
+            raise EngineError("the engine is not running: it was closed, or never loaded")
+        if not self._loop.alive:
+            log.warning("llamacpp_loop_restarted", reason="the loop had stopped (see the error logged before)")
+            self._loop.start()
+        key = f"llama-{next(self._ids)}"
+        tokenizer = self._tokenizer
+        text = TokenText(lambda ids: tokenizer.decode(ids, skip_special_tokens=True), params.stop, self._eos)
+        inbox = self._mailboxes.open(key)
+        started = time.perf_counter()
+        first_at: float | None = None
+        index = 0
+        ended = False
+        try:
+            self._loop.post(_Submit(key, prompt.token_ids, params))
+            async for delivery in inbox:
+                if isinstance(delivery, EngineError):
+                    ended = True
+                    raise delivery
+                token, ended = delivery
+                if first_at is None:
+                    first_at = time.perf_counter()
+                piece = text.push(token)
+                if piece:
+                    yield Piece(index=index, text=piece)
+                    index += 1
+                if text.stopped or ended:
+                    break
+            else:
+                return  # close() ended every inbox: no Finished (the generation layer tells the client why)
+            tail = text.finish()
+            if tail:
+                yield Piece(index=index, text=tail)
+            finished_at = time.perf_counter()
+            first = first_at or finished_at
+            yield Finished(
+                finish_reason=text.finish_reason(params.max_tokens),
+                usage=Usage(prompt_tokens=prompt.n_tokens, completion_tokens=text.count),
+                timings={
+                    "prefill_ms": round((first - started) * 1000, 1),
+                    "decode_ms": round((finished_at - first) * 1000, 1),
+                },
+            )
+        finally:
+            inbox.close()
+            if not ended:
+                self._loop.post(_Cancel(key))  # its sequence leaves before the loop's next step
+
+    async def close(self) -> None:
+        """End every generation (without a ``Finished``), stop the loop and free llama.cpp's model."""
+        self._closed = True
+        self._mailboxes.end_all()
+        await self._loop.stop()
+        if self._runner is not None and not self._loop.alive:
+            self._runner.close()
+
+    def state(self) -> LlamaStats:
+        schedule = self._schedule
+        return LlamaStats(
+            running=self._loop.alive,
+            sequences=len(schedule.running) if schedule else 0,
+            waiting=len(schedule.waiting) if schedule else 0,
+            steps=self._steps,
+            cells=self.runner.cells_per_sequence,
+        )
+
+    # -- the loop's thread -------------------------------------------------------------------------------------
+
+    def _run(self, commands: Commands[_Submit | _Cancel]) -> None:
+        runner = self.runner
+        runner.clear()  # a loop started after a failure finds the cells of the requests it failed
+        settings = self._settings
+        self._schedule = schedule = Schedule(
+            sequences=runner.shape.sequences,
+            cells=runner.cells_per_sequence,
+            batch_tokens=runner.shape.batch_tokens,
+            chunk=settings.prefill_chunk_tokens,
+        )
+        draws: dict[str, tuple[SamplingParams, Any]] = {}  # key → (params, torch generator or None)
+        while not commands.stopping:
+            for command in commands.take(wait=schedule.empty):
+                if isinstance(command, _Cancel):
+                    self._leave(schedule, command.key, draws)
+                    continue
+                sequence = Running(command.key, command.prompt, command.params.max_tokens)
+                if not schedule.fits(sequence):
+                    self._mailboxes.deliver(
+                        [(command.key, EngineError("the request does not fit a sequence's KV cells"))]
+                    )
+                    continue
+                draws[command.key] = (command.params, _generator(command.params))
+                schedule.add(sequence)
+            schedule.admit()
+            plan = schedule.plan()
+            if not plan:
+                continue
+            runner.decode(plan.rows)
+            self._steps += 1
+            deliveries: list[tuple[str, Delivery]] = []
+            for row, sequence in plan.outputs:
+                params, generator = draws[sequence.key]
+                token = _pick(runner.logits(row), params, generator)
+                sequence.generated.append(token)
+                last = token in self._eos or len(sequence.generated) >= sequence.max_tokens
+                if last:
+                    self._leave(schedule, sequence.key, draws)
+                deliveries.append((sequence.key, (token, last)))
+            self.batch_log.append(tuple(key for key, _ in deliveries))
+            del self.batch_log[:-512]
+            self._mailboxes.deliver(deliveries)
+
+    def _leave(self, schedule: Schedule, key: str, draws: dict[str, tuple[SamplingParams, Any]]) -> None:
+        draws.pop(key, None)
+        sequence = schedule.remove(key)
+        if sequence is not None:
+            self.runner.forget(sequence.seq)
+
+    def _failed(self, exc: BaseException) -> None:
+        log.error("llamacpp_loop_failed", error=str(exc), error_type=type(exc).__name__)
+        self._mailboxes.fail_all(EngineError(f"generation failed: {type(exc).__name__}"))
+
+    def _alive(self) -> bool:
+        return self._loop.alive
+
+    def _dead(self) -> BaseException:
+        return EngineError("generation failed: the llama.cpp loop stopped")
+
+
+def _pick(logits: np.ndarray, params: SamplingParams, generator: Any) -> int:
+    """The row's token: its argmax for a greedy request, else a draw by engine/sampling.py's rule."""
+    if params.greedy:
+        return int(np.argmax(logits))
+    import torch
+
+    row = torch.from_numpy(np.array(logits, dtype=np.float32))
+    return int(sampling.draw(row[None], params.temperature, params.top_p, generator).item())
+
+
+def _generator(params: SamplingParams) -> Any:
+    """The request's own torch generator (seeded with its ``seed``), for a sampled request; None for a greedy one."""
+    if params.greedy:
+        return None
+    import torch
+
+    generator = torch.Generator()
+    if params.seed is not None:
+        generator.manual_seed(params.seed)
+    else:
+        generator.seed()
+    return generator
+
+
+def _eos(transformers: Any, location: str, tokenizer: Any) -> frozenset[int]:
+    """The end-of-sequence ids, as the transformers engines take them: the generation config's, else the
+    tokenizer's."""
+    try:
+        eos = transformers.GenerationConfig.from_pretrained(location).eos_token_id
+    except OSError:
+        eos = None
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    return frozenset(eos if isinstance(eos, list) else [eos] if eos is not None else [])
