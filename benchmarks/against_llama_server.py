@@ -50,7 +50,7 @@ from serve import free_port  # noqa: E402  (benchmarks/serve.py)
 from ttft_sse.bench.stats import percentile  # noqa: E402
 
 SERVERS = ("ttft-sse", "llama-server")
-LOGGED = ("weights_blocks", "decoder_fused", "decoder_not_fused")
+LOGGED = ("weights_blocks", "weights_not_blocks", "decoder_fused", "decoder_not_fused", "attention_not_paged")
 
 
 @dataclass
