@@ -195,7 +195,8 @@ def _ratio(ours: float | None, theirs: float | None) -> str:
 def table(results: dict[str, dict[str, Measured]], levels: list[int]) -> list[str]:
     rows = [
         "| model | c | tok/s ttft-sse | tok/s llama-server | tok/s ratio | TTFT p50/p99 ms ttft-sse "
-        "| TTFT p50/p99 ms llama-server | TTFT p50 ratio | errors | short |",
+        "| TTFT p50/p99 ms llama-server | TTFT p50 ratio | errors ttft-sse / llama-server "
+        "| short ttft-sse / llama-server |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for model, by_server in results.items():
