@@ -1,6 +1,6 @@
 """ttft-sse against llama.cpp's llama-server on any GGUF files: one server loaded at a time, the same requests.
 
-    LLAMA_DIR=/work/llama python benchmarks/against_llama_server.py bundled qwen2.5-0.5b qwen3-0.6b
+    LLAMA_DIR=/path/to/build/cache python benchmarks/against_llama_server.py bundled qwen2.5-0.5b qwen3-0.6b
     python benchmarks/against_llama_server.py path/to/model.gguf --requests 64 --rounds 2
 
 A model is a ``.gguf`` path, ``bundled`` (the SmolLM2 the package ships), or a family of ``benchmarks/families.py``
@@ -87,7 +87,7 @@ def model_path(spec: str) -> Path:
 
         return bundled_gguf()
     if spec in families.BY_NAME:
-        tree = families.llama_cpp_tree(Path(os.environ.get("LLAMA_DIR", "/work/llama")))
+        tree = families.llama_cpp_tree()
         return families.build(families.BY_NAME[spec], families.default_out(), tree, keep=False, tokenizer=[])
     path = Path(spec).expanduser()
     if not path.is_file() or path.suffix != ".gguf":

@@ -19,13 +19,13 @@ than with the real model: the larger the real vocabulary against the model's siz
 Steps, each skipped when its result is already in the cache (``~/.cache/ttft-sse/bench-models/NAME/`` by default):
 
 1. transformers ``from_config`` with the figures below, seeded, bfloat16; saved as safetensors with the tokenizer;
-2. llama.cpp's ``convert_hf_to_gguf.py`` to a BF16 GGUF (the tokenizer's pre-tokenizer is known to it as ``smollm``);
+2. llama.cpp's ``convert_hf_to_gguf.py`` to a BF16 GGUF (told the pre-tokenizer's name, ``smollm``: see ``CONVERT``);
 3. ``llama-quantize`` to Q4_K_M, the file a benchmark loads. The safetensors and the BF16 GGUF are then removed
    (``--keep`` keeps them).
 
-``LLAMA_DIR`` (default ``/work/llama``) holds the llama.cpp tree that llama-cpp-python's source distribution carries,
-with a CPU build in ``build-*/bin`` (``benchmarks/against_llama_server.sh`` builds one); ``--llama-cpp`` names the
-tree itself.
+``LLAMA_DIR`` (default ``.cache/llama-server``, as for ``benchmarks/against_llama_server.sh``, which builds one) holds
+the llama.cpp tree that llama-cpp-python's source distribution carries, with a CPU build in ``build-*/bin``;
+``--llama-cpp`` names the tree itself.
 """
 
 from __future__ import annotations
@@ -181,7 +181,9 @@ def default_out() -> Path:
     return Path(base) / "ttft-sse" / "bench-models"
 
 
-def llama_cpp_tree(llama_dir: Path) -> Path:
+def llama_cpp_tree() -> Path:
+    """The llama.cpp tree under ``LLAMA_DIR`` (a relative one is taken from the repository root, as the script does)."""
+    llama_dir = ROOT / os.environ.get("LLAMA_DIR", ".cache/llama-server")
     return llama_dir / f"llama_cpp_python-{LLAMA_CPP_PYTHON}" / "vendor" / "llama.cpp"
 
 
@@ -311,7 +313,7 @@ def main(argv: list[str] | None = None) -> None:
     unknown = [name for name in args.names if name not in BY_NAME]
     if unknown:
         parser.error(f"unknown families {unknown}; known: {', '.join(BY_NAME)}")
-    tree = args.llama_cpp or llama_cpp_tree(Path(os.environ.get("LLAMA_DIR", "/work/llama")))
+    tree = args.llama_cpp or llama_cpp_tree()
     if not (tree / "convert_hf_to_gguf.py").is_file():
         parser.error(f"no convert_hf_to_gguf.py in {tree}; set LLAMA_DIR or --llama-cpp")
     tokenizer: list[Any] = []  # read once, only when a model has to be built
