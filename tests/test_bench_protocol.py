@@ -75,6 +75,14 @@ def test_request_bodies_carry_the_temperature_asked_for() -> None:
             assert protocol.request(proto, mode, messages, 8, "m", 1.0)[1]["temperature"] == 1.0
 
 
+def test_request_bodies_carry_ignore_eos_only_when_asked() -> None:
+    messages = [{"role": "user", "content": "Hi"}]
+    for proto in ("native", "openai"):
+        for mode in ("stream", "batch"):
+            assert "ignore_eos" not in protocol.request(proto, mode, messages, 8, "m")[1]
+            assert protocol.request(proto, mode, messages, 8, "m", ignore_eos=True)[1]["ignore_eos"] is True
+
+
 def test_whole_replies() -> None:
     assert read_whole("native", {"text": "Paris.", "usage": {"completion_tokens": 3}}) == ("Paris.", 3)
     reply = {"choices": [{"message": {"role": "assistant", "content": "Paris."}}], "usage": {"completion_tokens": 3}}

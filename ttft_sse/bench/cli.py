@@ -74,6 +74,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="T",
         help="sent with every request (default 0: greedy, the same tokens every run; 1: an OpenAI client's default)",
     )
+    add(
+        "--ignore-eos",
+        action="store_true",
+        help="send ignore_eos: true with every request (llama-server, vLLM: every answer is max_tokens long; this "
+        "server refuses it)",
+    )
     add("--mode", default="stream", metavar="stream,batch", help="stream, batch (/complete or stream: false), or both")
     add("--out", type=Path, metavar="DIR", help="where results.json and the charts go (default ./ttft-bench-<time>)")
     add("--timeout", type=float, default=300.0, metavar="S", help="per request (default 300)")
@@ -279,7 +285,7 @@ async def _run(
     context = _Context.start(args, lengths)
     started_at = datetime.now(UTC)
     loadavg_start = report.loadavg()
-    targets = _make_targets(pairs, keys, args.temperature)
+    targets = _make_targets(pairs, keys, args.temperature, args.ignore_eos)
     measured = await _measure(context, targets, levels, modes)
     document = report.document(
         measured.plan,
@@ -296,11 +302,13 @@ async def _run(
     return 0
 
 
-def _make_targets(pairs: list[tuple[str, Protocol]], keys: list[str], temperature: float) -> list[Target]:
+def _make_targets(
+    pairs: list[tuple[str, Protocol]], keys: list[str], temperature: float, ignore_eos: bool = False
+) -> list[Target]:
     from ttft_sse.bench.client import Target
 
     return [
-        Target(url, proto, label, api_key=key, temperature=temperature)
+        Target(url, proto, label, api_key=key, temperature=temperature, ignore_eos=ignore_eos)
         for (url, proto), label, key in zip(pairs, _labels(pairs), keys, strict=True)
     ]
 

@@ -37,7 +37,7 @@ OUTCOMES: tuple[Outcome, ...] = ("ok", "http_status", "error_event", "dropped", 
 class Target:
     """A server under test. ``label`` names it in tables and charts; ``model`` is sent to OpenAI servers;
     ``api_key`` goes out as ``Authorization: Bearer`` (ours, vLLM's and llama-server's ``--api-key``);
-    ``temperature`` is sent with every request (0: greedy)."""
+    ``temperature`` is sent with every request (0: greedy), and ``ignore_eos: true`` too when ``ignore_eos``."""
 
     url: str
     protocol: Protocol
@@ -45,6 +45,7 @@ class Target:
     model: str = ""
     api_key: str = field(default="", repr=False)
     temperature: float = 0.0
+    ignore_eos: bool = False
 
     @property
     def headers(self) -> dict[str, str]:
@@ -104,7 +105,13 @@ async def send(
     """Send one request to ``target`` and fill in ``record``; never raises for anything the server or network does."""
     record.max_tokens = max_tokens
     path, body = protocol.request(
-        target.protocol, mode, prompt.as_messages(), max_tokens, target.model, target.temperature
+        target.protocol,
+        mode,
+        prompt.as_messages(),
+        max_tokens,
+        target.model,
+        target.temperature,
+        ignore_eos=target.ignore_eos,
     )
     url = target.url.rstrip("/") + path
     started = time.perf_counter()

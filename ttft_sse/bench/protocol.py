@@ -103,12 +103,17 @@ def request(
     max_tokens: int,
     model: str,
     temperature: float = 0.0,
+    *,
+    ignore_eos: bool = False,
 ) -> tuple[str, dict[str, Any]]:
-    """The path and JSON body of one request."""
+    """The path and JSON body of one request. ``ignore_eos`` adds llama-server's and vLLM's ``ignore_eos: true``
+    (generate ``max_tokens`` whatever the model says); a server without it answers as it answers unknown fields."""
+    extra: dict[str, Any] = {"ignore_eos": True} if ignore_eos else {}
     if protocol == "native":
         path = "/stream" if mode == "stream" else "/complete"
-        return path, {"messages": messages, "max_tokens": max_tokens, "temperature": temperature}
+        return path, {"messages": messages, "max_tokens": max_tokens, "temperature": temperature, **extra}
     body: dict[str, Any] = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": temperature}
+    body.update(extra)
     if mode == "stream":
         body.update(stream=True, stream_options={"include_usage": True})
     else:
