@@ -275,8 +275,15 @@ def make_base(cache: Path, suite: str, mirror: str, env: Mapping[str, str], deta
 
 
 def build(
-    base: str, torch_index: str | None, no_cache: bool, work: Path, env: Mapping[str, str], detail: list[str]
+    base: str,
+    torch_index: str | None,
+    no_cache: bool,
+    work: Path,
+    log: Path,
+    env: Mapping[str, str],
+    detail: list[str],
 ) -> None:
+    """Builds IMAGE on ``base``; ``work`` holds the pip configuration for the build's lifetime, ``log`` its output."""
     pip = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True)
     conf, paths = pip_sources(pip.stdout if pip.returncode == 0 else "")
     volumes: list[str] = []
@@ -294,7 +301,7 @@ def build(
         args.append("--no-cache")
     command = ["buildah", "bud", "--isolation", "chroot", "--format", "docker", "--layers", *args, *volumes]
     command += ["-f", str(ROOT / "Dockerfile"), "-t", IMAGE, str(ROOT)]
-    logged(command, env, work / "build.log", show=("STEP ", "--> Using cache"))
+    logged(command, env, log, show=("STEP ", "--> Using cache"))
     (config,) = json.loads(run(["podman", "image", "inspect", IMAGE], env).stdout)
     user = config["Config"].get("User")
     if not user or user.split(":")[0] in ("0", "root"):
@@ -396,7 +403,8 @@ def check(options: argparse.Namespace, timings: Timings) -> None:
         with timings.stage("base") as detail:
             base = make_base(options.cache, options.suite, options.mirror, env, detail)
         with timings.stage("build") as detail:
-            build(base, options.torch_index, options.no_cache, work, env, detail)
+            log = options.cache / "build.log"  # kept after the run, like debootstrap.log beside it
+            build(base, options.torch_index, options.no_cache, work, log, env, detail)
         name = f"ttft-sse-check-{os.getpid()}"
         port = free_port()
         try:
