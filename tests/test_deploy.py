@@ -1,7 +1,8 @@
-"""The deploy files keep their promises: checked offline, since neither docker nor a cluster runs here.
+"""The deploy files keep their promises, checked offline (the suite runs neither a container nor a cluster).
 
 * Dockerfile: parsed for the directives the issue asks for, and kept in step with the Makefile's pins; the wheel
   its ``pip install .`` makes carries every file of the package (the C files the engine compiles at its start).
+  deploy/image/check.py (``make image-check``) builds and runs it for real; tests/test_image_check.py covers its parts.
 * deploy/k8s: validated (strictly: unknown fields fail) against the Kubernetes JSON schemas that the
   ``kubernetes-validate`` package bundles, then checked for what the server needs (probes, grace, resources).
 * deploy/hypercorn.toml: loads with hypercorn's own loader and equals what ``ttft-sse serve`` sets in code.
@@ -63,7 +64,10 @@ def only(instructions: list[tuple[str, str]], keyword: str) -> str:
 def test_dockerfile_is_slim_non_root_preloaded_and_drains_on_sigterm() -> None:
     instructions = dockerfile()
     keywords = [kw for kw, _ in instructions]
-    assert re.fullmatch(r"python:3\.\d+-slim", only(instructions, "FROM"))
+    # The base is a build argument whose default is the official Python image.
+    assert only(instructions, "FROM") == "${BASE}"
+    assert keywords.index("ARG") < keywords.index("FROM")
+    assert re.fullmatch(r"BASE=python:3\.\d+-slim", build_args(instructions)[0])
     # Non-root, numerically (Kubernetes' runAsNonRoot can only verify a number), before the server starts.
     user = only(instructions, "USER")
     uid = user.split(":")[0]
@@ -85,11 +89,32 @@ def test_dockerfile_is_slim_non_root_preloaded_and_drains_on_sigterm() -> None:
     assert port is not None and only(instructions, "EXPOSE") == port.group(1)
     # The CPU build of torch; the engine itself attends grouped KV heads in place on CPU (engine/cpu/grouped.py), so
     # transformers' process-wide switch for it, wrong on CUDA, is not set.
-    assert "--index-url https://download.pytorch.org/whl/cpu" in runs
+    assert "TORCH_INDEX=https://download.pytorch.org/whl/cpu" in build_args(instructions)
+    assert 'pip install torch==2.13.0 ${TORCH_INDEX:+--index-url "$TORCH_INDEX"}' in runs
     # A C compiler for the block kernel (engine/cpu/kernel.py), installed before `prepare` builds it.
     assert re.search(r"apt-get install [^&]*\bgcc\b[^&]*\blibc6-dev\b", runs)
     assert runs.index("gcc") < runs.index("ttft-sse prepare")
     assert "TRANSFORMERS_SDPA_FORCE_GQA" not in env
+
+
+def build_args(instructions: list[tuple[str, str]]) -> list[str]:
+    return [args for kw, args in instructions if kw == "ARG"]
+
+
+def test_dockerfile_installs_into_a_virtual_environment_first_on_the_path() -> None:
+    """A Debian base's own Python refuses a system-wide ``pip install`` (PEP 668): every install goes into /opt/venv,
+    made before the first one, and its bin leads PATH, so ``ttft-sse`` and the healthcheck's ``python`` are its."""
+    instructions = dockerfile()
+    runs = [args for kw, args in instructions if kw == "RUN"]
+    venv = next(i for i, args in enumerate(runs) if "python3 -m venv /opt/venv" in args)
+    installs = [i for i, args in enumerate(runs) if "pip install" in args]
+    assert installs and min(installs) == venv
+    assert runs[venv].index("python3 -m venv") < runs[venv].index("pip install")
+    path = re.search(r"\bPATH=(\S+)", only(instructions, "ENV"))
+    assert path is not None and path.group(1).split(":")[:2] == ["/opt/venv/bin", "/usr/local/sbin"]
+    assert "/usr/bin" in path.group(1).split(":")  # apt-get, gcc: the base's own tools stay reachable
+    # The mirror arguments have no default: unset, pip sees nothing (an empty PIP_INDEX_URL would break it).
+    assert {"PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL"} <= set(build_args(instructions))
 
 
 def test_dockerfile_pins_what_the_makefile_pins() -> None:
