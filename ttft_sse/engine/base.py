@@ -105,7 +105,7 @@ class ModelInfo:
     # "column-major+packed" (engine/cpu/weights.py), "gguf-blocks" (engine/cpu/kernel.py;
     # "gguf-blocks+column-major+packed" when some layers are not stored as blocks).
     weights: str = "as loaded"
-    # For a GGUF on the block kernel, the path of each GGUF type's linear layers (engine/cpu/kernel.py's by_type),
+    # For a GGUF on the block kernel, the path of each GGUF type's linear layers (engine/cpu/codes.py's by_type),
     # e.g. {"Q4_K": "blocks: 168", "F16": "fp32: 42 (not quantised)"}; else empty.
     weights_by_type: dict[str, str] = field(default_factory=dict)
     # Whether the decoder layers run in C (engine/cpu/decoder.py's label), e.g. "fused: 30 of 30 layers", or

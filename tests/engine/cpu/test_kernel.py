@@ -603,19 +603,6 @@ def test_degrade_refuses_a_model_whose_layers_int8_records_cannot_hold_and_names
         records(codes.decode(quantised((16, 256), "Q6_K")[0], int(KINDS["Q6_K"]), (16, 256)))
 
 
-def test_the_account_lists_each_path_a_types_layers_take() -> None:
-    kinds = {"a": "Q4_K", "b": "Q4_K", "c": "Q4_K", "d": "Q6_K", "e": codes.UNKNOWN, "f": "Q8_0", "g": "Q3_K"}
-    rows = {"a": "int8", "b": "fp32", "d": "fp32", "f": "int8"}
-    assert kernel.by_type(kinds, rows, "int8") == {
-        "Q4_K": "blocks, int8 rows: 1; blocks, fp32 rows: 1 (scales or offsets not fp16 values); "
-        "fp32: 1 (its blocks do not give back the loaded weight bit for bit)",
-        "Q3_K": "fp32: 1 (no kernel layout for 16-input scales and minimums)",
-        "Q6_K": "blocks, fp32 rows: 1 (a scale each 16 inputs)",
-        "Q8_0": "blocks, int8 rows: 1",
-        "unknown": "fp32: 1 (no matrix of the file holds its rows)",
-    }
-
-
 def test_a_model_with_no_layer_in_a_type_the_kernel_runs_is_left_as_it_was_and_the_log_names_its_types(
     tmp_path: Path,
 ) -> None:

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -439,3 +440,27 @@ def of_layers(layers: dict[str, Any], gguf_path: str | Path, cache: Path | None)
         found = Found(kinds, codes)
         _save_cached(cache, found)
     return found
+
+
+def by_type(kinds: dict[str, str], rows: dict[str, str], asked: str) -> dict[str, str]:
+    """The path of each GGUF type's layers, by the type's name (:data:`UNKNOWN` for layers no matrix
+    of the file holds), e.g. ``{"Q4_K": "blocks: 168", "F16": "fp32: 42 (not quantised)"}``. ``kinds``: each layer's
+    type; ``rows``: the rows of each layer on the kernel, ``"fp32"`` or ``"int8"``; ``asked``: the rows asked for. A
+    type whose layers take more than one path lists each, joined by "; ": on the kernel with the rows asked for, then
+    with fp32 rows where int8 ones were asked for but the records do not hold the layer, then fp32 layers, with the
+    reason.
+    """
+    paths: dict[str, Counter[tuple[int, str]]] = {}
+    for name, kind in kinds.items():
+        row = rows.get(name)
+        if row is None:
+            path = (2, f"fp32: {{}} ({why_not(kind)})")
+        elif row == asked:
+            path = (0, "blocks: {}" if row == "fp32" else "blocks, int8 rows: {}")
+        else:
+            path = (1, f"blocks, fp32 rows: {{}} ({why_fp32_rows(kind)})")
+        paths.setdefault(kind, Counter())[path] += 1
+    return {
+        kind: "; ".join(text.format(count) for (_, text), count in sorted(counted.items()))
+        for kind, counted in sorted(paths.items())
+    }

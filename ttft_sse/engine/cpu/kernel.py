@@ -46,7 +46,6 @@ import os
 import shutil
 import subprocess
 import threading
-from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -186,7 +185,7 @@ class Applied(NamedTuple):
     """What :func:`apply` did."""
 
     activations: str | None  # "int8" where any layer on the kernel takes int8 rows, else "fp32"; None: no layer
-    by_type: dict[str, str]  # the path of each GGUF type's layers (:func:`by_type`); empty where the kernel is off
+    by_type: dict[str, str]  # the path of each GGUF type's layers (codes.by_type); empty where the kernel is off
 
 
 @functools.cache
@@ -301,7 +300,7 @@ def _apply(
     if kept is None:
         found = gguf_codes.of_layers(layers, gguf_path, cache)
         if not found.codes:
-            paths = by_type(found.kinds, {}, activations)
+            paths = gguf_codes.by_type(found.kinds, {}, activations)
             reason = "no linear weight of the model is stored in a type the kernel runs"
             if degrade:
                 raise Refused(reason)
@@ -349,7 +348,7 @@ def _apply(
             layer.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
     counts = {bits: sum(entry.bits == bits for entry in entries.values()) for bits in (4, 8, gguf_codes.SIXTEEN)}
     used = "int8" if "int8" in rows.values() else "fp32"
-    paths = by_type(kept.kinds, rows, activations)
+    paths = gguf_codes.by_type(kept.kinds, rows, activations)
     log.info(
         "weights_blocks",
         layers=len(changed),
@@ -360,30 +359,6 @@ def _apply(
         by_type=paths,
     )
     return Applied(used, paths)
-
-
-def by_type(kinds: dict[str, str], rows: dict[str, str], asked: str) -> dict[str, str]:
-    """The path of each GGUF type's layers, by the type's name (engine/cpu/codes.py's ``UNKNOWN`` for layers no matrix
-    of the file holds), e.g. ``{"Q4_K": "blocks: 168", "F16": "fp32: 42 (not quantised)"}``. ``kinds``: each layer's
-    type; ``rows``: the rows of each layer on the kernel, ``"fp32"`` or ``"int8"``; ``asked``: the rows asked for. A
-    type whose layers take more than one path lists each, joined by "; ": on the kernel with the rows asked for, then
-    with fp32 rows where int8 ones were asked for but the records do not hold the layer, then fp32 layers, with the
-    reason.
-    """
-    paths: dict[str, Counter[tuple[int, str]]] = {}
-    for name, kind in kinds.items():
-        row = rows.get(name)
-        if row is None:
-            path = (2, f"fp32: {{}} ({gguf_codes.why_not(kind)})")
-        elif row == asked:
-            path = (0, "blocks: {}" if row == "fp32" else "blocks, int8 rows: {}")
-        else:
-            path = (1, f"blocks, fp32 rows: {{}} ({gguf_codes.why_fp32_rows(kind)})")
-        paths.setdefault(kind, Counter())[path] += 1
-    return {
-        kind: "; ".join(text.format(count) for (_, text), count in sorted(counted.items()))
-        for kind, counted in sorted(paths.items())
-    }
 
 
 PROBED_OUTPUTS = 1024
