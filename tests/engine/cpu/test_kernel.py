@@ -552,7 +552,7 @@ def test_a_model_of_q5_and_k_quant_layers_runs_on_the_kernel_with_the_fp32_layer
     assert applied == ("fp32", by_type)
     blocks = {"event": "weights_blocks", "log_level": "info", "layers": 5, "q4": 1, "q8": 3, "q6": 1}
     kept = {"event": "arrangement_kept", "log_level": "info", "path": str(tmp_path / "kernel-arrays-fp32.bin")}
-    assert logs == [{**kept, "layers": 5, "mib": 0.1}, {**blocks, "activations": "fp32", "by_type": by_type}]
+    assert logs == [{**kept, "layers": 5, "mib": 0.2}, {**blocks, "activations": "fp32", "by_type": by_type}]
     assert [type(layer).__name__ for layer in model] == ["BlockLinear"] * 5
     assert [layer.bits for layer in model] == [8, 4, codes.SIXTEEN, 8, 8]
     with torch.no_grad():
