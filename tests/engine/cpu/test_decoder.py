@@ -486,7 +486,14 @@ def test_a_model_in_the_q4_k_m_mix_is_fused_whole_and_answers_as_its_layers_unfu
             fused = model.generate(prompt, max_new_tokens=16, do_sample=False, pad_token_id=0)
     finally:
         torch.set_num_threads(threads)
-    assert {"event": "decoder_fused", "log_level": "info", "layers": 2, "of": 2, "one_call": True, "family": "llama"} in logs
+    assert {
+        "event": "decoder_fused",
+        "log_level": "info",
+        "layers": 2,
+        "of": 2,
+        "one_call": True,
+        "family": "llama",
+    } in logs
     assert all(type(layer) is decoder.fused_layer_class() for layer in model.model.layers)
     assert fused.shape == (1, 22) and len(set(fused[0, 6:].tolist())) > 1
     assert torch.equal(fused, unfused) and torch.equal(unfused, plain)
