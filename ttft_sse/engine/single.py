@@ -28,7 +28,6 @@ from ttft_sse.engine.base import (
     Piece,
     Prompt,
     SamplingParams,
-    Usage,
     check_mode,
 )
 from ttft_sse.engine.cpu import kernel
@@ -183,18 +182,7 @@ class SingleEngine:
             log.info("generation_cancelled", completion_tokens=text.count, max_tokens=params.max_tokens)
             return
         ended = time.perf_counter()
-        first = streamer.first_token_at or ended
-        emit(
-            Finished(
-                finish_reason=text.finish_reason(params.max_tokens),
-                usage=Usage(prompt_tokens=prompt.n_tokens, completion_tokens=text.count),
-                timings={
-                    "prefill_ms": round((first - started) * 1000, 1),
-                    "decode_ms": round((ended - first) * 1000, 1),
-                },
-                degraded=mode != NORMAL,
-            )
-        )
+        emit(text.finished(params.max_tokens, prompt.n_tokens, started, streamer.first_token_at, ended, mode != NORMAL))
 
 
 class CacheJanitor:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
 
-from ttft_sse.engine.base import FinishReason
+from ttft_sse.engine.base import Finished, FinishReason, Usage
 
 REPLACEMENT = "\ufffd"
 
@@ -132,3 +132,16 @@ class TokenText:
         if not self.stops.matched and self.last_token not in self._eos and self.count >= max_tokens:
             return "length"
         return "stop"
+
+    def finished(
+        self, max_tokens: int, prompt_tokens: int, started: float, first_at: float | None, ended: float, degraded: bool
+    ) -> Finished:
+        """The generation's last event: its reason, usage and timings (prefill: from ``started`` to the first token,
+        ``first_at``, or to ``ended`` where none came; decode: from there to ``ended``; perf_counter seconds)."""
+        first = first_at or ended
+        return Finished(
+            finish_reason=self.finish_reason(max_tokens),
+            usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=self.count),
+            timings={"prefill_ms": round((first - started) * 1000, 1), "decode_ms": round((ended - first) * 1000, 1)},
+            degraded=degraded,
+        )

@@ -57,7 +57,7 @@ from typing import Any
 import structlog
 
 from ttft_sse.bridge import Mailboxes, Resident
-from ttft_sse.engine.base import NORMAL, ChatMessage, Finished, ModelInfo, Piece, Prompt, SamplingParams, Usage
+from ttft_sse.engine.base import NORMAL, ChatMessage, Finished, ModelInfo, Piece, Prompt, SamplingParams
 from ttft_sse.engine.batched.claims import Arrivals, Claims, FirstToken
 from ttft_sse.engine.batched.hooks import keep_config_causal, missing_internals, pick_greedy_with, router
 from ttft_sse.engine.batched.interlude import Interlude
@@ -361,16 +361,8 @@ class BatchedEngine:
             if tail:
                 yield Piece(index=index, text=tail)
             ended = time.perf_counter()
-            first = first_at or ended
-            yield Finished(
-                finish_reason=text.finish_reason(params.max_tokens),
-                usage=Usage(prompt_tokens=prompt.n_tokens, completion_tokens=text.count),
-                timings={
-                    "prefill_ms": round((first - started) * 1000, 1),
-                    "decode_ms": round((ended - first) * 1000, 1),
-                },
-                degraded=self._modes.degraded(request_id),
-            )
+            degraded = self._modes.degraded(request_id)
+            yield text.finished(params.max_tokens, prompt.n_tokens, started, first_at, ended, degraded)
         finally:
             inbox.close()
             self._ended(request_id, in_library=in_library)

@@ -30,7 +30,7 @@ import structlog
 
 from ttft_sse.bridge import Commands, Loop, Mailboxes
 from ttft_sse.engine import prompts, sampling
-from ttft_sse.engine.base import NORMAL, ChatMessage, Finished, ModelInfo, Piece, Prompt, SamplingParams, Usage
+from ttft_sse.engine.base import NORMAL, ChatMessage, Finished, ModelInfo, Piece, Prompt, SamplingParams
 from ttft_sse.engine.base import check_mode as _check_mode
 from ttft_sse.engine.llamacpp import library
 from ttft_sse.engine.llamacpp.schedule import Schedule
@@ -192,16 +192,7 @@ class LlamaCppEngine:
             tail = text.finish()
             if tail:
                 yield Piece(index=index, text=tail)
-            finished_at = time.perf_counter()
-            first = first_at or finished_at
-            yield Finished(
-                finish_reason=text.finish_reason(params.max_tokens),
-                usage=Usage(prompt_tokens=prompt.n_tokens, completion_tokens=text.count),
-                timings={
-                    "prefill_ms": round((first - started) * 1000, 1),
-                    "decode_ms": round((finished_at - first) * 1000, 1),
-                },
-            )
+            yield text.finished(params.max_tokens, prompt.n_tokens, started, first_at, time.perf_counter(), False)
         finally:
             inbox.close()
             if not ended:
