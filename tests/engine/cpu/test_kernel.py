@@ -20,7 +20,7 @@ from tests.support.paths import CACHE_DIR
 from tests.support.texts import PASSAGE
 from ttft_sse.engine.base import SamplingParams
 from ttft_sse.engine.batched.engine import BatchedEngine
-from ttft_sse.engine.cpu import attention, codes, kernel
+from ttft_sse.engine.cpu import attention, codes, kernel, layouts
 from ttft_sse.engine.cpu.layouts import records
 from ttft_sse.engine.loading.model import KERNEL_DIR
 from ttft_sse.engine.single import SingleEngine
@@ -745,10 +745,10 @@ def test_with_int8_rows_the_bundled_model_predicts_nearly_what_it_predicts_in_fp
 def test_the_probe_compares_every_output_of_a_small_layer_and_of_a_large_one_each_panel_offset_and_the_last_panel() -> (
     None
 ):
-    assert kernel._probed(96, torch).tolist() == list(range(96))
+    assert layouts.probed_outputs(96, torch).tolist() == list(range(96))
     outputs = 49152  # the bundled model's LM head
-    probed = kernel._probed(outputs, torch)
-    assert len(probed) <= kernel.PROBED_OUTPUTS
+    probed = layouts.probed_outputs(outputs, torch)
+    assert len(probed) <= layouts.PROBED_OUTPUTS
     assert set(range(outputs - kernel.PANEL, outputs)) <= set(probed.tolist())
     assert {int(i) % kernel.PANEL for i in probed} == set(range(kernel.PANEL))
-    assert int(probed[1] - probed[0]) * kernel.PROBED_OUTPUTS >= outputs - kernel.PANEL  # spread over every panel
+    assert int(probed[1] - probed[0]) * layouts.PROBED_OUTPUTS >= outputs - kernel.PANEL  # spread over every panel

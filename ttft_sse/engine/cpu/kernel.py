@@ -55,7 +55,7 @@ import structlog
 
 from ttft_sse.engine.cpu import arrangement, weights
 from ttft_sse.engine.cpu import codes as gguf_codes
-from ttft_sse.engine.cpu.layouts import PANEL, in_records
+from ttft_sse.engine.cpu.layouts import PANEL, in_records, probed_outputs
 
 log = structlog.get_logger("ttft_sse.engine")
 
@@ -361,30 +361,11 @@ def _apply(
     return Applied(used, paths)
 
 
-PROBED_OUTPUTS = 1024
-"""At most this many of a layer's outputs, spread over all its panels, are checked against the fp64 reference (the
-reference of a large LM head on every output costs a second of start-up, and a wrong build or layout shows in every
-panel)."""
-
-
-def _probed(outputs: int, torch: Any) -> Any:
-    """The outputs :func:`_check` compares with the reference: every one of a small layer; of a large one, evenly
-    spaced ones (each offset within a panel in turn) and the last panel whole (where the padding lies)."""
-    if outputs <= PROBED_OUTPUTS:
-        return torch.arange(outputs)
-    step = -(-outputs // (PROBED_OUTPUTS - PANEL))
-    if step % PANEL == 0:
-        step += 1  # not always the same offset within a panel
-    spread = torch.arange(0, outputs, step)
-    last = torch.arange(max(0, outputs - PANEL), outputs)
-    return torch.unique(torch.cat([spread, last]))
-
-
 def _check(layer: Any, torch: Any, *, int8: bool) -> None:
     """The layer against its reference in fp64 (the fp32 weights times the rows, quantised first where ``int8``: the
-    rows the calling thread gives it are int8 ones), on the outputs :func:`_probed` picks; and each row of a call
+    rows the calling thread gives it are int8 ones), on the outputs layouts.probed_outputs picks; and each row of a call
     against the same row alone (bit for bit, every output)."""
-    probed = _probed(layer.out_features, torch)
+    probed = probed_outputs(layer.out_features, torch)
     with torch.no_grad():
         weight = layer.weight[probed].double()
         bias = None if layer.bias is None else layer.bias[probed].double()

@@ -87,3 +87,23 @@ def _by_panel(per_block: npt.NDArray[np.float32], dtype: type[np.floating[Any]])
     full = np.zeros((_padded(out), blocks), dtype)
     full[:out] = per_block
     return np.ascontiguousarray(full.reshape(-1, PANEL, blocks).transpose(0, 2, 1))
+
+
+PROBED_OUTPUTS = 1024
+"""At most this many of a layer's outputs, spread over all its panels, are checked against the fp64 reference (the
+reference of a large LM head on every output costs a second of start-up, and a wrong build or layout shows in every
+panel)."""
+
+
+def probed_outputs(outputs: int, torch: Any) -> Any:
+    """The outputs the kernel's load check (kernel.py) compares with the reference: every one of a small layer; of a
+    large one, evenly spaced ones (each offset within a panel in turn) and the last panel whole (where the padding
+    lies)."""
+    if outputs <= PROBED_OUTPUTS:
+        return torch.arange(outputs)
+    step = -(-outputs // (PROBED_OUTPUTS - PANEL))
+    if step % PANEL == 0:
+        step += 1  # not always the same offset within a panel
+    spread = torch.arange(0, outputs, step)
+    last = torch.arange(max(0, outputs - PANEL), outputs)
+    return torch.unique(torch.cat([spread, last]))
