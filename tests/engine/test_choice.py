@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
+from structlog.testing import capture_logs
 
 from tests.support.engines import llama_cpp_or_skip
 from ttft_sse.engine import choice
@@ -68,6 +70,22 @@ def test_a_verdict_is_kept_per_set_of_conditions_and_read_back(tmp_path: Path) -
     assert calls[2:] == [("batched", 4), ("llamacpp", 4)]
     assert choice.verdict_path(base) != choice.verdict_path(other)
     assert choice.verdict_path(base).parent == choice.verdict_path(other).parent  # beside the converted model
+
+
+def test_a_verdict_that_cannot_be_kept_is_logged_and_used(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    llama_cpp_or_skip()
+
+    def refuse(*_args: Any, **_kwargs: Any) -> Any:
+        raise PermissionError("read-only file system")
+
+    monkeypatch.setattr(Path, "replace", refuse)
+    settings = Settings(engine="auto", cache_dir=tmp_path)
+    with capture_logs() as logs:
+        verdict = choice.choose(settings, measure=lambda _settings, name: {"c1": 1.0 + (name == "llamacpp"), "c8": 9.0})
+    assert (verdict.name, verdict.chosen_by) == ("llamacpp", "measured")
+    assert [log["event"] for log in logs] == ["engine_choice_not_written"]
+    assert logs[0]["path"] == str(choice.verdict_path(settings)) and "read-only" in logs[0]["reason"]
+    assert not list(choice.verdict_path(settings).parent.iterdir())  # no partial file left behind
 
 
 def test_auto_engine_is_the_chosen_engine_once_loaded() -> None:

@@ -30,6 +30,8 @@ from typing import Any
 import structlog
 
 from ttft_sse.engine.base import ChatMessage, Engine, Finished, ModelInfo, Piece, Prompt, SamplingParams
+from ttft_sse.engine.cache_files import write_whole
+from ttft_sse.engine.cpu import kernel
 from ttft_sse.engine.loading import sources
 from ttft_sse.settings import Settings
 from ttft_sse.stages import StageClock
@@ -157,6 +159,8 @@ def _conditions(settings: Settings) -> dict[str, Any]:
     return {
         "format": VERDICT_FORMAT,
         "cpu": _cpu(),
+        # The model name alone can be the same on CPUs with other features ("AMD EPYC" with and without AVX-512).
+        "cpu_features": hashlib.sha256(kernel.cpu_features()).hexdigest()[:16],
         "cores": settings.cores,
         "threads": settings.torch_threads,
         "max_concurrency": settings.max_concurrency,
@@ -188,10 +192,14 @@ def _read(path: Path, conditions: dict[str, Any]) -> Choice | None:
 
 
 def _write(path: Path, conditions: dict[str, Any], choice: Choice) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_suffix(f".{time.monotonic_ns()}.tmp")
-    temporary.write_text(json.dumps({"conditions": conditions, "choice": asdict(choice)}, indent=2))
-    temporary.replace(path)
+    """Keep the verdict; a cache directory that cannot be written means measuring again at the next start."""
+    text = json.dumps({"conditions": conditions, "choice": asdict(choice)}, indent=2)
+
+    def write(partial: Path) -> None:
+        partial.parent.mkdir(parents=True, exist_ok=True)
+        partial.write_text(text)
+
+    write_whole(path, write, "engine_choice_not_written")
 
 
 def _measure(settings: Settings, name: str) -> Rates:

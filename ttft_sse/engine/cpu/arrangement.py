@@ -35,6 +35,7 @@ import numpy as np
 import numpy.typing as npt
 import structlog
 
+from ttft_sse.engine.cache_files import write_whole
 from ttft_sse.engine.cpu.codes import Codes
 from ttft_sse.engine.cpu.layouts import panels, records
 
@@ -135,16 +136,14 @@ def save(path: Path, key: str, kept: Kept) -> None:
         {"key": key, "size": len(data), "crc32": zlib.crc32(data), "kinds": kept.kinds, "layers": layers}
     ).encode()
     start = _data_start(len(header))
-    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
-    try:
+
+    def write(partial: Path) -> None:
         with partial.open("wb") as fh:
             fh.write(MAGIC + struct.pack("<Q", len(header)) + header)
             fh.write(b"\0" * (start - fh.tell()))
             fh.write(data)
-        partial.replace(path)
-    except OSError as exc:  # a read-only cache directory: laid out again at the next start
-        log.warning("arrangement_not_written", path=str(path), reason=repr(exc))
-        partial.unlink(missing_ok=True)
+
+    if not write_whole(path, write, "arrangement_not_written"):  # a read-only cache directory: laid out again
         return
     log.info("arrangement_kept", path=str(path), layers=len(layers), mib=round(len(data) / 2**20, 1))
 

@@ -43,7 +43,6 @@ metadata), so the codes and types are kept in the model's converted directory fo
 from __future__ import annotations
 
 import functools
-import os
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +51,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 import structlog
+
+from ttft_sse.engine.cache_files import write_whole
 
 log = structlog.get_logger("ttft_sse.engine")
 
@@ -416,13 +417,8 @@ def _save_cached(path: Path | None, found: Found) -> None:
     for name, codes in found.codes.items():
         arrays[f"{name}.q"], arrays[f"{name}.bits"] = codes.packed(), np.asarray(codes.bits)
         arrays[f"{name}.scale"], arrays[f"{name}.zero"] = codes.scale, codes.zero
-    partial = path.with_name(f".{path.name}.{os.getpid()}.partial.npz")
-    try:
-        np.savez(partial, **arrays)  # type: ignore[arg-type]  # numpy types the keywords as its own flags
-        partial.replace(path)
-    except OSError as exc:  # a read-only cache directory: matched again at the next start
-        log.warning("codes_cache_not_written", path=str(path), reason=repr(exc))
-        partial.unlink(missing_ok=True)
+    # A read-only cache directory: matched again at the next start.
+    write_whole(path, lambda partial: np.savez(partial, **arrays), "codes_cache_not_written")  # type: ignore[arg-type]
 
 
 def of_layers(layers: dict[str, Any], gguf_path: str | Path, cache: Path | None) -> Found:

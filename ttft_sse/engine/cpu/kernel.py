@@ -92,7 +92,7 @@ def build(directory: Path, sources: tuple[Path, ...] = SOURCES, name: str = "blo
                 *(source.read_bytes() for source in (*sources, *HEADERS)),
                 " ".join(FLAGS).encode(),
                 os.path.realpath(compiler).encode(),
-                _cpu(),
+                cpu_features(),
             ]
         )
     ).hexdigest()[:16]
@@ -120,7 +120,7 @@ def build(directory: Path, sources: tuple[Path, ...] = SOURCES, name: str = "blo
     return target
 
 
-def _cpu() -> bytes:
+def cpu_features() -> bytes:
     """The CPU's feature flags (a build for one CPU must not be loaded on another)."""
     try:
         with open("/proc/cpuinfo", "rb") as info:
