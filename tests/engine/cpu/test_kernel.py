@@ -679,7 +679,7 @@ def test_the_kernel_is_built_once_for_a_source_and_cpu_then_loaded(
 
     monkeypatch.setattr(kernel.subprocess, "run", compile_again)
     assert kernel.build(directory) == built
-    monkeypatch.setattr(kernel, "_cpu", lambda: b"flags : another cpu")
+    monkeypatch.setattr(kernel, "cpu_features", lambda: b"flags : another cpu")
     with pytest.raises(AssertionError, match="compiled again"):  # another CPU gets its own build
         kernel.build(directory)
 
