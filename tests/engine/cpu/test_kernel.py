@@ -252,9 +252,12 @@ def test_each_row_is_the_same_bits_whatever_else_the_call_holds(kind: str, build
 
 @pytest.fixture(scope="module")
 def alone_and_shared(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """Two copies of this CPU's build, each its own library (its own helpers): the second with a helper thread."""
+    """Two copies of this CPU's build, each its own library (its own helpers): the second with a helper thread, to
+    which each call leaves its last chunk for up to 1 s (ttft_helper_leave): the caller sleeps meanwhile, so the
+    helper, at SCHED_IDLE, gets a core even when every core is busy (a CI machine running other work)."""
     alone, shared = (kernel.build(tmp_path_factory.mktemp(name)) for name in ("alone", "shared"))
     assert kernel.start_helpers(shared, 1) == 1
+    kernel.load(shared, "ttft_helper_leave", (ctypes.c_int64,))(1_000_000)
     return alone, shared
 
 
@@ -268,7 +271,8 @@ def helpers_pause(alone_and_shared: tuple[Path, Path]) -> Any:
 
 def helped(library: Path, call: Any, *, until: Any) -> kernel.HelperCounts:
     """Makes ``call`` again (at most 400 times) until the library's helper counts satisfy ``until``; returns them.
-    A helper runs only on a core nothing else wants: on a busy machine it may take a few calls."""
+    The helper takes each call's last chunk when it gets a core within the second the caller leaves it
+    (alone_and_shared): the first call, unless the machine is starved for a whole second."""
     for _ in range(400):
         call()
         counts = kernel.helper_counts(library)
