@@ -1,12 +1,14 @@
 """On a CUDA machine only: CUDA memory and GPU utilisation on ``/metrics``, and the allocator-cache janitor.
 
 Skipped where torch sees no GPU (CI has none). The stand-in model is a tiny random Llama with the bundled model's
-tokenizer: what is checked is the plumbing (SingleEngine on CUDA, GpuProbe, CacheJanitor), not the text.
+tokenizer: what is checked is the plumbing (SingleEngine on CUDA, GpuProbe, CacheJanitor), not the text. On a GPU
+machine without the bundled model, ``CUDA_TEST_TOKENIZER_DIR`` names a folder holding its tokenizer files instead.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import shutil
 import time
 from collections.abc import Iterator
@@ -33,7 +35,8 @@ EVERY = 3
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     import transformers
 
-    tokenizer_dir = Path(sources.converted_dir(sources.bundled_gguf(), CACHE_DIR))
+    given = os.environ.get("CUDA_TEST_TOKENIZER_DIR")
+    tokenizer_dir = Path(given) if given else sources.converted_dir(sources.bundled_gguf(), CACHE_DIR)
     target = tmp_path_factory.mktemp("tiny-llama")
     tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
     config = transformers.LlamaConfig(

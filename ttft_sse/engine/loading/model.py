@@ -67,7 +67,10 @@ def load_model(settings: Settings, clock: StageClock) -> Loaded:
         with clock.stage("tokenizer"):
             tokenizer = transformers.AutoTokenizer.from_pretrained(location)
         with clock.stage("model"):
-            kwargs: dict[str, Any] = {"dtype": dtype}
+            # use_kernels=False: transformers (5.25, with the `kernels` package it depends on) otherwise swaps layers
+            # for kernels it downloads from the Hugging Face Hub at load time on CUDA, and a server that is offline,
+            # as a production one often is, fails to start ("not available in the local cache").
+            kwargs: dict[str, Any] = {"dtype": dtype, "use_kernels": False}
             if device.startswith("cuda"):
                 # accelerate places the weights; "auto" spreads a model too big for one GPU.
                 kwargs["device_map"] = "auto" if settings.device == "auto" else device
