@@ -3,6 +3,7 @@
     python benchmarks/families.py                              # hidden 512, 8 layers, Q8_0, 3 rounds
     python benchmarks/families.py --families gemma3 --hidden 1024 --layers 12
     python benchmarks/families.py --concurrency 4          # the batched engine, 4 requests at once
+    python benchmarks/families.py --kind F16 --against transformers   # an F16 file, against transformers alone
 
 For each family a random-weight model is written as a GGUF (tests/support/tinymodels.py: Q8_0 linear layers, a
 character vocabulary) into a temporary directory, and the single engine loads it twice: with the decoder layers in C
@@ -11,7 +12,9 @@ runs the same greedy requests one after another on each engine in turn (the firs
 the figure is generated tokens over the time from each call to its last piece, summed. With ``--concurrency N`` the
 engines are batched ones, given each request N times at once: tokens over the time to the last piece of each group.
 It prints each family's tokens/s both ways, their ratio, the decoder label of each engine (what ``/readyz`` says),
-and whether the two gave the same greedy text.
+and whether the two gave the same greedy text. ``--kind`` writes the linear layers in another GGUF type (Q4_0 ...
+Q6_K, F16, BF16, F32); ``--against transformers`` makes the second engine transformers' fp32 layers alone
+(``TTFT_GGUF_KERNEL=false``: no block kernel either).
 """
 
 from __future__ import annotations
@@ -72,18 +75,22 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64, help="max_tokens of each request")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--concurrency", type=int, default=1, help="above 1: the batched engine, N at a time")
+    parser.add_argument("--kind", default="Q8_0", help="the GGUF type of the decoder layers' linear layers")
+    parser.add_argument("--against", choices=("unfused", "transformers"), default="unfused")
     args = parser.parse_args()
     print(f"cpu: {_cpu()}, load average {os.getloadavg()[0]:.2f}")
     with tempfile.TemporaryDirectory() as scratch:
         root = Path(scratch)
         for family in args.families.split(","):
-            path = tinymodels.build_gguf(family, root, hidden=args.hidden, layers=args.layers)
+            path = tinymodels.build_gguf(family, root, hidden=args.hidden, layers=args.layers, kind=args.kind)
             engines: dict[str, Engine] = {}
             kind = BatchedEngine if args.concurrency > 1 else SingleEngine
             for name, fused in (("fused", True), ("unfused", False)):
                 settings = Settings(
                     model=str(path), cache_dir=root / "cache", threads=1, fused_layers=fused, prefill_process=False
                 )
+                if not fused and args.against == "transformers":
+                    settings = settings.replace(gguf_kernel=False)
                 engines[name] = kind(settings)
                 engines[name].load(StageClock())
             asyncio.run(run(engines["fused"], 8))  # warm both
@@ -102,7 +109,7 @@ def main() -> None:
                 if isinstance(engine, BatchedEngine):
                     asyncio.run(engine.close())
             print(
-                f"{family} (hidden {args.hidden}, {args.layers} layers, c={args.concurrency}): "
+                f"{family} ({args.kind}, hidden {args.hidden}, {args.layers} layers, c={args.concurrency}): "
                 f"fused {speed['fused']:.1f} tokens/s "
                 f"[{engines['fused'].info.decoder}], unfused {speed['unfused']:.1f} tokens/s "
                 f"[{engines['unfused'].info.decoder}], {speed['fused'] / speed['unfused']:.2f}x; "

@@ -11,7 +11,8 @@ import numpy as np
 import torch
 
 KINDS = {
-    name: gguf.GGMLQuantizationType[name] for name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+    name: gguf.GGMLQuantizationType[name]
+    for name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16", "F32")
 }
 SUPER = 256
 """Inputs a K-quant super-block holds."""

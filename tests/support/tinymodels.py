@@ -199,7 +199,7 @@ def gguf_model(family: str, path: Path, *, hidden: int = 64, layers: int = 0, ki
     write_model_gguf(path, architecture, metadata, GGUF_TOKENS, tensors)
 
 
-def build_gguf(family: str, root: Path, **sizes: int) -> Path:
+def build_gguf(family: str, root: Path, **sizes: Any) -> Path:
     """The GGUF of ``family``'s tiny model (:func:`gguf_model`, of ``sizes``) under ``root``, written there unless
     it is there already."""
     suffix = "".join(f"-{key}{value}" for key, value in sorted(sizes.items()))

@@ -76,8 +76,9 @@ def test_a_later_start_maps_the_kept_arrays_and_computes_the_same_bits(
         )
     assert [entry["event"] for entry in logs] == ["weights_blocks"]
     assert again == applied
-    assert [type(layer).__name__ for layer in model] == ["BlockLinear", "BlockLinear", "Linear"]
+    assert [type(layer).__name__ for layer in model] == ["BlockLinear"] * 3  # Q4_1, Q8_0 and F32 (dense)
     assert (model[0].records is not None) is degrade
+    assert model[2].records is None  # dense: fp32 rows in every mode
     with torch.no_grad():
         second = model(X)
         if degrade:

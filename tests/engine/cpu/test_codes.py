@@ -130,14 +130,14 @@ def test_of_layers_finds_the_layers_the_file_holds_as_blocks(tmp_path: Path) -> 
     layers, path = layers_of(tmp_path)
     found = codes.of_layers(layers, path, None)
     assert found.kinds == {"up": "Q4_1", "down": "Q8_0", "other": "F32"}
-    assert sorted(found.codes) == ["down", "up"] and (found.codes["up"].bits, found.codes["down"].bits) == (4, 8)
+    assert {name: c.bits for name, c in found.codes.items()} == {"up": 4, "down": 8, "other": codes.FULL}
     for name, got in found.codes.items():
         assert got.dense().tobytes() == layers[name].weight.detach().numpy().tobytes()
 
 
 def k_quant_layers(tmp_path: Path) -> tuple[dict[str, Any], Path]:
-    """Layers whose weights a file holds as Q4_K, Q5_K, Q5_0, Q5_1, Q6_K and F16 (the Q5_K and Q6_K rows reordered),
-    and a Q4_K one it does not hold (another weight, quantised with another seed)."""
+    """Layers whose weights a file holds as Q4_K, Q5_K, Q5_0, Q5_1, Q6_K, F16 and BF16 (the Q5_K and Q6_K rows
+    reordered), and a Q4_K one it does not hold (another weight, quantised with another seed)."""
     path = tmp_path / "k.gguf"
     tensors, layers = {}, {}
     for seed, kind in enumerate(["Q4_K", "Q5_K", "Q5_0", "Q5_1", "Q6_K"]):
@@ -147,6 +147,8 @@ def k_quant_layers(tmp_path: Path) -> tuple[dict[str, Any], Path]:
     half = np.random.default_rng(9).standard_normal((32, 256)).astype(np.float16)
     tensors["f16"] = (half, "F16")
     layers["f16"] = half.astype(np.float32)
+    tensors["bf16"] = (quantised((32, 256), "BF16", seed=7)[0], "BF16")
+    layers["bf16"] = quantised((32, 256), "BF16", seed=7)[1]
     layers["elsewhere"] = quantised((32, 256), "Q4_K", seed=99, sigma=0.02)[1]
     write_gguf(path, tensors)
     linears = {}
@@ -167,15 +169,23 @@ def test_of_layers_finds_every_layers_type_and_the_codes_of_those_the_kernel_run
         "q5_1": "Q5_1",
         "q6_k": "Q6_K",
         "f16": "F16",
+        "bf16": "BF16",
         "elsewhere": codes.UNKNOWN,
     }
-    assert sorted(found.codes) == ["q4_k", "q5_0", "q5_1", "q5_k", "q6_k"]
     bits = {name: c.bits for name, c in found.codes.items()}
-    assert bits == {"q4_k": 4, "q5_k": 8, "q5_0": 8, "q5_1": 8, "q6_k": codes.SIXTEEN}
+    assert bits == {
+        "q4_k": 4,
+        "q5_k": 8,
+        "q5_0": 8,
+        "q5_1": 8,
+        "q6_k": codes.SIXTEEN,
+        "f16": codes.HALF,
+        "bf16": codes.BRAIN,
+    }
     for name, got in found.codes.items():
         assert got.dense().tobytes() == layers[name].weight.detach().numpy().tobytes()
     assert codes.why_not("Q3_K") == "no kernel layout for 16-input scales and minimums"
-    assert codes.why_not("F16") == "not quantised"
+    assert codes.why_not("F16") == "its values do not give back the loaded weight bit for bit"
     assert codes.why_not(codes.UNKNOWN) == "no matrix of the file holds its rows"
 
 

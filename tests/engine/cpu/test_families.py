@@ -211,3 +211,25 @@ def transformers_layer(config: Any, family: str) -> Any:
     module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
     kind = {"gemma3": "Gemma3DecoderLayer", "qwen3": "Qwen3DecoderLayer", "nemotron": "NemotronDecoderLayer"}[family]
     return getattr(module, kind)(config, 0)
+
+
+@pytest.mark.parametrize("kind", ["F16", "BF16"])
+async def test_an_unquantised_gguf_runs_fused_on_the_kernel_with_the_answer_of_transformers_fp32_layers(
+    tmp_path_factory: pytest.TempPathFactory, kind: str
+) -> None:
+    """An F16 or BF16 file's layers (and its F32 LM head) on the kernel's dense layouts, every decoder layer in C;
+    the reference: the same file on transformers' fp32 layers alone (``TTFT_GGUF_KERNEL=false``)."""
+    root = tmp_path_factory.mktemp(f"dense-{kind}")
+    path = tinymodels.build_gguf("qwen2", root, kind=kind)
+    base = Settings(model=str(path), cache_dir=root / "cache", threads=1, prefill_process=False)
+    fast, plain = SingleEngine(base), SingleEngine(base.replace(gguf_kernel=False))
+    for engine in (fast, plain):
+        engine.load(StageClock())
+    assert fast.info.decoder == "fused: 2 of 2 layers"
+    assert fast.info.weights_by_type == {kind: "blocks: 14", "F32": "blocks: 1"}
+    assert plain.info.weights_by_type == {} and plain.info.decoder.startswith("not fused")
+    params = SamplingParams(max_tokens=24)
+    for prompt in PROMPTS:
+        got = await collect(fast.stream(prompt_of(fast, prompt), params))
+        want = await collect(plain.stream(prompt_of(plain, prompt), params))
+        assert got[0] == want[0] and got[1].usage == want[1].usage, prompt

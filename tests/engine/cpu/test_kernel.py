@@ -63,7 +63,12 @@ def block_layer_from(blocks: np.ndarray, kind: str, shape: tuple[int, int], libr
     if activations == "int8":
         skip_without_int8()
     layer = torch.nn.Linear(shape[1], shape[0], bias=False)
-    kernel._attach(layer, codes.decode(blocks, int(KINDS[kind]), shape), library, activations, torch)
+    kind_id = int(KINDS[kind])
+    if kind_id in codes.DENSE:
+        read = codes.dense_codes(blocks.view(np.uint8).reshape(shape[0], -1), kind_id, shape)
+    else:
+        read = codes.decode(blocks, kind_id, shape)
+    kernel._attach(layer, read, library, activations, torch)
     return layer
 
 
@@ -91,6 +96,14 @@ def avx2_build(tmp_path_factory: pytest.TempPathFactory) -> Path:
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(kernel, "FLAGS", (*kernel.FLAGS, "-mno-avx512f"))
         return kernel.build(tmp_path_factory.mktemp("avx2"))
+
+
+@pytest.fixture(scope="module")
+def no_f16c_build(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The AVX2 side without F16C too: it widens fp16 weights in plain C."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(kernel, "FLAGS", (*kernel.FLAGS, "-mno-avx512f", "-mno-f16c"))
+        return kernel.build(tmp_path_factory.mktemp("no-f16c"))
 
 
 @pytest.mark.parametrize("build", ["native", "avx2"])
@@ -125,12 +138,12 @@ def test_the_kernels_weights_are_the_files_dequantised_weights_bit_for_bit(
 
 
 @pytest.mark.parametrize("build", ["native", "avx2"])
-@pytest.mark.parametrize("kind", ["Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"])
-def test_the_kernel_runs_q5_and_k_quant_blocks_as_the_files_dequantised_weights(
+@pytest.mark.parametrize("kind", ["Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16", "F32"])
+def test_the_kernel_runs_q5_k_quant_and_unquantised_weights_as_the_files_dequantised_weights(
     kind: str, build: str, avx2_build: Path
 ) -> None:
-    """Their codes read back by rows of the identity, bit for bit (in calls of 4 rows and of all 512), and their
-    product with random rows to fp32's roundings of the fp64 product."""
+    """Their codes (or values, widened) read back by rows of the identity, bit for bit (in calls of 4 rows and of
+    all 512), and their product with random rows to fp32's roundings of the fp64 product."""
     blocks, dense = quantised((38, 512), kind, sigma=0.02)
     layer = block_layer_from(
         blocks, kind, (38, 512), avx2_build if build == "avx2" else kernel.build(DIRECTORY), "fp32"
@@ -145,6 +158,23 @@ def test_the_kernel_runs_q5_and_k_quant_blocks_as_the_files_dequantised_weights(
     assert torch.equal(tiles, want) and torch.equal(whole, want)
     product = x @ torch.from_numpy(dense).double().T
     assert float((got.double() - product).abs().max()) <= 1e-5 * float(product.abs().max())
+
+
+def test_an_avx2_build_without_f16c_widens_every_fp16_value_as_f16c_does(no_f16c_build: Path) -> None:
+    """Every one of the 65,536 fp16 values, NaNs, infinities and subnormals included, read back by the identity:
+    the same bits as this CPU's build (F16C, or AVX-512's conversion), and numpy's widening where a row is finite
+    (fma(1, -0.0, +0.0) is +0.0; and 0 times an infinity in a row makes its every output NaN, on every build)."""
+    every = np.arange(2**16, dtype=np.uint32).astype(np.uint16).view(np.float16).reshape(2048, 32)
+    with torch.no_grad():
+        back = [
+            block_layer_from(every, "F16", (2048, 32), library, "fp32")(torch.eye(32)).T.numpy()
+            for library in (no_f16c_build, kernel.build(DIRECTORY))
+        ]
+    assert np.array_equal(back[0].view(np.uint32), back[1].view(np.uint32))
+    want = every.astype(np.float32) + np.float32(0)
+    finite = np.isfinite(want).all(axis=1)
+    assert finite.sum() == 2048 - 64  # the rows of exponent 31
+    assert np.array_equal(back[0][finite].view(np.uint32), want[finite].view(np.uint32))
 
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
@@ -236,7 +266,8 @@ def test_a_strided_or_other_dtype_input_gives_what_its_contiguous_fp32_copy_give
 @pytest.mark.parametrize(
     ("kind", "build"),
     [(kind, build) for kind in ("Q4_1", "Q8_0") for build in ("native", "avx2", "int8")]
-    + [("Q6_K", "native"), ("Q6_K", "avx2")],  # Q6_K has no int8 rows (layouts.in_records)
+    # Q6_K and the unquantised types have no int8 rows (layouts.in_records)
+    + [(kind, build) for kind in ("Q6_K", "F16", "BF16", "F32") for build in ("native", "avx2")],
 )
 def test_each_row_is_the_same_bits_whatever_else_the_call_holds(kind: str, build: str, avx2_build: Path) -> None:
     activations = "int8" if build == "int8" else "fp32"
@@ -282,7 +313,8 @@ def helped(library: Path, call: Any, *, until: Any) -> kernel.HelperCounts:
 
 
 @pytest.mark.parametrize(
-    ("kind", "activations"), [("Q4_1", "fp32"), ("Q4_1", "int8"), ("Q8_0", "fp32"), ("Q8_0", "int8"), ("Q6_K", "fp32")]
+    ("kind", "activations"),
+    [("Q4_1", "fp32"), ("Q4_1", "int8"), ("Q8_0", "fp32"), ("Q8_0", "int8"), ("Q6_K", "fp32"), ("F16", "fp32")],
 )
 @pytest.mark.parametrize("rows", [1, 4, 5, 8, 37])
 def test_a_call_shared_with_a_helper_thread_gives_the_same_bits_as_alone(
@@ -447,13 +479,14 @@ def test_apply_puts_exactly_the_layers_the_file_holds_as_blocks_on_the_kernel(
     with capture_logs() as logs:
         applied = kernel.apply(model, path, torch, directory=DIRECTORY, activations=activations)
     rows = "blocks: 1" if activations == "fp32" else "blocks, int8 rows: 1"
-    by_type = {"F32": "fp32: 1 (not quantised)", "Q4_1": rows, "Q8_0": rows}
+    dense = "blocks: 1" if activations == "fp32" else "blocks, fp32 rows: 1 (not quantised: int8 rows multiply"
+    by_type = {"F32": dense if activations == "fp32" else f"{dense} quantised blocks)", "Q4_1": rows, "Q8_0": rows}
     assert applied == (activations, by_type)
-    blocks = {"event": "weights_blocks", "log_level": "info", "layers": 2, "q4": 1, "q8": 1, "q6": 0}
+    blocks = {"event": "weights_blocks", "log_level": "info", "layers": 3, "q4": 1, "q8": 1, "q6": 0, "dense": 1}
     assert {**blocks, "activations": activations, "by_type": by_type} in logs
-    assert [type(layer).__name__ for layer in model] == ["BlockLinear", "BlockLinear", "Linear"]
-    assert [getattr(layer, "activations", None) for layer in model] == [activations, activations, None]
-    assert [layer.weight.numel() for layer in model] == [0, 0, 16 * 32]  # fp32 weights on codes are dropped
+    assert [type(layer).__name__ for layer in model] == ["BlockLinear"] * 3
+    assert [layer.activations for layer in model] == [activations, activations, "fp32"]  # F32: dense, fp32 rows
+    assert [layer.weight.numel() for layer in model] == [0, 0, 0]  # fp32 weights on the kernel are dropped
     with torch.no_grad():
         got = model(x)
     # Against the largest value (an output near zero after sums of values near 1e3 keeps their rounding). Int8
@@ -476,7 +509,7 @@ def test_on_a_cpu_without_avx512_vnni_or_f16c_int8_rows_fall_back_to_fp32_and_th
         "log_level": "warning",
         "reason": "the CPU has neither AVX-512 VNNI nor AVX2 with F16C: the rows stay fp32",
     }
-    assert [getattr(layer, "activations", None) for layer in model] == ["fp32", "fp32", None]
+    assert [layer.activations for layer in model] == ["fp32", "fp32", "fp32"]
 
 
 def test_a_weight_another_module_shares_is_kept(tmp_path: Path) -> None:
@@ -554,7 +587,7 @@ def test_a_model_of_q5_and_k_quant_layers_runs_on_the_kernel_with_the_fp32_layer
         "Q6_K": "blocks: 1",
     }
     assert applied == ("fp32", by_type)
-    blocks = {"event": "weights_blocks", "log_level": "info", "layers": 5, "q4": 1, "q8": 3, "q6": 1}
+    blocks = {"event": "weights_blocks", "log_level": "info", "layers": 5, "q4": 1, "q8": 3, "q6": 1, "dense": 0}
     kept = {"event": "arrangement_kept", "log_level": "info", "path": str(tmp_path / "kernel-arrays-fp32.bin")}
     assert logs == [{**kept, "layers": 5, "mib": 0.2}, {**blocks, "activations": "fp32", "by_type": by_type}]
     assert [type(layer).__name__ for layer in model] == ["BlockLinear"] * 5
@@ -610,19 +643,50 @@ def test_degrade_refuses_a_model_whose_layers_int8_records_cannot_hold_and_names
 def test_a_model_with_no_layer_in_a_type_the_kernel_runs_is_left_as_it_was_and_the_log_names_its_types(
     tmp_path: Path,
 ) -> None:
-    path = tmp_path / "f16.gguf"
-    dense = np.random.default_rng(0).standard_normal((32, 256)).astype(np.float16)
-    write_gguf(path, {"only": (dense, "F16")})
+    path = tmp_path / "q2_k.gguf"
+    blocks = np.random.default_rng(0).integers(0, 256, (32, 84), dtype=np.uint8)  # one Q2_K super-block a row
+    blocks[:, 80:84] = np.array([0.01, 0.005], np.float16).view(np.uint8)  # its d and dmin: finite
+    write_gguf(path, {"only": (blocks, "Q2_K")})
     model = torch.nn.Sequential(torch.nn.Linear(256, 32, bias=False))
     with torch.no_grad():
-        model[0].weight.copy_(torch.from_numpy(dense.astype(np.float32)))
+        weight = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q2_K)
+        model[0].weight.copy_(torch.from_numpy(weight.astype(np.float32)))
     with capture_logs() as logs:
         applied = kernel.apply(model, path, torch, directory=DIRECTORY)
-    by_type = {"F16": "fp32: 1 (not quantised)"}
+    by_type = {"Q2_K": "fp32: 1 (no kernel layout for 16-input scales and minimums)"}
     assert applied == (None, by_type)
     reason = "no linear weight of the model is stored in a type the kernel runs"
     assert logs == [{"event": "weights_not_blocks", "log_level": "warning", "reason": reason, "by_type": by_type}]
     assert type(model[0]) is torch.nn.Linear
+
+
+def test_a_model_of_f16_bf16_and_f32_layers_runs_on_the_kernel_with_the_fp32_layers_outputs(tmp_path: Path) -> None:
+    """An unquantised GGUF's layers on the kernel's dense layouts, the LM head's F16 too: the loaded weights bit
+    for bit, and the fp32 layers' outputs in the kernel's order of sums, exactly; int8 rows are not theirs."""
+    path = tmp_path / "dense.gguf"
+    model, tensors = torch.nn.Sequential(), {}
+    for seed, (kind, inputs, outputs) in enumerate([("F16", 64, 96), ("BF16", 96, 64), ("F32", 64, 40)]):
+        blocks, dense = quantised((outputs, inputs), kind, seed=seed, sigma=0.5 / inputs**0.5)
+        tensors[kind.lower()] = (blocks, kind)
+        model.append(torch.nn.Linear(inputs, outputs, bias=False))
+        with torch.no_grad():
+            model[-1].weight.copy_(torch.from_numpy(dense))
+    write_gguf(path, tensors)
+    weights = [layer.weight.detach().numpy().copy() for layer in model]
+    with capture_logs() as logs:
+        applied = kernel.apply(model, path, torch, directory=DIRECTORY)
+    assert applied == ("fp32", {"BF16": "blocks: 1", "F16": "blocks: 1", "F32": "blocks: 1"})
+    assert {"layers": 3, "q4": 0, "q8": 0, "q6": 0, "dense": 3}.items() <= logs[-1].items()
+    assert [layer.bits for layer in model] == [codes.HALF, codes.BRAIN, codes.FULL]
+    x = np.random.default_rng(5).standard_normal((3, 64)).astype(np.float32)
+    with torch.no_grad():
+        got = model(torch.from_numpy(x)).numpy()
+        for layer, weight in zip(model, weights, strict=True):
+            assert torch.equal(layer(torch.eye(layer.in_features)), torch.from_numpy(weight).T)
+    h = x
+    for weight in weights:
+        h = kernel_product(h, weight)
+    assert np.array_equal(got.view(np.uint32), h.view(np.uint32))
 
 
 def wrong_zeros(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -702,7 +766,15 @@ async def test_the_bundled_model_runs_every_linear_layer_on_the_kernel(settings:
         assert engine.info.weights == "gguf-blocks"
         by_type = {"Q4_1": "blocks: 210", "Q8_0": "blocks: 1"}
         assert engine.info.weights_by_type == by_type
-        blocks = {"event": "weights_blocks", "log_level": "info", "layers": len(on_kernel), "q4": 210, "q8": 1, "q6": 0}
+        blocks = {
+            "event": "weights_blocks",
+            "log_level": "info",
+            "layers": len(on_kernel),
+            "q4": 210,
+            "q8": 1,
+            "q6": 0,
+            "dense": 0,
+        }
         assert {**blocks, "activations": "fp32", "by_type": by_type} in logs
         rows: list[int] = []
         head: list[int] = []

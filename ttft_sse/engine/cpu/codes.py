@@ -29,8 +29,9 @@ in fp32 (two values of a few bits each, of similar size: nearly always), and a z
 to a -0.0 (:class:`Codes`). Where the zero is not exact, the match below finds out, and the layer stays fp32:
 correctness never rests on it.
 
-Other types stay fp32 (:func:`why_not`): Q3_K and Q2_K (their 2- and 3-bit codes with a minimum each 16 inputs
-have no layout here), F16, BF16 and F32 (not quantised), and the others.
+F16, BF16 and F32 matrices are read as the weights themselves (:data:`DENSE`: the kernel's dense layouts, which widen
+fp16 and bf16 exactly as it reads them). Other types stay fp32 (:func:`why_not`): Q3_K and Q2_K (their 2- and 3-bit
+codes with a minimum each 16 inputs have no layout here), and the others.
 
 Layers are matched to the file's tensors by their rows' bits, not by name, so no table of each architecture's names
 is needed, and a row order changed by transformers' loader (q and k) is found too. Only a layer whose codes give
@@ -66,6 +67,14 @@ SIXTEEN = 6
 """The ``bits`` of Q6_K's codes: 8-bit codes (q - 32, of 6 bits), a scale each 16 inputs and no zero (the kernel's
 third layout, kernel.c)."""
 
+# GGML type ids of the unquantised types, and the ``bits`` of their dense layouts (kernel.c): the values themselves.
+F32, F16, BF16 = 0, 1, 30
+HALF, BRAIN, FULL = 16, 17, 32
+DENSE = {F32: ("F32", FULL), F16: ("F16", HALF), BF16: ("BF16", BRAIN)}
+"""The dense types by GGML id: their name and their codes' ``bits``."""
+DENSE_DTYPES: dict[int, Any] = {HALF: np.float16, BRAIN: np.uint16, FULL: np.float32}
+"""How a dense layout's values are held, by ``bits`` (bf16 as its 16 bits: numpy has no bf16)."""
+
 
 @dataclass(frozen=True)
 class Format:
@@ -98,10 +107,10 @@ def why_not(kind: str) -> str:
     """Why a layer whose weight the file holds as ``kind`` (a GGUF type's name) stays fp32."""
     if kind in {f.name for f in FORMATS.values()}:
         return "its blocks do not give back the loaded weight bit for bit"
+    if kind in {name for name, _ in DENSE.values()}:
+        return "its values do not give back the loaded weight bit for bit"
     if kind in _NO_LAYOUT_K:
         return "no kernel layout for 16-input scales and minimums"
-    if kind in ("F32", "F16", "BF16"):
-        return "not quantised"
     if kind == UNKNOWN:
         return "no matrix of the file holds its rows"
     return "no kernel layout for its blocks"
@@ -112,6 +121,8 @@ def why_fp32_rows(kind: str) -> str:
     for: the int8 records hold an fp16 scale and offset each 32 inputs (engine/cpu/layouts.py's ``in_records``)."""
     if kind == FORMATS[Q6_K].name:
         return "a scale each 16 inputs"
+    if kind in {name for name, _ in DENSE.values()}:
+        return "not quantised: int8 rows multiply quantised blocks"
     return "scales or offsets not fp16 values"
 
 
@@ -121,13 +132,15 @@ class Codes:
     :data:`SIXTEEN`).
 
     ``q``: ``(out, in)`` int8, 4-bit codes less 8 (-8..7) or 8-bit ones (-128..127; Q6_K's -32..31); ``scale``,
-    ``zero``: ``(out, in // group)`` float32; ``bits``: 4, 8 or :data:`SIXTEEN`. ``q * scale`` is exact, so ``q * scale
+    ``zero``: ``(out, in // group)`` float32; ``bits``: 4, 8 or :data:`SIXTEEN`. A dense type's (``bits`` one of
+    :data:`DENSE_DTYPES`) ``q`` holds the values themselves, ``(out, in)`` of that dtype, and its ``scale`` and
+    ``zero`` are empty, ``(out, 0)``. ``q * scale`` is exact, so ``q * scale
     + zero`` has one rounding, as the kernel's fused multiply-add has. The types whose weight adds nothing to ``d*q``
     (Q4_0, Q5_0, Q8_0, Q6_K) have zeros of -0.0: adding -0.0 changes no value, not even a -0.0 (a negative ``d`` times
     code 0), where adding +0.0 would turn it into +0.0, other bits. The others add theirs, +0.0 included, as gguf does.
     """
 
-    q: npt.NDArray[np.int8]
+    q: npt.NDArray[Any]
     scale: npt.NDArray[np.float32]
     zero: npt.NDArray[np.float32]
     bits: int
@@ -139,7 +152,11 @@ class Codes:
 
     def dense(self) -> npt.NDArray[np.float32]:
         """The weight in fp32, as the kernel expands it and as the file's own dequantisation gives it (the table
-        above), bit for bit where the zero is exact."""
+        above), bit for bit where the zero is exact; a dense type's values widened exactly."""
+        if self.bits == BRAIN:
+            return (self.q.astype(np.uint32) << 16).view(np.float32)
+        if self.bits in DENSE_DTYPES:
+            return self.q.astype(np.float32)
         scaled = np.repeat(self.scale, self.group, axis=1) * self.q.astype(np.float32)
         weight: npt.NDArray[np.float32] = scaled + np.repeat(self.zero, self.group, axis=1)
         return weight
@@ -148,7 +165,7 @@ class Codes:
         """The codes as Q4_0 lays them out in a block, ``(out, in * bits // 8)`` bytes: 4-bit codes (plus 8) two a
         byte, a block's first 16 inputs in the low nibbles and its last 16 in the high ones; 8-bit as is."""
         if self.bits != 4:
-            return self.q.view(np.uint8)
+            return self.q.view(np.uint8)  # a dense type's values as their bytes
         out = self.q.shape[0]
         blocks = (self.q.astype(np.int16) + 8).astype(np.uint8).reshape(out, -1, 2, BLOCK // 2)
         return np.ascontiguousarray(blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(out, -1)
@@ -159,7 +176,7 @@ class Codes:
     ) -> Codes:
         """The inverse of :meth:`packed`."""
         if bits != 4:
-            return cls(packed.view(np.int8), scale, zero, bits)
+            return cls(packed.view(DENSE_DTYPES.get(bits, np.int8)), scale, zero, bits)
         out = packed.shape[0]
         halves = packed.reshape(out, -1, 1, BLOCK // 2)
         q = np.concatenate([halves & 0x0F, halves >> 4], axis=2).reshape(out, -1).astype(np.int8) - np.int8(8)
@@ -249,6 +266,14 @@ def decode(blocks: npt.NDArray[np.uint8], kind: int, shape: tuple[int, int]) -> 
     return Codes(q, d, zero, form.bits)
 
 
+def dense_codes(raw: npt.NDArray[np.uint8], kind: int, shape: tuple[int, int]) -> Codes:
+    """A dense tensor's bytes (``out`` rows) as :class:`Codes` holding its values (``shape`` is ``(out, in)``)."""
+    bits = DENSE[kind][1]
+    values = np.ascontiguousarray(raw).view(DENSE_DTYPES[bits]).reshape(shape)
+    empty = np.zeros((shape[0], 0), np.float32)
+    return Codes(values, empty, empty, bits)
+
+
 def _decode_q6_k(raw: npt.NDArray[np.uint8], out: int, inputs: int) -> Codes:
     """Q6_K super-blocks (``out`` x super-blocks x 210 bytes) as codes, as gguf's ``Q6_K.dequantize_blocks`` reads
     them: each half of 128 inputs has 64 bytes of low nibbles (inputs 0-63 of the half in the low nibbles, 64-127 in
@@ -291,7 +316,12 @@ def read(path: str | Path) -> list[Stored]:
             head = gguf.quants.dequantize(np.ascontiguousarray(raw[:, : blocks * size]), kind)
         except NotImplementedError:  # nor could transformers' loader have read it
             continue
-        codes = decode(raw, int(kind), (out, inputs)) if int(kind) in FORMATS else None
+        if int(kind) in FORMATS:
+            codes: Codes | None = decode(raw, int(kind), (out, inputs))
+        elif int(kind) in DENSE:
+            codes = dense_codes(raw, int(kind), (out, inputs))
+        else:
+            codes = None
         found.append(Stored(kind.name, np.asarray(head, np.float32).reshape(out, -1), codes))
     return found
 
@@ -369,7 +399,7 @@ class Found:
     codes: dict[str, Codes]
 
 
-CACHE_FILE = "gguf-codes-2.npz"
+CACHE_FILE = "gguf-codes-3.npz"
 """Where :func:`of_layers` keeps what it found, by layer name, in the model's converted directory (its name
 changes with the types read into codes, so that a cache of fewer types is not taken for one of all of them)."""
 
@@ -423,8 +453,8 @@ def _save_cached(path: Path | None, found: Found) -> None:
 
 def of_layers(layers: dict[str, Any], gguf_path: str | Path, cache: Path | None) -> Found:
     """The GGUF type of each of ``layers`` (``torch.nn.Linear`` by name) and the codes of those the file holds in
-    one of the :data:`FORMATS` bit for bit, from the cache of an earlier start or else by matching the file's
-    matrices."""
+    one of the :data:`FORMATS` or :data:`DENSE` types bit for bit, from the cache of an earlier start or else by
+    matching the file's matrices."""
     found = _load_cached(cache, layers)
     if found is None:
         candidates = _index(read(gguf_path))

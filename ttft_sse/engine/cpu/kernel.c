@@ -7,7 +7,9 @@
      4-bit codes: panels x K/2 x 16 bytes; byte j of row i holds output j's code for input 2i (low nibble) and for
                   input 2i+1 (high nibble), each plus 8;
      8-bit codes: panels x K x 16 signed bytes (SIXTEEN's too);
-     scale, zero: panels x K/32 x 16 floats (SIXTEEN: scale panels x K/16 x 16 floats, zero unread).
+     scale, zero: panels x K/32 x 16 floats (SIXTEEN: scale panels x K/16 x 16 floats, zero unread);
+     dense (HALF, BRAIN, FULL: an F16, BF16 or F32 file's weights): panels x K x 16 values, no scale or zero, each
+                  widened exactly to fp32 as it is read (fp16 by F16C, bf16 by a shift).
    Each input's 16 weights of a panel are expanded to fp32 (the values transformers' loader gives: q * scale, then
    + zero) and multiplied into 16 outputs at once: out[n] = fma(x[k], w[k][n], out[n]) for k = 0, 1, ..., K-1, from
    zero. That chain is the same whatever M is and wherever a row falls, so a row's result does not depend on the
@@ -28,12 +30,18 @@
 #define P 16          /* outputs a panel */
 #define BLOCK 32      /* inputs a block */
 #define SIXTEEN 6     /* bits of Q6_K's layout: 8-bit codes, a scale each 16 inputs, no zero */
+#define HALF 16       /* dense layouts (F16, BF16 and F32 files): the weights themselves, no scale or zero: fp16, */
+#define BRAIN 17      /* bf16 */
+#define FULL 32       /* and fp32 values */
 #define GROUP 3       /* panels expanded into the buffer at a time */
 #define B_COLS 3      /* columns a tile over the buffer */
 
 /* Inputs a scale (and a zero) covers, and bytes a panel's codes take for K inputs. */
 static inline int64_t scale_inputs(int bits) { return bits == SIXTEEN ? 16 : BLOCK; }
-static inline int64_t code_bytes(int64_t K, int bits) { return bits == 4 ? K * P / 2 : K * P; }
+static inline int64_t code_bytes(int64_t K, int bits) {
+    return bits == 4 ? K * P / 2 : bits == FULL ? K * P * 4 : bits == HALF || bits == BRAIN ? K * P * 2 : K * P;
+}
+static inline int dense_bits(int bits) { return bits == HALF || bits == BRAIN || bits == FULL; }
 
 #if defined(__AVX512F__)
 /* 16 outputs in one register; tiles of up to 8 rows x 3 panels: 24 accumulators. */
@@ -206,6 +214,74 @@ static inline __attribute__((always_inline)) void buffered(int rows, int cols, i
         }
 }
 
+#if !defined(__AVX512F__) && !defined(__F16C__)
+/* An fp16 value in fp32, exactly (subnormals, infinities and NaNs included): for an AVX2 build without F16C. */
+static inline float half_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF, bits;
+    if (exponent == 0x1F) {
+        bits = sign | 0x7F800000 | (mantissa << 13);
+    } else if (exponent != 0) {
+        bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+    } else if (mantissa == 0) {
+        bits = sign;
+    } else { /* subnormal: mantissa * 2^-24, normalised */
+        uint32_t e = 113;
+        while (!(mantissa & 0x400)) mantissa <<= 1, e--;
+        bits = sign | (e << 23) | ((mantissa & 0x3FF) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+#endif
+
+/* CV weights of a dense panel from element `at` (fp16 and bf16 widened exactly; fp32 as they are). */
+static inline cv cv_dense(const uint8_t *w, int64_t at, int bits) {
+#if defined(__AVX512F__)
+    if (bits == FULL) return _mm512_loadu_ps((const float *)w + at);
+    __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)w + at));
+    if (bits == HALF) return _mm512_cvtph_ps(h);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+#else
+    if (bits == FULL) return _mm256_loadu_ps((const float *)w + at);
+    __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)w + at));
+#if defined(__F16C__)
+    if (bits == HALF) return _mm256_cvtph_ps(h);
+#else
+    if (bits == HALF) {
+        float widened[CV];
+        for (int i = 0; i < CV; i++) widened[i] = half_float(((const uint16_t *)w)[at + i]);
+        return _mm256_loadu_ps(widened);
+    }
+#endif
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+#endif
+}
+
+/* Up to B_ROWS rows against `cols` columns (CV outputs each), from column c0, of the dense panels at w (K x 16
+   values a panel): as buffered, the weights read from the layer's own values, so the same chain of multiply-adds
+   for each output as every other path. */
+static inline __attribute__((always_inline)) void dense(int rows, int cols, int c0, const uint8_t *w, int bits,
+                                                        const float *x, int64_t K, float *y, int64_t N,
+                                                        int64_t outputs) {
+    cv acc[B_ROWS][B_COLS];
+    int64_t at[B_COLS];
+    for (int c = 0; c < cols; c++) at[c] = (int64_t)(c0 + c) * CV / P * K * P + (int64_t)(c0 + c) * CV % P;
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < cols; c++) acc[r][c] = cv_zero();
+    for (int64_t k = 0; k < K; k++) {
+        cv wk[B_COLS];
+        for (int c = 0; c < cols; c++) wk[c] = cv_dense(w, at[c] + k * P, bits);
+        for (int r = 0; r < rows; r++)
+            for (int c = 0; c < cols; c++) acc[r][c] = cv_fma(x[r * K + k], wk[c], acc[r][c]);
+    }
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < cols; c++) {
+            int64_t first = (int64_t)(c0 + c) * CV;
+            put_column(y + r * N + first, acc[r][c], outputs - first);
+        }
+}
+
 static void expand(const uint8_t *codes, int bits, const float *scale, const float *zero, int64_t K, float *w) {
     int64_t inputs = scale_inputs(bits);
     for (int64_t b = 0; b < K / inputs; b++) {
@@ -253,12 +329,48 @@ float *ttft_grow(struct ttft_buffer *b, int64_t floats) {
     return b->floats;
 }
 
+/* Panels [p0, p1) of y = x . W^T for a dense layout: GROUP panels at a time, in tiles of up to B_ROWS rows. */
+static void dense_panels(const float *x, int64_t M, int64_t K, const uint8_t *codes, int bits, int64_t N, float *y,
+                         int64_t p0, int64_t p1) {
+    int64_t panel_bytes = code_bytes(K, bits);
+    for (int64_t p = p0; p < p1; p += GROUP) {
+        int group = p1 - p < GROUP ? (int)(p1 - p) : GROUP;
+        const uint8_t *w = codes + p * panel_bytes;
+        int columns = group * P / CV;
+        int64_t tiles = (M + B_ROWS - 1) / B_ROWS, r = 0;
+        for (int64_t t = 0; t < tiles; t++) {
+            int64_t rows = tile_rows(M, r, t, tiles);
+            const float *xr = x + r * K;
+            float *yr = y + r * N + p * P;
+            for (int c0 = 0; c0 < columns; c0 += B_COLS) {
+                int cols = columns - c0 < B_COLS ? columns - c0 : B_COLS;
+                /* the kind a constant in each specialisation (always_inline): no test in the inner loop */
+#define DENSE_HALF(R, C) if (R <= B_ROWS) dense(R, C, c0, w, HALF, xr, K, yr, N, N - p * P)
+#define DENSE_BRAIN(R, C) if (R <= B_ROWS) dense(R, C, c0, w, BRAIN, xr, K, yr, N, N - p * P)
+#define DENSE_FULL(R, C) if (R <= B_ROWS) dense(R, C, c0, w, FULL, xr, K, yr, N, N - p * P)
+                if (bits == HALF) {
+                    BY_ROWS(DENSE_HALF, rows, cols)
+                } else if (bits == BRAIN) {
+                    BY_ROWS(DENSE_BRAIN, rows, cols)
+                } else {
+                    BY_ROWS(DENSE_FULL, rows, cols)
+                }
+            }
+            r += rows;
+        }
+    }
+}
+
 /* Panels [p0, p1) of y = x . W^T (N outputs a row of y), `buffer` holding GROUP panels when M > FUSED_ROWS: calls
    of up to FUSED_ROWS rows expand the codes in registers in every tile; longer ones expand GROUP panels at a time
    into the buffer once, and their tiles read them there. Each output's chain of multiply-adds is the same whatever
    the range and the tiles, so the results are the same bits however a call's panels are split. */
 static void fp32_panels(const float *x, int64_t M, int64_t K, const uint8_t *codes, int bits, const float *scale,
                         const float *zero, int64_t N, float *y, int64_t p0, int64_t p1, float *buffer) {
+    if (dense_bits(bits)) {
+        dense_panels(x, M, K, codes, bits, N, y, p0, p1);
+        return;
+    }
     int64_t panel_bytes = code_bytes(K, bits), blocks = K / scale_inputs(bits); /* blocks: scales a panel's output */
     for (int64_t p = p0; p < p1; p += GROUP) {
         int group = p1 - p < GROUP ? (int)(p1 - p) : GROUP;
@@ -309,11 +421,12 @@ static int fp32_buffer(int64_t M, int64_t K, float **buffer) {
 static int shared_fp32(const float *x, int64_t M, int64_t K, const uint8_t *codes, int bits, const float *scale,
                        const float *zero, int64_t N, float *y);
 
-/* Returns 0, or -1 if K is not whole blocks, bits is not 4, 8 or SIXTEEN, or a buffer cannot be allocated. With
-   the helper thread started (ttft_helper_start, below), a call large enough shares its panels with it. */
+/* Returns 0, or -1 if K is not whole blocks, bits is not 4, 8, SIXTEEN or a dense layout's, or a buffer cannot be
+   allocated. With the helper thread started (ttft_helper_start, below), a call large enough
+   shares its panels with it. */
 int ttft_blocks_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, int bits, const float *scale,
                        const float *zero, int64_t N, float *y) {
-    if (K % BLOCK != 0 || (bits != 4 && bits != 8 && bits != SIXTEEN)) return -1;
+    if (K % BLOCK != 0 || (bits != 4 && bits != 8 && bits != SIXTEEN && !dense_bits(bits))) return -1;
     if (M <= 0) return 0;
     int shared = shared_fp32(x, M, K, codes, bits, scale, zero, N, y);
     if (shared <= 0) return shared;

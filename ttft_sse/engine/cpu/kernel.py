@@ -4,8 +4,9 @@ A decode step is bound by the bytes it reads. transformers expands a GGUF's quan
 input; ``kernel.c`` multiplies fp32 rows by the file's codes instead (engine/cpu/codes.py: Q4_0, Q4_1, Q5_0, Q5_1,
 Q8_0, Q4_K, Q5_K and Q6_K as 4-bit or 8-bit codes), laid out by :func:`panels` in panels of 16 outputs. For each
 input it expands a panel's 16 codes to exactly the fp32 weights transformers' loader gives and multiplies them into 16
-outputs with one fused multiply-add, input after input. Decode steps and short prompts gain; long prompts, where
-both are near the core's fp32 peak, lose a little (figures: docs/engine.md).
+outputs with one fused multiply-add, input after input. An unquantised file's F16, BF16 and F32 matrices lie in the
+same panels as the values themselves, widened exactly as they are read. Decode steps and short prompts gain; long
+prompts, where both are near the core's fp32 peak, lose a little (figures: docs/engine.md).
 
 The answers are the fp32 model's: the same weights and fp32 arithmetic, summed in another order than oneDNN's. And
 each row's result is the same bits whatever else the call holds (checked at load): a stream's answer does not depend
@@ -236,7 +237,8 @@ def apply(
     degrade: bool = False,
 ) -> Applied:
     """Make every fp32 linear layer of ``model`` whose weight the GGUF file at ``gguf_path`` holds in one of the
-    types engine/cpu/codes.py reads (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) a ``BlockLinear`` on those codes,
+    types engine/cpu/codes.py reads (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K; F16, BF16, F32 as their values)
+    a ``BlockLinear`` on those codes,
     with the kernel built in ``directory``; the codes are kept in ``cache`` for the next start, and the layers' arrays
     as laid out beside it (engine/cpu/arrangement.py), which a later start maps instead of reading and laying out
     the codes again. ``activations``:
@@ -310,9 +312,10 @@ def _apply(
             name: "fp32" if activations == "int8" and not in_records(codes) else activations
             for name, codes in found.codes.items()
         }
-        if degrade and (outside := sorted({found.kinds[n] for n, c in found.codes.items() if not in_records(c)})):
+        outside = {found.kinds[n] for n, c in found.codes.items() if not in_records(c) and not _dense(c)}
+        if degrade and outside:
             raise Refused(
-                f"int8 rows cannot hold the scales of the {', '.join(outside)} layers (not fp16 values, or one "
+                f"int8 rows cannot hold the scales of the {', '.join(sorted(outside))} layers (not fp16 values, or one "
                 "each 16 inputs)"
             )
         entries = {
@@ -329,7 +332,7 @@ def _apply(
         for bits, row in sorted({(layer.bits, layer.activations) for layer in changed}):  # one layer of each
             probed = next(m for m in changed if (m.bits, m.activations) == (bits, row))
             _check(probed, torch, int8=row == "int8")
-            if degrade:
+            if degrade and probed.records is not None:  # dense layers keep fp32 rows in the int8 mode too
                 with int8_rows():
                     _check(probed, torch, int8=True)
     except RuntimeError as exc:
@@ -347,6 +350,7 @@ def _apply(
         if id(layer.weight) not in shared:  # never read again: the fp32 weight's memory goes back
             layer.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
     counts = {bits: sum(entry.bits == bits for entry in entries.values()) for bits in (4, 8, gguf_codes.SIXTEEN)}
+    dense = sum(entry.bits in gguf_codes.DENSE_DTYPES for entry in entries.values())
     used = "int8" if "int8" in rows.values() else "fp32"
     paths = gguf_codes.by_type(kept.kinds, rows, activations)
     log.info(
@@ -355,10 +359,17 @@ def _apply(
         q4=counts[4],
         q8=counts[8],
         q6=counts[gguf_codes.SIXTEEN],
+        dense=dense,
         activations=used,
         by_type=paths,
     )
     return Applied(used, paths)
+
+
+def _dense(codes: gguf_codes.Codes) -> bool:
+    """Whether ``codes`` are an unquantised type's values (F16, BF16, F32): fp32 rows in every mode, the degraded
+    one's int8 mode included."""
+    return codes.bits in gguf_codes.DENSE_DTYPES
 
 
 def _check(layer: Any, torch: Any, *, int8: bool) -> None:

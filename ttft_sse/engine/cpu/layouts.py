@@ -18,9 +18,16 @@ def panels(codes: gguf_codes.Codes) -> tuple[npt.NDArray[np.uint8], npt.NDArray[
     """``codes`` in kernel.c's layout: panels of :data:`PANEL` outputs (the last one padded with zero weights), the
     codes of each input's 16 outputs side by side (4-bit ones two inputs a byte, plus 8), and a block's 16 scales
     and zeros likewise. Q6_K's codes (:data:`~ttft_sse.engine.cpu.codes.SIXTEEN`) have a scale each 16 inputs and
-    no zeros: their zeros are empty (panels x 0 x 16)."""
+    no zeros: their zeros are empty (panels x 0 x 16). A dense type's values (codes.DENSE_DTYPES) lie likewise,
+    each input's 16 side by side, as their bytes, with empty scales and zeros."""
     out, inputs = codes.q.shape
     padded = _padded(out)
+    if codes.bits in gguf_codes.DENSE_DTYPES:
+        values = np.zeros((padded, inputs), codes.q.dtype)
+        values[:out] = codes.q
+        laid = np.ascontiguousarray(values.reshape(padded // PANEL, PANEL, inputs).transpose(0, 2, 1))
+        empty = np.zeros((padded // PANEL, 0, PANEL), np.float32)
+        return laid.view(np.uint8), empty, empty.copy()
     q = np.zeros((padded, inputs), np.int8)
     q[:out] = codes.q
     by_input = q.reshape(padded // PANEL, PANEL, inputs).transpose(0, 2, 1)  # panels x inputs x 16

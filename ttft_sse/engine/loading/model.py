@@ -174,7 +174,9 @@ def _arrange(
     library: Path | None = None
     helpers = 0
     activations = applied.activations
-    tried: str | None = "the block kernel serves none of its linear layers (a GGUF model's Q4/Q5/Q8 blocks)"
+    tried: str | None = (
+        "the block kernel serves none of its linear layers (a GGUF file's blocks or F16/BF16/F32 values)"
+    )
     if activations is not None:
         tried = None if settings.fused_layers else "TTFT_FUSED_LAYERS=false"
         library = kernel.build(settings.cache_dir / KERNEL_DIR)
