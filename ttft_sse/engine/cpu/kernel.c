@@ -47,6 +47,7 @@ static inline int dense_bits(int bits) { return bits == HALF || bits == BRAIN ||
 /* 16 outputs in one register; tiles of up to 8 rows x 3 panels: 24 accumulators. */
 #define ROWS 8
 #define PANELS 3
+#define WIDE 8 /* panels a one-row call's tile */
 #define FUSED_ROWS 16 /* calls of up to this many rows expand the codes in registers in every tile */
 typedef __m512 pv;
 static inline pv pv_zero(void) { return _mm512_setzero_ps(); }
@@ -73,6 +74,7 @@ static inline pv pv_codes(__m128i q, pv scale, pv zero) {
 /* 16 outputs in two registers; tiles of up to 4 rows x 1 panel. */
 #define ROWS 4
 #define PANELS 1
+#define WIDE 4 /* panels a one-row call's tile */
 /* Calls of up to this many rows (one tile) expand the codes in registers; longer ones through the buffer, once for
    all their tiles: a second tile expanding the codes again costs more than the buffer, and a single tile through
    the buffer more than in registers. */
@@ -190,6 +192,41 @@ static inline __attribute__((always_inline)) void fused(int rows, int panels, co
         }
     }
     put(rows, panels, acc, y, N, outputs);
+}
+
+/* A call of one row against up to WIDE panels, the codes expanded in registers: the same chain of multiply-adds for
+   each output as fused's, but WIDE chains in flight at once where a one-row tile of fused has PANELS, each waiting on
+   the latency of its last fused multiply-add (a decode step of one stream is mostly such calls). */
+static inline __attribute__((always_inline)) void one_row(int panels, const uint8_t *codes, int64_t panel_bytes,
+                                                          int bits, const float *scale, const float *zero,
+                                                          const float *x, int64_t K, float *y, int64_t outputs) {
+    pv acc[WIDE];
+    for (int g = 0; g < panels; g++) acc[g] = pv_zero();
+    int64_t inputs = scale_inputs(bits), blocks = K / inputs;
+    for (int64_t b = 0; b < blocks; b++) {
+        pv s[WIDE], z[WIDE];
+        for (int g = 0; g < panels; g++) {
+            s[g] = pv_load(scale + (g * blocks + b) * P);
+            z[g] = bits == SIXTEEN ? pv_set1(-0.0f) : pv_load(zero + (g * blocks + b) * P);
+        }
+        for (int64_t i = b * inputs / 2; i < (b + 1) * inputs / 2; i++) {
+            float x0 = x[2 * i], x1 = x[2 * i + 1];
+            for (int g = 0; g < panels; g++) {
+                pv w0, w1;
+                pair(codes + g * panel_bytes, bits, i, s[g], z[g], &w0, &w1);
+                acc[g] = pv_fma(x1, w1, pv_fma(x0, w0, acc[g]));
+            }
+        }
+    }
+    for (int g = 0; g < panels; g++) {
+        int64_t left = outputs - (int64_t)g * P;
+#if defined(__AVX512F__)
+        put_column(y + g * P, acc[g], left);
+#else
+        put_column(y + g * P, acc[g].lo, left);
+        put_column(y + g * P + CV, acc[g].hi, left - CV);
+#endif
+    }
 }
 
 /* Up to B_ROWS rows against `cols` columns (CV outputs each), from column c0, of the panels expanded in w (K x 16
@@ -372,6 +409,20 @@ static void fp32_panels(const float *x, int64_t M, int64_t K, const uint8_t *cod
         return;
     }
     int64_t panel_bytes = code_bytes(K, bits), blocks = K / scale_inputs(bits); /* blocks: scales a panel's output */
+    if (M == 1) {
+        for (int64_t q = p0; q < p1; q += WIDE) {
+            int panels = p1 - q < WIDE ? (int)(p1 - q) : WIDE;
+            const uint8_t *c = codes + q * panel_bytes;
+            const float *s = scale + q * blocks * P, *z = zero + q * blocks * P;
+            float *yq = y + q * P;
+            switch (panels) { /* a constant count in each (always_inline) */
+#define ONE_ROW(G)                                                                                                         case G: if (G <= WIDE) one_row(G, c, panel_bytes, bits, s, z, x, K, yq, N - q * P); break;
+                ONE_ROW(8) ONE_ROW(7) ONE_ROW(6) ONE_ROW(5) ONE_ROW(4) ONE_ROW(3) ONE_ROW(2)
+                default: one_row(1, c, panel_bytes, bits, s, z, x, K, yq, N - q * P);
+            }
+        }
+        return;
+    }
     for (int64_t p = p0; p < p1; p += GROUP) {
         int group = p1 - p < GROUP ? (int)(p1 - p) : GROUP;
         if (M > FUSED_ROWS) {
