@@ -312,7 +312,9 @@ def _apply(
             name: "fp32" if activations == "int8" and not in_records(codes) else activations
             for name, codes in found.codes.items()
         }
-        outside = {found.kinds[n] for n, c in found.codes.items() if not in_records(c) and not _dense(c)}
+        # Unquantised layers keep fp32 rows in every mode, the degraded one's int8 mode included.
+        values = gguf_codes.DENSE_DTYPES
+        outside = {found.kinds[n] for n, c in found.codes.items() if not in_records(c) and c.bits not in values}
         if degrade and outside:
             raise Refused(
                 f"int8 rows cannot hold the scales of the {', '.join(sorted(outside))} layers (not fp16 values, or one "
@@ -364,12 +366,6 @@ def _apply(
         by_type=paths,
     )
     return Applied(used, paths)
-
-
-def _dense(codes: gguf_codes.Codes) -> bool:
-    """Whether ``codes`` are an unquantised type's values (F16, BF16, F32): fp32 rows in every mode, the degraded
-    one's int8 mode included."""
-    return codes.bits in gguf_codes.DENSE_DTYPES
 
 
 def _check(layer: Any, torch: Any, *, int8: bool) -> None:
