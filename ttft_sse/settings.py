@@ -43,7 +43,7 @@ def auto_threads(cores: int) -> int:
 
 
 MAX_KERNEL_HELPERS = 8
-"""kernel.c's ``HELPERS``."""
+"""helpers.c's ``HELPERS``."""
 
 
 CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")

@@ -202,7 +202,7 @@ def exact_fma32(a: float, b: float, c: float) -> np.float32:
 
 
 def int8_rows_exactly(x: np.ndarray, blocks_of: codes.Codes) -> np.ndarray:
-    """What kernel.c's int8 rows must give, bit for bit, on every build: the rows quantised in fp32 (steps d =
+    """What int8_rows.c must give, bit for bit, on every build: the rows quantised in fp32 (steps d =
     max|x| / 127 of a block), the exact integer sums of unsigned codes times steps, then per block
     acc = fma(sum, fp32(scale * d), acc) and acc = fma(offset, fp32(d * sum(steps)), acc), from zero."""
     rows, inputs = x.shape
@@ -382,7 +382,7 @@ class AttentionStep:
         self.requests = len(requests)
         self.alone = attention._function(library)
         self.part = ctypes.cast(kernel.load(library, "ttft_attention_part", ()), _PTR).value
-        # ttft_share_attention (kernel.c): attention.c's part function, then ttft_paged_attention's arguments.
+        # ttft_share_attention (helpers.c): attention.c's part function, then ttft_paged_attention's arguments.
         self.share = kernel.load(shared, "ttft_share_attention", (_PTR, *attention._ARGUMENTS))
 
     def _arguments(self, out: npt.NDArray[np.float32]) -> tuple[Any, ...]:
@@ -437,7 +437,7 @@ def test_an_attention_chunk_the_helper_holds_too_long_is_taken_back_and_the_next
     alone_and_shared: tuple[Path, Path], helpers_pause: Any, attention_library: Path
 ) -> None:
     # While a helper is still inside a chunk taken back from it, it may read the step's key index: the next
-    # attention call must not rewrite the share's copy of it, so it runs alone (kernel.c's share_run).
+    # attention call must not rewrite the share's copy of it, so it runs alone (helpers.c's share_run).
     shared = alone_and_shared[1]
     attend = AttentionStep(STEPS["decode-8x200"], attention_library, shared, seed=7)
     want = attend.computed_alone()

@@ -299,7 +299,7 @@ class BatchedEngine:
         # A hard stop: requests still in the loop are failed (nobody reads them any more: close() ended them).
         # The library's stop drops its batch processor, and with it the KV cache, before it returns; a helper thread
         # of the kernel may still be inside a chunk of the last step's attention, taken back from it, reading that
-        # cache (kernel.c). So the processor is held until the helpers are out of their chunks.
+        # cache (helpers.c). So the processor is held until the helpers are out of their chunks.
         processor = getattr(self._manager, "batch_processor", None)
         try:
             self._manager.stop(block=True, timeout=30, hard_stop=True)

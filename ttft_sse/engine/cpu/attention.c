@@ -261,7 +261,7 @@ static float *scratch(int64_t floats) {
    of all its requests, in order) for the query heads of KV head u % kv_heads: heads / kv_heads x dim floats,
    contiguous in out, part after part. Parts of requests of more than max_rows rows are left alone. Each head of
    each row is computed from its own inputs alone: any split of the parts gives the same bits (the kernel's helper
-   threads share a step's attention this way: kernel.c). */
+   threads share a step's attention this way: helpers.c). */
 int ttft_attention_part(const float *q, int64_t heads, int64_t kv_heads, int64_t dim, const float *k, const float *v,
                         int64_t key_stride, int64_t head_stride, const int64_t *index, const int32_t *cu_q,
                         const int32_t *cu_k, int64_t requests, int64_t max_rows, float scale, int64_t first,

@@ -39,7 +39,7 @@ function."""
 PAGED_PART = "ttft_attention_part"
 """Attribute set with :data:`PAGED`: the same library's function for some parts of a step only (a part: a query
 row's heads of one KV head), by which the block kernel's helper threads share a batched step's attention
-(kernel.c, decoder.c)."""
+(helpers.c, decoder.c)."""
 KV = "ttft_kv"
 """The keyword argument by which a cache that reads in place (:func:`read_in_place`) hands a layer's KV rows and
 the step's key index to the attention function."""

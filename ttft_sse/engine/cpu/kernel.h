@@ -1,5 +1,6 @@
-/* What kernel.c gives decoder.c: the two are built into one library (ttft_sse/engine/cpu/kernel.py), and both
-   include this, so that a change of one of these declarations is one change, checked by the compiler on both sides.
+/* What the block kernel (kernel.c, int8_rows.c, helpers.c) gives decoder.c: they are built into one library
+   (ttft_sse/engine/cpu/kernel.py), and all include this, so that a change of one of these declarations is one
+   change, checked by the compiler on every side.
    So does attention.c, built into its own library, for the pointer types its two functions are called by. */
 
 #ifndef TTFT_KERNEL_H
@@ -16,7 +17,7 @@ struct ttft_buffer {
 float *ttft_grow(struct ttft_buffer *b, int64_t floats);
 
 /* y[M,N] = x[M,K] . W[N,K]^T on a layer's GGUF blocks: fp32 rows (kernel.py's panels, scales and zeros), or rows
-   quantised to int8 (kernel.py's records). 0, or -1 (see kernel.c). */
+   quantised to int8 (kernel.py's records). 0, or -1 (see kernel.c, int8_rows.c). */
 int ttft_blocks_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, int bits, const float *scale,
                        const float *zero, int64_t N, float *y);
 int ttft_q8_linear(const float *x, int64_t M, int64_t K, const uint8_t *records, int bits, int64_t N, float *y);

@@ -61,10 +61,12 @@ from ttft_sse.engine.cpu.layouts import PANEL, in_records, probed_outputs
 log = structlog.get_logger("ttft_sse.engine")
 
 SOURCE = Path(__file__).with_name("kernel.c")
-SOURCES = (SOURCE, Path(__file__).with_name("decoder.c"))
-"""The kernel's library: the kernel, and decoder layers around it (engine/cpu/decoder.py)."""
-HEADERS = (Path(__file__).with_name("kernel.h"),)
-"""kernel.h, which kernel.c, decoder.c and attention.c include: part of every library's hash."""
+SOURCES = (SOURCE, *(Path(__file__).with_name(name) for name in ("int8_rows.c", "helpers.c", "decoder.c")))
+"""The kernel's library: the kernel (fp32 rows; int8 rows; the helper threads), and decoder layers around it
+(engine/cpu/decoder.py)."""
+HEADERS = (Path(__file__).with_name("kernel.h"), Path(__file__).with_name("blocks.h"))
+"""kernel.h, which the kernel's files, decoder.c and attention.c include, and blocks.h, which the kernel's files share:
+part of every library's hash."""
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-std=c11", "-shared", "-fPIC")
 BUILD_SECONDS = 120
 PROBE_ROWS = (1, 9, 17)
@@ -145,7 +147,7 @@ def function(path: Path, name: str = FP32) -> Any:
 
 
 class HelperCounts(NamedTuple):
-    """What the helper threads did since they started (kernel.c's ``ttft_helper_stats``)."""
+    """What the helper threads did since they started (helpers.c's ``ttft_helper_stats``)."""
 
     helpers: int
     calls: int  # calls shared
@@ -156,7 +158,7 @@ class HelperCounts(NamedTuple):
 
 def start_helpers(path: Path, count: int) -> int:
     """Start ``count`` helper threads in the library at ``path`` (once a process: later calls add none); returns how
-    many run. From then on a call of the kernel large enough shares its panels with them (kernel.c). They run at
+    many run. From then on a call of the kernel large enough shares its panels with them (helpers.c). They run at
     SCHED_IDLE, on a core nothing else wants, and the caller never waits for one that does not run."""
     if count <= 0:
         return 0
@@ -172,7 +174,7 @@ def helper_counts(path: Path) -> HelperCounts:
 
 def fence(path: Path) -> None:
     """Return once no helper thread of the library at ``path`` is inside a chunk: before freeing memory a chunk
-    taken back from a helper may still read (a layer's codes, a KV cache its attention reads: kernel.c)."""
+    taken back from a helper may still read (a layer's codes, a KV cache its attention reads: helpers.c)."""
     load(path, "ttft_helper_fence", ())()
 
 
@@ -339,7 +341,7 @@ def _apply(
                     _check(probed, torch, int8=True)
     except RuntimeError as exc:
         for layer in changed:  # back to the plain fp32 layers they were
-            layer.fence()  # as BlockLinear's __del__ does: a helper may still read the codes (kernel.c)
+            layer.fence()  # as BlockLinear's __del__ does: a helper may still read the codes (helpers.c)
             layer.__class__ = torch.nn.Linear
             del layer.arrays, layer.multiply, layer.bits, layer.activations, layer.fence
             del layer.records, layer.int8_multiply
@@ -450,7 +452,7 @@ def join(layers: list[Any], torch: Any) -> tuple[Any, ...] | None:
     ) or any(m.out_features % PANEL for m in layers[:-1]):
         return None
     joined = tuple(torch.cat([m.arrays[i] for m in layers]) for i in range(3))
-    first.fence()  # no helper thread still reads the layers' arrays (kernel.c: one fence for every layer)
+    first.fence()  # no helper thread still reads the layers' arrays (helpers.c: one fence for every layer)
     start = 0
     for m in layers:
         count = m.arrays[0].shape[0]  # panels
@@ -473,11 +475,11 @@ def block_linear_class() -> type[Any]:
         kernel: Any  # kernel.c's function for its start-up rows (fp32 or int8)
         bits: int
         activations: str
-        fence: Callable[[], int]  # kernel.c's ttft_helper_fence
+        fence: Callable[[], int]  # helpers.c's ttft_helper_fence
 
         def __del__(self) -> None:
             # Before the codes go: a helper thread may still be reading them (a chunk the caller took back from it,
-            # kernel.c), and it is done within a chunk once it runs.
+            # helpers.c), and it is done within a chunk once it runs.
             fence = self.__dict__.get("fence")
             if fence is not None:
                 fence()

@@ -1,5 +1,5 @@
-"""A weight's codes in the block kernel's layouts (kernel.c): panels of 16 outputs for fp32 rows, records for int8
-rows; and whether the records can hold a weight exactly."""
+"""A weight's codes in the block kernel's layouts (kernel.c, int8_rows.c): panels of 16 outputs for fp32 rows,
+records for int8 rows; and whether the records can hold a weight exactly."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def panels(codes: gguf_codes.Codes) -> tuple[npt.NDArray[np.uint8], npt.NDArray[
 
 
 def records(codes: gguf_codes.Codes) -> npt.NDArray[np.uint8]:
-    """``codes`` in the int8 kernel's layout (kernel.c): panels of :data:`PANEL` outputs (the last one padded with
+    """``codes`` in the int8 kernel's layout (int8_rows.c): panels of :data:`PANEL` outputs (the last one padded with
     zero weights), each a record a block of 32 inputs: the unsigned codes four inputs a lane (4-bit ones: inputs
     8g..8g+3 in the low nibbles, 8g+4..8g+7 in the high ones), then the 16 scales and the 16 offsets in fp16
     (w = scale * code + offset; both are the file's own fp16 values). Codes of 4 or 8 bits only (:func:`in_records`)."""

@@ -1,0 +1,75 @@
+/* The block kernel's parts, built into one library with decoder.c (ttft_sse/engine/cpu/kernel.py): kernel.c (fp32
+   rows), int8_rows.c (rows quantised to int8) and helpers.c (the helper threads that share a call's panels); what
+   each gives the others. kernel.h holds what the library gives decoder.c and attention.c. */
+
+#ifndef TTFT_BLOCKS_H
+#define TTFT_BLOCKS_H
+
+#include <stdint.h>
+
+#include "kernel.h"
+
+#define P 16     /* outputs a panel */
+#define BLOCK 32 /* inputs a block */
+#define GROUP 3  /* panels kernel.c expands into its buffer at a time: a shared call's chunks are whole groups */
+
+/* int8 rows on this build: AVX-512 VNNI, or AVX2 with F16C (int8_rows.c). */
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define Q_VNNI
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define Q_AVX2
+#endif
+
+/* A tile's row and panel (or column) counts as constants for the compiler (at most 8 and 3). */
+#define BY_COUNT(CALL, R, count)                                                                                      \
+    switch (count) {                                                                                                   \
+    case 3: CALL(R, 3); break;                                                                                         \
+    case 2: CALL(R, 2); break;                                                                                         \
+    default: CALL(R, 1); break;                                                                                        \
+    }
+#define BY_ROWS(CALL, rows, count)                                                                                     \
+    switch (rows) {                                                                                                    \
+    case 8: BY_COUNT(CALL, 8, count) break;                                                                            \
+    case 7: BY_COUNT(CALL, 7, count) break;                                                                            \
+    case 6: BY_COUNT(CALL, 6, count) break;                                                                            \
+    case 5: BY_COUNT(CALL, 5, count) break;                                                                            \
+    case 4: BY_COUNT(CALL, 4, count) break;                                                                            \
+    case 3: BY_COUNT(CALL, 3, count) break;                                                                            \
+    case 2: BY_COUNT(CALL, 2, count) break;                                                                            \
+    default: BY_COUNT(CALL, 1, count) break;                                                                           \
+    }
+
+/* Tiles of at most `most` rows out of M, as even as they can be (9 rows in tiles of 8: 4 + 5, not 8 + 1), the
+   larger ones last: the rows of tile t of `tiles`, r rows before it. */
+static inline int64_t tile_rows(int64_t M, int64_t r, int64_t t, int64_t tiles) { return (M - r) / (tiles - t); }
+
+#pragma GCC visibility push(hidden) /* the library's own: not among the names ctypes finds */
+
+/* kernel.c: panels [p0, p1) of y = x . W^T for fp32 rows, `buffer` holding what fp32_buffer gives for M rows. */
+void fp32_panels(const float *x, int64_t M, int64_t K, const uint8_t *codes, int bits, const float *scale,
+                 const float *zero, int64_t N, float *y, int64_t p0, int64_t p1, float *buffer);
+int fp32_buffer(int64_t M, int64_t K, float **buffer);
+
+/* int8_rows.c: the rows' steps (M x K bytes: M * K / 4 floats, K being whole blocks of 32), then d, d * sum and sum:
+   the floats a call of M rows needs for its quantised rows; their places in such a buffer; the rows quantised into
+   it; and panels [p0, p1) of y for them. */
+static inline int64_t q8_floats(int64_t M, int64_t K) { return M * K / 4 + 3 * M * (K / BLOCK); }
+struct q8_rows {
+    int8_t *xq;
+    float *d, *ds;
+    int32_t *sx;
+};
+struct q8_rows q8_view(float *buffer, int64_t M, int64_t K);
+struct q8_rows q8_quantise(const float *x, int64_t M, int64_t K, float *buffer);
+void q8_panels(struct q8_rows q, int64_t M, int64_t K, const uint8_t *records, int bits, int64_t N, float *y,
+               int64_t p0, int64_t p1);
+
+/* helpers.c: a call of either arithmetic shared with the helper threads: 1 where it is not shared (no helper, too
+   small, another caller sharing: the caller computes it alone), else 0, or -1. */
+int shared_fp32(const float *x, int64_t M, int64_t K, const uint8_t *codes, int bits, const float *scale,
+                const float *zero, int64_t N, float *y);
+int shared_q8(const float *x, int64_t M, int64_t K, const uint8_t *records, int bits, int64_t N, float *y);
+
+#pragma GCC visibility pop
+
+#endif
