@@ -12,8 +12,9 @@
    d = max|x| / 127, xq = x * (127 / max|x|) rounded (halves to even). A weight is w = scale * c + offset with an
    unsigned code c (4-bit codes 0..15, 8-bit codes plus 128), so a block's share of output n is
    scale * d * sum(c * xq) + offset * d * sum(xq): the integer sum exact, then two fused multiply-adds a block, block
-   after block from zero. As with fp32 rows (kernel.c), that chain does not depend on M or on the row's place in the call; and the integer sums are exact on both builds below, which then
-   round the same operations in the same order, so they give the same bits.
+   after block from zero. As with fp32 rows (kernel.c), that chain does not depend on M or on the row's place in
+   the call; and the integer sums are exact on both builds below, which then round the same operations in the same
+   order, so they give the same bits.
    Layout (kernel.py's records): panels of 16 outputs, each K/32 records of a block, one after the other:
      4-bit codes: 4 groups of 64 bytes; byte 4j+t of group g holds output j's code for input 8g+t (low nibble) and
                   for input 8g+4+t (high nibble);
