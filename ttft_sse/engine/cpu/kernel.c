@@ -164,6 +164,15 @@ static inline __attribute__((always_inline)) void put(int rows, int panels, pv a
         }
 }
 
+/* Block b's scales and zeros of `panels` panels (SIXTEEN's zeros -0.0, unread). */
+static inline __attribute__((always_inline)) void block_scales(int panels, const float *scale, const float *zero,
+                                                               int bits, int64_t blocks, int64_t b, pv *s, pv *z) {
+    for (int g = 0; g < panels; g++) {
+        s[g] = pv_load(scale + (g * blocks + b) * P);
+        z[g] = bits == SIXTEEN ? pv_set1(-0.0f) : pv_load(zero + (g * blocks + b) * P);
+    }
+}
+
 /* A tile of up to ROWS rows against `panels` panels, the codes expanded in registers. */
 static inline __attribute__((always_inline)) void fused(int rows, int panels, const uint8_t *codes,
                                                         int64_t panel_bytes, int bits, const float *scale,
@@ -175,10 +184,7 @@ static inline __attribute__((always_inline)) void fused(int rows, int panels, co
     int64_t inputs = scale_inputs(bits), blocks = K / inputs;
     for (int64_t b = 0; b < blocks; b++) {
         pv s[PANELS], z[PANELS];
-        for (int g = 0; g < panels; g++) {
-            s[g] = pv_load(scale + (g * blocks + b) * P);
-            z[g] = bits == SIXTEEN ? pv_set1(-0.0f) : pv_load(zero + (g * blocks + b) * P);
-        }
+        block_scales(panels, scale, zero, bits, blocks, b, s, z);
         for (int64_t i = b * inputs / 2; i < (b + 1) * inputs / 2; i++) {
             pv w0[PANELS], w1[PANELS];
             for (int g = 0; g < panels; g++) pair(codes + g * panel_bytes, bits, i, s[g], z[g], &w0[g], &w1[g]);
@@ -202,10 +208,7 @@ static inline __attribute__((always_inline)) void one_row(int panels, const uint
     int64_t inputs = scale_inputs(bits), blocks = K / inputs;
     for (int64_t b = 0; b < blocks; b++) {
         pv s[WIDE], z[WIDE];
-        for (int g = 0; g < panels; g++) {
-            s[g] = pv_load(scale + (g * blocks + b) * P);
-            z[g] = bits == SIXTEEN ? pv_set1(-0.0f) : pv_load(zero + (g * blocks + b) * P);
-        }
+        block_scales(panels, scale, zero, bits, blocks, b, s, z);
         for (int64_t i = b * inputs / 2; i < (b + 1) * inputs / 2; i++) {
             float x0 = x[2 * i], x1 = x[2 * i + 1];
             for (int g = 0; g < panels; g++) {
