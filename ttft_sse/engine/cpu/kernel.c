@@ -16,8 +16,9 @@
    other rows of the call (a stream's answer does not depend on its batch). A tile of rows (up to 8 rows x 48
    outputs with AVX-512, 4 x 16 with AVX2) expands the codes in registers for all its rows at once, in calls of up
    to FUSED_ROWS rows; longer calls expand three panels at a time into a buffer once and reuse them for every tile
-   (8 rows x 48 outputs with AVX-512, 4 x 24 with AVX2). Both give the same bits. Built with -ffp-contract=off: only
-   the written fused multiply-adds fuse. */
+   (8 rows x 48 outputs with AVX-512, 4 x 24 with AVX2), as tiles over a dense layer's own values do; a call of one
+   row expands the codes of up to 8 panels at a time (4 with AVX2), so that more chains are in flight. All give the
+   same bits. Built with -ffp-contract=off: only the written fused multiply-adds fuse. */
 
 #define _GNU_SOURCE
 #include <immintrin.h>
@@ -229,28 +230,6 @@ static inline __attribute__((always_inline)) void one_row(int panels, const uint
     }
 }
 
-/* Up to B_ROWS rows against `cols` columns (CV outputs each), from column c0, of the panels expanded in w (K x 16
-   floats a panel); `outputs`: the real outputs from w's first. */
-static inline __attribute__((always_inline)) void buffered(int rows, int cols, int c0, const float *w, const float *x,
-                                                           int64_t K, float *y, int64_t N, int64_t outputs) {
-    cv acc[B_ROWS][B_COLS];
-    const float *at[B_COLS];
-    for (int c = 0; c < cols; c++) at[c] = w + (c0 + c) * CV / P * K * P + (c0 + c) * CV % P;
-    for (int r = 0; r < rows; r++)
-        for (int c = 0; c < cols; c++) acc[r][c] = cv_zero();
-    for (int64_t k = 0; k < K; k++) {
-        cv wk[B_COLS];
-        for (int c = 0; c < cols; c++) wk[c] = cv_load(at[c] + k * P);
-        for (int r = 0; r < rows; r++)
-            for (int c = 0; c < cols; c++) acc[r][c] = cv_fma(x[r * K + k], wk[c], acc[r][c]);
-    }
-    for (int r = 0; r < rows; r++)
-        for (int c = 0; c < cols; c++) {
-            int64_t first = (int64_t)(c0 + c) * CV;
-            put_column(y + r * N + first, acc[r][c], outputs - first);
-        }
-}
-
 #if !defined(__AVX512F__) && !defined(__F16C__)
 /* An fp16 value in fp32, exactly (subnormals, infinities and NaNs included): for an AVX2 build without F16C. */
 static inline float half_float(uint16_t h) {
@@ -295,9 +274,9 @@ static inline cv cv_dense(const uint8_t *w, int64_t at, int bits) {
 #endif
 }
 
-/* Up to B_ROWS rows against `cols` columns (CV outputs each), from column c0, of the dense panels at w (K x 16
-   values a panel): as buffered, the weights read from the layer's own values, so the same chain of multiply-adds
-   for each output as every other path. */
+/* Up to B_ROWS rows against `cols` columns (CV outputs each), from column c0, of the panels of values at w (K x 16
+   a panel): a dense layer's own (HALF, BRAIN, FULL), or the codes of GROUP panels expanded into fp32 (FULL); the
+   same chain of multiply-adds for each output as every other path. */
 static inline __attribute__((always_inline)) void dense(int rows, int cols, int c0, const uint8_t *w, int bits,
                                                         const float *x, int64_t K, float *y, int64_t N,
                                                         int64_t outputs) {
@@ -417,7 +396,7 @@ void fp32_panels(const float *x, int64_t M, int64_t K, const uint8_t *codes, int
                 for (int c0 = 0; c0 < columns; c0 += B_COLS) {
                     int cols = columns - c0 < B_COLS ? columns - c0 : B_COLS;
 #define BUFFERED(R, C)                                                                                                 \
-    if (R <= B_ROWS) buffered(R, C, c0, buffer, x + r * K, K, y + r * N + p * P, N, N - p * P)
+    if (R <= B_ROWS) dense(R, C, c0, (const uint8_t *)buffer, FULL, x + r * K, K, y + r * N + p * P, N, N - p * P)
                     BY_ROWS(BUFFERED, rows, cols)
                 }
                 r += rows;
