@@ -134,8 +134,8 @@ class Codes:
     ``q``: ``(out, in)`` int8, 4-bit codes less 8 (-8..7) or 8-bit ones (-128..127; Q6_K's -32..31); ``scale``,
     ``zero``: ``(out, in // group)`` float32; ``bits``: 4, 8 or :data:`SIXTEEN`. A dense type's (``bits`` one of
     :data:`DENSE_DTYPES`) ``q`` holds the values themselves, ``(out, in)`` of that dtype, and its ``scale`` and
-    ``zero`` are empty, ``(out, 0)``. ``q * scale`` is exact, so ``q * scale
-    + zero`` has one rounding, as the kernel's fused multiply-add has. The types whose weight adds nothing to ``d*q``
+    ``zero`` are empty, ``(out, 0)``. ``q * scale`` is exact, so ``q * scale + zero`` has one rounding, as the
+    kernel's fused multiply-add has. The types whose weight adds nothing to ``d*q``
     (Q4_0, Q5_0, Q8_0, Q6_K) have zeros of -0.0: adding -0.0 changes no value, not even a -0.0 (a negative ``d`` times
     code 0), where adding +0.0 would turn it into +0.0, other bits. The others add theirs, +0.0 included, as gguf does.
     """
