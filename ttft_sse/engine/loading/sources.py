@@ -93,7 +93,9 @@ def convert_gguf(gguf: Path, target: Path) -> None:
     tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
     try:
         tokenizer: Any = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        model: Any = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        model: Any = AutoModelForCausalLM.from_pretrained(  # no hub kernels: as loading/model.py
+            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32, use_kernels=False
+        )
         # transformers marks a model loaded from GGUF as "quantized" and refuses to save it, but the tensors
         # are plain floats once loaded: drop the marker, not the weights.
         model.hf_quantizer = None
