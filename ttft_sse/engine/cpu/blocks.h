@@ -1,13 +1,12 @@
 /* The block kernel's parts, built into one library with decoder.c (ttft_sse/engine/cpu/kernel.py): kernel.c (fp32
-   rows), int8_rows.c (rows quantised to int8) and helpers.c (the helper threads that share a call's panels); what
-   each gives the others. kernel.h holds what the library gives decoder.c and attention.c. */
+   rows) and int8_rows.c (rows quantised to int8) give helpers.c (the helper threads that share a call's panels,
+   above them, and kernel.h's entry points) what it calls. kernel.h holds what the library gives decoder.c and
+   attention.c. */
 
 #ifndef TTFT_BLOCKS_H
 #define TTFT_BLOCKS_H
 
 #include <stdint.h>
-
-#include "kernel.h"
 
 #define P 16     /* outputs a panel */
 #define BLOCK 32 /* inputs a block */
@@ -45,14 +44,20 @@ static inline int64_t tile_rows(int64_t M, int64_t r, int64_t t, int64_t tiles) 
 
 #pragma GCC visibility push(hidden) /* the library's own: not among the names ctypes finds */
 
-/* kernel.c: panels [p0, p1) of y = x . W^T for fp32 rows, `buffer` holding what fp32_buffer gives for M rows. */
+/* kernel.c: whether it multiplies codes of these bits with K inputs; a call computed by the calling thread alone (0,
+   or -1 if its buffer cannot be allocated); panels [p0, p1) of y = x . W^T for fp32 rows, `buffer` holding what
+   fp32_buffer gives for M rows. */
+int fp32_takes(int64_t K, int bits);
+int fp32_alone(const float *x, int64_t M, int64_t K, const uint8_t *codes, int bits, const float *scale,
+               const float *zero, int64_t N, float *y);
 void fp32_panels(const float *x, int64_t M, int64_t K, const uint8_t *codes, int bits, const float *scale,
                  const float *zero, int64_t N, float *y, int64_t p0, int64_t p1, float *buffer);
 int fp32_buffer(int64_t M, int64_t K, float **buffer);
 
 /* int8_rows.c: the rows' steps (M x K bytes: M * K / 4 floats, K being whole blocks of 32), then d, d * sum and sum:
    the floats a call of M rows needs for its quantised rows; their places in such a buffer; the rows quantised into
-   it; and panels [p0, p1) of y for them. */
+   it; panels [p0, p1) of y for them; and a call computed by the calling thread alone (0, or -1 if its buffer
+   cannot be allocated). On a build with int8 rows (Q_VNNI or Q_AVX2). */
 static inline int64_t q8_floats(int64_t M, int64_t K) { return M * K / 4 + 3 * M * (K / BLOCK); }
 struct q8_rows {
     int8_t *xq;
@@ -63,12 +68,7 @@ struct q8_rows q8_view(float *buffer, int64_t M, int64_t K);
 struct q8_rows q8_quantise(const float *x, int64_t M, int64_t K, float *buffer);
 void q8_panels(struct q8_rows q, int64_t M, int64_t K, const uint8_t *records, int bits, int64_t N, float *y,
                int64_t p0, int64_t p1);
-
-/* helpers.c: a call of either arithmetic shared with the helper threads: 1 where it is not shared (no helper, too
-   small, another caller sharing: the caller computes it alone), else 0, or -1. */
-int shared_fp32(const float *x, int64_t M, int64_t K, const uint8_t *codes, int bits, const float *scale,
-                const float *zero, int64_t N, float *y);
-int shared_q8(const float *x, int64_t M, int64_t K, const uint8_t *records, int bits, int64_t N, float *y);
+int q8_alone(const float *x, int64_t M, int64_t K, const uint8_t *records, int bits, int64_t N, float *y);
 
 #pragma GCC visibility pop
 

@@ -36,6 +36,7 @@
 #include <unistd.h>
 
 #include "blocks.h"
+#include "kernel.h"
 
 #define HELPERS 8                /* at most */
 #define SHARE_CHUNKS 1024        /* chunks a call at most (larger chunks beyond) */
@@ -386,15 +387,27 @@ int ttft_share_attention(ttft_attention_part_fn part, const float *q, int64_t he
     return share_run(j, q, index, cu_q, cu_k, out);
 }
 
-int shared_fp32(const float *x, int64_t M, int64_t K, const uint8_t *codes, int bits, const float *scale,
+/* kernel.h's two linear functions: a call shared with the helper threads where it can be, else computed alone
+   (kernel.c, int8_rows.c). 0, or -1 if K is not whole blocks, the bits are not the arithmetic's, or a buffer cannot
+   be allocated; the int8 one -2 on a build without int8 rows. */
+int ttft_blocks_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, int bits, const float *scale,
                        const float *zero, int64_t N, float *y) {
+    if (!fp32_takes(K, bits)) return -1;
+    if (M <= 0) return 0;
     struct job j = {.int8 = 0, .M = M, .K = K, .N = N, .codes = codes, .bits = bits, .scale = scale, .zero = zero};
-    return share_call(j, x, y);
+    int shared = share_call(j, x, y);
+    return shared <= 0 ? shared : fp32_alone(x, M, K, codes, bits, scale, zero, N, y);
 }
 
+int ttft_q8_linear(const float *x, int64_t M, int64_t K, const uint8_t *records, int bits, int64_t N, float *y) {
 #if defined(Q_VNNI) || defined(Q_AVX2)
-int shared_q8(const float *x, int64_t M, int64_t K, const uint8_t *records, int bits, int64_t N, float *y) {
+    if (K % BLOCK != 0 || (bits != 4 && bits != 8)) return -1;
+    if (M <= 0) return 0;
     struct job j = {.int8 = 1, .M = M, .K = K, .N = N, .codes = records, .bits = bits};
-    return share_call(j, x, y);
-}
+    int shared = share_call(j, x, y);
+    return shared <= 0 ? shared : q8_alone(x, M, K, records, bits, N, y);
+#else
+    (void)x, (void)M, (void)K, (void)records, (void)bits, (void)N, (void)y;
+    return -2; /* built without AVX-512 VNNI or AVX2 with F16C */
 #endif
+}

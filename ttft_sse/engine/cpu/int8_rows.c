@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "blocks.h"
+#include "kernel.h"
 
 /* The rows are quantised as llama.cpp quantises them: each row per block of 32 inputs, as llama.cpp's Q8_0:
    d = max|x| / 127, xq = x * (127 / max|x|) rounded (halves to even). A weight is w = scale * c + offset with an
@@ -289,22 +290,11 @@ void q8_panels(struct q8_rows q, int64_t M, int64_t K, const uint8_t *records, i
     }
 }
 
-/* Returns 0; -1 if K is not whole blocks, bits is neither 4 nor 8, or the row buffer cannot be allocated. With the
-   helper thread started, a call large enough shares its panels with it. */
-int ttft_q8_linear(const float *x, int64_t M, int64_t K, const uint8_t *records, int bits, int64_t N, float *y) {
+int q8_alone(const float *x, int64_t M, int64_t K, const uint8_t *records, int bits, int64_t N, float *y) {
     static _Thread_local struct ttft_buffer kept = {NULL, 0};
-    if (K % BLOCK != 0 || (bits != 4 && bits != 8)) return -1;
-    if (M <= 0) return 0;
-    int shared = shared_q8(x, M, K, records, bits, N, y);
-    if (shared <= 0) return shared;
     float *buffer = ttft_grow(&kept, q8_floats(M, K));
     if (buffer == NULL) return -1;
     q8_panels(q8_quantise(x, M, K, buffer), M, K, records, bits, N, y, 0, (N + P - 1) / P);
     return 0;
-}
-#else
-int ttft_q8_linear(const float *x, int64_t M, int64_t K, const uint8_t *records, int bits, int64_t N, float *y) {
-    (void)x, (void)M, (void)K, (void)records, (void)bits, (void)N, (void)y;
-    return -2; /* built without AVX-512 VNNI or AVX2 with F16C */
 }
 #endif

@@ -27,6 +27,7 @@
 #include <string.h>
 
 #include "blocks.h"
+#include "kernel.h"
 
 #define SIXTEEN 6     /* bits of Q6_K's layout: 8-bit codes, a scale each 16 inputs, no zero */
 #define HALF 16       /* dense layouts (F16, BF16 and F32 files): the weights themselves, no scale or zero: fp16, */
@@ -427,15 +428,12 @@ int fp32_buffer(int64_t M, int64_t K, float **buffer) {
     return M > FUSED_ROWS && *buffer == NULL ? -1 : 0;
 }
 
-/* Returns 0, or -1 if K is not whole blocks, bits is not 4, 8, SIXTEEN or a dense layout's, or a buffer cannot be
-   allocated. With the helper thread started (helpers.c), a call large enough
-   shares its panels with it. */
-int ttft_blocks_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, int bits, const float *scale,
-                       const float *zero, int64_t N, float *y) {
-    if (K % BLOCK != 0 || (bits != 4 && bits != 8 && bits != SIXTEEN && !dense_bits(bits))) return -1;
-    if (M <= 0) return 0;
-    int shared = shared_fp32(x, M, K, codes, bits, scale, zero, N, y);
-    if (shared <= 0) return shared;
+int fp32_takes(int64_t K, int bits) {
+    return K % BLOCK == 0 && (bits == 4 || bits == 8 || bits == SIXTEEN || dense_bits(bits));
+}
+
+int fp32_alone(const float *x, int64_t M, int64_t K, const uint8_t *codes, int bits, const float *scale,
+               const float *zero, int64_t N, float *y) {
     float *buffer;
     if (fp32_buffer(M, K, &buffer) != 0) return -1;
     fp32_panels(x, M, K, codes, bits, scale, zero, N, y, 0, (N + P - 1) / P, buffer);
