@@ -324,35 +324,31 @@ float *ttft_grow(struct ttft_buffer *b, int64_t floats) {
     return b->floats;
 }
 
-/* Panels [p0, p1) of y = x . W^T for a dense layout: GROUP panels at a time, in tiles of up to B_ROWS rows. */
-static void dense_panels(const float *x, int64_t M, int64_t K, const uint8_t *codes, int bits, int64_t N, float *y,
-                         int64_t p0, int64_t p1) {
-    int64_t panel_bytes = code_bytes(K, bits);
-    for (int64_t p = p0; p < p1; p += GROUP) {
-        int group = p1 - p < GROUP ? (int)(p1 - p) : GROUP;
-        const uint8_t *w = codes + p * panel_bytes;
-        int columns = group * P / CV;
-        int64_t tiles = (M + B_ROWS - 1) / B_ROWS, r = 0;
-        for (int64_t t = 0; t < tiles; t++) {
-            int64_t rows = tile_rows(M, r, t, tiles);
-            const float *xr = x + r * K;
-            float *yr = y + r * N + p * P;
-            for (int c0 = 0; c0 < columns; c0 += B_COLS) {
-                int cols = columns - c0 < B_COLS ? columns - c0 : B_COLS;
-                /* the kind a constant in each specialisation (always_inline): no test in the inner loop */
+/* Panels p .. p+group-1 of y = x . W^T from the panels of values at w (the group's first; K x 16 a panel: a dense
+   layer's own, or codes expanded into fp32, FULL), in tiles of up to B_ROWS rows. */
+static void dense_group(const float *x, int64_t M, int64_t K, const uint8_t *w, int bits, int64_t N, float *y,
+                        int64_t p, int group) {
+    int columns = group * P / CV;
+    int64_t tiles = (M + B_ROWS - 1) / B_ROWS, r = 0;
+    for (int64_t t = 0; t < tiles; t++) {
+        int64_t rows = tile_rows(M, r, t, tiles);
+        const float *xr = x + r * K;
+        float *yr = y + r * N + p * P;
+        for (int c0 = 0; c0 < columns; c0 += B_COLS) {
+            int cols = columns - c0 < B_COLS ? columns - c0 : B_COLS;
+            /* the kind a constant in each specialisation (always_inline): no test in the inner loop */
 #define DENSE_HALF(R, C) if (R <= B_ROWS) dense(R, C, c0, w, HALF, xr, K, yr, N, N - p * P)
 #define DENSE_BRAIN(R, C) if (R <= B_ROWS) dense(R, C, c0, w, BRAIN, xr, K, yr, N, N - p * P)
 #define DENSE_FULL(R, C) if (R <= B_ROWS) dense(R, C, c0, w, FULL, xr, K, yr, N, N - p * P)
-                if (bits == HALF) {
-                    BY_ROWS(DENSE_HALF, rows, cols)
-                } else if (bits == BRAIN) {
-                    BY_ROWS(DENSE_BRAIN, rows, cols)
-                } else {
-                    BY_ROWS(DENSE_FULL, rows, cols)
-                }
+            if (bits == HALF) {
+                BY_ROWS(DENSE_HALF, rows, cols)
+            } else if (bits == BRAIN) {
+                BY_ROWS(DENSE_BRAIN, rows, cols)
+            } else {
+                BY_ROWS(DENSE_FULL, rows, cols)
             }
-            r += rows;
         }
+        r += rows;
     }
 }
 
@@ -362,11 +358,12 @@ static void dense_panels(const float *x, int64_t M, int64_t K, const uint8_t *co
    the range and the tiles, so the results are the same bits however a call's panels are split. */
 void fp32_panels(const float *x, int64_t M, int64_t K, const uint8_t *codes, int bits, const float *scale,
                  const float *zero, int64_t N, float *y, int64_t p0, int64_t p1, float *buffer) {
+    int64_t panel_bytes = code_bytes(K, bits), blocks = K / scale_inputs(bits); /* blocks: scales a panel's output */
     if (dense_bits(bits)) {
-        dense_panels(x, M, K, codes, bits, N, y, p0, p1);
+        for (int64_t p = p0; p < p1; p += GROUP)
+            dense_group(x, M, K, codes + p * panel_bytes, bits, N, y, p, p1 - p < GROUP ? (int)(p1 - p) : GROUP);
         return;
     }
-    int64_t panel_bytes = code_bytes(K, bits), blocks = K / scale_inputs(bits); /* blocks: scales a panel's output */
     if (M == 1) {
         for (int64_t q = p0; q < p1; q += WIDE) {
             int panels = p1 - q < WIDE ? (int)(p1 - q) : WIDE;
@@ -390,18 +387,7 @@ void fp32_panels(const float *x, int64_t M, int64_t K, const uint8_t *codes, int
                 expand(codes + at * panel_bytes, bits, scale + at * blocks * P, zero + at * blocks * P, K,
                        buffer + g * K * P);
             }
-            int columns = group * P / CV;
-            int64_t tiles = (M + B_ROWS - 1) / B_ROWS, r = 0;
-            for (int64_t t = 0; t < tiles; t++) {
-                int64_t rows = tile_rows(M, r, t, tiles);
-                for (int c0 = 0; c0 < columns; c0 += B_COLS) {
-                    int cols = columns - c0 < B_COLS ? columns - c0 : B_COLS;
-#define BUFFERED(R, C)                                                                                                 \
-    if (R <= B_ROWS) dense(R, C, c0, (const uint8_t *)buffer, FULL, x + r * K, K, y + r * N + p * P, N, N - p * P)
-                    BY_ROWS(BUFFERED, rows, cols)
-                }
-                r += rows;
-            }
+            dense_group(x, M, K, (const uint8_t *)buffer, FULL, N, y, p, group);
             continue;
         }
         for (int64_t q = p; q < p + group; q += PANELS) {
