@@ -147,8 +147,8 @@ def k_quant_layers(tmp_path: Path) -> tuple[dict[str, Any], Path]:
     half = np.random.default_rng(9).standard_normal((32, 256)).astype(np.float16)
     tensors["f16"] = (half, "F16")
     layers["f16"] = half.astype(np.float32)
-    tensors["bf16"] = (quantised((32, 256), "BF16", seed=7)[0], "BF16")
-    layers["bf16"] = quantised((32, 256), "BF16", seed=7)[1]
+    blocks, layers["bf16"] = quantised((32, 256), "BF16", seed=7)
+    tensors["bf16"] = (blocks, "BF16")
     layers["elsewhere"] = quantised((32, 256), "Q4_K", seed=99, sigma=0.02)[1]
     write_gguf(path, tensors)
     linears = {}

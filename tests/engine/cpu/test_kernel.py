@@ -63,12 +63,7 @@ def block_layer_from(blocks: np.ndarray, kind: str, shape: tuple[int, int], libr
     if activations == "int8":
         skip_without_int8()
     layer = torch.nn.Linear(shape[1], shape[0], bias=False)
-    kind_id = int(KINDS[kind])
-    if kind_id in codes.DENSE:
-        read = codes.dense_codes(blocks.view(np.uint8).reshape(shape[0], -1), kind_id, shape)
-    else:
-        read = codes.decode(blocks, kind_id, shape)
-    kernel._attach(layer, read, library, activations, torch)
+    kernel._attach(layer, codes.decode(blocks, int(KINDS[kind]), shape), library, activations, torch)
     return layer
 
 

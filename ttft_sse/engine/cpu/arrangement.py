@@ -36,7 +36,7 @@ import numpy.typing as npt
 import structlog
 
 from ttft_sse.engine.cache_files import write_whole
-from ttft_sse.engine.cpu.codes import DENSE_DTYPES, Codes
+from ttft_sse.engine.cpu.codes import Codes
 from ttft_sse.engine.cpu.layouts import panels, records
 
 log = structlog.get_logger("ttft_sse.engine")
@@ -77,7 +77,7 @@ def laid_out(codes: Codes, rows: str, degrade: bool, weight: npt.NDArray[np.floa
     """``codes`` laid out for ``rows`` (``"fp32"``: panels; ``"int8"``: records), with the records beside them where
     ``degrade``; ``weight`` is the fp32 weight the codes give back, as loaded."""
     arrays = (records(codes),) if rows == "int8" else panels(codes)
-    held = records(codes) if degrade and codes.bits not in DENSE_DTYPES else None  # dense: fp32 rows in every mode
+    held = records(codes) if degrade and not codes.unquantised else None
     out, inputs = codes.q.shape
     return Entry((out, inputs), codes.bits, rows, arrays, held, rows_checksum(weight))
 

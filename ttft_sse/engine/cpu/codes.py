@@ -146,6 +146,12 @@ class Codes:
     bits: int
 
     @property
+    def unquantised(self) -> bool:
+        """Whether ``q`` holds a dense type's values (:data:`DENSE_DTYPES`): fp32 rows in every mode, since int8
+        rows multiply quantised blocks."""
+        return self.bits in DENSE_DTYPES
+
+    @property
     def group(self) -> int:
         """Inputs a scale and a zero: :data:`BLOCK`, or 16 for :data:`SIXTEEN`."""
         return 16 if self.bits == SIXTEEN else BLOCK
@@ -155,7 +161,7 @@ class Codes:
         above), bit for bit where the zero is exact; a dense type's values widened exactly."""
         if self.bits == BRAIN:
             return (self.q.astype(np.uint32) << 16).view(np.float32)
-        if self.bits in DENSE_DTYPES:
+        if self.unquantised:
             return self.q.astype(np.float32)
         scaled = np.repeat(self.scale, self.group, axis=1) * self.q.astype(np.float32)
         weight: npt.NDArray[np.float32] = scaled + np.repeat(self.zero, self.group, axis=1)
@@ -228,9 +234,11 @@ def _super_nibbles(packed: npt.NDArray[np.uint8]) -> npt.NDArray[np.uint8]:
     return both.reshape(*packed.shape[:-1], 8, 32)
 
 
-def decode(blocks: npt.NDArray[np.uint8], kind: int, shape: tuple[int, int]) -> Codes:
-    """Split a tensor's raw bytes, of one of the :data:`FORMATS`, into codes, scales and zeros (the table above).
-    ``shape`` is ``(out, in)``."""
+def decode(blocks: npt.NDArray[Any], kind: int, shape: tuple[int, int]) -> Codes:
+    """Split a tensor's raw bytes, of one of the :data:`FORMATS`, into codes, scales and zeros (the table above);
+    those of a :data:`DENSE` type are its values. ``shape`` is ``(out, in)``."""
+    if kind in DENSE:
+        return _dense(np.asarray(blocks).view(np.uint8), kind, shape)
     out, inputs = shape
     form = FORMATS[kind]
     raw = np.ascontiguousarray(blocks).reshape(out, inputs // form.inputs, form.size)
@@ -266,7 +274,7 @@ def decode(blocks: npt.NDArray[np.uint8], kind: int, shape: tuple[int, int]) -> 
     return Codes(q, d, zero, form.bits)
 
 
-def dense_codes(raw: npt.NDArray[np.uint8], kind: int, shape: tuple[int, int]) -> Codes:
+def _dense(raw: npt.NDArray[np.uint8], kind: int, shape: tuple[int, int]) -> Codes:
     """A dense tensor's bytes (``out`` rows) as :class:`Codes` holding its values (``shape`` is ``(out, in)``)."""
     bits = DENSE[kind][1]
     values = np.ascontiguousarray(raw).view(DENSE_DTYPES[bits]).reshape(shape)
@@ -316,12 +324,7 @@ def read(path: str | Path) -> list[Stored]:
             head = gguf.quants.dequantize(np.ascontiguousarray(raw[:, : blocks * size]), kind)
         except NotImplementedError:  # nor could transformers' loader have read it
             continue
-        if int(kind) in FORMATS:
-            codes: Codes | None = decode(raw, int(kind), (out, inputs))
-        elif int(kind) in DENSE:
-            codes = dense_codes(raw, int(kind), (out, inputs))
-        else:
-            codes = None
+        codes = decode(raw, int(kind), (out, inputs)) if int(kind) in FORMATS or int(kind) in DENSE else None
         found.append(Stored(kind.name, np.asarray(head, np.float32).reshape(out, -1), codes))
     return found
 

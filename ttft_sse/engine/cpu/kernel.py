@@ -314,9 +314,7 @@ def _apply(
             name: "fp32" if activations == "int8" and not in_records(codes) else activations
             for name, codes in found.codes.items()
         }
-        # Unquantised layers keep fp32 rows in every mode, the degraded one's int8 mode included.
-        values = gguf_codes.DENSE_DTYPES
-        outside = {found.kinds[n] for n, c in found.codes.items() if not in_records(c) and c.bits not in values}
+        outside = {found.kinds[n] for n, c in found.codes.items() if not in_records(c) and not c.unquantised}
         if degrade and outside:
             raise Refused(
                 f"int8 rows cannot hold the scales of the {', '.join(sorted(outside))} layers (not fp16 values, or one "

@@ -22,7 +22,7 @@ def panels(codes: gguf_codes.Codes) -> tuple[npt.NDArray[np.uint8], npt.NDArray[
     each input's 16 side by side, as their bytes, with empty scales and zeros."""
     out, inputs = codes.q.shape
     padded = _padded(out)
-    if codes.bits in gguf_codes.DENSE_DTYPES:
+    if codes.unquantised:
         values = np.zeros((padded, inputs), codes.q.dtype)
         values[:out] = codes.q
         laid = np.ascontiguousarray(values.reshape(padded // PANEL, PANEL, inputs).transpose(0, 2, 1))
