@@ -10,7 +10,9 @@ llama-server first in even ones, so that a change in the machine's load hits bot
 the cores, or ``--llama-threads``; ttft-sse its defaults, torch on half the cores and the block kernel's helper on
 the other, or ``--ours-threads``), measured with ``ttft-sse bench`` at c=1 then c=8 (new conversations from
 ``benchmarks/chat-questions.txt``, ``--max-tokens`` each, greedy, streamed through ``/v1/chat/completions``), and
-stopped before the next one starts.
+stopped before the next one starts. ``--int8`` adds a third server, ttft-sse with int8 rows
+(``TTFT_GGUF_ACTIVATIONS=int8``: llama.cpp's arithmetic for the rows, where the default keeps the fp32 model's), each
+of its rows in the table beside llama-server's.
 
 Answers are the same length on both: request *i* asks for the same ``max_tokens`` from each, and llama-server gets
 ``ignore_eos: true`` so that it generates all of them. ttft-sse has no ``ignore_eos`` (it refuses the field); its
@@ -50,6 +52,8 @@ from serve import free_port  # noqa: E402  (benchmarks/serve.py)
 from ttft_sse.bench.stats import percentile  # noqa: E402
 
 SERVERS = ("ttft-sse", "llama-server")
+INT8 = "ttft-sse int8"
+"""ttft-sse with TTFT_GGUF_ACTIVATIONS=int8 (``--int8``)."""
 LOGGED = ("weights_blocks", "weights_not_blocks", "decoder_fused", "decoder_not_fused", "attention_not_paged")
 
 
@@ -107,10 +111,12 @@ def llama_server() -> Path:
 def start(
     server: str, gguf: Path, args: argparse.Namespace, port: int, log: Path, binary: Path
 ) -> subprocess.Popen[bytes]:
-    if server == "ttft-sse":
+    if server != "llama-server":
         cmd = [sys.executable, "-m", "ttft_sse", "serve", "--port", str(port), "--model", str(gguf)]
         cmd += ["--threads", str(args.ours_threads)] if args.ours_threads else []
         env = {**os.environ, "TTFT_LOG_LEVEL": "info"}
+        if server == INT8:
+            env["TTFT_GGUF_ACTIVATIONS"] = "int8"
     else:
         cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", str(args.llama_threads)]
         cmd += ["-np", "8", "-c", "8192"]
@@ -152,7 +158,7 @@ def measure(server: str, gguf: Path, args: argparse.Namespace, binary: Path, run
     log = run_dir / "server.log"
     proc = start(server, gguf, args, port, log, binary)
     try:
-        wait_ready(proc, base + ("/readyz" if server == "ttft-sse" else "/health"), log, args.ready_timeout)
+        wait_ready(proc, base + ("/health" if server == "llama-server" else "/readyz"), log, args.ready_timeout)
         load = Path("/proc/loadavg").read_text().split()[:3]
         print(f"  {server}: {base}, load average {' '.join(load)}", flush=True)
         cmd = [sys.executable, "-m", "ttft_sse", "bench", "--url", base, "--protocol", "openai"]
@@ -193,23 +199,25 @@ def _ratio(ours: float | None, theirs: float | None) -> str:
 
 
 def table(results: dict[str, dict[str, Measured]], levels: list[int]) -> list[str]:
+    """One row per model, level and ttft-sse server, beside llama-server's figures."""
     rows = [
-        "| model | c | tok/s ttft-sse | tok/s llama-server | tok/s ratio | TTFT p50/p99 ms ttft-sse "
-        "| TTFT p50/p99 ms llama-server | TTFT p50 ratio | errors ttft-sse / llama-server "
-        "| short ttft-sse / llama-server |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| model | c | server | tok/s | tok/s llama-server | tok/s ratio | TTFT p50/p99 ms "
+        "| TTFT p50/p99 ms llama-server | TTFT p50 ratio | errors / llama-server's | short / llama-server's |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for model, by_server in results.items():
         for c in levels:
-            ours, theirs = by_server["ttft-sse"].level(c), by_server["llama-server"].level(c)
-            rows.append(
-                f"| {model} | {c} | {_num(ours['tokens_per_s'])} | {_num(theirs['tokens_per_s'])} "
-                f"| {_ratio(ours['tokens_per_s'], theirs['tokens_per_s'])} "
-                f"| {_num(ours['ttft_p50_ms'], 0)} / {_num(ours['ttft_p99_ms'], 0)} "
-                f"| {_num(theirs['ttft_p50_ms'], 0)} / {_num(theirs['ttft_p99_ms'], 0)} "
-                f"| {_ratio(ours['ttft_p50_ms'], theirs['ttft_p50_ms'])} "
-                f"| {ours['errors']} / {theirs['errors']} | {ours['short']} / {theirs['short']} |"
-            )
+            theirs = by_server["llama-server"].level(c)
+            for server in (name for name in by_server if name != "llama-server"):
+                ours = by_server[server].level(c)
+                rows.append(
+                    f"| {model} | {c} | {server} | {_num(ours['tokens_per_s'])} | {_num(theirs['tokens_per_s'])} "
+                    f"| {_ratio(ours['tokens_per_s'], theirs['tokens_per_s'])} "
+                    f"| {_num(ours['ttft_p50_ms'], 0)} / {_num(ours['ttft_p99_ms'], 0)} "
+                    f"| {_num(theirs['ttft_p50_ms'], 0)} / {_num(theirs['ttft_p99_ms'], 0)} "
+                    f"| {_ratio(ours['ttft_p50_ms'], theirs['ttft_p50_ms'])} "
+                    f"| {ours['errors']} / {theirs['errors']} | {ours['short']} / {theirs['short']} |"
+                )
     return rows
 
 
@@ -225,7 +233,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompts", type=Path, default=ROOT / "benchmarks" / "chat-questions.txt")
     parser.add_argument("--out", type=Path, default=ROOT / ".cache" / "against-llama-server-models")
     parser.add_argument("--ready-timeout", type=float, default=1200, help="seconds a server may take to start")
+    parser.add_argument("--int8", action="store_true", help="ttft-sse with TTFT_GGUF_ACTIVATIONS=int8 too")
     args = parser.parse_args(argv)
+    servers = (SERVERS[0], INT8, SERVERS[1]) if args.int8 else SERVERS
     levels = [int(c) for c in args.concurrency.split(",")]
     binary = llama_server()
     cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
@@ -237,21 +247,21 @@ def main(argv: list[str] | None = None) -> None:
     notes: dict[str, list[str]] = {}
     for spec, gguf in paths.items():
         name = gguf.stem if spec != "bundled" else "bundled"
-        results[name] = {server: Measured() for server in SERVERS}
+        results[name] = {server: Measured() for server in servers}
         print(f"== {name}: {gguf}", flush=True)
         for round_ in range(1, args.rounds + 1):
-            order = SERVERS if round_ % 2 else SERVERS[::-1]
+            order = servers if round_ % 2 else servers[::-1]
             for server in order:
-                run_dir = args.out / name / f"{round_}-{server}"
+                run_dir = args.out / name / f"{round_}-{server.replace(' ', '-')}"
                 results[name][server].add(measure(server, gguf, args, binary, run_dir))
-                if server == "ttft-sse" and name not in notes:
-                    notes[name] = logged(run_dir / "server.log")
+                if server != "llama-server":
+                    notes.setdefault(f"{name}, {server}", logged(run_dir / "server.log"))
     rows = table(results, levels)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "table.md").write_text("\n".join(rows) + "\n")
     print("\n" + "\n".join(rows))
     for name, lines in notes.items():
-        print(f"\n{name}, ttft-sse's log:")
+        print(f"\n{name}: its log")
         for line in lines:
             print(f"  {line}")
 

@@ -1,12 +1,12 @@
 """The block kernel's speed by GGUF type: one linear layer a type, the same shape, on the kernel as the engine puts
 it there (engine/cpu/kernel.py's ``apply``), and torch's fp32 ``nn.Linear`` beside it.
 
-    .venv/bin/python benchmarks/kernel_types.py [--shape 576x1536] [--rows 1,4] [--types Q4_0,Q8_0,Q4_K,Q6_K]
+    .venv/bin/python benchmarks/kernel_types.py [--shape 576x1536] [--rows 1,4] [--types Q4_0,Q8_0,Q4_K,Q6_K] [--int8]
 
 Prints, for each type and row count, the median and the least time a call over ``--repeats`` timed batches (the types
 take turns, batch by batch) and the picoseconds a weight (the median over outputs x inputs). The blocks are random bytes
 with fp16 scales of a plausible size: the kernel's speed does not depend on the values. One torch thread, as the engine
-runs the kernel.
+runs the kernel. ``--int8`` measures each type with int8 rows too (``TYPE+int8``: ``TTFT_GGUF_ACTIVATIONS=int8``).
 """
 
 from __future__ import annotations
@@ -39,8 +39,9 @@ def random_blocks(kind: str, outputs: int, inputs: int, rng: np.random.Generator
     return blocks.reshape(outputs, -1)
 
 
-def layer_of(kind: str, outputs: int, inputs: int, directory: Path, work: Path) -> torch.nn.Module:
-    """A linear layer holding gguf's dequantisation of random ``kind`` blocks, put on the kernel."""
+def layer_of(kind: str, outputs: int, inputs: int, directory: Path, work: Path, activations: str) -> torch.nn.Module:
+    """A linear layer holding gguf's dequantisation of random ``kind`` blocks, put on the kernel with
+    ``activations`` rows."""
     blocks = random_blocks(kind, outputs, inputs, np.random.default_rng(0))
     path = work / f"{kind}.gguf"
     writer = gguf.GGUFWriter(str(path), "llama")
@@ -53,9 +54,9 @@ def layer_of(kind: str, outputs: int, inputs: int, directory: Path, work: Path) 
     model = torch.nn.Sequential(torch.nn.Linear(inputs, outputs, bias=False))
     with torch.no_grad():
         model[0].weight.copy_(torch.from_numpy(dense))
-    applied = kernel.apply(model, path, torch, directory=directory)
-    if applied.activations is None:
-        raise SystemExit(f"{kind}: not on the kernel: {applied.by_type}")
+    applied = kernel.apply(model, path, torch, directory=directory, activations=activations)
+    if applied.activations != activations:
+        raise SystemExit(f"{kind}: not on the kernel with {activations} rows: {applied.by_type}")
     return model[0]
 
 
@@ -92,20 +93,27 @@ def main() -> None:
     parser.add_argument("--rows", default="1,4", help="rows a call, comma-separated")
     parser.add_argument("--types", default="Q4_0,Q8_0,Q4_K,Q6_K", help="GGUF types, comma-separated")
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--int8", action="store_true", help="each type with int8 rows too")
     args = parser.parse_args()
     outputs, inputs = (int(n) for n in args.shape.split("x"))
     torch.set_num_threads(1)
     directory = Settings().cache_dir / KERNEL_DIR
     with tempfile.TemporaryDirectory() as work:
-        layers = {kind: layer_of(kind, outputs, inputs, directory, Path(work)) for kind in args.types.split(",")}
+        arms = [(kind, "fp32") for kind in args.types.split(",")]
+        if args.int8:
+            arms += [(kind, "int8") for kind in args.types.split(",")]
+        layers = {
+            kind + ("+int8" if rows == "int8" else ""): layer_of(kind, outputs, inputs, directory, Path(work), rows)
+            for kind, rows in arms
+        }
         fp32 = torch.nn.Linear(inputs, outputs, bias=False)
         print(f"{outputs} x {inputs} weight, one thread; {args.repeats} batches a type, taking turns")
-        print(f"{'type':8} {'rows':>4} {'µs median':>10} {'µs least':>9} {'ps a weight (median)':>21}")
+        print(f"{'type':10} {'rows':>4} {'µs median':>10} {'µs least':>9} {'ps a weight (median)':>21}")
         for rows in (int(n) for n in args.rows.split(",")):
             for kind, seconds in timed({**layers, "fp32": fp32}, rows, inputs, args.repeats).items():
                 median, least = statistics.median(seconds), min(seconds)
                 weight = median * 1e12 / (outputs * inputs)
-                print(f"{kind:8} {rows:>4} {median * 1e6:>10.1f} {least * 1e6:>9.1f} {weight:>21.2f}")
+                print(f"{kind:10} {rows:>4} {median * 1e6:>10.1f} {least * 1e6:>9.1f} {weight:>21.2f}")
 
 
 if __name__ == "__main__":

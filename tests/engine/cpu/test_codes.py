@@ -262,13 +262,15 @@ def test_an_unreadable_cache_is_ignored_with_a_warning(tmp_path: Path) -> None:
 
 
 def test_the_account_lists_each_path_a_types_layers_take() -> None:
-    kinds = {"a": "Q4_K", "b": "Q4_K", "c": "Q4_K", "d": "Q6_K", "e": codes.UNKNOWN, "f": "Q8_0", "g": "Q3_K"}
-    rows = {"a": "int8", "b": "fp32", "d": "fp32", "f": "int8"}
+    kinds = {"a": "Q4_K", "b": "BF16", "c": "Q4_K", "d": "Q6_K", "e": codes.UNKNOWN, "f": "Q8_0", "g": "Q3_K"}
+    kinds["h"] = "BF16"
+    rows = {"a": "int8", "b": "fp32", "d": "int8", "f": "int8"}
     assert codes.by_type(kinds, rows, "int8") == {
-        "Q4_K": "blocks, int8 rows: 1; blocks, fp32 rows: 1 (scales or offsets not fp16 values); "
-        "fp32: 1 (its blocks do not give back the loaded weight bit for bit)",
+        "BF16": "blocks, fp32 rows: 1 (not quantised: int8 rows multiply quantised blocks); "
+        "fp32: 1 (its values do not give back the loaded weight bit for bit)",
+        "Q4_K": "blocks, int8 rows: 1; fp32: 1 (its blocks do not give back the loaded weight bit for bit)",
         "Q3_K": "fp32: 1 (no kernel layout for 16-input scales and minimums)",
-        "Q6_K": "blocks, fp32 rows: 1 (a scale each 16 inputs)",
+        "Q6_K": "blocks, int8 rows: 1",
         "Q8_0": "blocks, int8 rows: 1",
         "unknown": "fp32: 1 (no matrix of the file holds its rows)",
     }

@@ -172,11 +172,16 @@ def test_an_avx2_build_without_f16c_widens_every_fp16_value_as_f16c_does(no_f16c
     assert np.array_equal(back[0][finite].view(np.uint32), want[finite].view(np.uint32))
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+INT8_KINDS = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
+"""Every quantised type the kernel takes: fp16 tails (Q4_0, Q4_1, Q5_0, Q8_0), fp32 ones (Q5_1 and the K-quants),
+and Q6_K's two scales a block."""
+
+
+@pytest.mark.parametrize("kind", INT8_KINDS)
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 9, 13])
 def test_int8_rows_give_the_product_of_the_weights_and_the_rows_quantised_per_block(kind: str, rows: int) -> None:
-    layer, dense = block_layer(kind, (38, 96), activations="int8")  # 38 outputs: 2 panels and a padded one
-    x = np.random.default_rng(rows).standard_normal((rows, 96)).astype(np.float32)
+    layer, dense = block_layer(kind, (38, 256), activations="int8")  # 38 outputs: 2 panels and a padded one
+    x = np.random.default_rng(rows).standard_normal((rows, 256)).astype(np.float32)
     x[0, :32] *= 50  # a block with an outlier gets its own, coarser steps
     x[-1, 32:64] = 0  # a block of zeros
     with torch.no_grad():
@@ -198,36 +203,48 @@ def exact_fma32(a: float, b: float, c: float) -> np.float32:
 
 def int8_rows_exactly(x: np.ndarray, blocks_of: codes.Codes) -> np.ndarray:
     """What int8_rows.c must give, bit for bit, on every build: the rows quantised in fp32 (steps d =
-    max|x| / 127 of a block), the exact integer sums of unsigned codes times steps, then per block
-    acc = fma(sum, fp32(scale * d), acc) and acc = fma(offset, fp32(d * sum(steps)), acc), from zero."""
+    max|x| / 127 of a block), the exact integer sums of codes times steps, then per block from zero, by the records'
+    tail (layouts.records): fp16 scales and offsets, acc = fma(sum of unsigned codes, fp32(scale * d), acc) and
+    acc = fma(offset, fp32(d * sum(steps)), acc); fp32 scales and zeros, the same with the codes' own q and zero;
+    Q6_K's, acc = fma(sum of q, fp32(scale * d), acc) for its first 16 inputs, then its last 16."""
     rows, inputs = x.shape
     out = blocks_of.q.shape[0]
-    shift = 8 if blocks_of.bits == 4 else 128
-    unsigned = blocks_of.q.astype(np.int64) + shift
-    scale = blocks_of.scale.astype(np.float16).astype(np.float32)
-    offset = (blocks_of.zero - shift * blocks_of.scale).astype(np.float16).astype(np.float32)
     steps, d = int8_steps(x)
     ds = d * steps.sum(-1).astype(np.float32)
     got = np.zeros((rows, out), np.float32)
-    for b in range(inputs // 32):
-        sums = steps[:, b] @ unsigned[:, 32 * b : 32 * b + 32].T  # exact integers
+    group = blocks_of.group
+    if layouts.narrow(blocks_of):
+        shift = 8 if blocks_of.bits == 4 else 128
+        q = blocks_of.q.astype(np.int64) + shift
+        scale = blocks_of.scale.astype(np.float16).astype(np.float32)
+        zero = (blocks_of.zero - shift * blocks_of.scale).astype(np.float16).astype(np.float32)
+    else:
+        q, scale, zero = blocks_of.q.astype(np.int64), blocks_of.scale, blocks_of.zero
+    steps = steps.reshape(rows, -1)
+    for b in range(inputs // group):
+        sums = steps[:, group * b : group * b + group] @ q[:, group * b : group * b + group].T  # exact integers
+        block = b * group // 32
         for r in range(rows):
             for n in range(out):
-                acc = exact_fma32(float(sums[r, n]), float(scale[n, b] * d[r, b]), float(got[r, n]))
-                got[r, n] = exact_fma32(float(offset[n, b]), float(ds[r, b]), float(acc))
+                got[r, n] = exact_fma32(float(sums[r, n]), float(scale[n, b] * d[r, block]), float(got[r, n]))
+                if group == 32:
+                    got[r, n] = exact_fma32(float(zero[n, b]), float(ds[r, block]), float(got[r, n]))
     return got
 
 
 @pytest.mark.parametrize("build", ["native", "avx2"])
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"])
 def test_int8_rows_are_the_same_bits_on_every_build(kind: str, build: str, avx2_build: Path) -> None:
     """The integer sums are exact on both builds (AVX-512 VNNI, and AVX2's 16-bit sums and signed 8-bit codes), and
     the fp32 operations after them are the same in the same order: the same bits as the exact reference, so as
-    each other. 38 outputs (a padded panel), 9 rows (uneven tiles), and blocks of outliers, zeros and halves."""
-    blocks, _ = quantised((38, 96), kind)
-    found = codes.decode(blocks, int(KINDS[kind]), (38, 96))
-    layer, _ = block_layer(kind, (38, 96), avx2_build if build == "avx2" else None, "int8")
-    x = np.random.default_rng(3).standard_normal((9, 96)).astype(np.float32)
+    each other, for each records' tail. 38 outputs (a padded panel), 9 rows (uneven tiles), and blocks of outliers,
+    zeros and halves."""
+    blocks, _ = quantised((38, 256), kind)
+    found = codes.decode(blocks, int(KINDS[kind]), (38, 256))
+    layer, _ = block_layer(kind, (38, 256), avx2_build if build == "avx2" else None, "int8")
+    want_bits = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8, "Q5_1": 8 + layouts.WIDE, "Q6_K": codes.SIXTEEN}
+    assert layer.record_bits == want_bits.get(kind, found.bits + layouts.WIDE)
+    x = np.random.default_rng(3).standard_normal((9, 256)).astype(np.float32)
     x[0, :32] *= 50
     x[-1, 32:64] = 0
     x[2, 64:96] = np.arange(-16, 16) / np.float32(2)  # steps of exactly k + 1/2 (127 / 8 a step): halves to even
@@ -260,13 +277,13 @@ def test_a_strided_or_other_dtype_input_gives_what_its_contiguous_fp32_copy_give
 
 @pytest.mark.parametrize(
     ("kind", "build"),
-    [(kind, build) for kind in ("Q4_1", "Q8_0") for build in ("native", "avx2", "int8")]
-    # Q6_K and the unquantised types have no int8 rows (layouts.in_records)
-    + [(kind, build) for kind in ("Q6_K", "F16", "BF16", "F32") for build in ("native", "avx2")],
+    [(kind, build) for kind in ("Q4_1", "Q8_0", "Q4_K", "Q6_K") for build in ("native", "avx2", "int8")]
+    # the unquantised types have no int8 rows (layouts.in_records)
+    + [(kind, build) for kind in ("F16", "BF16", "F32") for build in ("native", "avx2")],
 )
 def test_each_row_is_the_same_bits_whatever_else_the_call_holds(kind: str, build: str, avx2_build: Path) -> None:
     activations = "int8" if build == "int8" else "fp32"
-    inputs = 512 if kind == "Q6_K" else 576  # whole super-blocks
+    inputs = 512 if kind in ("Q6_K", "Q4_K") else 576  # whole super-blocks
     layer, _ = block_layer(kind, (70, inputs), avx2_build if build == "avx2" else None, activations)
     x = torch.randn(20, inputs)
     with torch.no_grad():
@@ -317,7 +334,7 @@ def test_a_call_shared_with_a_helper_thread_gives_the_same_bits_as_alone(
 ) -> None:
     alone, shared = alone_and_shared
     seed = rows * 10 + (activations == "int8")
-    inputs = 512 if kind == "Q6_K" else 576  # whole super-blocks
+    inputs = 512 if kind in ("Q6_K", "Q4_K") else 576  # whole super-blocks
     blocks, _ = quantised((1000, inputs), kind, seed=seed)  # 63 panels, the last 8 outputs of 16 real
     layers = [block_layer_from(blocks, kind, (1000, inputs), library, activations) for library in (alone, shared)]
     x = torch.from_numpy(np.random.default_rng(seed).standard_normal((rows, inputs)).astype(np.float32))
@@ -601,38 +618,66 @@ def test_a_model_of_q5_and_k_quant_layers_runs_on_the_kernel_with_the_fp32_layer
     assert float((got - before).abs().max()) <= 1e-5 * float(before.abs().max())
 
 
-def test_with_int8_rows_layers_whose_scales_are_not_fp16_values_keep_fp32_rows(tmp_path: Path) -> None:
-    """Q5_0's scale d and offset -128d are the file's fp16 values: int8 rows. A K-quant's d*sc is not an fp16 value,
-    nor is Q5_1's offset m - 112d, and Q6_K's scales cover 16 inputs: fp32 rows, on the kernel all the same."""
+def test_with_int8_rows_every_quantised_type_takes_them_in_the_records_that_hold_its_scales(tmp_path: Path) -> None:
+    """Q5_0's scale d and offset -128d are the file's fp16 values: fp16 tails. A K-quant's d*sc is not an fp16
+    value, nor is Q5_1's offset m - 112d: fp32 tails; Q6_K's scales cover 16 inputs: two a block. Each layer gives
+    the product of its weight and the quantised rows."""
     skip_without_int8()
     model, path = k_quant_model(tmp_path)
+    weights = [layer.weight.detach().numpy().astype(np.float64) for layer in model]
     with capture_logs() as logs:
         applied = kernel.apply(model, path, torch, directory=DIRECTORY, activations="int8")
-    fp32_rows = "blocks, fp32 rows: 1 (scales or offsets not fp16 values)"
-    by_type = {
-        "Q4_K": fp32_rows,
-        "Q5_0": "blocks, int8 rows: 1",
-        "Q5_1": fp32_rows,
-        "Q5_K": fp32_rows,
-        "Q6_K": "blocks, fp32 rows: 1 (a scale each 16 inputs)",
-    }
-    assert applied == ("int8", by_type)
+    assert applied == ("int8", dict.fromkeys(["Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K"], "blocks, int8 rows: 1"))
     assert [entry["event"] for entry in logs] == ["weights_blocks"]
-    assert [layer.activations for layer in model] == ["int8", "fp32", "fp32", "fp32", "fp32"]
+    assert [layer.activations for layer in model] == ["int8"] * 5
+    wide = layouts.WIDE
+    assert [layer.record_bits for layer in model] == [8, 4 + wide, codes.SIXTEEN, 8 + wide, 8 + wide]
+    for seed, (layer, weight) in enumerate(zip(model, weights, strict=True)):
+        x = np.random.default_rng(seed).standard_normal((3, layer.in_features)).astype(np.float32)
+        with torch.no_grad():
+            got = layer(torch.from_numpy(x)).double().numpy()
+        want = rows_as_int8(x) @ weight.T
+        assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
 
 
-def test_degrade_refuses_a_model_whose_layers_int8_records_cannot_hold_and_names_their_types(tmp_path: Path) -> None:
-    """TTFT_DEGRADE=int8 needs every layer in int8 records too: Q6_K's scales cover 16 inputs and a K-quant's d*sc
-    is not an fp16 value, so the int8 mode cannot exist; the model is left as it was."""
+def test_with_int8_rows_an_unquantised_layer_keeps_fp32_rows_and_the_account_says_why(tmp_path: Path) -> None:
+    skip_without_int8()
+    path = tmp_path / "mixed.gguf"
+    blocks, dense = quantised((32, 256), "Q4_K")
+    values = np.random.default_rng(1).standard_normal((32, 256)).astype(np.float16)
+    write_gguf(path, {"k": (blocks, "Q4_K"), "f": (values, "F16")})
+    model = torch.nn.Sequential(torch.nn.Linear(256, 32, bias=False), torch.nn.Linear(256, 32, bias=False))
+    with torch.no_grad():
+        model[0].weight.copy_(torch.from_numpy(dense))
+        model[1].weight.copy_(torch.from_numpy(values.astype(np.float32)))
+    applied = kernel.apply(model, path, torch, directory=DIRECTORY, activations="int8")
+    why = "blocks, fp32 rows: 1 (not quantised: int8 rows multiply quantised blocks)"
+    assert applied == ("int8", {"F16": why, "Q4_K": "blocks, int8 rows: 1"})
+    assert [layer.activations for layer in model] == ["int8", "fp32"]
+
+
+def test_degrade_holds_int8_records_for_a_model_of_k_quants_and_switches_to_them(tmp_path: Path) -> None:
+    """TTFT_DEGRADE=int8 needs every quantised layer in int8 records too: the K-quants', Q5_1's and Q6_K's take fp32
+    tails, so the int8 mode exists for such a model; a thread in it gets the int8 rows' product."""
     skip_without_int8()
     model, path = k_quant_model(tmp_path)
-    with pytest.raises(kernel.Refused) as refused:
-        kernel.apply(model, path, torch, directory=DIRECTORY, degrade=True)
-    reason = "int8 rows cannot hold the scales of the Q4_K, Q5_1, Q5_K, Q6_K layers (not fp16 values, or one each 16"
-    assert str(refused.value) == f"{reason} inputs)"
-    assert [type(layer) for layer in model] == [torch.nn.Linear] * 5
-    with pytest.raises(ValueError, match="int8 records hold codes of 4 or 8 bits"):
-        records(codes.decode(quantised((16, 256), "Q6_K")[0], int(KINDS["Q6_K"]), (16, 256)))
+    weight = model[1].weight.detach().numpy().astype(np.float64)  # Q4_K's
+    applied = kernel.apply(model, path, torch, directory=DIRECTORY, degrade=True)
+    assert applied.activations == "fp32"
+    assert all(layer.records is not None for layer in model)
+    layer = model[1]  # Q4_K
+    x = torch.from_numpy(np.random.default_rng(2).standard_normal((2, layer.in_features)).astype(np.float32))
+    with torch.no_grad():
+        fp32 = layer(x)
+        with kernel.int8_rows():
+            int8 = layer(x)
+        again = layer(x)
+        want = rows_as_int8(x.numpy()) @ weight.T
+    assert torch.equal(fp32, again)
+    assert not torch.equal(fp32, int8)
+    assert np.abs(int8.double().numpy() - want).max() <= 1e-5 * np.abs(want).max()
+    with pytest.raises(ValueError, match="int8 records hold quantised codes"):
+        records(codes.decode(np.ones((16, 32), np.float16).view(np.uint8), codes.F16, (16, 32)))
 
 
 def test_a_model_with_no_layer_in_a_type_the_kernel_runs_is_left_as_it_was_and_the_log_names_its_types(

@@ -54,7 +54,7 @@ def test_settings_the_block_kernel_does_not_serve_are_refused(
 
 def test_a_model_that_is_not_a_gguf_is_refused(settings: Settings, tiny_models: Callable[[str], Path]) -> None:
     model = str(tiny_models("llama"))
-    reason = f"it needs a GGUF model's Q4_0/Q4_1/Q8_0 blocks, and {model!r} is a directory model"
+    reason = f"it needs a GGUF model's quantised blocks, and {model!r} is a directory model"
     with pytest.raises(StartupError) as refused:
         SingleEngine(settings.replace(degrade="int8", model=model)).load(StageClock())
     assert refused.value.message.startswith(f"{REFUSED}{reason}. ")

@@ -11,6 +11,8 @@
 #define P 16     /* outputs a panel */
 #define BLOCK 32 /* inputs a block */
 #define GROUP 3  /* panels kernel.c expands into its buffer at a time: a shared call's chunks are whole groups */
+#define SIXTEEN 6 /* bits of Q6_K's codes: 8-bit codes, a scale each 16 inputs, no zero */
+#define Q_WIDE 64 /* added to int8 records' bits (4 or 8): fp32 scales and zeros, where fp16 cannot hold them */
 
 /* int8 rows on this build: AVX-512 VNNI, or AVX2 with F16C (int8_rows.c). */
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -54,15 +56,19 @@ void fp32_panels(const float *x, int64_t M, int64_t K, const uint8_t *codes, int
                  const float *zero, int64_t N, float *y, int64_t p0, int64_t p1, float *buffer);
 int fp32_buffer(int64_t M, int64_t K, float **buffer);
 
-/* int8_rows.c: the rows' steps (M x K bytes: M * K / 4 floats, K being whole blocks of 32), then d, d * sum and sum:
-   the floats a call of M rows needs for its quantised rows; their places in such a buffer; the rows quantised into
-   it; panels [p0, p1) of y for them; and a call computed by the calling thread alone (0, or -1 if its buffer
-   cannot be allocated). On a build with int8 rows (Q_VNNI or Q_AVX2). */
-static inline int64_t q8_floats(int64_t M, int64_t K) { return M * K / 4 + 3 * M * (K / BLOCK); }
+/* int8_rows.c: whether it multiplies records of these bits (4 or 8, each plus Q_WIDE or not, or SIXTEEN); the rows'
+   steps (M x K bytes: M * K / 4 floats, K being whole blocks of 32), then d, d * sum, sum and the sum of the first
+   16 steps: the floats a call of M rows needs for its quantised rows; their places in such a buffer; the rows
+   quantised into it; panels [p0, p1) of y for them; and a call computed by the calling thread alone (0, or -1 if
+   its buffer cannot be allocated). On a build with int8 rows (Q_VNNI or Q_AVX2). */
+static inline int q8_takes(int bits) {
+    return bits == 4 || bits == 8 || bits == (4 | Q_WIDE) || bits == (8 | Q_WIDE) || bits == SIXTEEN;
+}
+static inline int64_t q8_floats(int64_t M, int64_t K) { return M * K / 4 + 4 * M * (K / BLOCK); }
 struct q8_rows {
     int8_t *xq;
     float *d, *ds;
-    int32_t *sx;
+    int32_t *sx, *sh;
 };
 struct q8_rows q8_view(float *buffer, int64_t M, int64_t K);
 struct q8_rows q8_quantise(const float *x, int64_t M, int64_t K, float *buffer);

@@ -118,12 +118,9 @@ def why_not(kind: str) -> str:
 
 def why_fp32_rows(kind: str) -> str:
     """Why a layer on the kernel whose weight the file holds as ``kind`` keeps fp32 rows where int8 rows are asked
-    for: the int8 records hold an fp16 scale and offset each 32 inputs (engine/cpu/layouts.py's ``in_records``)."""
-    if kind == FORMATS[Q6_K].name:
-        return "a scale each 16 inputs"
-    if kind in {name for name, _ in DENSE.values()}:
-        return "not quantised: int8 rows multiply quantised blocks"
-    return "scales or offsets not fp16 values"
+    for: int8 rows multiply quantised codes (engine/cpu/layouts.py's ``in_records``), and a dense type's values
+    are not."""
+    return "not quantised: int8 rows multiply quantised blocks"
 
 
 @dataclass(frozen=True)
@@ -476,7 +473,7 @@ def by_type(kinds: dict[str, str], rows: dict[str, str], asked: str) -> dict[str
     of the file holds), e.g. ``{"Q4_K": "blocks: 168", "F16": "fp32: 42 (not quantised)"}``. ``kinds``: each layer's
     type; ``rows``: the rows of each layer on the kernel, ``"fp32"`` or ``"int8"``; ``asked``: the rows asked for. A
     type whose layers take more than one path lists each, joined by "; ": on the kernel with the rows asked for, then
-    with fp32 rows where int8 ones were asked for but the records do not hold the layer, then fp32 layers, with the
+    with fp32 rows where int8 ones were asked for but the layer is not quantised, then fp32 layers, with the
     reason.
     """
     paths: dict[str, Counter[tuple[int, str]]] = {}

@@ -288,10 +288,11 @@ def _attach(layer: Any, family: families.Family, torch: Any, head: Any, tail: An
         int8 = module.activations == "int8"
         pointers = [a.data_ptr() for a in module.arrays]
         codes, scales, zeros = (pointers[0], 0, 0) if int8 else pointers
-        return Linear(codes, scales, zeros, module.in_features, module.out_features, module.bits, int8)
+        bits = module.record_bits if int8 else module.bits  # int8 rows: the records' bits (their tail's kind)
+        return Linear(codes, scales, zeros, module.in_features, module.out_features, bits, int8)
 
     def int8_linear(module: Any) -> Linear:  # TTFT_DEGRADE=int8: the records held beside the panels
-        return Linear(module.records.data_ptr(), 0, 0, module.in_features, module.out_features, module.bits, 1)
+        return Linear(module.records.data_ptr(), 0, 0, module.in_features, module.out_features, module.record_bits, 1)
 
     # Joined first: the layers then compute on views of the joined arrays (their own panels of them).
     parts = {name: [layer.get_submodule(LINEARS[part]) for part in names] for name, names in JOINED.items()}

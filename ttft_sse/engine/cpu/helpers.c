@@ -401,7 +401,7 @@ int ttft_blocks_linear(const float *x, int64_t M, int64_t K, const uint8_t *code
 
 int ttft_q8_linear(const float *x, int64_t M, int64_t K, const uint8_t *records, int bits, int64_t N, float *y) {
 #if defined(Q_VNNI) || defined(Q_AVX2)
-    if (K % BLOCK != 0 || (bits != 4 && bits != 8)) return -1;
+    if (K % BLOCK != 0 || !q8_takes(bits)) return -1;
     if (M <= 0) return 0;
     struct job j = {.int8 = 1, .M = M, .K = K, .N = N, .codes = records, .bits = bits};
     int shared = share_call(j, x, y);

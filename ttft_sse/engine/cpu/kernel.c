@@ -29,7 +29,6 @@
 #include "blocks.h"
 #include "kernel.h"
 
-#define SIXTEEN 6     /* bits of Q6_K's layout: 8-bit codes, a scale each 16 inputs, no zero */
 #define HALF 16       /* dense layouts (F16, BF16 and F32 files): the weights themselves, no scale or zero: fp16, */
 #define BRAIN 17      /* bf16 */
 #define FULL 32       /* and fp32 values */

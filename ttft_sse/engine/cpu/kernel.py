@@ -16,9 +16,9 @@ on the batch it shares steps with, which oneDNN's GEMMs, whose blocking depends 
 max|x| / 127, as llama.cpp does for these formats, and multiplies by the codes in integers (AVX-512 VNNI, or AVX2 with
 F16C; laid out by :func:`records`; both builds give the same bits). Each row's result is still independent of the
 others in the call, but not of rounding: an activation that moves by an fp32 rounding can cross a step and move by
-1/127 of its block. So the answers are the int8 model's, not the fp32 model's, hence off by default. The records
-hold scales and offsets in fp16 each 32 inputs: a layer whose scales or offsets are not fp16 values (a K-quant's
-``d*sc``, Q5_1's offsets), or whose scales cover 16 inputs (Q6_K), keeps fp32 rows on the kernel (:func:`in_records`).
+1/127 of its block. So the answers are the int8 model's, not the fp32 model's, hence off by default. Every quantised
+type has int8 records (:func:`records`: fp16 scales and offsets where they are the file's fp16 values, fp32 ones for
+the K-quants and Q5_1, Q6_K's two scales a block); a dense type's layers keep fp32 rows (:func:`in_records`).
 
 ``TTFT_DEGRADE=int8`` keeps fp32 rows as the start-up arithmetic and gives every layer the records too
 (:func:`apply`'s ``degrade``), so that the engine can switch to int8 rows at run time: a thread's passes use them
@@ -56,7 +56,7 @@ import structlog
 
 from ttft_sse.engine.cpu import arrangement, weights
 from ttft_sse.engine.cpu import codes as gguf_codes
-from ttft_sse.engine.cpu.layouts import PANEL, in_records, probed_outputs
+from ttft_sse.engine.cpu.layouts import PANEL, in_records, probed_outputs, record_bits
 
 log = structlog.get_logger("ttft_sse.engine")
 
@@ -244,9 +244,9 @@ def apply(
     with the kernel built in ``directory``; the codes are kept in ``cache`` for the next start, and the layers' arrays
     as laid out beside it (engine/cpu/arrangement.py), which a later start maps instead of reading and laying out
     the codes again. ``activations``:
-    ``"int8"`` quantises each row per block of 32 inputs first, as llama.cpp does, in each layer whose scales and
-    offsets the int8 records hold (:func:`in_records`; the others keep fp32 rows, as all do on a CPU with neither
-    AVX-512 VNNI nor AVX2 and F16C, where the log says so); ``"fp32"`` keeps the fp32 model's arithmetic.
+    ``"int8"`` quantises each row per block of 32 inputs first, as llama.cpp does, in each quantised layer
+    (:func:`in_records`; a dense type's keep fp32 rows, as all do on a CPU with neither AVX-512 VNNI nor AVX2 and
+    F16C, where the log says so); ``"fp32"`` keeps the fp32 model's arithmetic.
 
     Returns the activations the layers use (None when nothing changed: logged with the reason when the kernel
     cannot be built or disagrees with its reference on a probe) and the path of each GGUF type's layers, also
@@ -255,8 +255,8 @@ def apply(
     oneDNN's fp32 GEMMs on all of them are faster for prompts.
 
     ``degrade`` (with fp32 ``activations``): each layer holds the int8 rows' records beside its fp32 panels, both
-    checked on the probe, and a thread computes with them while :data:`ROWS` says so. Where that cannot be (the
-    reasons above, a CPU without int8 rows, or a layer whose scales the records cannot hold), raises
+    checked on the probe, and a thread computes with them while :data:`ROWS` says so (a dense type's layers keep
+    fp32 rows in both). Where that cannot be (the reasons above, or a CPU without int8 rows), raises
     :class:`Refused` with the reason instead."""
     if degrade and activations != "fp32":
         raise ValueError("degrade adds int8 rows to fp32 ones: activations must be fp32")
@@ -314,12 +314,6 @@ def _apply(
             name: "fp32" if activations == "int8" and not in_records(codes) else activations
             for name, codes in found.codes.items()
         }
-        outside = {found.kinds[n] for n, c in found.codes.items() if not in_records(c) and not c.unquantised}
-        if degrade and outside:
-            raise Refused(
-                f"int8 rows cannot hold the scales of the {', '.join(sorted(outside))} layers (not fp16 values, or one "
-                "each 16 inputs)"
-            )
         entries = {
             name: arrangement.laid_out(codes, rows[name], degrade, weights_now[name])
             for name, codes in found.codes.items()
@@ -331,8 +325,10 @@ def _apply(
     for name, layer in zip(entries, changed, strict=True):
         _hold_entry(layer, entries[name], library, torch)
     try:
-        for bits, row in sorted({(layer.bits, layer.activations) for layer in changed}):  # one layer of each
-            probed = next(m for m in changed if (m.bits, m.activations) == (bits, row))
+        kinds = {(layer.bits, layer.activations, layer.record_bits or 0) for layer in changed}
+        for kind in sorted(kinds):  # one layer of each codes' bits, rows and records' tail
+            probed = next(m for m in changed if (m.bits, m.activations, m.record_bits or 0) == kind)
+            row = kind[1]
             _check(probed, torch, int8=row == "int8")
             if degrade and probed.records is not None:  # dense layers keep fp32 rows in the int8 mode too
                 with int8_rows():
@@ -342,7 +338,7 @@ def _apply(
             layer.fence()  # as BlockLinear's __del__ does: a helper may still read the codes (helpers.c)
             layer.__class__ = torch.nn.Linear
             del layer.arrays, layer.multiply, layer.bits, layer.activations, layer.fence
-            del layer.records, layer.int8_multiply
+            del layer.records, layer.int8_multiply, layer.record_bits
         raise Refused(str(exc)) from exc
     if fresh and stored is not None:  # probed: kept for the next start
         arrangement.save(stored, key, kept)
@@ -416,10 +412,13 @@ def _hold_entry(layer: Any, entry: arrangement.Entry, library: Path, torch: Any)
     layer.bits = entry.bits
     layer.activations = entry.rows
     layer.records = None if entry.records is None else torch.from_numpy(entry.records)
+    held_records = entry.arrays[0] if entry.rows == "int8" else entry.records
+    # int8_rows.c's bits for the records (their tail by their length), for every int8 call of this layer
+    layer.record_bits = None if held_records is None else record_bits(entry.bits, held_records.shape[-1])
     _hold(layer, tuple(torch.from_numpy(a) for a in entry.arrays))
     if layer.records is not None:
         int8, held = function(library, INT8), layer.records.data_ptr()
-        inputs, outputs, bits = layer.in_features, layer.out_features, layer.bits
+        inputs, outputs, bits = layer.in_features, layer.out_features, layer.record_bits
         layer.int8_multiply = lambda x, m, y: int8(x, m, inputs, held, bits, outputs, y)
     layer.__class__ = block_linear_class()
 
@@ -431,7 +430,8 @@ def _hold(layer: Any, arrays: tuple[Any, ...]) -> None:
     layer.arrays = arrays
     pointers = [a.data_ptr() for a in arrays]
     if layer.activations == "int8":
-        layer.multiply = lambda x, m, y: kernel(x, m, inputs, pointers[0], bits, outputs, y)
+        held_bits = layer.record_bits
+        layer.multiply = lambda x, m, y: kernel(x, m, inputs, pointers[0], held_bits, outputs, y)
     else:
         layer.multiply = lambda x, m, y: kernel(x, m, inputs, pointers[0], bits, pointers[1], pointers[2], outputs, y)
     if layer.records is None:
@@ -472,6 +472,7 @@ def block_linear_class() -> type[Any]:
         int8_multiply: Callable[[int, int, int], int]  # multiply for a thread on int8 rows (ROWS); else multiply
         kernel: Any  # kernel.c's function for its start-up rows (fp32 or int8)
         bits: int
+        record_bits: int | None  # int8_rows.c's bits for its records (layouts.record_bits); None without records
         activations: str
         fence: Callable[[], int]  # helpers.c's ttft_helper_fence
 

@@ -1,5 +1,5 @@
 """A weight's codes in the block kernel's layouts (kernel.c, int8_rows.c): panels of 16 outputs for fp32 rows,
-records for int8 rows; and whether the records can hold a weight exactly."""
+records for int8 rows, with fp16 tails where the file's values allow and fp32 ones elsewhere."""
 
 from __future__ import annotations
 
@@ -42,13 +42,21 @@ def panels(codes: gguf_codes.Codes) -> tuple[npt.NDArray[np.uint8], npt.NDArray[
     return np.ascontiguousarray(packed), scales, zeros
 
 
+WIDE = 64
+"""Added to the ``bits`` of int8 records of 4- or 8-bit codes whose tail holds fp32 scales and zeros (blocks.h's
+``Q_WIDE``)."""
+
+
 def records(codes: gguf_codes.Codes) -> npt.NDArray[np.uint8]:
     """``codes`` in the int8 kernel's layout (int8_rows.c): panels of :data:`PANEL` outputs (the last one padded with
     zero weights), each a record a block of 32 inputs: the unsigned codes four inputs a lane (4-bit ones: inputs
-    8g..8g+3 in the low nibbles, 8g+4..8g+7 in the high ones), then the 16 scales and the 16 offsets in fp16
-    (w = scale * code + offset; both are the file's own fp16 values). Codes of 4 or 8 bits only (:func:`in_records`)."""
-    if codes.bits not in (4, 8):
-        raise ValueError(f"int8 records hold codes of 4 or 8 bits with a scale each 32 inputs, not {codes.bits}")
+    8g..8g+3 in the low nibbles, 8g+4..8g+7 in the high ones), then the tail (:func:`record_bits` says which): the
+    16 scales and the 16 offsets in fp16 where both are the file's own fp16 values (w = scale * code + offset:
+    :func:`narrow`); else the 16 scales and the 16 zeros in fp32 (w = scale * q + zero, the codes' own); Q6_K's
+    (:data:`~ttft_sse.engine.cpu.codes.SIXTEEN`) the 16 fp32 scales of the block's first 16 inputs, then those of its
+    last 16. Quantised codes only (:func:`in_records`)."""
+    if not in_records(codes):
+        raise ValueError(f"int8 records hold quantised codes, not the values of a dense type ({codes.bits})")
     out, inputs = codes.q.shape
     padded, blocks = _padded(out), inputs // gguf_codes.BLOCK
     unsigned = np.zeros((padded, inputs), np.uint8)
@@ -61,16 +69,34 @@ def records(codes: gguf_codes.Codes) -> npt.NDArray[np.uint8]:
     else:
         lanes = unsigned.reshape(padded // PANEL, PANEL, inputs // 4, 4).transpose(0, 2, 1, 3)
     by_block = np.ascontiguousarray(lanes).reshape(padded // PANEL, blocks, -1)
-    offset = codes.zero - shift * codes.scale
-    scales, offsets = (_by_panel(values, np.float16).view(np.uint8) for values in (codes.scale, offset))
-    return np.ascontiguousarray(np.concatenate([by_block, scales, offsets], axis=2))
+    if codes.bits == gguf_codes.SIXTEEN:  # panels x blocks x (first half's 16, second half's 16)
+        tail = [_by_panel(codes.scale, np.float32).reshape(padded // PANEL, blocks, -1).view(np.uint8)]
+    elif narrow(codes):
+        offset = codes.zero - shift * codes.scale
+        tail = [_by_panel(values, np.float16).view(np.uint8) for values in (codes.scale, offset)]
+    else:
+        tail = [_by_panel(values, np.float32).view(np.uint8) for values in (codes.scale, codes.zero)]
+    return np.ascontiguousarray(np.concatenate([by_block, *tail], axis=2))
+
+
+def record_bits(bits: int, record_bytes: int) -> int:
+    """The ``bits`` int8_rows.c takes for records of codes of ``bits`` whose records are ``record_bytes`` long: 4
+    or 8 (fp16 tails), those plus :data:`WIDE` (fp32 ones), or SIXTEEN."""
+    if bits == gguf_codes.SIXTEEN:
+        return bits
+    narrow_bytes = (256 if bits == 4 else 512) + 64
+    return bits if record_bytes == narrow_bytes else bits + WIDE
 
 
 def in_records(codes: gguf_codes.Codes) -> bool:
-    """Whether :func:`records` holds ``codes``' weights exactly: every scale and offset an fp16 value, and each
-    offset plus the codes' shift times the scale the zero (Q4_0, Q4_1, Q5_0 and Q8_0 as the file stores them; not a
-    K-quant's ``d*sc``, of up to 17 bits, nor Q5_1's ``m - 112*d``), and a scale each 32 inputs (not Q6_K's each
-    16)."""
+    """Whether :func:`records` holds ``codes``: every quantised type (a dense type's values are not quantised)."""
+    return codes.bits in (4, 8, gguf_codes.SIXTEEN)
+
+
+def narrow(codes: gguf_codes.Codes) -> bool:
+    """Whether the records of ``codes`` take fp16 tails: a scale each 32 inputs, every scale and offset an fp16
+    value, and each offset plus the codes' shift times the scale the zero (Q4_0, Q4_1, Q5_0 and Q8_0 as the file
+    stores them; not a K-quant's ``d*sc``, of up to 17 bits, nor Q5_1's ``m - 112*d``)."""
     if codes.bits not in (4, 8):
         return False
     shift = 8 if codes.bits == 4 else 128

@@ -203,7 +203,7 @@ def _no_int8_mode(settings: Settings, source: sources.ModelSource, device: str, 
     if not settings.gguf_kernel:
         return "TTFT_GGUF_KERNEL=false turns off the block kernel, whose int8 rows it is"
     if source.kind != "gguf":
-        return f"it needs a GGUF model's Q4_0/Q4_1/Q8_0 blocks, and {source.location!r} is a {source.kind} model"
+        return f"it needs a GGUF model's quantised blocks, and {source.location!r} is a {source.kind} model"
     if device != "cpu" or dtype != torch.float32:
         runs = f"{device} in {str(dtype).removeprefix('torch.')}"
         return f"it is the CPU block kernel's, for fp32 on CPU; the model runs on {runs}"
