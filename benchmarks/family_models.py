@@ -1,8 +1,8 @@
 """Q4_K_M models of other families for the speed comparison, built here without downloading any weights.
 
-    python benchmarks/family_models.py                      # every family; prints each GGUF's path, size and tensor types
+    python benchmarks/family_models.py                # every family; prints each GGUF's path, size and tensor types
     python benchmarks/family_models.py qwen2.5-0.5b gemma3-270m
-    python benchmarks/family_models.py --list               # the names, one a line
+    python benchmarks/family_models.py --list         # the names, one a line
 
 Each model has the shape of a published small model of its family (hidden size, layers, heads, KV heads, head size,
 intermediate size, rope settings, sliding windows, tied embeddings: the figures of its ``config.json``, copied below

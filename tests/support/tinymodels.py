@@ -146,7 +146,8 @@ _ARCHITECTURES = {"qwen2": "QWEN2", "qwen3": "QWEN3", "gemma3": "GEMMA3", "nemot
 
 def gguf_model(family: str, path: Path, *, hidden: int = 64, layers: int = 0, kind: str = "Q8_0") -> None:
     """A random-weight ``family`` model (:data:`GGUF_FAMILIES`) written as a GGUF at ``path``: its decoder layers'
-    linear layers quantised as ``kind``, everything else fp32; every bias and norm weight random (none is what the
+    linear layers quantised as ``kind`` (``Q4_K_M``: llama.cpp's mix, Q4_K with ``attn_v`` and ``ffn_down`` in Q6_K;
+    a K-quant needs ``hidden`` a multiple of 256), everything else fp32; every bias and norm weight random (none is what the
     library initialises it to, so each changes the output). ``layers`` 0: 2 (6 for Gemma 3, one full and five
     sliding-window layers)."""
     import gguf
@@ -154,7 +155,7 @@ def gguf_model(family: str, path: Path, *, hidden: int = 64, layers: int = 0, ki
     import torch
     from transformers import AutoModelForCausalLM
 
-    from tests.support.ggufs import write_model_gguf
+    from tests.support.ggufs import quantise, write_model_gguf
 
     layers = layers or (6 if family == "gemma3" else 2)
     config = _family_config(family, hidden, layers)
@@ -176,10 +177,13 @@ def gguf_model(family: str, path: Path, *, hidden: int = 64, layers: int = 0, ki
         data = parameter.detach().float().numpy()
         if family in ("gemma3", "nemotron") and name.endswith("norm.weight"):
             data = data + np.float32(1.0)  # the GGUF stores 1 + w (convert_hf_to_gguf.py), the loader takes 1 off
-        quantise = data.ndim == 2 and ".layers." in name
-        tensors[f"{target}.{suffix}"] = (
-            (gguf.quants.quantize(data, gguf.GGMLQuantizationType[kind]), kind) if (quantise) else (data, "F32")
-        )
+        if data.ndim == 2 and ".layers." in name:
+            stored = kind
+            if kind == "Q4_K_M":
+                stored = "Q6_K" if target.endswith(("attn_v", "ffn_down")) else "Q4_K"
+            tensors[f"{target}.{suffix}"] = (quantise(data, stored)[0], stored)
+        else:
+            tensors[f"{target}.{suffix}"] = (data, "F32")
     metadata: dict[str, Any] = {
         "context_length": config.max_position_embeddings,
         "embedding_length": hidden,

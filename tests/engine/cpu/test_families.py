@@ -165,6 +165,39 @@ async def test_concurrent_requests_on_the_batched_engine_each_get_the_text_they_
         await engine.close()
 
 
+async def test_a_q4_k_m_file_runs_fused_on_int8_rows_and_the_degraded_mode_answers_as_that_engine(
+    gguf_of: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """A Q4_K_M file's Q4_K and Q6_K layers have int8 records (fp32 scales; Q6_K's two a block): with
+    TTFT_GGUF_ACTIVATIONS=int8 every decoder layer runs in C on int8 rows, and with TTFT_DEGRADE=int8 the batched
+    engine starts, and switched to int8 gives that engine's greedy answers, each saying degraded."""
+    root = tmp_path_factory.mktemp("k-quant")
+    path = tinymodels.build_gguf("qwen3", root, hidden=256, kind="Q4_K_M")
+    base = Settings(model=str(path), cache_dir=root / "cache", threads=1, prefill_process=False)
+    single = SingleEngine(base.replace(gguf_activations="int8"))
+    batched = BatchedEngine(base.replace(degrade="int8"))
+    with capture_logs() as logs:
+        single.load(StageClock())
+        batched.load(StageClock())
+    try:
+        by_type = {"Q4_K": "blocks, int8 rows: 10", "Q6_K": "blocks, int8 rows: 4"}  # the fp32 LM head's rows too
+        by_type["F32"] = "blocks, fp32 rows: 1 (not quantised: int8 rows multiply quantised blocks)"
+        assert [e["by_type"] for e in logs if e["event"] == "weights_blocks"][0] == by_type
+        assert single.info.weights == "gguf-blocks-int8"
+        assert single.info.decoder == batched.info.decoder == "fused: 2 of 2 layers"
+        assert batched.info.modes == ("normal", "int8")
+        params = SamplingParams(max_tokens=16)
+        normal = [await collect(batched.stream(prompt_of(batched, p), params)) for p in PROMPTS[:2]]
+        batched.set_mode("int8")
+        got = [await collect(batched.stream(prompt_of(batched, p), params)) for p in PROMPTS[:2]]
+        want = [await collect(single.stream(prompt_of(single, p), params)) for p in PROMPTS[:2]]
+        assert [(t, f.usage) for t, f in got] == [(t, f.usage) for t, f in want]
+        assert [f.degraded for _, f in got] == [True, True] and not any(f.degraded for _, f in normal)
+        assert [t for t, _ in normal] != [t for t, _ in got]  # int8 rows are another model's arithmetic
+    finally:
+        await batched.close()
+
+
 def test_a_family_without_a_fused_form_runs_in_transformers_and_readyz_and_the_log_say_why(
     family_settings: Callable[..., Settings],
 ) -> None:
