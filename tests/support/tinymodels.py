@@ -146,10 +146,10 @@ _ARCHITECTURES = {"qwen2": "QWEN2", "qwen3": "QWEN3", "gemma3": "GEMMA3", "nemot
 
 def gguf_model(family: str, path: Path, *, hidden: int = 64, layers: int = 0, kind: str = "Q8_0") -> None:
     """A random-weight ``family`` model (:data:`GGUF_FAMILIES`) written as a GGUF at ``path``: its decoder layers'
-    linear layers quantised as ``kind`` (``Q4_K_M``: llama.cpp's mix, Q4_K with ``attn_v`` and ``ffn_down`` in Q6_K;
-    a K-quant needs ``hidden`` a multiple of 256), everything else fp32; every bias and norm weight random (none is what the
-    library initialises it to, so each changes the output). ``layers`` 0: 2 (6 for Gemma 3, one full and five
-    sliding-window layers)."""
+    linear layers quantised as ``kind`` (``Q4_K_M``: llama.cpp's mix, Q4_K with ``attn_v`` and ``ffn_down`` in
+    Q6_K; a K-quant needs ``hidden`` a multiple of 256), everything else fp32; every bias and norm weight random
+    (none is what the library initialises it to, so each changes the output). ``layers`` 0: 2 (6 for Gemma 3, one
+    full and five sliding-window layers)."""
     import gguf
     import numpy as np
     import torch

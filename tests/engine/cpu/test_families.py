@@ -182,7 +182,7 @@ async def test_a_q4_k_m_file_runs_fused_on_int8_rows_and_the_degraded_mode_answe
     try:
         by_type = {"Q4_K": "blocks, int8 rows: 10", "Q6_K": "blocks, int8 rows: 4"}  # the fp32 LM head's rows too
         by_type["F32"] = "blocks, fp32 rows: 1 (not quantised: int8 rows multiply quantised blocks)"
-        assert [e["by_type"] for e in logs if e["event"] == "weights_blocks"][0] == by_type
+        assert next(e["by_type"] for e in logs if e["event"] == "weights_blocks") == by_type
         assert single.info.weights == "gguf-blocks-int8"
         assert single.info.decoder == batched.info.decoder == "fused: 2 of 2 layers"
         assert batched.info.modes == ("normal", "int8")
