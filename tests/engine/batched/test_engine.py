@@ -102,9 +102,9 @@ async def test_concurrent_greedy_requests_give_the_single_engines_text(
     alone: list[int] = []
     run_layers, whole = decoder.run_layers, decoder.whole
 
-    def stack(*arguments: Any, between: bool) -> Any:
+    def stack(*arguments: Any, between: bool, **named: Any) -> Any:
         stacked.extend([1] if between else [])  # a step's, not an interlude's pass
-        return run_layers(*arguments, between=between)
+        return run_layers(*arguments, between=between, **named)
 
     monkeypatch.setattr(decoder, "run_layers", stack)
     monkeypatch.setattr(decoder, "whole", lambda *arguments: alone.append(1) or whole(*arguments))

@@ -366,16 +366,16 @@ def test_a_model_whose_attention_is_not_sdpa_is_left_alone(tmp_path: Any) -> Non
     ]
 
 
-def test_a_cache_with_sliding_window_layers_is_left_to_gather_as_the_library_does() -> None:
+def test_a_cache_with_layers_of_another_kind_is_left_to_gather_as_the_library_does() -> None:
     from types import SimpleNamespace
 
-    class SlidingAllocator:
+    class CompressedAllocator:  # neither full nor sliding-window attention
         index = 0
 
     def library_update(*args: Any) -> str:
         return "the library's"
 
-    cache = SimpleNamespace(cache_allocators={0: SlidingAllocator()}, update=library_update)
+    cache = SimpleNamespace(cache_allocators={0: CompressedAllocator()}, update=library_update)
     with capture_logs() as logs:
         assert attention.read_in_place(cache) is False
     assert cache.update is library_update
@@ -383,7 +383,7 @@ def test_a_cache_with_sliding_window_layers_is_left_to_gather_as_the_library_doe
         {
             "event": "attention_not_paged",
             "log_level": "warning",
-            "reason": "the model has other than full-attention layers",
+            "reason": "the model has other than full- and sliding-attention layers",
         }
     ]
 

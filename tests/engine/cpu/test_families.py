@@ -15,7 +15,7 @@ from tests.support import tinymodels
 from tests.support.engines import collect, prompt_of
 from ttft_sse.engine.base import SamplingParams
 from ttft_sse.engine.batched.engine import BatchedEngine
-from ttft_sse.engine.cpu import decoder, families
+from ttft_sse.engine.cpu import attention, decoder, families
 from ttft_sse.engine.single import SingleEngine
 from ttft_sse.settings import Settings
 from ttft_sse.stages import StageClock
@@ -33,6 +33,7 @@ PROMPTS = (
     "write a short answer: why is it so?",
 )
 assert all(len(p) > 2 * tinymodels.GEMMA3_WINDOW for p in PROMPTS)
+SHORT = ("hi", "paris?")  # within the window, with the special tokens
 
 
 @pytest.fixture(scope="module")
@@ -138,31 +139,74 @@ async def test_the_fused_engines_greedy_answer_is_the_unfused_engines(
 
 @pytest.mark.parametrize("family", FUSED)
 async def test_concurrent_requests_on_the_batched_engine_each_get_the_text_they_get_alone(
-    family_settings: Callable[..., Settings], family: str, monkeypatch: pytest.MonkeyPatch
+    family_settings: Callable[..., Settings],
+    singles: Callable[..., tuple[SingleEngine, list[Any]]],
+    family: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Qwen's steps run every layer in one C call over the paged cache read in place (``ttft_decoder_stack``);
-    Gemma 3's cache has sliding-window layers, which it does not read in place, so each of its layers runs its two
-    C calls around the library's cache and attention (which applies the window)."""
+    """Every layer runs in one C call over the paged cache read in place (``ttft_decoder_stack``). Gemma 3's
+    sliding-window layers are read in place too where writing first loses nothing (its decode steps); its prompts,
+    longer than the tiny model's window, wrap around the ring, and those steps take the library's reading and
+    attention for the sliding layers; each answer is the same alone or together. Prompts within the window are
+    read in place at every step, as the single engine's dense cache attends through the same C function: the same
+    answers as the single engine, bit for bit, after their decode steps have wrapped the ring twice."""
     engine = BatchedEngine(family_settings(family))
     engine.load(StageClock())
+    single, _ = singles(family)
     stacked: list[int] = []
-    run_layers = decoder.run_layers
+    windows: list[bool] = []
+    run_layers, window_index = decoder.run_layers, attention.window_index
 
-    def spy(*arguments: Any, between: bool) -> Any:
+    def spy(*arguments: Any, **named: Any) -> Any:
         stacked.append(1)
-        return run_layers(*arguments, between=between)
+        return run_layers(*arguments, **named)
+
+    def seen(*arguments: Any) -> Any:
+        found = window_index(*arguments)
+        windows.append(found is not None)
+        return found
 
     monkeypatch.setattr(decoder, "run_layers", spy)
+    monkeypatch.setattr(attention, "window_index", seen)
     try:
         assert engine.info.decoder == f"fused: {LAYERS[family]} of {LAYERS[family]} layers"
         params = SamplingParams(max_tokens=20)
         alone = [await collect(engine.stream(prompt_of(engine, p), params)) for p in PROMPTS]
         together = await asyncio.gather(*(collect(engine.stream(prompt_of(engine, p), params)) for p in PROMPTS))
         assert [(t, f.usage) for t, f in together] == [(t, f.usage) for t, f in alone]
+        for prompt in SHORT:
+            got = await collect(engine.stream(prompt_of(engine, prompt), params))
+            want = await collect(single.stream(prompt_of(single, prompt), params))
+            assert (got[0], got[1].usage) == (want[0], want[1].usage), prompt
+            assert got[1].usage.prompt_tokens <= tinymodels.GEMMA3_WINDOW
         assert all(f.usage.completion_tokens == 20 for _, f in alone)
-        assert bool(stacked) == (family != "gemma3")
+        assert stacked
+        # Gemma 3: in place at every decode step, the library's reading for the prompts that wrap the ring.
+        assert (True in windows, False in windows) == ((True, True) if family == "gemma3" else (False, False))
     finally:
         await engine.close()
+
+
+def test_a_sliding_window_step_reads_in_place_only_where_writing_first_overwrites_nothing_it_reads() -> None:
+    """The library's ring of a window of 4 (one page of 4 rows at 8..11): its read index lists a request's cached
+    rows, then a placeholder (1) for each new row; its write index, the new rows' places (the trash row, 99, for new
+    rows past the window)."""
+
+    class Ring:
+        sentinel_index, write_trash_index = 1, 99
+
+    tensor = torch.tensor
+    # A decode step at position 6: rows of positions 3, 4, 5, then the new one, which takes position 2's row.
+    got = attention.window_index(tensor([11, 8, 9, 1]), tensor([10]), Ring(), torch)
+    assert got.tolist() == [11, 8, 9, 10]
+    # Two requests' decode steps, and a new prompt alone (nothing to read: its own rows).
+    got = attention.window_index(tensor([8, 1, 20, 21, 1]), tensor([9, 22]), Ring(), torch)
+    assert got.tolist() == [8, 9, 20, 21, 22]
+    assert attention.window_index(tensor([], dtype=torch.int64), tensor([8, 9]), Ring(), torch).tolist() == [8, 9]
+    # Two new rows at positions 6 and 7 behind 3, 4, 5: position 7 takes position 3's row, which the step reads.
+    assert attention.window_index(tensor([11, 8, 9, 1, 1]), tensor([10, 11]), Ring(), torch) is None
+    # A prompt longer than the window: its first rows go to the trash.
+    assert attention.window_index(tensor([], dtype=torch.int64), tensor([99, 8, 9, 10, 11]), Ring(), torch) is None
 
 
 async def test_a_q4_k_m_file_runs_fused_on_int8_rows_and_the_degraded_mode_answers_as_that_engine(

@@ -250,6 +250,8 @@ class BatchedEngine:
             return "they need the decoder layers in C (TTFT_FUSED_LAYERS)"
         if not self._settings.prefix_cache:
             return "they hand their KV to the batch through the prefix cache (TTFT_PREFIX_CACHE)"
+        if any(getattr(layer.self_attn, "sliding_window", None) for layer in layers):
+            return "they hand their KV over by the prefix cache, which the library's sliding-window layers do not share"
         return None
 
     def _create_manager(self, *, paged: bool) -> Any:

@@ -244,14 +244,13 @@ def _step(model: Any, torch: Any, in_place: Any, prompts: Sequence[tuple[str, li
         )  # fmt: skip
     with torch.inference_mode():
         x = base.embed_tokens(torch.tensor([[t for r in rows for t in r]]))
-        cos, sin = (
-            t.contiguous() for t in base.rotary_emb(x, position_ids=torch.tensor([[p for r in positions for p in r]]))
-        )
+        position_ids = torch.tensor([[p for r in positions for p in r]])
+        cos, sin = (t.contiguous() for t in base.rotary_emb(x, position_ids=position_ids))
         x = x.contiguous()
         count = int(cu_q[-1])
         chain = getattr(base.layers[0], "chain", None)
         if chain is not None:  # every layer in one call
-            x = decoder.run_layers(chain, in_place, steps, x, count, cos, sin, between=False)
+            x = decoder.run_layers(chain, in_place, steps, x, count, cos, sin, between=False, positions=position_ids)
         else:
             for layer in base.layers:
                 index = layer.self_attn.layer_idx

@@ -8,6 +8,13 @@ layer's cache rows and the step's key index; ``attention.c`` then attends each r
 through the index, in fp32, with AVX-512 or AVX2 and FMA. Requests of more than :data:`LONG_ROWS` rows take SDPA over
 their own gathered keys.
 
+A sliding-window layer's cache (Gemma 3's) is a ring of its window's rows, which the library reads before it writes
+(a new row takes the place of the one that slid out). A step reads it in place where writing first loses no row the
+step reads: each request's new rows land on none of the rows it reads (every decode step, and a prompt that ends
+within the window); its keys, the rows read with the new ones in their places, are then in order and within every
+query row's window, so the window is plain causal attention over them (:func:`window_index`). Other steps (a
+prompt or chunk that wraps around the ring) take the library's reading and its attention for those layers.
+
 The single-request engine's calls and the prefill process's (engine/batched/prefill.py: prompts behind a cached
 prefix, several side by side) take the same C function over their dense caches, by way of the ``sdpa`` function
 engine/cpu/grouped.py registers: a request's rows come out of every engine bit for bit alike. The decoder layers in C
@@ -67,9 +74,18 @@ batching's bookkeeping among them). Any other one set (a softcap, a sliding wind
 for the attention weights) sends the call to the library's function."""
 
 
-def plain_kwargs(kwargs: dict[str, Any]) -> bool:
-    """Whether an attention call's keyword arguments leave it one the C function computes (:data:`PLAIN`)."""
-    return all(name in PLAIN or value is None or value is False for name, value in kwargs.items())
+def plain_kwargs(kwargs: dict[str, Any], keys: int | None = None) -> bool:
+    """Whether an attention call's keyword arguments leave it one the C function computes (:data:`PLAIN`). A sliding
+    window changes nothing where no query row has more keys than it: ``keys``, the most keys a row of the call
+    sees, is at most the window (0 for a call over the paged cache read in place, whose sliding-window steps
+    :func:`window_index` keeps so)."""
+    for name, value in kwargs.items():
+        if name in PLAIN or value is None or value is False:
+            continue
+        if name == "sliding_window" and keys is not None and keys <= int(value):
+            continue
+        return False
+    return True
 
 
 def page(model: Any, torch: Any, directory: Path) -> int:
@@ -201,14 +217,25 @@ def read_in_place(cache: Any) -> bool:
     keys and values into new tensors: it hands the attention function (``grouped.grouped_sdpa``, for modules
     :func:`page` marked) the layer's cache rows and the step's key index instead (keyword :data:`KV`). The cache
     also keeps an :class:`InPlace` (attribute :data:`IN_PLACE`), by which the decoder layers in C
-    (engine/cpu/decoder.py) write and attend in one call. Only for caches of full-attention layers (sliding windows are
-    left as they are: returns False)."""
+    (engine/cpu/decoder.py) write and attend in one call. Full-attention layers' caches, and sliding-window ones'
+    where a step can read them in place (:func:`window_index`; other steps of those layers read as the library
+    does). Returns False, leaving the cache as it is, for any other allocator (or one whose internals this code
+    does not know)."""
     from transformers.generation.continuous_batching.cache_allocators.full_attention import (
         FullAttentionCacheAllocator,
     )
+    from transformers.generation.continuous_batching.cache_allocators.sliding_attention import (
+        SlidingAttentionCacheAllocator,
+    )
 
-    if not all(type(a) is FullAttentionCacheAllocator for a in cache.cache_allocators.values()):
-        log.warning("attention_not_paged", reason="the model has other than full-attention layers")
+    known = (FullAttentionCacheAllocator, SlidingAttentionCacheAllocator)
+    allocators = list(cache.cache_allocators.values())
+    if not all(type(a) in known for a in allocators):
+        log.warning("attention_not_paged", reason="the model has other than full- and sliding-attention layers")
+        return False
+    internals = ("_kv_page_views", "sentinel_index", "write_trash_index", "sliding_window")
+    if not all(hasattr(a, name) for a in allocators if type(a) is SlidingAttentionCacheAllocator for name in internals):
+        log.warning("attention_not_paged", reason="the sliding-window cache is not the one this code reads in place")
         return False
     library: Callable[..., tuple[Any, Any]] = cache.update
     in_place = InPlace(cache)
@@ -216,8 +243,10 @@ def read_in_place(cache: Any) -> bool:
     def update(key_states: Any, value_states: Any, layer_idx: int, kwargs: dict[str, Any]) -> tuple[Any, Any]:
         if kwargs.get("block_table") is not None:  # the library's decode path for flash kernels (CUDA)
             return library(key_states, value_states, layer_idx, kwargs)
+        index = in_place.index(kwargs, cache.layer_to_allocator[layer_idx])
+        if index is None:  # a sliding-window step that overwrites what it reads: the library reads, then writes
+            return library(key_states, value_states, layer_idx, kwargs)
         reads = kwargs["read_index"]
-        index = key_index(kwargs, cache.layer_to_allocator[layer_idx].index)
         kwargs["read_index"] = [i[:0] for i in reads]  # nothing to read: the library only writes
         try:
             states = library(key_states, value_states, layer_idx, kwargs)
@@ -229,6 +258,35 @@ def read_in_place(cache: Any) -> bool:
     cache.update = update
     setattr(cache, IN_PLACE, in_place)
     return True
+
+
+def _page_views(allocator: Any, layer: int) -> tuple[Any, Any]:
+    """A layer's key and value pages: the library's block-table views, which a sliding-window allocator holds as
+    its full-attention base does but does not hand out (the ring has no block-table path)."""
+    if hasattr(allocator, "sliding_window"):
+        views: tuple[Any, Any] = allocator._kv_page_views[layer]
+        return views
+    pages: tuple[Any, Any] = allocator.get_cache_for_block_table(layer)
+    return pages
+
+
+def window_index(read: Any, write: Any, allocator: Any, torch: Any) -> Any:
+    """The keys a step's attention reads in place for the layers of sliding-window ``allocator``, or None where it
+    cannot: the library's ``read`` index (each request's cached rows in order, then a placeholder for each new row)
+    with the new rows' ``write`` rows in the placeholders' places, if the new rows are all stored (none past the
+    window, sent to the library's trash row) and none lands on a row read (which writing first would overwrite).
+    Then each request's keys are at most its window, in order, so every query row's window holds all of its causal
+    keys."""
+    if bool((write == allocator.write_trash_index).any()):
+        return None
+    if read.numel() == 0:  # new prompts alone: their own rows
+        return write
+    placeholders = read == allocator.sentinel_index
+    if bool(torch.isin(write, read[~placeholders]).any()):
+        return None
+    index = read.clone()
+    index[placeholders] = write
+    return index
 
 
 def key_index(kwargs: dict[str, Any], group: int) -> Any:
@@ -267,9 +325,11 @@ class InPlace:
         # Each layer's key and value rows: its page views, flattened. They cover every row an index reaches (the
         # value rows' length, the shorter view).
         self.rows: dict[int, tuple[Any, Any]] = {
-            layer: tuple(x.flatten(0, 1) for x in allocator.get_cache_for_block_table(layer))
+            layer: tuple(x.flatten(0, 1) for x in _page_views(allocator, layer))
             for layer, allocator in cache.layer_to_allocator.items()
         }
+        # The step whose key indices are held (its kwargs' write index list) and each group's (None: not in place).
+        self._indices: tuple[Any, dict[int, Any]] = (None, {})
         # The step in flight: its kwargs' index list and query starts (held, so that their identity names the step)
         # and its Step for each allocator group.
         self._step: tuple[Any, Any, dict[int, Step]] = (None, None, {})
@@ -283,6 +343,26 @@ class InPlace:
         self.stacked: Any = None
         """The output of the step in flight's decoder layers, computed in one call by its first layer: the later
         layers pass it on."""
+
+    def index(self, kwargs: dict[str, Any], allocator: Any) -> Any:
+        """The key index the layers of ``allocator`` read in place in the step ``kwargs`` describe (int64), or None
+        where they cannot (a sliding-window step that overwrites what it reads: :func:`window_index`). Made once a
+        step and group."""
+        writes, held = self._indices
+        if writes is not kwargs["write_index"]:
+            writes, held = kwargs["write_index"], {}
+            self._indices = (writes, held)
+        group = allocator.index
+        if group not in held:
+            import torch
+
+            if hasattr(allocator, "sliding_window"):
+                write = writes[group].to(torch.int64)
+                found = window_index(kwargs["read_index"][group].to(torch.int64), write, allocator, torch)
+            else:
+                found = key_index(kwargs, group).to(torch.int64)
+            held[group] = None if found is None else found.contiguous()
+        return held[group]
 
     def step(self, module: Any, kwargs: dict[str, Any]) -> Step | None:
         """For a layer's call in a batched step that :func:`paged_attention` computes whole (``module`` marked by
@@ -314,8 +394,10 @@ class InPlace:
         if writes is not kwargs["write_index"] or starts_q is not kwargs["cu_seq_lens_q"]:
             writes, starts_q, steps = kwargs["write_index"], kwargs["cu_seq_lens_q"], {}
             self._step = (writes, starts_q, steps)
+        index = self.index(kwargs, allocator)
+        if index is None:
+            return None
         write = writes[group].to(torch.int64).contiguous()
-        index = key_index(kwargs, group).to(torch.int64).contiguous()
         keys = self.rows[module.layer_idx][0]
         slots = int(keys.shape[0])
         if any(int(t.max()) >= slots for t in (write, index) if t.numel()):

@@ -297,6 +297,7 @@ struct stack { /* decoder.py's Stack: a batched step's layers, in order */
     const struct step *const *steps; /* each layer's */
     float *const *keys, *const *values; /* each layer's cache rows */
     const volatile int32_t *waiting;    /* nonzero: a newcomer waits (the interludes' flag); NULL: never */
+    const float *const *cos, *const *sin; /* each layer's rotary embedding (Gemma 3's two kinds); NULL: the call's */
 };
 
 /* One buffer a thread for the rows between two layers of a stack (two halves, in turn), kept. */
@@ -324,8 +325,8 @@ int ttft_decoder_stack(const struct stack *S, int64_t from, const float *x, int6
     int64_t i = from;
     for (; i < S->count; i++) {
         if (i > from && S->waiting != NULL && *S->waiting != 0) break;
-        int status =
-            ttft_decoder_layer(S->layers[i], S->steps[i], in, M, cos, sin, S->keys[i], S->values[i], next);
+        const float *c = S->cos == NULL ? cos : S->cos[i], *s = S->sin == NULL ? sin : S->sin[i];
+        int status = ttft_decoder_layer(S->layers[i], S->steps[i], in, M, c, s, S->keys[i], S->values[i], next);
         if (status != 0) return status;
         in = next;
         next = next == halves ? halves + M * H : halves;

@@ -85,6 +85,10 @@ class Chain:
     addresses: Any  # a ctypes array of each layer's ``Layer``
     run: Any  # ttft_decoder_stack
     int8_addresses: Any = None  # each layer's int8 ``Layer`` (TTFT_DEGRADE=int8), for a thread on int8 rows
+    # Where layers take rotary embeddings of different kinds (Gemma 3's sliding and full layers: other bases), each
+    # layer's kind and the model's rotary embedding that makes them; else empty and None (one for all).
+    kinds: tuple[str, ...] = ()
+    rotary: Any = None
 
 
 @dataclass(frozen=True)
@@ -137,13 +141,17 @@ def run_layers(
     sin: Any,
     *,
     between: bool,
+    positions: Any = None,
 ) -> Any:
     """The output of ``chain``'s layers for the ``rows`` rows of ``x``, in one C call (``ttft_decoder_stack``): each
     layer's one call (as :func:`whole`) in turn over the paged cache of ``in_place``, by the step of its allocator
-    group (``steps``). With ``between``, ``in_place.between`` runs before the first layer and wherever the call
-    stops because ``in_place.waiting`` says a newcomer waits; the call then goes on from that layer."""
+    group (``steps``). ``cos`` and ``sin`` are the first layer's rotary embedding; where the chain's layers take
+    several kinds (:attr:`Chain.kinds`), the others are made here for ``positions`` (the rows' position ids). With
+    ``between``, ``in_place.between`` runs before the first layer and wherever the call stops because
+    ``in_place.waiting`` says a newcomer waits; the call then goes on from that layer."""
     import torch
 
+    tables = _rotary_tables(chain, x, cos, sin, positions)  # held: C reads them
     found = _rows(chain, in_place)
     made = {group: _c_step(shared, found.firsts[group]) for group, shared in steps.items()}  # held: C reads them
     pointers = (_PTR * len(found.groups))(*(ctypes.addressof(made[group]) for group in found.groups))
@@ -153,6 +161,7 @@ def run_layers(
         len(chain.layers), ctypes.addressof(layers), ctypes.addressof(pointers),
         ctypes.addressof(found.keys), ctypes.addressof(found.values),
         None if waiting is None else ctypes.addressof(waiting),
+        *((None, None) if tables is None else (ctypes.addressof(tables[0]), ctypes.addressof(tables[1]))),
     )  # fmt: skip
     serve = in_place.between if between else None
     if serve is not None:
@@ -170,6 +179,25 @@ def run_layers(
         at, source = status, y  # stopped before layer `status`: y holds the output of the layers before it
         if serve is not None:
             serve(in_place)
+
+
+def _rotary_tables(chain: Chain, x: Any, cos: Any, sin: Any, positions: Any) -> tuple[Any, Any, Any] | None:
+    """Each layer's rotary embedding as ctypes arrays of addresses (cos, sin), and the tensors behind them, where
+    the chain's layers take several kinds; None where they take one (the call's ``cos`` and ``sin``). The first
+    layer's kind is ``cos`` and ``sin``; each other kind is made by the model's rotary embedding for ``positions``,
+    as the model makes it for its layers."""
+    if not chain.kinds:
+        return None
+    if positions is None:
+        raise ValueError("the layers take rotary embeddings of several kinds: their positions are needed")
+    made = {chain.kinds[0]: (cos, sin)}
+    for kind in dict.fromkeys(chain.kinds):
+        if kind not in made:
+            c, s = chain.rotary(x, positions, kind)
+            made[kind] = (c.expand(cos.shape).contiguous(), s.expand(sin.shape).contiguous())
+    count = len(chain.kinds)
+    arrays = tuple((_PTR * count)(*(made[kind][n].data_ptr() for kind in chain.kinds)) for n in (0, 1))
+    return arrays[0], arrays[1], made
 
 
 def _c_step(shared: attention.Step, module: Any) -> Step:
@@ -260,7 +288,13 @@ def fuse(model: Any, torch: Any, library: Path) -> int:
     # All of them, in the model's order (its layers' list, each at its own cache index): a step runs them in one call.
     if candidates == layers and all(m.self_attn.layer_idx == i for i, m in enumerate(layers)):
         arrays = [(_PTR * len(layers))(*(m.addresses[int8] for m in layers)) for int8 in (0, 1)]
-        chain = Chain(tuple(layers), arrays[0], function(library, STACK), arrays[1] if both else None)
+        kinds = tuple(getattr(m.self_attn, "layer_type", "") for m in layers)
+        rotary = getattr(model.base_model, "rotary_emb", None)
+        several = len(set(kinds)) > 1 and bool(getattr(rotary, "layer_types", None))
+        chain = Chain(
+            tuple(layers), arrays[0], function(library, STACK), arrays[1] if both else None,
+            kinds if several else (), rotary if several else None,
+        )  # fmt: skip
         for layer in layers:
             layer.chain = chain
     extra: dict[str, Any] = {"int8_too": True} if both else {}  # TTFT_DEGRADE=int8: both arrangements
@@ -404,7 +438,7 @@ def _fused_class(base: Any) -> type[Any]:
             rows = x.numel() // layer.hidden
             shared = None if in_place is None else in_place.step(self.self_attn, kwargs)
             if in_place is not None and shared is not None:
-                return _in_place(self, in_place, shared, kwargs, x, rows, cos, sin)
+                return _in_place(self, in_place, shared, kwargs, x, rows, cos, sin, position_ids)
             kwargs = {"position_ids": position_ids, "use_cache": use_cache, **kwargs}
             return _around_attention(self, cache, attention_mask, kwargs, x, rows, cos, sin)
 
@@ -413,7 +447,15 @@ def _fused_class(base: Any) -> type[Any]:
 
 
 def _in_place(
-    module: Any, in_place: attention.InPlace, shared: Any, kwargs: dict[str, Any], x: Any, rows: int, cos: Any, sin: Any
+    module: Any,
+    in_place: attention.InPlace,
+    shared: Any,
+    kwargs: dict[str, Any],
+    x: Any,
+    rows: int,
+    cos: Any,
+    sin: Any,
+    positions: Any,
 ) -> Any:
     """A batched step over the paged cache read in place: one call writes this layer's keys and values into its cache
     rows and attends by attention.c's function, as :func:`_around_attention` would. Where the model's layers are all
@@ -424,7 +466,7 @@ def _in_place(
     if chain is not None and module is chain.layers[0] and stoppable:
         steps = step_groups(chain, in_place, kwargs)
         if steps is not None:
-            in_place.stacked = run_layers(chain, in_place, steps, x, rows, cos, sin, between=True)
+            in_place.stacked = run_layers(chain, in_place, steps, x, rows, cos, sin, between=True, positions=positions)
             return in_place.stacked
     if in_place.between is not None:
         in_place.between(in_place)  # an interlude (engine/batched/interlude.py), if a newcomer waits

@@ -71,14 +71,17 @@ def grouped_sdpa(
     SDPA over the grouped KV heads in place for a masked call of more than one query row of a module :func:`group`
     marked (the only calls where transformers repeats them on CPU), and the replaced function for every other call."""
     kv = kwargs.pop(attention.KV, None)
-    paged = getattr(module, attention.PAGED, None) is not None and attention.plain_kwargs(kwargs)
+    # A sliding window is plain attention where no row has more keys than it: in place, always (the cache hands over
+    # only such steps' keys: attention.window_index); over a dense cache, where the call has no more keys.
+    keys = 0 if kv is not None else key.shape[2]
+    paged = getattr(module, attention.PAGED, None) is not None and attention.plain_kwargs(kwargs, keys)
     scale = module.scaling if scaling is None else scaling
     if kv is not None:
         if paged:
             cu_q, cu_k, longest = kwargs["cu_seq_lens_q"], kwargs["cu_seq_lens_k"], int(kwargs["max_length_q"])
             return attention.paged_attention(module, query, kv, cu_q, cu_k, longest, scale), None
         # A module not marked (the tests unmark them), or a call with more than the C function computes (a
-        # softcap, a sliding window, sinks): the keys and values the library would have gathered.
+        # softcap, sinks): the keys and values the library would have gathered.
         rows, index = kv[:2], kv[2]
         key, value = (x.index_select(0, index).transpose(0, 1)[None] for x in rows)
     elif paged and _dense(query, key, value, attention_mask, dropout, is_causal):

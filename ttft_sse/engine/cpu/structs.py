@@ -55,7 +55,11 @@ class Step(ctypes.Structure):
 
 
 class Stack(ctypes.Structure):
-    """decoder.c's ``struct stack``: a batched step's layers in order, each with its step and its cache rows, and
-    the flag that stops the call between two of them."""
+    """decoder.c's ``struct stack``: a batched step's layers in order, each with its step and its cache rows, the
+    flag that stops the call between two of them, and each layer's rotary embedding where they differ (else NULL:
+    the call's)."""
 
-    _fields_ = [("count", _I64), *((name, _PTR) for name in ("layers", "steps", "keys", "values", "waiting"))]
+    _fields_ = [
+        ("count", _I64),
+        *((name, _PTR) for name in ("layers", "steps", "keys", "values", "waiting", "cos", "sin")),
+    ]
