@@ -182,19 +182,11 @@ def run_layers(
 
 
 def _rotary_tables(chain: Chain, x: Any, cos: Any, sin: Any, positions: Any) -> tuple[Any, Any, Any] | None:
-    """Each layer's rotary embedding as ctypes arrays of addresses (cos, sin), and the tensors behind them, where
-    the chain's layers take several kinds; None where they take one (the call's ``cos`` and ``sin``). The first
-    layer's kind is ``cos`` and ``sin``; each other kind is made by the model's rotary embedding for ``positions``,
-    as the model makes it for its layers."""
+    """Each layer's rotary embedding (:func:`families.embeddings`) as ctypes arrays of addresses (cos, sin), and
+    the tensors behind them, where the chain's layers take several kinds; None where they take one (the call's)."""
     if not chain.kinds:
         return None
-    if positions is None:
-        raise ValueError("the layers take rotary embeddings of several kinds: their positions are needed")
-    made = {chain.kinds[0]: (cos, sin)}
-    for kind in dict.fromkeys(chain.kinds):
-        if kind not in made:
-            c, s = chain.rotary(x, positions, kind)
-            made[kind] = (c.expand(cos.shape).contiguous(), s.expand(sin.shape).contiguous())
+    made = families.embeddings(chain.rotary, chain.kinds, x, cos, sin, positions)
     count = len(chain.kinds)
     arrays = tuple((_PTR * count)(*(made[kind][n].data_ptr() for kind in chain.kinds)) for n in (0, 1))
     return arrays[0], arrays[1], made
@@ -288,13 +280,8 @@ def fuse(model: Any, torch: Any, library: Path) -> int:
     # All of them, in the model's order (its layers' list, each at its own cache index): a step runs them in one call.
     if candidates == layers and all(m.self_attn.layer_idx == i for i, m in enumerate(layers)):
         arrays = [(_PTR * len(layers))(*(m.addresses[int8] for m in layers)) for int8 in (0, 1)]
-        kinds = tuple(getattr(m.self_attn, "layer_type", "") for m in layers)
-        rotary = getattr(model.base_model, "rotary_emb", None)
-        several = len(set(kinds)) > 1 and bool(getattr(rotary, "layer_types", None))
-        chain = Chain(
-            tuple(layers), arrays[0], function(library, STACK), arrays[1] if both else None,
-            kinds if several else (), rotary if several else None,
-        )  # fmt: skip
+        kinds, rotary = families.rotary_kinds(model, layers)
+        chain = Chain(tuple(layers), arrays[0], function(library, STACK), arrays[1] if both else None, kinds, rotary)
         for layer in layers:
             layer.chain = chain
     extra: dict[str, Any] = {"int8_too": True} if both else {}  # TTFT_DEGRADE=int8: both arrangements

@@ -169,6 +169,32 @@ def rotary(model: Any, layer: Any, rows: Any, positions: Any) -> Any:
     return embedding(rows, position_ids=positions)
 
 
+def rotary_kinds(model: Any, layers: list[Any]) -> tuple[tuple[str, ...], Any]:
+    """Where ``layers`` take rotary embeddings of several kinds (Gemma 3's sliding and full layers: other bases),
+    each layer's kind and the model's rotary embedding that makes them; else ``()`` and None (one for all)."""
+    kinds = tuple(getattr(m.self_attn, "layer_type", "") for m in layers)
+    embedding = getattr(model.base_model, "rotary_emb", None)
+    if len(set(kinds)) > 1 and getattr(embedding, "layer_types", None):
+        return kinds, embedding
+    return (), None
+
+
+def embeddings(
+    embedding: Any, kinds: tuple[str, ...], x: Any, cos: Any, sin: Any, positions: Any
+) -> dict[str, tuple[Any, Any]]:
+    """The rotary embedding (cos, sin) of each of ``kinds`` for rows ``x`` at ``positions``, in the shape of ``cos``:
+    the first kind's is ``cos`` and ``sin``, each other made by ``embedding`` as the model makes it for its
+    layers."""
+    if positions is None:
+        raise ValueError("the layers take rotary embeddings of several kinds: their positions are needed")
+    made = {kinds[0]: (cos, sin)}
+    for kind in dict.fromkeys(kinds):
+        if kind not in made:
+            c, s = embedding(x, positions, kind)
+            made[kind] = (c.expand(cos.shape).contiguous(), s.expand(sin.shape).contiguous())
+    return made
+
+
 class FusedLayer:
     """What every fused decoder layer class is (engine/cpu/decoder.py's ``fused_layer_class``)."""
 
