@@ -101,6 +101,38 @@ def no_f16c_build(tmp_path_factory: pytest.TempPathFactory) -> Path:
         return kernel.build(tmp_path_factory.mktemp("no-f16c"))
 
 
+@pytest.mark.parametrize("build", ["native", "avx2", "no-f16c"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q5_0", "Q8_0"])
+def test_fp16_scales_give_the_same_bits_as_fp32_ones_in_fewer_bytes(
+    kind: str, build: str, avx2_build: Path, no_f16c_build: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Q4_0's, Q5_0's and Q8_0's scales are the file's fp16 d and their zeros -0.0: their panels hold fp16 scales and
+    no zeros (F16_SCALES), widened exactly by every build (F16C, AVX-512's conversion, or plain C), so each output is
+    the same bits as from fp32 scales, on calls of one row, of a tile, and through the buffer."""
+    library = {"native": None, "avx2": avx2_build, "no-f16c": no_f16c_build}[build]
+    half, _ = block_layer(kind, (70, 256), library)
+    monkeypatch.setattr(layouts, "half_scales", lambda codes: False)
+    full, _ = block_layer(kind, (70, 256), library)
+    assert (half.panel_bits, full.panel_bits) == (half.bits + layouts.F16_SCALES, half.bits)
+    assert half.arrays[1].dtype == torch.float16 and half.arrays[2].numel() == 0
+    held = [sum(a.numel() * a.element_size() for a in layer.arrays) for layer in (full, half)]
+    saved = held[0] - held[1]
+    assert saved == 80 * (256 // 32) * (2 + 4)  # 5 panels of 16 outputs, a block: 2 bytes less a scale, no zero
+    x = torch.randn(24, 256)
+    with torch.no_grad():
+        for rows in (1, 3, 24):  # one row, a tile, the buffer
+            assert torch.equal(half(x[:rows]), full(x[:rows])), rows
+
+
+def test_only_fp16_scales_and_zeros_of_minus_zero_take_the_short_panels() -> None:
+    for kind, short in (("Q4_0", True), ("Q5_0", True), ("Q8_0", True), ("Q4_1", False), ("Q5_1", False)):
+        found = codes.decode(quantised((16, 64), kind)[0], int(KINDS[kind]), (16, 64))
+        assert layouts.half_scales(found) is short, kind
+    for kind in ("Q4_K", "Q5_K", "Q6_K"):
+        found = codes.decode(quantised((16, 256), kind)[0], int(KINDS[kind]), (16, 256))
+        assert layouts.half_scales(found) is False, kind
+
+
 @pytest.mark.parametrize("build", ["native", "avx2"])
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
 @pytest.mark.parametrize("rows", [1, 5, 6, 7, 13])

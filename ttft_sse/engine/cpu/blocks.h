@@ -13,6 +13,7 @@
 #define GROUP 3  /* panels kernel.c expands into its buffer at a time: a shared call's chunks are whole groups */
 #define SIXTEEN 6 /* bits of Q6_K's codes: 8-bit codes, a scale each 16 inputs, no zero */
 #define Q_WIDE 64 /* added to int8 records' bits (4 or 8): fp32 scales and zeros, where fp16 cannot hold them */
+#define F16_SCALES 128 /* added to fp32 rows' bits (4 or 8): the scales are the file's fp16 values, the zeros -0.0 */
 
 /* int8 rows on this build: AVX-512 VNNI, or AVX2 with F16C (int8_rows.c). */
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)

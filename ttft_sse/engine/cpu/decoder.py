@@ -309,7 +309,7 @@ def _attach(layer: Any, family: families.Family, torch: Any, head: Any, tail: An
         int8 = module.activations == "int8"
         pointers = [a.data_ptr() for a in module.arrays]
         codes, scales, zeros = (pointers[0], 0, 0) if int8 else pointers
-        bits = module.record_bits if int8 else module.bits  # int8 rows: the records' bits (their tail's kind)
+        bits = module.record_bits if int8 else module.panel_bits  # the kernel's bits for its records or panels
         return Linear(codes, scales, zeros, module.in_features, module.out_features, bits, int8)
 
     def int8_linear(module: Any) -> Linear:  # TTFT_DEGRADE=int8: the records held beside the panels
@@ -325,7 +325,7 @@ def _attach(layer: Any, family: families.Family, torch: Any, head: Any, tail: An
         if arrays is None:
             return Linear()  # codes NULL: the layers one by one
         outputs = sum(m.out_features for m in modules)
-        return Linear(*(a.data_ptr() for a in arrays), modules[0].in_features, outputs, modules[0].bits, 0)
+        return Linear(*(a.data_ptr() for a in arrays), modules[0].in_features, outputs, modules[0].panel_bits, 0)
 
     # The norms' weights as decoder.c reads them (Gemma's: 1 + w), kept alive should their parameters be given
     # other tensors; then the biases, where the family has them.

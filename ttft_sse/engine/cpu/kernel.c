@@ -7,7 +7,10 @@
      4-bit codes: panels x K/2 x 16 bytes; byte j of row i holds output j's code for input 2i (low nibble) and for
                   input 2i+1 (high nibble), each plus 8;
      8-bit codes: panels x K x 16 signed bytes (SIXTEEN's too);
-     scale, zero: panels x K/32 x 16 floats (SIXTEEN: scale panels x K/16 x 16 floats, zero unread);
+     scale, zero: panels x K/32 x 16 floats (SIXTEEN: scale panels x K/16 x 16 floats, zero unread; with
+                  F16_SCALES, where every scale is the file's fp16 d and every zero -0.0 (Q4_0, Q5_0, Q8_0): scale
+                  panels x K/32 x 16 fp16 values, widened exactly, zero unread: a quarter fewer bytes for 8-bit
+                  codes, and a quarter of 4-bit ones');
      dense (HALF, BRAIN, FULL: an F16, BF16 or F32 file's weights): panels x K x 16 values, no scale or zero, each
                   widened exactly to fp32 as it is read (fp16 by F16C, bf16 by a shift).
    Each input's 16 weights of a panel are expanded to fp32 (the values transformers' loader gives: q * scale, then
@@ -165,71 +168,6 @@ static inline __attribute__((always_inline)) void put(int rows, int panels, pv a
         }
 }
 
-/* Block b's scales and zeros of `panels` panels (SIXTEEN's zeros -0.0, unread). */
-static inline __attribute__((always_inline)) void block_scales(int panels, const float *scale, const float *zero,
-                                                               int bits, int64_t blocks, int64_t b, pv *s, pv *z) {
-    for (int g = 0; g < panels; g++) {
-        s[g] = pv_load(scale + (g * blocks + b) * P);
-        z[g] = bits == SIXTEEN ? pv_set1(-0.0f) : pv_load(zero + (g * blocks + b) * P);
-    }
-}
-
-/* A tile of up to ROWS rows against `panels` panels, the codes expanded in registers. */
-static inline __attribute__((always_inline)) void fused(int rows, int panels, const uint8_t *codes,
-                                                        int64_t panel_bytes, int bits, const float *scale,
-                                                        const float *zero, const float *x, int64_t K, float *y,
-                                                        int64_t N, int64_t outputs) {
-    pv acc[ROWS][PANELS];
-    for (int r = 0; r < rows; r++)
-        for (int g = 0; g < panels; g++) acc[r][g] = pv_zero();
-    int64_t inputs = scale_inputs(bits), blocks = K / inputs;
-    for (int64_t b = 0; b < blocks; b++) {
-        pv s[PANELS], z[PANELS];
-        block_scales(panels, scale, zero, bits, blocks, b, s, z);
-        for (int64_t i = b * inputs / 2; i < (b + 1) * inputs / 2; i++) {
-            pv w0[PANELS], w1[PANELS];
-            for (int g = 0; g < panels; g++) pair(codes + g * panel_bytes, bits, i, s[g], z[g], &w0[g], &w1[g]);
-            for (int r = 0; r < rows; r++)
-                for (int g = 0; g < panels; g++) acc[r][g] = pv_fma(x[r * K + 2 * i], w0[g], acc[r][g]);
-            for (int r = 0; r < rows; r++)
-                for (int g = 0; g < panels; g++) acc[r][g] = pv_fma(x[r * K + 2 * i + 1], w1[g], acc[r][g]);
-        }
-    }
-    put(rows, panels, acc, y, N, outputs);
-}
-
-/* A call of one row against up to WIDE panels, the codes expanded in registers: the same chain of multiply-adds for
-   each output as fused's, but WIDE chains in flight at once where a one-row tile of fused has PANELS, each waiting on
-   the latency of its last fused multiply-add (a decode step of one stream is mostly such calls). */
-static inline __attribute__((always_inline)) void one_row(int panels, const uint8_t *codes, int64_t panel_bytes,
-                                                          int bits, const float *scale, const float *zero,
-                                                          const float *x, int64_t K, float *y, int64_t outputs) {
-    pv acc[WIDE];
-    for (int g = 0; g < panels; g++) acc[g] = pv_zero();
-    int64_t inputs = scale_inputs(bits), blocks = K / inputs;
-    for (int64_t b = 0; b < blocks; b++) {
-        pv s[WIDE], z[WIDE];
-        block_scales(panels, scale, zero, bits, blocks, b, s, z);
-        for (int64_t i = b * inputs / 2; i < (b + 1) * inputs / 2; i++) {
-            float x0 = x[2 * i], x1 = x[2 * i + 1];
-            for (int g = 0; g < panels; g++) {
-                pv w0, w1;
-                pair(codes + g * panel_bytes, bits, i, s[g], z[g], &w0, &w1);
-                acc[g] = pv_fma(x1, w1, pv_fma(x0, w0, acc[g]));
-            }
-        }
-    }
-    for (int g = 0; g < panels; g++) {
-        int64_t left = outputs - (int64_t)g * P;
-#if defined(__AVX512F__)
-        put_column(y + g * P, acc[g], left);
-#else
-        put_column(y + g * P, acc[g].lo, left);
-        put_column(y + g * P + CV, acc[g].hi, left - CV);
-#endif
-    }
-}
-
 #if !defined(__AVX512F__) && !defined(__F16C__)
 /* An fp16 value in fp32, exactly (subnormals, infinities and NaNs included): for an AVX2 build without F16C. */
 static inline float half_float(uint16_t h) {
@@ -250,6 +188,93 @@ static inline float half_float(uint16_t h) {
     return f;
 }
 #endif
+
+/* 16 fp16 scales (F16_SCALES) in fp32, exactly. */
+static inline pv pv_half(const uint16_t *h) {
+#if defined(__AVX512F__)
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h));
+#elif defined(__F16C__)
+    return (pv){_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h)),
+                _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + 8)))};
+#else
+    float widened[P];
+    for (int i = 0; i < P; i++) widened[i] = half_float(h[i]);
+    return pv_load(widened);
+#endif
+}
+
+/* Block b's scales and zeros of `panels` panels (SIXTEEN's zeros -0.0, unread; with `half`, F16_SCALES: fp16
+   scales, blocks x 16 a panel, and zeros -0.0, not stored). */
+static inline __attribute__((always_inline)) void block_scales(int panels, const float *scale, const float *zero,
+                                                               int bits, int half, int64_t blocks, int64_t b, pv *s,
+                                                               pv *z) {
+    for (int g = 0; g < panels; g++) {
+        if (half) {
+            s[g] = pv_half((const uint16_t *)scale + (g * blocks + b) * P);
+            z[g] = pv_set1(-0.0f);
+            continue;
+        }
+        s[g] = pv_load(scale + (g * blocks + b) * P);
+        z[g] = bits == SIXTEEN ? pv_set1(-0.0f) : pv_load(zero + (g * blocks + b) * P);
+    }
+}
+
+/* A tile of up to ROWS rows against `panels` panels, the codes expanded in registers. */
+static inline __attribute__((always_inline)) void fused(int rows, int panels, const uint8_t *codes,
+                                                        int64_t panel_bytes, int bits, int half, const float *scale,
+                                                        const float *zero, const float *x, int64_t K, float *y,
+                                                        int64_t N, int64_t outputs) {
+    pv acc[ROWS][PANELS];
+    for (int r = 0; r < rows; r++)
+        for (int g = 0; g < panels; g++) acc[r][g] = pv_zero();
+    int64_t inputs = scale_inputs(bits), blocks = K / inputs;
+    for (int64_t b = 0; b < blocks; b++) {
+        pv s[PANELS], z[PANELS];
+        block_scales(panels, scale, zero, bits, half, blocks, b, s, z);
+        for (int64_t i = b * inputs / 2; i < (b + 1) * inputs / 2; i++) {
+            pv w0[PANELS], w1[PANELS];
+            for (int g = 0; g < panels; g++) pair(codes + g * panel_bytes, bits, i, s[g], z[g], &w0[g], &w1[g]);
+            for (int r = 0; r < rows; r++)
+                for (int g = 0; g < panels; g++) acc[r][g] = pv_fma(x[r * K + 2 * i], w0[g], acc[r][g]);
+            for (int r = 0; r < rows; r++)
+                for (int g = 0; g < panels; g++) acc[r][g] = pv_fma(x[r * K + 2 * i + 1], w1[g], acc[r][g]);
+        }
+    }
+    put(rows, panels, acc, y, N, outputs);
+}
+
+/* A call of one row against up to WIDE panels, the codes expanded in registers: the same chain of multiply-adds for
+   each output as fused's, but WIDE chains in flight at once where a one-row tile of fused has PANELS, each waiting on
+   the latency of its last fused multiply-add (a decode step of one stream is mostly such calls). */
+static inline __attribute__((always_inline)) void one_row(int panels, const uint8_t *codes, int64_t panel_bytes,
+                                                          int bits, int half, const float *scale, const float *zero,
+                                                          const float *x, int64_t K, float *y, int64_t outputs) {
+    pv acc[WIDE];
+    for (int g = 0; g < panels; g++) acc[g] = pv_zero();
+    int64_t inputs = scale_inputs(bits), blocks = K / inputs;
+    for (int64_t b = 0; b < blocks; b++) {
+        pv s[WIDE], z[WIDE];
+        block_scales(panels, scale, zero, bits, half, blocks, b, s, z);
+        for (int64_t i = b * inputs / 2; i < (b + 1) * inputs / 2; i++) {
+            float x0 = x[2 * i], x1 = x[2 * i + 1];
+            for (int g = 0; g < panels; g++) {
+                pv w0, w1;
+                pair(codes + g * panel_bytes, bits, i, s[g], z[g], &w0, &w1);
+                acc[g] = pv_fma(x1, w1, pv_fma(x0, w0, acc[g]));
+            }
+        }
+    }
+    for (int g = 0; g < panels; g++) {
+        int64_t left = outputs - (int64_t)g * P;
+#if defined(__AVX512F__)
+        put_column(y + g * P, acc[g], left);
+#else
+        put_column(y + g * P, acc[g].lo, left);
+        put_column(y + g * P + CV, acc[g].hi, left - CV);
+#endif
+    }
+}
+
 
 /* CV weights of a dense panel from element `at` (fp16 and bf16 widened exactly; fp32 as they are). */
 static inline cv cv_dense(const uint8_t *w, int64_t at, int bits) {
@@ -298,10 +323,12 @@ static inline __attribute__((always_inline)) void dense(int rows, int cols, int 
         }
 }
 
-static void expand(const uint8_t *codes, int bits, const float *scale, const float *zero, int64_t K, float *w) {
+static void expand(const uint8_t *codes, int bits, int half, const float *scale, const float *zero, int64_t K,
+                   float *w) {
     int64_t inputs = scale_inputs(bits);
     for (int64_t b = 0; b < K / inputs; b++) {
-        pv s = pv_load(scale + P * b), z = bits == SIXTEEN ? pv_set1(-0.0f) : pv_load(zero + P * b);
+        pv s, z;
+        block_scales(1, scale, zero, bits, half, K / inputs, b, &s, &z);
         for (int64_t i = b * inputs / 2; i < (b + 1) * inputs / 2; i++) {
             pv w0, w1;
             pair(codes, bits, i, s, z, &w0, &w1);
@@ -357,7 +384,10 @@ static void dense_group(const float *x, int64_t M, int64_t K, const uint8_t *w, 
    the range and the tiles, so the results are the same bits however a call's panels are split. */
 void fp32_panels(const float *x, int64_t M, int64_t K, const uint8_t *codes, int bits, const float *scale,
                  const float *zero, int64_t N, float *y, int64_t p0, int64_t p1, float *buffer) {
+    int half = (bits & F16_SCALES) != 0; /* fp16 scales, half the floats a panel; zeros -0.0, none stored */
+    bits &= ~F16_SCALES;
     int64_t panel_bytes = code_bytes(K, bits), blocks = K / scale_inputs(bits); /* blocks: scales a panel's output */
+    int64_t scales = half ? blocks * P / 2 : blocks * P, zeros = half ? 0 : blocks * P; /* floats a panel */
     if (dense_bits(bits)) {
         for (int64_t p = p0; p < p1; p += GROUP)
             dense_group(x, M, K, codes + p * panel_bytes, bits, N, y, p, p1 - p < GROUP ? (int)(p1 - p) : GROUP);
@@ -367,13 +397,13 @@ void fp32_panels(const float *x, int64_t M, int64_t K, const uint8_t *codes, int
         for (int64_t q = p0; q < p1; q += WIDE) {
             int panels = p1 - q < WIDE ? (int)(p1 - q) : WIDE;
             const uint8_t *c = codes + q * panel_bytes;
-            const float *s = scale + q * blocks * P, *z = zero + q * blocks * P;
+            const float *s = scale + q * scales, *z = zero + q * zeros;
             float *yq = y + q * P;
             switch (panels) { /* a constant count in each (always_inline) */
 #define ONE_ROW(G) \
-    case G: if (G <= WIDE) one_row(G, c, panel_bytes, bits, s, z, x, K, yq, N - q * P); break;
+    case G: if (G <= WIDE) one_row(G, c, panel_bytes, bits, half, s, z, x, K, yq, N - q * P); break;
                 ONE_ROW(8) ONE_ROW(7) ONE_ROW(6) ONE_ROW(5) ONE_ROW(4) ONE_ROW(3) ONE_ROW(2)
-                default: one_row(1, c, panel_bytes, bits, s, z, x, K, yq, N - q * P);
+                default: one_row(1, c, panel_bytes, bits, half, s, z, x, K, yq, N - q * P);
             }
         }
         return;
@@ -383,7 +413,7 @@ void fp32_panels(const float *x, int64_t M, int64_t K, const uint8_t *codes, int
         if (M > FUSED_ROWS) {
             for (int g = 0; g < group; g++) {
                 int64_t at = p + g;
-                expand(codes + at * panel_bytes, bits, scale + at * blocks * P, zero + at * blocks * P, K,
+                expand(codes + at * panel_bytes, bits, half, scale + at * scales, zero + at * zeros, K,
                        buffer + g * K * P);
             }
             dense_group(x, M, K, (const uint8_t *)buffer, FULL, N, y, p, group);
@@ -392,12 +422,13 @@ void fp32_panels(const float *x, int64_t M, int64_t K, const uint8_t *codes, int
         for (int64_t q = p; q < p + group; q += PANELS) {
             int panels = p + group - q < PANELS ? (int)(p + group - q) : PANELS;
             const uint8_t *c = codes + q * panel_bytes;
-            const float *s = scale + q * blocks * P, *z = zero + q * blocks * P;
+            const float *s = scale + q * scales, *z = zero + q * zeros;
             int64_t tiles = (M + ROWS - 1) / ROWS, r = 0;
             for (int64_t t = 0; t < tiles; t++) {
                 int64_t rows = tile_rows(M, r, t, tiles);
 #define FUSED(R, G)                                                                                                    \
-    if (R <= ROWS && G <= PANELS) fused(R, G, c, panel_bytes, bits, s, z, x + r * K, K, y + r * N + q * P, N, N - q * P)
+    if (R <= ROWS && G <= PANELS)                                                                                      \
+    fused(R, G, c, panel_bytes, bits, half, s, z, x + r * K, K, y + r * N + q * P, N, N - q * P)
                 BY_ROWS(FUSED, rows, panels)
                 r += rows;
             }
@@ -414,7 +445,8 @@ int fp32_buffer(int64_t M, int64_t K, float **buffer) {
 }
 
 int fp32_takes(int64_t K, int bits) {
-    return K % BLOCK == 0 && (bits == 4 || bits == 8 || bits == SIXTEEN || dense_bits(bits));
+    int codes = bits & ~F16_SCALES, half = bits != codes;
+    return K % BLOCK == 0 && (codes == 4 || codes == 8 || (!half && (bits == SIXTEEN || dense_bits(bits))));
 }
 
 int fp32_alone(const float *x, int64_t M, int64_t K, const uint8_t *codes, int bits, const float *scale,

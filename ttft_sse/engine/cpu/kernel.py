@@ -56,7 +56,7 @@ import structlog
 
 from ttft_sse.engine.cpu import arrangement, weights
 from ttft_sse.engine.cpu import codes as gguf_codes
-from ttft_sse.engine.cpu.layouts import PANEL, in_records, probed_outputs, record_bits
+from ttft_sse.engine.cpu.layouts import PANEL, in_records, panel_bits, probed_outputs, record_bits
 
 log = structlog.get_logger("ttft_sse.engine")
 
@@ -325,9 +325,9 @@ def _apply(
     for name, layer in zip(entries, changed, strict=True):
         _hold_entry(layer, entries[name], library, torch)
     try:
-        kinds = {(layer.bits, layer.activations, layer.record_bits or 0) for layer in changed}
-        for kind in sorted(kinds):  # one layer of each codes' bits, rows and records' tail
-            probed = next(m for m in changed if (m.bits, m.activations, m.record_bits or 0) == kind)
+        kinds = {(layer.panel_bits, layer.activations, layer.record_bits or 0) for layer in changed}
+        for kind in sorted(kinds):  # one layer of each layout: panels' bits and scales, rows, records' tail
+            probed = next(m for m in changed if (m.panel_bits, m.activations, m.record_bits or 0) == kind)
             row = kind[1]
             _check(probed, torch, int8=row == "int8")
             if degrade and probed.records is not None:  # dense layers keep fp32 rows in the int8 mode too
@@ -338,7 +338,7 @@ def _apply(
             layer.fence()  # as BlockLinear's __del__ does: a helper may still read the codes (helpers.c)
             layer.__class__ = torch.nn.Linear
             del layer.arrays, layer.multiply, layer.bits, layer.activations, layer.fence
-            del layer.records, layer.int8_multiply, layer.record_bits
+            del layer.records, layer.int8_multiply, layer.record_bits, layer.panel_bits
         raise Refused(str(exc)) from exc
     if fresh and stored is not None:  # probed: kept for the next start
         arrangement.save(stored, key, kept)
@@ -415,6 +415,9 @@ def _hold_entry(layer: Any, entry: arrangement.Entry, library: Path, torch: Any)
     held_records = entry.arrays[0] if entry.rows == "int8" else entry.records
     # int8_rows.c's bits for the records (their tail by their length), for every int8 call of this layer
     layer.record_bits = None if held_records is None else record_bits(entry.bits, held_records.shape[-1])
+    # kernel.c's bits for fp32 rows' panels (fp16 scales or not, by their dtype); a dense layer's are its bits
+    fp32 = entry.rows == "fp32" and entry.bits not in gguf_codes.DENSE_DTYPES
+    layer.panel_bits = panel_bits(entry.bits, entry.arrays[1]) if fp32 else entry.bits
     _hold(layer, tuple(torch.from_numpy(a) for a in entry.arrays))
     if layer.records is not None:
         int8, held = function(library, INT8), layer.records.data_ptr()
@@ -426,7 +429,7 @@ def _hold_entry(layer: Any, entry: arrangement.Entry, library: Path, torch: Any)
 def _hold(layer: Any, arrays: tuple[Any, ...]) -> None:
     """``layer`` (being made a ``BlockLinear``) on ``arrays``, its codes in the kernel's layout for its start-up
     rows; without records, int8 rows (:data:`ROWS`) compute with these too."""
-    kernel, inputs, outputs, bits = layer.kernel, layer.in_features, layer.out_features, layer.bits
+    kernel, inputs, outputs, bits = layer.kernel, layer.in_features, layer.out_features, layer.panel_bits
     layer.arrays = arrays
     pointers = [a.data_ptr() for a in arrays]
     if layer.activations == "int8":
@@ -440,13 +443,15 @@ def _hold(layer: Any, arrays: tuple[Any, ...]) -> None:
 
 def join(layers: list[Any], torch: Any) -> tuple[Any, ...] | None:
     """One layer's arrays (codes, scales, zeros) holding the outputs of ``layers`` (``BlockLinear`` layers with fp32
-    rows, on the same inputs, with codes of the same bits) one after the other, panel after panel; each layer then
-    computes on its own panels of them, so the codes are held once. A panel's outputs are computed from its own
-    codes alone, so each output has the same bits from the joined layer as from its own. None where they cannot be
-    joined: int8 rows (records), other inputs or bits, or a layer before the last whose last panel is padded."""
+    rows, on the same inputs, with panels of the same bits and scales) one after the other, panel after panel; each
+    layer then computes on its own panels of them, so the codes are held once. A panel's outputs are computed from
+    its own codes alone, so each output has the same bits from the joined layer as from its own. None where they
+    cannot be joined: int8 rows (records), other inputs or panels, or a layer before the last whose last panel is
+    padded."""
     first = layers[0]
     if any(
-        m.activations != "fp32" or m.in_features != first.in_features or m.bits != first.bits for m in layers
+        m.activations != "fp32" or m.in_features != first.in_features or m.panel_bits != first.panel_bits
+        for m in layers
     ) or any(m.out_features % PANEL for m in layers[:-1]):
         return None
     joined = tuple(torch.cat([m.arrays[i] for m in layers]) for i in range(3))
@@ -473,6 +478,7 @@ def block_linear_class() -> type[Any]:
         kernel: Any  # kernel.c's function for its start-up rows (fp32 or int8)
         bits: int
         record_bits: int | None  # int8_rows.c's bits for its records (layouts.record_bits); None without records
+        panel_bits: int  # kernel.c's bits for its fp32 rows' panels (layouts.panel_bits)
         activations: str
         fence: Callable[[], int]  # helpers.c's ttft_helper_fence
 

@@ -17,8 +17,9 @@ PANEL = 16
 def panels(codes: gguf_codes.Codes) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.float32], npt.NDArray[np.float32]]:
     """``codes`` in kernel.c's layout: panels of :data:`PANEL` outputs (the last one padded with zero weights), the
     codes of each input's 16 outputs side by side (4-bit ones two inputs a byte, plus 8), and a block's 16 scales
-    and zeros likewise. Q6_K's codes (:data:`~ttft_sse.engine.cpu.codes.SIXTEEN`) have a scale each 16 inputs and
-    no zeros: their zeros are empty (panels x 0 x 16). A dense type's values (codes.DENSE_DTYPES) lie likewise,
+    and zeros likewise (fp16 scales and empty zeros where :func:`half_scales`). Q6_K's codes
+    (:data:`~ttft_sse.engine.cpu.codes.SIXTEEN`) have a scale each 16 inputs and no zeros: their zeros are empty
+    (panels x 0 x 16). A dense type's values (codes.DENSE_DTYPES) lie likewise,
     each input's 16 side by side, as their bytes, with empty scales and zeros."""
     out, inputs = codes.q.shape
     padded = _padded(out)
@@ -36,10 +37,37 @@ def panels(codes: gguf_codes.Codes) -> tuple[npt.NDArray[np.uint8], npt.NDArray[
         packed = unsigned[:, 0::2] | (unsigned[:, 1::2] << 4)
     else:
         packed = by_input.view(np.uint8)
+    if half_scales(codes):  # F16_SCALES: the file's fp16 d, and zeros of -0.0, which kernel.c adds without reading
+        empty = np.zeros((padded // PANEL, 0, PANEL), np.float32)
+        return np.ascontiguousarray(packed), _by_panel(codes.scale, np.float16), empty
     scales, zeros = (_by_panel(values, np.float32) for values in (codes.scale, codes.zero))
     if codes.bits == gguf_codes.SIXTEEN:  # each zero -0.0 (codes.decode), which kernel.c adds without reading it
         zeros = np.zeros((padded // PANEL, 0, PANEL), np.float32)
     return np.ascontiguousarray(packed), scales, zeros
+
+
+F16_SCALES = 128
+"""Added to the ``bits`` of fp32 rows' panels whose scales are fp16 values and zeros -0.0, not stored (blocks.h's
+``F16_SCALES``)."""
+
+
+def half_scales(codes: gguf_codes.Codes) -> bool:
+    """Whether the panels of ``codes`` hold fp16 scales and no zeros: 4- or 8-bit codes whose every scale is an fp16
+    value and every zero -0.0 (Q4_0, Q5_0 and Q8_0 as the file stores them: ``d`` and no offset). Their panels then
+    read 4.5 bits an input instead of 6 (4-bit codes), or 8.5 instead of 10."""
+    if codes.bits not in (4, 8) or codes.scale.size == 0:
+        return False
+    zero = codes.zero
+    if not bool(np.all((zero == 0) & np.signbit(zero))):
+        return False
+    with np.errstate(over="ignore", invalid="ignore"):
+        return bool(np.array_equal(codes.scale.astype(np.float16).astype(np.float32), codes.scale))
+
+
+def panel_bits(bits: int, scales: npt.NDArray[Any]) -> int:
+    """The ``bits`` kernel.c takes for panels of codes of ``bits`` whose scales are ``scales`` (:func:`panels`'s
+    second array): plus :data:`F16_SCALES` where they are fp16."""
+    return bits + F16_SCALES if scales.dtype == np.float16 else bits
 
 
 WIDE = 64
