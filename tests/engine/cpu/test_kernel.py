@@ -102,35 +102,48 @@ def no_f16c_build(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.parametrize("build", ["native", "avx2", "no-f16c"])
-@pytest.mark.parametrize("kind", ["Q4_0", "Q5_0", "Q8_0"])
-def test_fp16_scales_give_the_same_bits_as_fp32_ones_in_fewer_bytes(
+@pytest.mark.parametrize("kind", ["Q4_0", "Q5_0", "Q8_0", "Q4_K"])
+def test_short_scales_give_the_same_bits_as_fp32_ones_in_fewer_bytes(
     kind: str, build: str, avx2_build: Path, no_f16c_build: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Q4_0's, Q5_0's and Q8_0's scales are the file's fp16 d and their zeros -0.0: their panels hold fp16 scales and
-    no zeros (F16_SCALES), widened exactly by every build (F16C, AVX-512's conversion, or plain C), so each output is
-    the same bits as from fp32 scales, on calls of one row, of a tile, and through the buffer."""
+    no zeros (F16_SCALES), widened exactly by every build (F16C, AVX-512's conversion, or plain C). Q4_K's panels
+    hold its own factors (K_SCALES: fp16 d and dmin a super-block, 6-bit sc and m a block), from which every build
+    computes each scale and zero as codes.py does. Each output is the same bits as from fp32 scales and zeros, on
+    calls of one row, of a tile, and through the buffer."""
     library = {"native": None, "avx2": avx2_build, "no-f16c": no_f16c_build}[build]
-    half, _ = block_layer(kind, (70, 256), library)
+    short, _ = block_layer(kind, (70, 512), library)
     monkeypatch.setattr(layouts, "half_scales", lambda codes: False)
-    full, _ = block_layer(kind, (70, 256), library)
-    assert (half.panel_bits, full.panel_bits) == (half.bits + layouts.F16_SCALES, half.bits)
-    assert half.arrays[1].dtype == torch.float16 and half.arrays[2].numel() == 0
-    held = [sum(a.numel() * a.element_size() for a in layer.arrays) for layer in (full, half)]
-    saved = held[0] - held[1]
-    assert saved == 80 * (256 // 32) * (2 + 4)  # 5 panels of 16 outputs, a block: 2 bytes less a scale, no zero
-    x = torch.randn(24, 256)
+    monkeypatch.setattr(layouts, "k_factors", lambda codes: False)
+    full, _ = block_layer(kind, (70, 512), library)
+    flag = layouts.K_SCALES if kind == "Q4_K" else layouts.F16_SCALES
+    assert (short.panel_bits, full.panel_bits) == (short.bits + flag, short.bits)
+    assert short.arrays[2].numel() == 0
+    held = [sum(a.numel() * a.element_size() for a in layer.arrays) for layer in (full, short)]
+    # 5 panels of 16 outputs, 16 blocks: fp32 scales and zeros 128 bytes a block, fp16 scales 32; Q4_K's factors
+    # 320 bytes a super-block of 8
+    assert held[0] - held[1] == 5 * (16 * (128 - 32) if kind != "Q4_K" else 16 * 128 - 2 * 320)
+    x = torch.randn(24, 512)
     with torch.no_grad():
         for rows in (1, 3, 24):  # one row, a tile, the buffer
-            assert torch.equal(half(x[:rows]), full(x[:rows])), rows
+            assert torch.equal(short(x[:rows]), full(x[:rows])), rows
 
 
-def test_only_fp16_scales_and_zeros_of_minus_zero_take_the_short_panels() -> None:
+def test_only_fp16_scales_and_zeros_of_minus_zero_or_q4_k_factors_take_the_short_panels() -> None:
     for kind, short in (("Q4_0", True), ("Q5_0", True), ("Q8_0", True), ("Q4_1", False), ("Q5_1", False)):
         found = codes.decode(quantised((16, 64), kind)[0], int(KINDS[kind]), (16, 64))
         assert layouts.half_scales(found) is short, kind
+        assert found.factors is None and not layouts.k_factors(found)
     for kind in ("Q4_K", "Q5_K", "Q6_K"):
         found = codes.decode(quantised((16, 256), kind)[0], int(KINDS[kind]), (16, 256))
         assert layouts.half_scales(found) is False, kind
+        assert layouts.k_factors(found) is (kind == "Q4_K"), kind
+    # Factors that do not give back the codes' zero (a changed zero) are not taken
+    found = codes.decode(quantised((16, 256), "Q4_K")[0], int(KINDS["Q4_K"]), (16, 256))
+    moved = codes.Codes(found.q, found.scale, found.zero + np.float32(1e-3), 4, found.factors)
+    assert not layouts.k_factors(moved)
+    # kept in the codes' cache, and through a reordering of the rows
+    assert layouts.k_factors(found.rows(np.arange(16)[::-1].copy()))
 
 
 @pytest.mark.parametrize("build", ["native", "avx2"])

@@ -14,6 +14,7 @@
 #define SIXTEEN 6 /* bits of Q6_K's codes: 8-bit codes, a scale each 16 inputs, no zero */
 #define Q_WIDE 64 /* added to int8 records' bits (4 or 8): fp32 scales and zeros, where fp16 cannot hold them */
 #define F16_SCALES 128 /* added to fp32 rows' bits (4 or 8): the scales are the file's fp16 values, the zeros -0.0 */
+#define K_SCALES 256   /* added to fp32 rows' bits (4): Q4_K's own factors d, dmin, sc and m instead of scales and zeros */
 
 /* int8 rows on this build: AVX-512 VNNI, or AVX2 with F16C (int8_rows.c). */
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)

@@ -141,6 +141,9 @@ class Codes:
     scale: npt.NDArray[np.float32]
     zero: npt.NDArray[np.float32]
     bits: int
+    # Q4_K's own factors, where the codes are Q4_K's: d and dmin (fp16, out x super-blocks of 256), sc and m (uint8,
+    # out x blocks): scale == d*sc and zero == 8*scale - dmin*m, each one fp32 rounding (the kernel's compact panels).
+    factors: tuple[Any, Any, Any, Any] | None = None
 
     @property
     def unquantised(self) -> bool:
@@ -175,7 +178,12 @@ class Codes:
 
     @classmethod
     def unpacked(
-        cls, packed: npt.NDArray[np.uint8], scale: npt.NDArray[np.float32], zero: npt.NDArray[np.float32], bits: int
+        cls,
+        packed: npt.NDArray[np.uint8],
+        scale: npt.NDArray[np.float32],
+        zero: npt.NDArray[np.float32],
+        bits: int,
+        factors: tuple[Any, Any, Any, Any] | None = None,
     ) -> Codes:
         """The inverse of :meth:`packed`."""
         if bits != 4:
@@ -183,15 +191,21 @@ class Codes:
         out = packed.shape[0]
         halves = packed.reshape(out, -1, 1, BLOCK // 2)
         q = np.concatenate([halves & 0x0F, halves >> 4], axis=2).reshape(out, -1).astype(np.int8) - np.int8(8)
-        return cls(q, scale, zero, bits)
+        return cls(q, scale, zero, bits, factors)
 
     def rows(self, order: npt.NDArray[np.intp]) -> Codes:
-        return Codes(self.q[order], self.scale[order], self.zero[order], self.bits)
+        factors = None if self.factors is None else tuple(f[order] for f in self.factors)
+        return Codes(self.q[order], self.scale[order], self.zero[order], self.bits, factors)
 
     def first(self, inputs: int) -> Codes:
-        """The first ``inputs`` columns (whole blocks)."""
+        """The first ``inputs`` columns (whole blocks; Q4_K's factors where they are whole super-blocks)."""
         blocks = -(-inputs // self.group)
-        return Codes(self.q[:, : blocks * self.group], self.scale[:, :blocks], self.zero[:, :blocks], self.bits)
+        factors = None
+        if self.factors is not None and blocks % 8 == 0:
+            d, dmin, sc, m = self.factors
+            factors = (d[:, : blocks // 8], dmin[:, : blocks // 8], sc[:, :blocks], m[:, :blocks])
+        q = self.q[:, : blocks * self.group]
+        return Codes(q, self.scale[:, :blocks], self.zero[:, :blocks], self.bits, factors)
 
 
 def _fp16(raw: npt.NDArray[np.uint8], at: int) -> npt.NDArray[np.float32]:
@@ -210,17 +224,17 @@ def _fifth_bits(qh: npt.NDArray[np.uint8]) -> npt.NDArray[np.integer[Any]]:
     return np.unpackbits(qh, axis=-1, bitorder="little") << 4
 
 
-def _super_scales(raw: npt.NDArray[np.uint8]) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]:
-    """A Q4_K/Q5_K super-block's scales for each of its 8 blocks, ``d * sc`` and ``dmin * m`` (fp32 products, as
-    gguf computes them), from its 6-bit values packed as gguf's ``Q4_K.get_scale_min`` reads them: bytes 0-3 hold
-    sc of blocks 0-3 in their low 6 bits, 4-7 m of blocks 0-3; blocks 4-7 have their low 4 bits in bytes 8-11 (sc
-    in the low nibble, m in the high) and their top 2 bits in the top bits of bytes 0-3 (sc) and 4-7 (m)."""
+def _super_scales(raw: npt.NDArray[np.uint8]) -> tuple[npt.NDArray[Any], ...]:
+    """A Q4_K/Q5_K super-block's ``d`` and ``dmin`` (fp16, a super-block) and the 6-bit ``sc`` and ``m`` of each of
+    its 8 blocks (uint8), from its values packed as gguf's ``Q4_K.get_scale_min`` reads them: bytes 0-3 hold sc of
+    blocks 0-3 in their low 6 bits, 4-7 m of blocks 0-3; blocks 4-7 have their low 4 bits in bytes 8-11 (sc in the
+    low nibble, m in the high) and their top 2 bits in the top bits of bytes 0-3 (sc) and 4-7 (m)."""
     packed = raw[..., 4:16]
     low_sc, low_m, rest = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
     sc = np.concatenate([low_sc & 0x3F, (rest & 0x0F) | ((low_sc >> 2) & 0x30)], axis=-1)
     m = np.concatenate([low_m & 0x3F, (rest >> 4) | ((low_m >> 2) & 0x30)], axis=-1)
-    d, dmin = _fp16(raw, 0)[..., None], _fp16(raw, 2)[..., None]
-    return d * sc.astype(np.float32), dmin * m.astype(np.float32)
+    halves = raw[..., 0:4].copy().view(np.float16)
+    return halves[..., 0], halves[..., 1], sc.astype(np.uint8), m.astype(np.uint8)
 
 
 def _super_nibbles(packed: npt.NDArray[np.uint8]) -> npt.NDArray[np.uint8]:
@@ -243,7 +257,10 @@ def decode(blocks: npt.NDArray[Any], kind: int, shape: tuple[int, int]) -> Codes
     if kind == Q6_K:
         return _decode_q6_k(raw, out, inputs)
     if kind in (Q4_K, Q5_K):
-        scale, minimum = _super_scales(raw)
+        d, dmin, sc, m = _super_scales(raw)
+        # d*sc and dmin*m, fp32 products as gguf computes them (exact: 11 bits times 6)
+        scale = d.astype(np.float32)[..., None] * sc.astype(np.float32)
+        minimum = dmin.astype(np.float32)[..., None] * m.astype(np.float32)
         if kind == Q4_K:
             values, middle = _super_nibbles(raw[..., 16:144]), 8
         else:
@@ -252,7 +269,8 @@ def decode(blocks: npt.NDArray[Any], kind: int, shape: tuple[int, int]) -> Codes
         # (d*sc)*q - dmin*m == (d*sc)*(q - middle) + (middle*(d*sc) - dmin*m); middle*(d*sc) is exact.
         zero = np.float32(middle) * scale - minimum
         q = values.reshape(out, inputs).astype(np.int8) - np.int8(middle)
-        return Codes(q, scale.reshape(out, -1), zero.reshape(out, -1), form.bits)
+        factors = (d, dmin, sc.reshape(out, -1), m.reshape(out, -1)) if kind == Q4_K else None
+        return Codes(q, scale.reshape(out, -1), zero.reshape(out, -1), form.bits, factors)
     d = _fp16(raw, 0)
     zero = np.full_like(d, -0.0)  # nothing added (Codes)
     if kind == Q8_0:
@@ -399,9 +417,13 @@ class Found:
     codes: dict[str, Codes]
 
 
-CACHE_FILE = "gguf-codes-3.npz"
+CACHE_FILE = "gguf-codes-4.npz"
 """Where :func:`of_layers` keeps what it found, by layer name, in the model's converted directory (its name
 changes with the types read into codes, so that a cache of fewer types is not taken for one of all of them)."""
+
+
+FACTORS = ("kd", "kdmin", "ksc", "km")
+"""The cache's names of :attr:`Codes.factors`."""
 
 
 def _load_cached(path: Path | None, layers: dict[str, Any]) -> Found | None:
@@ -422,7 +444,10 @@ def _load_cached(path: Path | None, layers: dict[str, Any]) -> Found | None:
                 if f"{name}.q" in saved.files:
                     bits = int(saved[f"{name}.bits"])
                     q, scale, zero = (saved[f"{name}.{part}"] for part in ("q", "scale", "zero"))
-                    found[name] = Codes.unpacked(q, scale, zero, bits)
+                    factors = None
+                    if f"{name}.kd" in saved.files:
+                        factors = tuple(saved[f"{name}.{part}"] for part in FACTORS)
+                    found[name] = Codes.unpacked(q, scale, zero, bits, factors)
     except (OSError, ValueError, KeyError) as exc:
         log.warning("codes_cache_unreadable", path=str(path), reason=repr(exc))
         return None
@@ -447,6 +472,9 @@ def _save_cached(path: Path | None, found: Found) -> None:
     for name, codes in found.codes.items():
         arrays[f"{name}.q"], arrays[f"{name}.bits"] = codes.packed(), np.asarray(codes.bits)
         arrays[f"{name}.scale"], arrays[f"{name}.zero"] = codes.scale, codes.zero
+        if codes.factors is not None:
+            for part, factor in zip(FACTORS, codes.factors, strict=True):
+                arrays[f"{name}.{part}"] = factor
     # A read-only cache directory: matched again at the next start.
     write_whole(path, lambda partial: np.savez(partial, **arrays), "codes_cache_not_written")  # type: ignore[arg-type]
 

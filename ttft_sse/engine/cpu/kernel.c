@@ -9,8 +9,11 @@
      8-bit codes: panels x K x 16 signed bytes (SIXTEEN's too);
      scale, zero: panels x K/32 x 16 floats (SIXTEEN: scale panels x K/16 x 16 floats, zero unread; with
                   F16_SCALES, where every scale is the file's fp16 d and every zero -0.0 (Q4_0, Q5_0, Q8_0): scale
-                  panels x K/32 x 16 fp16 values, widened exactly, zero unread: a quarter fewer bytes for 8-bit
-                  codes, and a quarter of 4-bit ones');
+                  panels x K/32 x 16 fp16 values, widened exactly, zero unread: 8.5 bits an input instead of 10,
+                  or 4.5 instead of 6; with K_SCALES (Q4_K): Q4_K's own factors, a record of 320 bytes a
+                  super-block of 256 inputs of a panel (16 fp16 d, 16 fp16 dmin, then 8 blocks' 16 sc, then their
+                  16 m), from which the scale d * sc and the zero 8 * scale - dmin * m are computed exactly as the
+                  codes' are: 4.625 bits an input instead of 6);
      dense (HALF, BRAIN, FULL: an F16, BF16 or F32 file's weights): panels x K x 16 values, no scale or zero, each
                   widened exactly to fp32 as it is read (fp16 by F16C, bf16 by a shift).
    Each input's 16 weights of a panel are expanded to fp32 (the values transformers' loader gives: q * scale, then
@@ -203,25 +206,57 @@ static inline pv pv_half(const uint16_t *h) {
 #endif
 }
 
-/* Block b's scales and zeros of `panels` panels (SIXTEEN's zeros -0.0, unread; with `half`, F16_SCALES: fp16
-   scales, blocks x 16 a panel, and zeros -0.0, not stored). */
+/* 16 bytes (K_SCALES's sc or m) as fp32 values. */
+static inline pv pv_bytes(const uint8_t *p) {
+#if defined(__AVX512F__)
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)));
+#else
+    return (pv){_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p))),
+                _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8))))};
+#endif
+}
+
+/* Q4_K's scale d * sc and zero 8 * scale - dmin * m from its factors, one rounding each as codes.py computes them
+   (d * sc and dmin * m are exact: 11 bits times 6; 8 * scale too). */
+static inline void pv_k(pv d, pv dmin, pv sc, pv m, pv *s, pv *z) {
+#if defined(__AVX512F__)
+    *s = _mm512_mul_ps(d, sc);
+    *z = _mm512_fmsub_ps(_mm512_set1_ps(8.0f), *s, _mm512_mul_ps(dmin, m));
+#else
+    const __m256 eight = _mm256_set1_ps(8.0f);
+    *s = (pv){_mm256_mul_ps(d.lo, sc.lo), _mm256_mul_ps(d.hi, sc.hi)};
+    *z = (pv){_mm256_fmsub_ps(eight, s->lo, _mm256_mul_ps(dmin.lo, m.lo)),
+              _mm256_fmsub_ps(eight, s->hi, _mm256_mul_ps(dmin.hi, m.hi))};
+#endif
+}
+
+enum { SCALES_FP32, SCALES_F16, SCALES_K }; /* a panel's scales: fp32 scales and zeros, F16_SCALES, K_SCALES */
+#define K_RECORD 320 /* K_SCALES's bytes a super-block of a panel: d, dmin (16 fp16 each), 8 x 16 sc, 8 x 16 m */
+
+/* Block b's scales and zeros of `panels` panels, by their `form`: fp32 (SIXTEEN's zeros -0.0, unread); fp16 scales,
+   blocks x 16 a panel, and zeros -0.0, not stored; or Q4_K's factors, a K_RECORD a super-block. */
 static inline __attribute__((always_inline)) void block_scales(int panels, const float *scale, const float *zero,
-                                                               int bits, int half, int64_t blocks, int64_t b, pv *s,
+                                                               int bits, int form, int64_t blocks, int64_t b, pv *s,
                                                                pv *z) {
     for (int g = 0; g < panels; g++) {
-        if (half) {
+        if (form == SCALES_F16) {
             s[g] = pv_half((const uint16_t *)scale + (g * blocks + b) * P);
             z[g] = pv_set1(-0.0f);
-            continue;
+        } else if (form == SCALES_K) {
+            const uint8_t *k = (const uint8_t *)scale + (g * (blocks / 8) + b / 8) * K_RECORD;
+            int64_t j = b % 8;
+            pv_k(pv_half((const uint16_t *)k), pv_half((const uint16_t *)(k + 32)), pv_bytes(k + 64 + P * j),
+                 pv_bytes(k + 64 + 8 * P + P * j), &s[g], &z[g]);
+        } else {
+            s[g] = pv_load(scale + (g * blocks + b) * P);
+            z[g] = bits == SIXTEEN ? pv_set1(-0.0f) : pv_load(zero + (g * blocks + b) * P);
         }
-        s[g] = pv_load(scale + (g * blocks + b) * P);
-        z[g] = bits == SIXTEEN ? pv_set1(-0.0f) : pv_load(zero + (g * blocks + b) * P);
     }
 }
 
 /* A tile of up to ROWS rows against `panels` panels, the codes expanded in registers. */
 static inline __attribute__((always_inline)) void fused(int rows, int panels, const uint8_t *codes,
-                                                        int64_t panel_bytes, int bits, int half, const float *scale,
+                                                        int64_t panel_bytes, int bits, int form, const float *scale,
                                                         const float *zero, const float *x, int64_t K, float *y,
                                                         int64_t N, int64_t outputs) {
     pv acc[ROWS][PANELS];
@@ -230,7 +265,7 @@ static inline __attribute__((always_inline)) void fused(int rows, int panels, co
     int64_t inputs = scale_inputs(bits), blocks = K / inputs;
     for (int64_t b = 0; b < blocks; b++) {
         pv s[PANELS], z[PANELS];
-        block_scales(panels, scale, zero, bits, half, blocks, b, s, z);
+        block_scales(panels, scale, zero, bits, form, blocks, b, s, z);
         for (int64_t i = b * inputs / 2; i < (b + 1) * inputs / 2; i++) {
             pv w0[PANELS], w1[PANELS];
             for (int g = 0; g < panels; g++) pair(codes + g * panel_bytes, bits, i, s[g], z[g], &w0[g], &w1[g]);
@@ -247,14 +282,14 @@ static inline __attribute__((always_inline)) void fused(int rows, int panels, co
    each output as fused's, but WIDE chains in flight at once where a one-row tile of fused has PANELS, each waiting on
    the latency of its last fused multiply-add (a decode step of one stream is mostly such calls). */
 static inline __attribute__((always_inline)) void one_row(int panels, const uint8_t *codes, int64_t panel_bytes,
-                                                          int bits, int half, const float *scale, const float *zero,
+                                                          int bits, int form, const float *scale, const float *zero,
                                                           const float *x, int64_t K, float *y, int64_t outputs) {
     pv acc[WIDE];
     for (int g = 0; g < panels; g++) acc[g] = pv_zero();
     int64_t inputs = scale_inputs(bits), blocks = K / inputs;
     for (int64_t b = 0; b < blocks; b++) {
         pv s[WIDE], z[WIDE];
-        block_scales(panels, scale, zero, bits, half, blocks, b, s, z);
+        block_scales(panels, scale, zero, bits, form, blocks, b, s, z);
         for (int64_t i = b * inputs / 2; i < (b + 1) * inputs / 2; i++) {
             float x0 = x[2 * i], x1 = x[2 * i + 1];
             for (int g = 0; g < panels; g++) {
@@ -323,12 +358,12 @@ static inline __attribute__((always_inline)) void dense(int rows, int cols, int 
         }
 }
 
-static void expand(const uint8_t *codes, int bits, int half, const float *scale, const float *zero, int64_t K,
+static void expand(const uint8_t *codes, int bits, int form, const float *scale, const float *zero, int64_t K,
                    float *w) {
     int64_t inputs = scale_inputs(bits);
     for (int64_t b = 0; b < K / inputs; b++) {
         pv s, z;
-        block_scales(1, scale, zero, bits, half, K / inputs, b, &s, &z);
+        block_scales(1, scale, zero, bits, form, K / inputs, b, &s, &z);
         for (int64_t i = b * inputs / 2; i < (b + 1) * inputs / 2; i++) {
             pv w0, w1;
             pair(codes, bits, i, s, z, &w0, &w1);
@@ -384,10 +419,12 @@ static void dense_group(const float *x, int64_t M, int64_t K, const uint8_t *w, 
    the range and the tiles, so the results are the same bits however a call's panels are split. */
 void fp32_panels(const float *x, int64_t M, int64_t K, const uint8_t *codes, int bits, const float *scale,
                  const float *zero, int64_t N, float *y, int64_t p0, int64_t p1, float *buffer) {
-    int half = (bits & F16_SCALES) != 0; /* fp16 scales, half the floats a panel; zeros -0.0, none stored */
-    bits &= ~F16_SCALES;
+    int form = bits & F16_SCALES ? SCALES_F16 : bits & K_SCALES ? SCALES_K : SCALES_FP32;
+    bits &= ~(F16_SCALES | K_SCALES);
     int64_t panel_bytes = code_bytes(K, bits), blocks = K / scale_inputs(bits); /* blocks: scales a panel's output */
-    int64_t scales = half ? blocks * P / 2 : blocks * P, zeros = half ? 0 : blocks * P; /* floats a panel */
+    /* floats a panel's scales and zeros take (fp16 scales: half as many; K_SCALES: a K_RECORD a super-block) */
+    int64_t scales = form == SCALES_F16 ? blocks * P / 2 : form == SCALES_K ? blocks / 8 * K_RECORD / 4 : blocks * P;
+    int64_t zeros = form == SCALES_FP32 ? blocks * P : 0;
     if (dense_bits(bits)) {
         for (int64_t p = p0; p < p1; p += GROUP)
             dense_group(x, M, K, codes + p * panel_bytes, bits, N, y, p, p1 - p < GROUP ? (int)(p1 - p) : GROUP);
@@ -401,9 +438,9 @@ void fp32_panels(const float *x, int64_t M, int64_t K, const uint8_t *codes, int
             float *yq = y + q * P;
             switch (panels) { /* a constant count in each (always_inline) */
 #define ONE_ROW(G) \
-    case G: if (G <= WIDE) one_row(G, c, panel_bytes, bits, half, s, z, x, K, yq, N - q * P); break;
+    case G: if (G <= WIDE) one_row(G, c, panel_bytes, bits, form, s, z, x, K, yq, N - q * P); break;
                 ONE_ROW(8) ONE_ROW(7) ONE_ROW(6) ONE_ROW(5) ONE_ROW(4) ONE_ROW(3) ONE_ROW(2)
-                default: one_row(1, c, panel_bytes, bits, half, s, z, x, K, yq, N - q * P);
+                default: one_row(1, c, panel_bytes, bits, form, s, z, x, K, yq, N - q * P);
             }
         }
         return;
@@ -413,7 +450,7 @@ void fp32_panels(const float *x, int64_t M, int64_t K, const uint8_t *codes, int
         if (M > FUSED_ROWS) {
             for (int g = 0; g < group; g++) {
                 int64_t at = p + g;
-                expand(codes + at * panel_bytes, bits, half, scale + at * scales, zero + at * zeros, K,
+                expand(codes + at * panel_bytes, bits, form, scale + at * scales, zero + at * zeros, K,
                        buffer + g * K * P);
             }
             dense_group(x, M, K, (const uint8_t *)buffer, FULL, N, y, p, group);
@@ -428,7 +465,7 @@ void fp32_panels(const float *x, int64_t M, int64_t K, const uint8_t *codes, int
                 int64_t rows = tile_rows(M, r, t, tiles);
 #define FUSED(R, G)                                                                                                    \
     if (R <= ROWS && G <= PANELS)                                                                                      \
-    fused(R, G, c, panel_bytes, bits, half, s, z, x + r * K, K, y + r * N + q * P, N, N - q * P)
+    fused(R, G, c, panel_bytes, bits, form, s, z, x + r * K, K, y + r * N + q * P, N, N - q * P)
                 BY_ROWS(FUSED, rows, panels)
                 r += rows;
             }
@@ -445,6 +482,7 @@ int fp32_buffer(int64_t M, int64_t K, float **buffer) {
 }
 
 int fp32_takes(int64_t K, int bits) {
+    if (bits == (4 | K_SCALES)) return K % 256 == 0;
     int codes = bits & ~F16_SCALES, half = bits != codes;
     return K % BLOCK == 0 && (codes == 4 || codes == 8 || (!half && (bits == SIXTEEN || dense_bits(bits))));
 }

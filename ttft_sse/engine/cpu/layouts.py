@@ -14,7 +14,7 @@ PANEL = 16
 """Outputs a panel of kernel.c's layout."""
 
 
-def panels(codes: gguf_codes.Codes) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.float32], npt.NDArray[np.float32]]:
+def panels(codes: gguf_codes.Codes) -> tuple[npt.NDArray[np.uint8], npt.NDArray[Any], npt.NDArray[np.float32]]:
     """``codes`` in kernel.c's layout: panels of :data:`PANEL` outputs (the last one padded with zero weights), the
     codes of each input's 16 outputs side by side (4-bit ones two inputs a byte, plus 8), and a block's 16 scales
     and zeros likewise (fp16 scales and empty zeros where :func:`half_scales`). Q6_K's codes
@@ -37,6 +37,8 @@ def panels(codes: gguf_codes.Codes) -> tuple[npt.NDArray[np.uint8], npt.NDArray[
         packed = unsigned[:, 0::2] | (unsigned[:, 1::2] << 4)
     else:
         packed = by_input.view(np.uint8)
+    if k_factors(codes):  # K_SCALES: Q4_K's own factors, from which kernel.c computes the scales and zeros
+        return np.ascontiguousarray(packed), _factor_panels(codes), np.zeros((padded // PANEL, 0, PANEL), np.float32)
     if half_scales(codes):  # F16_SCALES: the file's fp16 d, and zeros of -0.0, which kernel.c adds without reading
         empty = np.zeros((padded // PANEL, 0, PANEL), np.float32)
         return np.ascontiguousarray(packed), _by_panel(codes.scale, np.float16), empty
@@ -64,10 +66,52 @@ def half_scales(codes: gguf_codes.Codes) -> bool:
         return bool(np.array_equal(codes.scale.astype(np.float16).astype(np.float32), codes.scale))
 
 
+K_SCALES = 256
+"""Added to the ``bits`` of fp32 rows' panels of Q4_K codes that hold its own factors instead of fp32 scales and
+zeros (blocks.h's ``K_SCALES``)."""
+SUPER = 8
+"""Blocks a K-quant super-block holds."""
+
+
+def k_factors(codes: gguf_codes.Codes) -> bool:
+    """Whether the panels of ``codes`` hold Q4_K's own factors (:attr:`~ttft_sse.engine.cpu.codes.Codes.factors`):
+    4-bit codes of whole super-blocks whose factors give back every scale and zero exactly (d*sc, then
+    8*scale - dmin*m, one fp32 rounding each, as kernel.c computes them). Their panels then read 4.625 bits an
+    input instead of 6."""
+    if codes.bits != 4 or codes.factors is None or codes.scale.shape[1] % SUPER:
+        return False
+    d, dmin, sc, m = codes.factors
+    scale = np.repeat(d.astype(np.float32), SUPER, axis=1) * sc.astype(np.float32)
+    minimum = np.repeat(dmin.astype(np.float32), SUPER, axis=1) * m.astype(np.float32)
+    zero = np.float32(8) * scale - minimum
+    return bool(np.array_equal(scale.view(np.uint32), codes.scale.view(np.uint32))) and bool(
+        np.array_equal(zero.view(np.uint32), codes.zero.view(np.uint32))
+    )
+
+
+def _factor_panels(codes: gguf_codes.Codes) -> npt.NDArray[np.uint8]:
+    """Q4_K's factors panel by panel, a record of 320 bytes a super-block: the 16 outputs' d, then their dmin
+    (fp16), then each of the 8 blocks' 16 sc, then their 16 m (uint8); padding outputs all zero."""
+    assert codes.factors is not None
+    d, dmin, sc, m = codes.factors
+    out, supers = d.shape
+    padded = _padded(out)
+    halves = [_by_panel(v.astype(np.float32), np.float16).view(np.uint8) for v in (d, dmin)]  # panels x supers x 32
+    bytes_ = []
+    for v in (sc, m):
+        full = np.zeros((padded, supers * SUPER), np.uint8)
+        full[:out] = v
+        by = full.reshape(padded // PANEL, PANEL, supers, SUPER).transpose(0, 2, 3, 1)  # panel, super, block, output
+        bytes_.append(np.ascontiguousarray(by).reshape(padded // PANEL, supers, SUPER * PANEL))
+    return np.ascontiguousarray(np.concatenate([*halves, *bytes_], axis=2))
+
+
 def panel_bits(bits: int, scales: npt.NDArray[Any]) -> int:
     """The ``bits`` kernel.c takes for panels of codes of ``bits`` whose scales are ``scales`` (:func:`panels`'s
-    second array): plus :data:`F16_SCALES` where they are fp16."""
-    return bits + F16_SCALES if scales.dtype == np.float16 else bits
+    second array): plus :data:`F16_SCALES` where they are fp16, :data:`K_SCALES` where they are Q4_K's factors."""
+    if scales.dtype == np.float16:
+        return bits + F16_SCALES
+    return bits + K_SCALES if scales.dtype == np.uint8 else bits
 
 
 WIDE = 64
