@@ -33,12 +33,11 @@ F16, BF16 and F32 matrices are read as the weights themselves (:data:`DENSE`: th
 fp16 and bf16 exactly as it reads them). Other types stay fp32 (:func:`why_not`): Q3_K and Q2_K (their 2- and 3-bit
 codes with a minimum each 16 inputs have no layout here), and the others.
 
-Layers are matched to the file's tensors by their rows' bits, not by name, so no table of each architecture's names
-is needed, and a row order changed by transformers' loader (q and k) is found too. Only a layer whose codes give
-back exactly the fp32 weight transformers loaded gets them. Every matrix of the file, of any type, is known by a
-hash of its rows' first columns as gguf dequantises them, so each layer's GGUF type is known too, whether it gets
-codes or not (:class:`Found`). Reading and matching the file takes seconds (most of it ``gguf``'s reading of the
-metadata), so the codes and types are kept in the model's converted directory for the next start.
+Layers are matched to the file's tensors by their rows' bits, not by name (no table of names; rows reordered by
+transformers' loader, q and k, are found too), and get codes only if these give back exactly the fp32 weight
+transformers loaded. Every matrix is known by a hash of its rows' first columns, so each layer's GGUF type is known
+whether it gets codes or not (:class:`Found`). Reading and matching takes seconds, so the codes and types are kept
+in the model's converted directory for the next start.
 """
 
 from __future__ import annotations
@@ -177,15 +176,8 @@ class Codes:
         return np.ascontiguousarray(blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(out, -1)
 
     @classmethod
-    def unpacked(
-        cls,
-        packed: npt.NDArray[np.uint8],
-        scale: npt.NDArray[np.float32],
-        zero: npt.NDArray[np.float32],
-        bits: int,
-        factors: tuple[Any, Any, Any, Any] | None = None,
-    ) -> Codes:
-        """The inverse of :meth:`packed`."""
+    def unpacked(cls, packed: npt.NDArray[np.uint8], scale: Any, zero: Any, bits: int, factors: Any = None) -> Codes:
+        """The inverse of :meth:`packed` (``scale``, ``zero`` and ``factors`` as the codes hold them)."""
         if bits != 4:
             return cls(packed.view(DENSE_DTYPES.get(bits, np.int8)), scale, zero, bits)
         out = packed.shape[0]
@@ -201,9 +193,8 @@ class Codes:
         """The first ``inputs`` columns (whole blocks; Q4_K's factors where they are whole super-blocks)."""
         blocks = -(-inputs // self.group)
         factors = None
-        if self.factors is not None and blocks % 8 == 0:
-            d, dmin, sc, m = self.factors
-            factors = (d[:, : blocks // 8], dmin[:, : blocks // 8], sc[:, :blocks], m[:, :blocks])
+        if self.factors is not None and blocks % 8 == 0:  # d and dmin a super-block of 8, sc and m a block
+            factors = tuple(f[:, : blocks // 8 if i < 2 else blocks] for i, f in enumerate(self.factors))
         q = self.q[:, : blocks * self.group]
         return Codes(q, self.scale[:, :blocks], self.zero[:, :blocks], self.bits, factors)
 
@@ -444,9 +435,8 @@ def _load_cached(path: Path | None, layers: dict[str, Any]) -> Found | None:
                 if f"{name}.q" in saved.files:
                     bits = int(saved[f"{name}.bits"])
                     q, scale, zero = (saved[f"{name}.{part}"] for part in ("q", "scale", "zero"))
-                    factors = None
-                    if f"{name}.kd" in saved.files:
-                        factors = tuple(saved[f"{name}.{part}"] for part in FACTORS)
+                    kept = f"{name}.kd" in saved.files  # Q4_K's factors
+                    factors = tuple(saved[f"{name}.{part}"] for part in FACTORS) if kept else None
                     found[name] = Codes.unpacked(q, scale, zero, bits, factors)
     except (OSError, ValueError, KeyError) as exc:
         log.warning("codes_cache_unreadable", path=str(path), reason=repr(exc))
@@ -472,9 +462,7 @@ def _save_cached(path: Path | None, found: Found) -> None:
     for name, codes in found.codes.items():
         arrays[f"{name}.q"], arrays[f"{name}.bits"] = codes.packed(), np.asarray(codes.bits)
         arrays[f"{name}.scale"], arrays[f"{name}.zero"] = codes.scale, codes.zero
-        if codes.factors is not None:
-            for part, factor in zip(FACTORS, codes.factors, strict=True):
-                arrays[f"{name}.{part}"] = factor
+        arrays |= {f"{name}.{part}": f for part, f in zip(FACTORS, codes.factors or (), strict=False)}
     # A read-only cache directory: matched again at the next start.
     write_whole(path, lambda partial: np.savez(partial, **arrays), "codes_cache_not_written")  # type: ignore[arg-type]
 

@@ -1,12 +1,11 @@
 """The block kernel: fp32 rows times linear weights kept in a GGUF file's own blocks, on CPU (``TTFT_GGUF_KERNEL``).
 
-A decode step is bound by the bytes it reads. transformers expands a GGUF's quantised weights to fp32, 32 bits an
-input; ``kernel.c`` multiplies fp32 rows by the file's codes instead (engine/cpu/codes.py: Q4_0, Q4_1, Q5_0, Q5_1,
-Q8_0, Q4_K, Q5_K and Q6_K as 4-bit or 8-bit codes), laid out by :func:`panels` in panels of 16 outputs. For each
-input it expands a panel's 16 codes to exactly the fp32 weights transformers' loader gives and multiplies them into 16
-outputs with one fused multiply-add, input after input. An unquantised file's F16, BF16 and F32 matrices lie in the
-same panels as the values themselves, widened exactly as they are read. Decode steps and short prompts gain; long
-prompts, where both are near the core's fp32 peak, lose a little (figures: docs/engine.md).
+transformers expands a GGUF's quantised weights to fp32, 32 bits an input, which a decode step reads whole;
+``kernel.c`` multiplies fp32 rows by the file's codes instead (engine/cpu/codes.py: Q4_0 to Q6_K as 4-bit or 8-bit
+codes), laid out by :func:`panels` in panels of 16 outputs: for each input it expands a panel's 16 codes to exactly
+the fp32 weights transformers' loader gives and multiplies them into 16 outputs with one fused multiply-add. An
+unquantised file's F16, BF16 and F32 matrices lie in the same panels as their values, widened exactly. Decode steps
+and short prompts gain; long prompts lose a little (figures: docs/engine.md).
 
 The answers are the fp32 model's: the same weights and fp32 arithmetic, summed in another order than oneDNN's. And
 each row's result is the same bits whatever else the call holds (checked at load): a stream's answer does not depend
