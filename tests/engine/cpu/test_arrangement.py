@@ -10,7 +10,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from tests.engine.cpu.test_kernel import DIRECTORY, one_thread, skip_without_int8, tiny_model
-from ttft_sse.engine.cpu import arrangement, codes, kernel
+from ttft_sse.engine.cpu import arrangement, kernel, matches
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("gguf")
@@ -35,7 +35,7 @@ def start(tmp_path: Path, activations: str = "fp32", degrade: bool = False) -> t
             path,
             torch,
             directory=DIRECTORY,
-            cache=tmp_path / codes.CACHE_FILE,
+            cache=tmp_path / matches.CACHE_FILE,
             activations=activations,
             degrade=degrade,
         )
@@ -44,11 +44,11 @@ def start(tmp_path: Path, activations: str = "fp32", degrade: bool = False) -> t
 
 
 def no_codes(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(codes, "of_layers", lambda *_args: pytest.fail("the codes were read and laid out again"))
+    monkeypatch.setattr(matches, "of_layers", lambda *_args: pytest.fail("the codes were read and laid out again"))
 
 
 def kept_file(tmp_path: Path, activations: str = "fp32", degrade: bool = False) -> Path:
-    return arrangement.path_for(tmp_path / codes.CACHE_FILE, activations, degrade)
+    return arrangement.path_for(tmp_path / matches.CACHE_FILE, activations, degrade)
 
 
 @pytest.mark.parametrize(("activations", "degrade"), [("fp32", False), ("int8", False), ("fp32", True)])
@@ -70,7 +70,7 @@ def test_a_later_start_maps_the_kept_arrays_and_computes_the_same_bits(
             path,
             torch,
             directory=DIRECTORY,
-            cache=tmp_path / codes.CACHE_FILE,
+            cache=tmp_path / matches.CACHE_FILE,
             activations=activations,
             degrade=degrade,
         )
@@ -172,7 +172,7 @@ def test_a_file_kept_for_other_weights_is_laid_out_again(tmp_path: Path) -> None
         model[0].weight.copy_(model[0].weight.flip(0))
         want = model(X)
     with capture_logs() as logs:
-        kernel.apply(model, path, torch, directory=DIRECTORY, cache=tmp_path / codes.CACHE_FILE)
+        kernel.apply(model, path, torch, directory=DIRECTORY, cache=tmp_path / matches.CACHE_FILE)
     assert logs[0]["event"] == "arrangement_rebuilt" and logs[0]["reason"] == "written for another weight of 0"
     with torch.no_grad():
         assert float((model(X) - want).abs().max()) <= 1e-5 * float(want.abs().max())

@@ -20,7 +20,7 @@ from tests.support.paths import CACHE_DIR
 from tests.support.texts import PASSAGE
 from ttft_sse.engine.base import SamplingParams
 from ttft_sse.engine.batched.engine import BatchedEngine
-from ttft_sse.engine.cpu import attention, codes, kernel, layouts
+from ttft_sse.engine.cpu import attention, codes, kernel, layouts, matches
 from ttft_sse.engine.cpu.layouts import records
 from ttft_sse.engine.loading.model import KERNEL_DIR
 from ttft_sse.engine.single import SingleEngine
@@ -635,7 +635,7 @@ def test_a_model_of_q5_and_k_quant_layers_runs_on_the_kernel_with_the_fp32_layer
     with torch.no_grad():
         before = model(x)
     with capture_logs() as logs:
-        applied = kernel.apply(model, path, torch, directory=DIRECTORY, cache=tmp_path / codes.CACHE_FILE)
+        applied = kernel.apply(model, path, torch, directory=DIRECTORY, cache=tmp_path / matches.CACHE_FILE)
     by_type = {
         "Q4_K": "blocks: 1",
         "Q5_0": "blocks: 1",

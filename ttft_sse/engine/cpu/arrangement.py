@@ -48,7 +48,7 @@ ALIGN = 64
 """Every array starts at a multiple of this many bytes from the file's start."""
 CHECKED_ROWS = 32
 """Rows of each layer whose weight is checked against the fp32 weight loaded."""
-_SOURCES = (Path(__file__).with_name("layouts.py"), Path(__file__).with_name("codes.py"))
+_SOURCES = tuple(Path(__file__).with_name(name) for name in ("layouts.py", "codes.py", "matches.py"))
 
 
 @dataclass(frozen=True)

@@ -53,7 +53,7 @@ from typing import Any, NamedTuple
 
 import structlog
 
-from ttft_sse.engine.cpu import arrangement, weights
+from ttft_sse.engine.cpu import arrangement, matches, weights
 from ttft_sse.engine.cpu import codes as gguf_codes
 from ttft_sse.engine.cpu.layouts import PANEL, in_records, panel_bits, probed_outputs, record_bits
 
@@ -187,7 +187,7 @@ class Applied(NamedTuple):
     """What :func:`apply` did."""
 
     activations: str | None  # "int8" where any layer on the kernel takes int8 rows, else "fp32"; None: no layer
-    by_type: dict[str, str]  # the path of each GGUF type's layers (codes.by_type); empty where the kernel is off
+    by_type: dict[str, str]  # the path of each GGUF type's layers (matches.by_type); empty where the kernel is off
 
 
 @functools.cache
@@ -301,9 +301,9 @@ def _apply(
     kept = None if stored is None else arrangement.load(stored, key, weights_now)
     fresh = kept is None
     if kept is None:
-        found = gguf_codes.of_layers(layers, gguf_path, cache)
+        found = matches.of_layers(layers, gguf_path, cache)
         if not found.codes:
-            paths = gguf_codes.by_type(found.kinds, {}, activations)
+            paths = matches.by_type(found.kinds, {}, activations)
             reason = "no linear weight of the model is stored in a type the kernel runs"
             if degrade:
                 raise Refused(reason)
@@ -349,7 +349,7 @@ def _apply(
     counts = {bits: sum(entry.bits == bits for entry in entries.values()) for bits in (4, 8, gguf_codes.SIXTEEN)}
     dense = sum(entry.bits in gguf_codes.DENSE_DTYPES for entry in entries.values())
     used = "int8" if "int8" in rows.values() else "fp32"
-    paths = gguf_codes.by_type(kept.kinds, rows, activations)
+    paths = matches.by_type(kept.kinds, rows, activations)
     log.info(
         "weights_blocks",
         layers=len(changed),

@@ -19,7 +19,7 @@ from typing import Any
 import structlog
 
 from ttft_sse.engine.base import INT8, NORMAL, ModelInfo
-from ttft_sse.engine.cpu import attention, codes, decoder, families, grouped, kernel, weights
+from ttft_sse.engine.cpu import attention, decoder, families, grouped, kernel, matches, weights
 from ttft_sse.engine.loading import sources
 from ttft_sse.errors import StartupError
 from ttft_sse.settings import Settings
@@ -163,7 +163,7 @@ def _arrange(
                 source.location,
                 torch,
                 directory=settings.cache_dir / KERNEL_DIR,
-                cache=Path(location) / codes.CACHE_FILE,  # for a GGUF, location is its converted directory
+                cache=Path(location) / matches.CACHE_FILE,  # for a GGUF, location is its converted directory
                 activations=settings.gguf_activations,
                 degrade=degrade,
             )
