@@ -25,7 +25,7 @@ import yaml
 from hypercorn.config import Config
 
 from ttft_sse.__main__ import hypercorn_config
-from ttft_sse.engine.cpu import attention, kernel
+from ttft_sse.engine.cpu import attention, compiler, kernel
 from ttft_sse.runtime import shutdown_budget
 from ttft_sse.settings import Settings
 
@@ -136,7 +136,7 @@ def test_the_installed_package_carries_every_file_of_the_package(tmp_path: Path)
         shutil.copy(ROOT / name, source / name)
     shutil.copytree(ROOT / "ttft_sse", source / "ttft_sse", ignore=shutil.ignore_patterns("__pycache__"))
     package = {path.relative_to(source).as_posix() for path in (source / "ttft_sse").rglob("*") if path.is_file()}
-    compiled = {f"ttft_sse/engine/cpu/{path.name}" for path in (*kernel.SOURCES, *kernel.HEADERS, attention.SOURCE)}
+    compiled = {f"ttft_sse/engine/cpu/{path.name}" for path in (*kernel.SOURCES, *compiler.HEADERS, attention.SOURCE)}
     assert compiled <= package
     command = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-cache-dir", "-q"]
     done = subprocess.run([*command, "-w", str(tmp_path / "wheel"), str(source)], capture_output=True, text=True)

@@ -31,7 +31,7 @@ import structlog
 
 from ttft_sse.engine.base import ChatMessage, Engine, Finished, ModelInfo, Piece, Prompt, SamplingParams
 from ttft_sse.engine.cache_files import write_whole
-from ttft_sse.engine.cpu import kernel
+from ttft_sse.engine.cpu import compiler
 from ttft_sse.engine.loading import sources
 from ttft_sse.settings import Settings
 from ttft_sse.stages import StageClock
@@ -160,7 +160,7 @@ def _conditions(settings: Settings) -> dict[str, Any]:
         "format": VERDICT_FORMAT,
         "cpu": _cpu(),
         # The model name alone can be the same on CPUs with other features ("AMD EPYC" with and without AVX-512).
-        "cpu_features": hashlib.sha256(kernel.cpu_features()).hexdigest()[:16],
+        "cpu_features": hashlib.sha256(compiler.cpu_features()).hexdigest()[:16],
         "cores": settings.cores,
         "threads": settings.torch_threads,
         "max_concurrency": settings.max_concurrency,

@@ -11,7 +11,7 @@ import torch
 import transformers
 from structlog.testing import capture_logs
 
-from ttft_sse.engine.cpu import attention, grouped, kernel
+from ttft_sse.engine.cpu import attention, compiler, grouped
 from ttft_sse.engine.single import SingleEngine
 from ttft_sse.settings import Settings
 from ttft_sse.stages import StageClock
@@ -170,7 +170,7 @@ def paged_module(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
     model = tiny(kv_heads=2)
     with pytest.MonkeyPatch.context() as patch:
         if request.param == "avx2":
-            patch.setattr(kernel, "FLAGS", (*kernel.FLAGS, "-mno-avx512f"))
+            patch.setattr(compiler, "FLAGS", (*compiler.FLAGS, "-mno-avx512f"))
         assert attention.page(model, torch, tmp_path_factory.mktemp("kernels")) == 2
     grouped.install()  # the attention function that hands the marked modules' calls to the C attention
     return model.model.layers[0].self_attn
@@ -391,9 +391,9 @@ def test_a_cache_with_layers_of_another_kind_is_left_to_gather_as_the_library_do
 def test_without_avx512_or_avx2_the_c_attention_refuses_and_nothing_is_marked(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(kernel, "FLAGS", (*kernel.FLAGS, "-mno-avx512f", "-mno-avx2"))  # what such a CPU gets built
+    monkeypatch.setattr(compiler, "FLAGS", (*compiler.FLAGS, "-mno-avx512f", "-mno-avx2"))  # what such a CPU gets built
     with pytest.raises(RuntimeError, match="the CPU has neither AVX-512 nor AVX2 with FMA"):
-        attention._function(kernel.build(tmp_path, (attention.SOURCE,), "attention"))
+        attention._function(compiler.build(tmp_path, (attention.SOURCE,), "attention"))
     model = tiny(kv_heads=2)
     with capture_logs() as logs:
         assert attention.page(model, torch, tmp_path) == 0

@@ -14,7 +14,7 @@ from structlog.testing import capture_logs
 from tests.support.ggufs import quantise, write_gguf
 from tests.support.paths import CACHE_DIR
 from tests.support.texts import PASSAGE
-from ttft_sse.engine.cpu import attention, decoder, families, kernel
+from ttft_sse.engine.cpu import attention, compiler, decoder, families, kernel
 from ttft_sse.engine.loading.model import KERNEL_DIR
 from ttft_sse.engine.single import SingleEngine
 from ttft_sse.settings import Settings
@@ -69,7 +69,7 @@ def library(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     if request.param == "native":
         return kernel.build(DIRECTORY)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(kernel, "FLAGS", (*kernel.FLAGS, "-mno-avx512f"))
+        patch.setattr(compiler, "FLAGS", (*compiler.FLAGS, "-mno-avx512f"))
         return kernel.build(tmp_path_factory.mktemp("avx2"))
 
 
@@ -466,7 +466,7 @@ def test_a_model_in_the_q4_k_m_mix_is_fused_whole_and_answers_as_its_layers_unfu
     """Its Q6_K attn_v and ffn_down run on the kernel too, so every decoder layer is fused (q/k/v not joined: Q4_K
     and Q6_K codes differ), and the greedy answer is the one its layers give unfused, on the kernel and in torch."""
     if library != kernel.build(DIRECTORY):  # the AVX2 build: apply finds it by its flags
-        monkeypatch.setattr(kernel, "FLAGS", (*kernel.FLAGS, "-mno-avx512f"))
+        monkeypatch.setattr(compiler, "FLAGS", (*compiler.FLAGS, "-mno-avx512f"))
     path = tmp_path / "q4_k_m.gguf"
     model = q4_k_m_model(path)
     prompt = torch.tensor([[1, 17, 5, 60, 33, 8]])

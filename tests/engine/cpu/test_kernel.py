@@ -4,7 +4,6 @@ engine/cpu/kernel.c)."""
 from __future__ import annotations
 
 import ctypes
-import subprocess
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,7 @@ from tests.support.paths import CACHE_DIR
 from tests.support.texts import PASSAGE
 from ttft_sse.engine.base import SamplingParams
 from ttft_sse.engine.batched.engine import BatchedEngine
-from ttft_sse.engine.cpu import attention, codes, kernel, layouts, matches
+from ttft_sse.engine.cpu import attention, codes, compiler, kernel, layouts, matches
 from ttft_sse.engine.cpu.layouts import records
 from ttft_sse.engine.loading.model import KERNEL_DIR
 from ttft_sse.engine.single import SingleEngine
@@ -89,7 +88,7 @@ def rows_as_int8(x: np.ndarray) -> np.ndarray:
 def avx2_build(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The kernel's AVX2 side, built without AVX-512 (what a CPU without it gets)."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(kernel, "FLAGS", (*kernel.FLAGS, "-mno-avx512f"))
+        patch.setattr(compiler, "FLAGS", (*compiler.FLAGS, "-mno-avx512f"))
         return kernel.build(tmp_path_factory.mktemp("avx2"))
 
 
@@ -97,7 +96,7 @@ def avx2_build(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def no_f16c_build(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The AVX2 side without F16C too: it widens fp16 weights in plain C."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(kernel, "FLAGS", (*kernel.FLAGS, "-mno-avx512f", "-mno-f16c"))
+        patch.setattr(compiler, "FLAGS", (*compiler.FLAGS, "-mno-avx512f", "-mno-f16c"))
         return kernel.build(tmp_path_factory.mktemp("no-f16c"))
 
 
@@ -345,14 +344,14 @@ def alone_and_shared(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Pa
     helper, at SCHED_IDLE, gets a core even when every core is busy (a CI machine running other work)."""
     alone, shared = (kernel.build(tmp_path_factory.mktemp(name)) for name in ("alone", "shared"))
     assert kernel.start_helpers(shared, 1) == 1
-    kernel.load(shared, "ttft_helper_leave", (ctypes.c_int64,))(1_000_000)
+    compiler.load(shared, "ttft_helper_leave", (ctypes.c_int64,))(1_000_000)
     return alone, shared
 
 
 @pytest.fixture
 def helpers_pause(alone_and_shared: tuple[Path, Path]) -> Any:
     """Sets how long the shared build's helpers sleep in every chunk they hold (µs); back to 0 after the test."""
-    pause = kernel.load(alone_and_shared[1], "ttft_helper_pause", (ctypes.c_int64,))
+    pause = compiler.load(alone_and_shared[1], "ttft_helper_pause", (ctypes.c_int64,))
     yield pause
     pause(0)
 
@@ -418,7 +417,7 @@ _PTR = ctypes.c_void_p
 @pytest.fixture(scope="module")
 def attention_library(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """engine/cpu/attention.c built for this CPU, once for the module's tests."""
-    return kernel.build(tmp_path_factory.mktemp("attention"), (attention.SOURCE,), "attention")
+    return compiler.build(tmp_path_factory.mktemp("attention"), (attention.SOURCE,), "attention")
 
 
 class AttentionStep:
@@ -438,9 +437,9 @@ class AttentionStep:
         self.cu_k = np.cumsum([0, *(k for _, k in requests)]).astype(np.int32)
         self.requests = len(requests)
         self.alone = attention._function(library)
-        self.part = ctypes.cast(kernel.load(library, "ttft_attention_part", ()), _PTR).value
+        self.part = ctypes.cast(compiler.load(library, "ttft_attention_part", ()), _PTR).value
         # ttft_share_attention (helpers.c): attention.c's part function, then ttft_paged_attention's arguments.
-        self.share = kernel.load(shared, "ttft_share_attention", (_PTR, *attention._ARGUMENTS))
+        self.share = compiler.load(shared, "ttft_share_attention", (_PTR, *attention._ARGUMENTS))
 
     def _arguments(self, out: npt.NDArray[np.float32]) -> tuple[Any, ...]:
         def at(a: npt.NDArray[Any]) -> int:
@@ -556,7 +555,7 @@ def test_on_a_cpu_without_avx512_vnni_or_f16c_int8_rows_fall_back_to_fp32_and_th
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     model, path = tiny_model(tmp_path)
-    monkeypatch.setattr(kernel, "FLAGS", (*kernel.FLAGS, "-mno-avx512vnni", "-mno-f16c"))
+    monkeypatch.setattr(compiler, "FLAGS", (*compiler.FLAGS, "-mno-avx512vnni", "-mno-f16c"))
     with capture_logs() as logs:
         got = kernel.apply(model, path, torch, directory=tmp_path / "kernels", activations="int8")
     assert got.activations == "fp32"
@@ -781,8 +780,8 @@ def wrong_zeros(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def no_compiler(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(kernel.shutil, "which", lambda _name: None)
-    monkeypatch.setattr(kernel.Path, "is_file", lambda _path: False)  # not even a build from an earlier run
+    monkeypatch.setattr(compiler.shutil, "which", lambda _name: None)
+    monkeypatch.setattr(compiler.Path, "is_file", lambda _path: False)  # not even a build from an earlier run
 
 
 def four_threads(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -808,33 +807,6 @@ def test_where_the_kernel_cannot_serve_every_layer_stays_as_it_was_and_the_log_s
     assert [type(layer) for layer in model] == [torch.nn.Linear] * 3
     assert not hasattr(model[0], "arrays") and model[0].weight.shape == (96, 64)
     assert logs == [{"event": "weights_not_blocks", "log_level": "warning", "reason": reason}]
-
-
-def test_a_source_that_does_not_compile_is_reported_with_the_compilers_error(tmp_path: Path) -> None:
-    source = tmp_path / "kernel.c"
-    source.write_text('#error "no such CPU"\n')
-    with pytest.raises(RuntimeError, match=r"failed: .*error: #error \"no such CPU\""):
-        kernel.build(tmp_path / "kernels", (source,))
-    assert list((tmp_path / "kernels").iterdir()) == []  # no partial file left
-
-
-def test_the_kernel_is_built_once_for_a_source_and_cpu_then_loaded(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    directory = tmp_path / "kernels"
-    with capture_logs() as logs:
-        built = kernel.build(directory)
-    assert built.parent == directory and built.name.startswith("blocks-") and built.suffix == ".so"
-    assert [entry["event"] for entry in logs] == ["kernel_built"]
-
-    def compile_again(*_args: Any, **_kwargs: Any) -> subprocess.CompletedProcess[str]:
-        raise AssertionError("compiled again")
-
-    monkeypatch.setattr(kernel.subprocess, "run", compile_again)
-    assert kernel.build(directory) == built
-    monkeypatch.setattr(kernel, "cpu_features", lambda: b"flags : another cpu")
-    with pytest.raises(AssertionError, match="compiled again"):  # another CPU gets its own build
-        kernel.build(directory)
 
 
 async def test_the_bundled_model_runs_every_linear_layer_on_the_kernel(settings: Settings) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 
 import structlog
 
-from ttft_sse.engine.cpu import kernel
+from ttft_sse.engine.cpu import compiler
 
 log = structlog.get_logger("ttft_sse.engine")
 
@@ -30,7 +30,7 @@ class Argmax:
     """``argmax.c``'s ``ttft_argmax``, built in ``directory``: each row's argmax of a 2-D fp32 CPU tensor."""
 
     def __init__(self, directory: Path) -> None:
-        self._function = kernel.load(kernel.build(directory, (SOURCE,), "argmax"), "ttft_argmax", _ARGUMENTS)
+        self._function = compiler.load(compiler.build(directory, (SOURCE,), "argmax"), "ttft_argmax", _ARGUMENTS)
 
     def takes(self, scores: Any, torch: Any) -> bool:
         """Whether :meth:`rows` reads ``scores`` as it is: 2-D fp32 on CPU, at least one column, rows of unit

@@ -36,7 +36,7 @@ from typing import Any, NamedTuple
 
 import structlog
 
-from ttft_sse.engine.cpu import kernel
+from ttft_sse.engine.cpu import compiler
 
 log = structlog.get_logger("ttft_sse.engine")
 
@@ -103,7 +103,7 @@ def page(model: Any, torch: Any, directory: Path) -> int:
         return 0
     probe = modules[0]
     try:
-        library = kernel.build(directory, (SOURCE,), "attention")
+        library = compiler.build(directory, (SOURCE,), "attention")
         function = _function(library)
         heads, dim = probe.config.num_attention_heads, probe.head_dim
         kv_heads = probe.config.num_key_value_heads
@@ -123,7 +123,7 @@ def page(model: Any, torch: Any, directory: Path) -> int:
         agree, reason = False, str(exc)
     marked = settle(modules, PAGED, function if agree else None, "paged", None if agree else reason)
     if marked:
-        part = kernel.load(library, "ttft_attention_part", _PART_ARGUMENTS)
+        part = compiler.load(library, "ttft_attention_part", _PART_ARGUMENTS)
         for module in modules:
             setattr(module, PAGED_PART, part)
     return marked
@@ -156,7 +156,7 @@ _PART_ARGUMENTS = (*_ARGUMENTS[:-1], _I64, _I64, _PTR)
 
 
 def _function(path: Path) -> Any:
-    function = kernel.load(path, "ttft_paged_attention", _ARGUMENTS)
+    function = compiler.load(path, "ttft_paged_attention", _ARGUMENTS)
     if function(None, 1, 1, 16, None, None, 0, 0, None, None, None, 0, 0, 1.0, None) == -2:
         raise RuntimeError("the CPU has neither AVX-512 nor AVX2 with FMA")
     return function

@@ -55,7 +55,7 @@ from typing import Any
 
 import structlog
 
-from ttft_sse.engine.cpu import attention, families, kernel, weights
+from ttft_sse.engine.cpu import attention, compiler, families, kernel, weights
 from ttft_sse.engine.cpu.families import LINEARS
 from ttft_sse.engine.cpu.structs import JOINED, Layer, Linear, Stack, Step
 
@@ -244,7 +244,7 @@ def whole(layer: Any, shared: attention.Step, x: Any, rows: int, cos: Any, sin: 
 
 def function(path: Path, name: str) -> Any:
     """The function ``name`` of the kernel's library at ``path``."""
-    return kernel.load(path, name, _ARGUMENTS[name])
+    return compiler.load(path, name, _ARGUMENTS[name])
 
 
 def fuse(model: Any, torch: Any, library: Path) -> int:

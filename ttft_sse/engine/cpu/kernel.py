@@ -24,9 +24,8 @@ the K-quants and Q5_1, Q6_K's two scales a block); a dense type's layers keep fp
 while :data:`ROWS` says so for that thread (the batching thread between two steps, a generation's thread at its
 start), and every other thread keeps fp32 rows.
 
-The kernel is C, built at the first start by the system's C compiler for this CPU (``-march=native``: AVX-512 or AVX2
-with FMA) into the cache directory, named by a hash of the source, the flags, the compiler and the CPU's flags, and
-loaded with ctypes (which lets go of the GIL during a call). Without a compiler, on another CPU family, or if the
+The kernel is C, built at the first start for this CPU (``-march=native``: AVX-512 or AVX2 with FMA) and loaded by
+engine/cpu/compiler.py. Without a compiler, on another CPU family, or if the
 kernel disagrees with its fp64 reference on a probe, the engine says why (``weights_not_blocks``) and keeps the fp32
 layers. So it does with more than one torch thread (``TTFT_THREADS``): the kernel runs on one, and on several
 oneDNN's fp32 GEMMs compute a long prompt faster.
@@ -41,10 +40,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import shutil
-import subprocess
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -53,7 +48,7 @@ from typing import Any, NamedTuple
 
 import structlog
 
-from ttft_sse.engine.cpu import arrangement, matches, weights
+from ttft_sse.engine.cpu import arrangement, compiler, matches, weights
 from ttft_sse.engine.cpu import codes as gguf_codes
 from ttft_sse.engine.cpu.layouts import PANEL, in_records, panel_bits, probed_outputs, record_bits
 
@@ -63,72 +58,15 @@ SOURCE = Path(__file__).with_name("kernel.c")
 SOURCES = (SOURCE, *(Path(__file__).with_name(name) for name in ("int8_rows.c", "helpers.c", "decoder.c")))
 """The kernel's library: the kernel (fp32 rows; int8 rows; the helper threads), and decoder layers around it
 (engine/cpu/decoder.py)."""
-HEADERS = (Path(__file__).with_name("kernel.h"), Path(__file__).with_name("blocks.h"))
-"""kernel.h, which the kernel's files, decoder.c and attention.c include, and blocks.h, which the kernel's files share:
-part of every library's hash."""
-FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-std=c11", "-shared", "-fPIC")
-BUILD_SECONDS = 120
 PROBE_ROWS = (1, 9, 17)
 """Row counts the load probe checks: one (one tile, codes expanded in registers), nine (two tiles; with AVX2 the
 panels expanded once and reused by them) and seventeen (the panels expanded once on every build: kernel.c's
 ``FUSED_ROWS``)."""
 
 
-def c_compiler() -> str:
-    """The C compiler the kernels are built with: ``cc``, else ``gcc``. Raises ``RuntimeError`` if neither is on
-    PATH."""
-    compiler = shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise RuntimeError("no C compiler (cc or gcc) on PATH")
-    return compiler
-
-
-def build(directory: Path, sources: tuple[Path, ...] = SOURCES, name: str = "blocks") -> Path:
-    """The C files ``sources`` (this kernel's library, or engine/cpu/attention.c) compiled for this CPU into one
-    library in ``directory``, ``name-<hash>.so``, compiled now if it is not there yet. Raises ``OSError``
-    (``RuntimeError`` for a failed compile) with the reason."""
-    compiler = c_compiler()
-    key = hashlib.sha256(
-        b"\0".join(
-            [
-                *(source.read_bytes() for source in (*sources, *HEADERS)),
-                " ".join(FLAGS).encode(),
-                os.path.realpath(compiler).encode(),
-                cpu_features(),
-            ]
-        )
-    ).hexdigest()[:16]
-    target = directory / f"{name}-{key}.so"
-    if target.is_file():
-        return target
-    directory.mkdir(parents=True, exist_ok=True)
-    partial = directory / f".{target.name}.{os.getpid()}.partial"
-    try:
-        done = subprocess.run(
-            [compiler, *FLAGS, "-o", str(partial), *map(str, sources)],
-            capture_output=True,
-            text=True,
-            timeout=BUILD_SECONDS,
-        )
-        if done.returncode != 0:
-            lines = [line for line in done.stderr.splitlines() if "error" in line] or done.stderr.splitlines()
-            raise RuntimeError(f"{Path(compiler).name} failed: {lines[0] if lines else done.returncode}")
-        partial.replace(target)
-    except subprocess.TimeoutExpired as exc:
-        raise RuntimeError(f"{Path(compiler).name} took more than {BUILD_SECONDS} s") from exc
-    finally:
-        partial.unlink(missing_ok=True)
-    log.info("kernel_built", path=str(target))
-    return target
-
-
-def cpu_features() -> bytes:
-    """The CPU's feature flags (a build for one CPU must not be loaded on another)."""
-    try:
-        with open("/proc/cpuinfo", "rb") as info:
-            return next((line for line in info if line.startswith(b"flags")), b"")
-    except OSError:
-        return os.uname().machine.encode()
+def build(directory: Path) -> Path:
+    """The kernel's library (:data:`SOURCES`) built for this CPU in ``directory`` (compiler.build)."""
+    return compiler.build(directory, SOURCES, "blocks")
 
 
 FP32, INT8 = "ttft_blocks_linear", "ttft_q8_linear"
@@ -142,7 +80,7 @@ _ARGUMENTS = {
 
 def function(path: Path, name: str = FP32) -> Any:
     """The function ``name`` (:data:`FP32` or :data:`INT8`) of the library at ``path``."""
-    return load(path, name, tuple(_ARGUMENTS[name]))
+    return compiler.load(path, name, tuple(_ARGUMENTS[name]))
 
 
 class HelperCounts(NamedTuple):
@@ -161,20 +99,20 @@ def start_helpers(path: Path, count: int) -> int:
     SCHED_IDLE, on a core nothing else wants, and the caller never waits for one that does not run."""
     if count <= 0:
         return 0
-    return max(0, int(load(path, "ttft_helper_start", (ctypes.c_int,))(count)))
+    return max(0, int(compiler.load(path, "ttft_helper_start", (ctypes.c_int,))(count)))
 
 
 def helper_counts(path: Path) -> HelperCounts:
     """What the helper threads of the library at ``path`` did so far."""
     counts = (ctypes.c_int64 * 4)()
-    helpers = load(path, "ttft_helper_stats", (ctypes.c_void_p,))(ctypes.addressof(counts))
+    helpers = compiler.load(path, "ttft_helper_stats", (ctypes.c_void_p,))(ctypes.addressof(counts))
     return HelperCounts(int(helpers), *(int(n) for n in counts))
 
 
 def fence(path: Path) -> None:
     """Return once no helper thread of the library at ``path`` is inside a chunk: before freeing memory a chunk
     taken back from a helper may still read (a layer's codes, a KV cache its attention reads: helpers.c)."""
-    load(path, "ttft_helper_fence", ())()
+    compiler.load(path, "ttft_helper_fence", ())()
 
 
 def takes_int8(path: Path) -> bool:
@@ -188,16 +126,6 @@ class Applied(NamedTuple):
 
     activations: str | None  # "int8" where any layer on the kernel takes int8 rows, else "fp32"; None: no layer
     by_type: dict[str, str]  # the path of each GGUF type's layers (matches.by_type); empty where the kernel is off
-
-
-@functools.cache
-def load(path: Path, name: str, arguments: tuple[Any, ...]) -> Any:
-    """The function ``name`` of a library :func:`build` made (at ``path``), taking ``arguments`` (ctypes types) and
-    returning an ``int`` status; loaded once."""
-    fn = getattr(ctypes.CDLL(str(path)), name)
-    fn.argtypes = list(arguments)
-    fn.restype = ctypes.c_int
-    return fn
 
 
 class ThreadRows(threading.local):
@@ -407,7 +335,7 @@ def _attach(
 def _hold_entry(layer: Any, entry: arrangement.Entry, library: Path, torch: Any) -> None:
     """Make ``layer`` a ``BlockLinear`` on the arrays of ``entry`` with the kernel of the library at ``library``."""
     layer.kernel = function(library, INT8 if entry.rows == "int8" else FP32)
-    layer.fence = load(library, "ttft_helper_fence", ())
+    layer.fence = compiler.load(library, "ttft_helper_fence", ())
     layer.bits = entry.bits
     layer.activations = entry.rows
     layer.records = None if entry.records is None else torch.from_numpy(entry.records)
