@@ -322,7 +322,7 @@ def test_a_strided_or_other_dtype_input_gives_what_its_contiguous_fp32_copy_give
 @pytest.mark.parametrize(
     ("kind", "build"),
     [(kind, build) for kind in ("Q4_1", "Q8_0", "Q4_K", "Q6_K") for build in ("native", "avx2", "int8")]
-    # the unquantised types have no int8 rows (layouts.in_records)
+    # the unquantised types have no int8 rows (Codes.unquantised)
     + [(kind, build) for kind in ("F16", "BF16", "F32") for build in ("native", "avx2")],
 )
 def test_each_row_is_the_same_bits_whatever_else_the_call_holds(kind: str, build: str, avx2_build: Path) -> None:

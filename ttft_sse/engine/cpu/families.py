@@ -162,9 +162,13 @@ def norm_weights(layer: Any, family: Family, torch: Any) -> list[Any]:
 
 def rotary(model: Any, layer: Any, rows: Any, positions: Any) -> Any:
     """The rotary embedding ``model`` hands ``layer`` for ``rows`` at ``positions`` (Gemma 3: its layer type's)."""
-    kind = getattr(layer.self_attn, "layer_type", None)
-    embedding = model.base_model.rotary_emb
-    if kind is not None and getattr(embedding, "layer_types", None):
+    return _of_kind(model.base_model.rotary_emb, getattr(layer.self_attn, "layer_type", None), rows, positions)
+
+
+def _of_kind(embedding: Any, kind: str | None, rows: Any, positions: Any) -> Any:
+    """``embedding``'s rotary embedding for ``rows`` at ``positions``: of the layer type ``kind`` where it makes
+    one for each (Gemma 3's), else its only one."""
+    if kind and getattr(embedding, "layer_types", None):
         return embedding(rows, positions, kind)
     return embedding(rows, position_ids=positions)
 
@@ -190,7 +194,7 @@ def embeddings(
     made = {kinds[0]: (cos, sin)}
     for kind in dict.fromkeys(kinds):
         if kind not in made:
-            c, s = embedding(x, positions, kind)
+            c, s = _of_kind(embedding, kind, x, positions)
             made[kind] = (c.expand(cos.shape).contiguous(), s.expand(sin.shape).contiguous())
     return made
 

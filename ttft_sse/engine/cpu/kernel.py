@@ -17,7 +17,7 @@ F16C; laid out by :func:`records`; both builds give the same bits). Each row's r
 others in the call, but not of rounding: an activation that moves by an fp32 rounding can cross a step and move by
 1/127 of its block. So the answers are the int8 model's, not the fp32 model's, hence off by default. Every quantised
 type has int8 records (:func:`records`: fp16 scales and offsets where they are the file's fp16 values, fp32 ones for
-the K-quants and Q5_1, Q6_K's two scales a block); a dense type's layers keep fp32 rows (:func:`in_records`).
+the K-quants and Q5_1, Q6_K's two scales a block); a dense type's layers keep fp32 rows (``Codes.unquantised``).
 
 ``TTFT_DEGRADE=int8`` keeps fp32 rows as the start-up arithmetic and gives every layer the records too
 (:func:`apply`'s ``degrade``), so that the engine can switch to int8 rows at run time: a thread's passes use them
@@ -50,7 +50,7 @@ import structlog
 
 from ttft_sse.engine.cpu import arrangement, compiler, matches, weights
 from ttft_sse.engine.cpu import codes as gguf_codes
-from ttft_sse.engine.cpu.layouts import PANEL, in_records, panel_bits, probed_outputs, record_bits
+from ttft_sse.engine.cpu.layouts import PANEL, panel_bits, probed_outputs, record_bits
 
 log = structlog.get_logger("ttft_sse.engine")
 
@@ -172,8 +172,8 @@ def apply(
     as laid out beside it (engine/cpu/arrangement.py), which a later start maps instead of reading and laying out
     the codes again. ``activations``:
     ``"int8"`` quantises each row per block of 32 inputs first, as llama.cpp does, in each quantised layer
-    (:func:`in_records`; a dense type's keep fp32 rows, as all do on a CPU with neither AVX-512 VNNI nor AVX2 and
-    F16C, where the log says so); ``"fp32"`` keeps the fp32 model's arithmetic.
+    (a dense type's keep fp32 rows, ``Codes.unquantised``, as all do on a CPU with neither AVX-512 VNNI nor AVX2
+    and F16C, where the log says so); ``"fp32"`` keeps the fp32 model's arithmetic.
 
     Returns the activations the layers use (None when nothing changed: logged with the reason when the kernel
     cannot be built or disagrees with its reference on a probe) and the path of each GGUF type's layers, also
@@ -238,7 +238,7 @@ def _apply(
             log.warning("weights_not_blocks", reason=reason, by_type=paths)
             return Applied(None, paths)
         rows = {
-            name: "fp32" if activations == "int8" and not in_records(codes) else activations
+            name: "fp32" if activations == "int8" and codes.unquantised else activations
             for name, codes in found.codes.items()
         }
         entries = {

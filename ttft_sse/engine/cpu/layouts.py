@@ -37,15 +37,15 @@ def panels(codes: gguf_codes.Codes) -> tuple[npt.NDArray[np.uint8], npt.NDArray[
         packed = unsigned[:, 0::2] | (unsigned[:, 1::2] << 4)
     else:
         packed = by_input.view(np.uint8)
+    no_zeros = np.zeros((padded // PANEL, 0, PANEL), np.float32)  # zeros kernel.c adds without reading
     if k_factors(codes):  # K_SCALES: Q4_K's own factors, from which kernel.c computes the scales and zeros
-        return np.ascontiguousarray(packed), _factor_panels(codes), np.zeros((padded // PANEL, 0, PANEL), np.float32)
-    if half_scales(codes):  # F16_SCALES: the file's fp16 d, and zeros of -0.0, which kernel.c adds without reading
-        empty = np.zeros((padded // PANEL, 0, PANEL), np.float32)
-        return np.ascontiguousarray(packed), _by_panel(codes.scale, np.float16), empty
-    scales, zeros = (_by_panel(values, np.float32) for values in (codes.scale, codes.zero))
-    if codes.bits == gguf_codes.SIXTEEN:  # each zero -0.0 (codes.decode), which kernel.c adds without reading it
-        zeros = np.zeros((padded // PANEL, 0, PANEL), np.float32)
-    return np.ascontiguousarray(packed), scales, zeros
+        return np.ascontiguousarray(packed), _factor_panels(codes), no_zeros
+    if half_scales(codes):  # F16_SCALES: the file's fp16 d, and zeros of -0.0
+        return np.ascontiguousarray(packed), _by_panel(codes.scale, np.float16), no_zeros
+    scales = _by_panel(codes.scale, np.float32)
+    if codes.bits == gguf_codes.SIXTEEN:  # each zero -0.0 (codes.decode)
+        return np.ascontiguousarray(packed), scales, no_zeros
+    return np.ascontiguousarray(packed), scales, _by_panel(codes.zero, np.float32)
 
 
 F16_SCALES = 128
@@ -126,8 +126,8 @@ def records(codes: gguf_codes.Codes) -> npt.NDArray[np.uint8]:
     16 scales and the 16 offsets in fp16 where both are the file's own fp16 values (w = scale * code + offset:
     :func:`narrow`); else the 16 scales and the 16 zeros in fp32 (w = scale * q + zero, the codes' own); Q6_K's
     (:data:`~ttft_sse.engine.cpu.codes.SIXTEEN`) the 16 fp32 scales of the block's first 16 inputs, then those of its
-    last 16. Quantised codes only (:func:`in_records`)."""
-    if not in_records(codes):
+    last 16. Quantised codes only (a dense type's are not: ``Codes.unquantised``)."""
+    if codes.unquantised:
         raise ValueError(f"int8 records hold quantised codes, not the values of a dense type ({codes.bits})")
     out, inputs = codes.q.shape
     padded, blocks = _padded(out), inputs // gguf_codes.BLOCK
@@ -158,11 +158,6 @@ def record_bits(bits: int, record_bytes: int) -> int:
         return bits
     narrow_bytes = (256 if bits == 4 else 512) + 64
     return bits if record_bytes == narrow_bytes else bits + WIDE
-
-
-def in_records(codes: gguf_codes.Codes) -> bool:
-    """Whether :func:`records` holds ``codes``: every quantised type (a dense type's values are not quantised)."""
-    return codes.bits in (4, 8, gguf_codes.SIXTEEN)
 
 
 def narrow(codes: gguf_codes.Codes) -> bool:

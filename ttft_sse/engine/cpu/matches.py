@@ -44,11 +44,9 @@ def why_not(kind: str) -> str:
     return "no kernel layout for its blocks"
 
 
-def why_fp32_rows(kind: str) -> str:
-    """Why a layer on the kernel whose weight the file holds as ``kind`` keeps fp32 rows where int8 rows are asked
-    for: int8 rows multiply quantised codes (engine/cpu/layouts.py's ``in_records``), and a dense type's values
-    are not."""
-    return "not quantised: int8 rows multiply quantised blocks"
+NOT_QUANTISED = "not quantised: int8 rows multiply quantised blocks"
+"""Why a layer on the kernel keeps fp32 rows where int8 rows are asked for: its type is a dense one
+(``Codes.unquantised``), and every quantised type has int8 records (engine/cpu/layouts.py's ``records``)."""
 
 
 @dataclass(frozen=True)
@@ -249,7 +247,7 @@ def by_type(kinds: dict[str, str], rows: dict[str, str], asked: str) -> dict[str
         elif row == asked:
             path = (0, "blocks: {}" if row == "fp32" else "blocks, int8 rows: {}")
         else:
-            path = (1, f"blocks, fp32 rows: {{}} ({why_fp32_rows(kind)})")
+            path = (1, f"blocks, fp32 rows: {{}} ({NOT_QUANTISED})")
         paths.setdefault(kind, Counter())[path] += 1
     return {
         kind: "; ".join(text.format(count) for (_, text), count in sorted(counted.items()))
