@@ -192,17 +192,35 @@ static inline float half_float(uint16_t h) {
 }
 #endif
 
-/* 16 fp16 scales (F16_SCALES) in fp32, exactly. */
+/* CV weights of a dense panel from element `at` (fp16 and bf16 widened exactly; fp32 as they are). */
+static inline cv cv_dense(const uint8_t *w, int64_t at, int bits) {
+#if defined(__AVX512F__)
+    if (bits == FULL) return _mm512_loadu_ps((const float *)w + at);
+    __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)w + at));
+    if (bits == HALF) return _mm512_cvtph_ps(h);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+#else
+    if (bits == FULL) return _mm256_loadu_ps((const float *)w + at);
+    __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)w + at));
+#if defined(__F16C__)
+    if (bits == HALF) return _mm256_cvtph_ps(h);
+#else
+    if (bits == HALF) {
+        float widened[CV];
+        for (int i = 0; i < CV; i++) widened[i] = half_float(((const uint16_t *)w)[at + i]);
+        return _mm256_loadu_ps(widened);
+    }
+#endif
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+#endif
+}
+
+/* 16 fp16 scales (F16_SCALES) in fp32, exactly, as a dense fp16 panel's values are widened. */
 static inline pv pv_half(const uint16_t *h) {
 #if defined(__AVX512F__)
-    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h));
-#elif defined(__F16C__)
-    return (pv){_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h)),
-                _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + 8)))};
+    return cv_dense((const uint8_t *)h, 0, HALF);
 #else
-    float widened[P];
-    for (int i = 0; i < P; i++) widened[i] = half_float(h[i]);
-    return pv_load(widened);
+    return (pv){cv_dense((const uint8_t *)h, 0, HALF), cv_dense((const uint8_t *)h, CV, HALF)};
 #endif
 }
 
@@ -310,29 +328,6 @@ static inline __attribute__((always_inline)) void one_row(int panels, const uint
     }
 }
 
-
-/* CV weights of a dense panel from element `at` (fp16 and bf16 widened exactly; fp32 as they are). */
-static inline cv cv_dense(const uint8_t *w, int64_t at, int bits) {
-#if defined(__AVX512F__)
-    if (bits == FULL) return _mm512_loadu_ps((const float *)w + at);
-    __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)w + at));
-    if (bits == HALF) return _mm512_cvtph_ps(h);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-#else
-    if (bits == FULL) return _mm256_loadu_ps((const float *)w + at);
-    __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)w + at));
-#if defined(__F16C__)
-    if (bits == HALF) return _mm256_cvtph_ps(h);
-#else
-    if (bits == HALF) {
-        float widened[CV];
-        for (int i = 0; i < CV; i++) widened[i] = half_float(((const uint16_t *)w)[at + i]);
-        return _mm256_loadu_ps(widened);
-    }
-#endif
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-#endif
-}
 
 /* Up to B_ROWS rows against `cols` columns (CV outputs each), from column c0, of the panels of values at w (K x 16
    a panel): a dense layer's own (HALF, BRAIN, FULL), or the codes of GROUP panels expanded into fp32 (FULL); the
