@@ -2,11 +2,13 @@
 it there (engine/cpu/kernel.py's ``apply``), and torch's fp32 ``nn.Linear`` beside it.
 
     .venv/bin/python benchmarks/kernel_types.py [--shape 576x1536] [--rows 1,4] [--types Q4_0,Q8_0,Q4_K,Q6_K] [--int8]
+        [--avx2]
 
 Prints, for each type and row count, the median and the least time a call over ``--repeats`` timed batches (the types
 take turns, batch by batch) and the picoseconds a weight (the median over outputs x inputs). The blocks are random bytes
 with fp16 scales of a plausible size: the kernel's speed does not depend on the values. One torch thread, as the engine
 runs the kernel. ``--int8`` measures each type with int8 rows too (``TYPE+int8``: ``TTFT_GGUF_ACTIVATIONS=int8``).
+``--avx2`` measures the kernel's AVX2 build (``-mno-avx512f``: what a CPU without AVX-512 runs) on this one.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import gguf
 import numpy as np
 import torch
 
-from ttft_sse.engine.cpu import kernel
+from ttft_sse.engine.cpu import compiler, kernel
 from ttft_sse.engine.loading.model import KERNEL_DIR
 from ttft_sse.settings import Settings
 
@@ -94,10 +96,13 @@ def main() -> None:
     parser.add_argument("--types", default="Q4_0,Q8_0,Q4_K,Q6_K", help="GGUF types, comma-separated")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--int8", action="store_true", help="each type with int8 rows too")
+    parser.add_argument("--avx2", action="store_true", help="the kernel's AVX2 build (-mno-avx512f)")
     args = parser.parse_args()
     outputs, inputs = (int(n) for n in args.shape.split("x"))
     torch.set_num_threads(1)
     directory = Settings().cache_dir / KERNEL_DIR
+    if args.avx2:
+        compiler.FLAGS = (*compiler.FLAGS, "-mno-avx512f")  # its own hash: built beside the native one
     with tempfile.TemporaryDirectory() as work:
         arms = [(kind, "fp32") for kind in args.types.split(",")]
         if args.int8:
@@ -107,7 +112,8 @@ def main() -> None:
             for kind, rows in arms
         }
         fp32 = torch.nn.Linear(inputs, outputs, bias=False)
-        print(f"{outputs} x {inputs} weight, one thread; {args.repeats} batches a type, taking turns")
+        build = "AVX2 build" if args.avx2 else "native build"
+        print(f"{outputs} x {inputs} weight, one thread, {build}; {args.repeats} batches a type, taking turns")
         print(f"{'type':10} {'rows':>4} {'µs median':>10} {'µs least':>9} {'ps a weight (median)':>21}")
         for rows in (int(n) for n in args.rows.split(",")):
             for kind, seconds in timed({**layers, "fp32": fp32}, rows, inputs, args.repeats).items():

@@ -337,6 +337,30 @@ def test_each_row_is_the_same_bits_whatever_else_the_call_holds(kind: str, build
             assert torch.equal(layer(x[count - 2 : count]), alone[count - 2 : count]), count
 
 
+@pytest.mark.parametrize("build", ["native", "avx2", "no-f16c"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
+def test_fp32_rows_are_the_kernels_arithmetic_on_the_codes_bit_for_bit_on_every_build_and_path(
+    kind: str, build: str, avx2_build: Path, no_f16c_build: Path
+) -> None:
+    """Each output block by block: the block's inputs times its codes, then times its scale, then plus its zero
+    times the block's sum of inputs (blocked_product), the same bits in calls of one row, of a tile (codes expanded
+    in registers) and through the buffer (24 rows), with fp32 scales and zeros, fp16 scales (Q4_0, Q8_0) and Q4_K's
+    factors, on the AVX-512 (where the CPU has it), AVX2 and AVX2-without-F16C builds."""
+    library = {"native": None, "avx2": avx2_build, "no-f16c": no_f16c_build}[build]
+    shape = (70, 512)  # 5 panels, the last of 6 real outputs; 16 blocks, 2 super-blocks
+    blocks, _ = quantised(shape, kind, seed=7)
+    layer = block_layer_from(blocks, kind, shape, library or kernel.build(DIRECTORY), "fp32")
+    found = codes.decode(blocks, int(KINDS[kind]), shape)
+    x = np.random.default_rng(11).standard_normal((24, 512)).astype(np.float32)
+    x[3, 64:96] = 0.0  # a block of zeros, and one of large inputs
+    x[4, 128:160] *= 1e4
+    want = blocked_product(x, found)
+    with torch.no_grad():
+        for rows in (1, 3, 24):
+            got = layer(torch.from_numpy(x[:rows])).numpy()
+            assert np.array_equal(got.view(np.uint32), want[:rows].view(np.uint32)), rows
+
+
 @pytest.fixture(scope="module")
 def alone_and_shared(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """Two copies of this CPU's build, each its own library (its own helpers): the second with a helper thread, to
@@ -593,11 +617,38 @@ def fma32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
 
 
 def kernel_product(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
-    """What the block kernel computes for rows ``x`` and fp32 weights ``weight`` (outputs x inputs), bit for bit:
-    each output one chain of fused multiply-adds in input order, from zero (kernel.c)."""
+    """What the block kernel computes for rows ``x`` and a dense layer's fp32 weights ``weight`` (outputs x inputs),
+    bit for bit: each output one chain of fused multiply-adds in input order, from zero (kernel.c)."""
     acc = np.zeros((x.shape[0], weight.shape[0]), np.float32)
     for k in range(x.shape[1]):
         acc = fma32(x[:, k : k + 1], weight[None, :, k], acc)
+    return acc
+
+
+def block_sums(x: np.ndarray) -> np.ndarray:
+    """Each block of 32 inputs' sum, as kernel.c's fp32_sums adds them: each half's 16 as a tree (8 pairs 8 apart,
+    then 4 apart, 2, 1), then the two halves, in fp32."""
+    t = x.astype(np.float32).reshape(x.shape[0], -1, 2, 16)
+    for width in (8, 4, 2, 1):
+        t = t[..., :width] + t[..., width : 2 * width]
+    return t[..., 0, 0] + t[..., 1, 0]
+
+
+def blocked_product(x: np.ndarray, found: codes.Codes) -> np.ndarray:
+    """What the block kernel computes for rows ``x`` and a layer's codes, bit for bit (kernel.c): each output block
+    by block, the chain of fused multiply-adds of the block's inputs times its codes from zero (part), then
+    acc = fma(scale, part, acc) and, where the blocks have zeros (not all -0.0), acc = fma(block sum, zero, acc)."""
+    q, group = found.q.astype(np.float32), found.group
+    zeros = not bool(np.all((found.zero == 0) & np.signbit(found.zero)))
+    sums = block_sums(x) if zeros else None
+    acc = np.zeros((x.shape[0], q.shape[0]), np.float32)
+    for b in range(q.shape[1] // group):
+        part = np.zeros_like(acc)
+        for k in range(b * group, (b + 1) * group):
+            part = fma32(x[:, k : k + 1], q[None, :, k], part)
+        acc = fma32(found.scale[None, :, b], part, acc)
+        if sums is not None:
+            acc = fma32(sums[:, b : b + 1], found.zero[None, :, b], acc)
     return acc
 
 
@@ -653,10 +704,12 @@ def test_a_model_of_q5_and_k_quant_layers_runs_on_the_kernel_with_the_fp32_layer
         # Each layer on the kernel holds the loaded weight, bit for bit: rows of the identity read it back.
         for layer, weight in zip(model, weights, strict=True):
             assert torch.equal(layer(torch.eye(layer.in_features)), torch.from_numpy(weight).T)
-    # The fp32 layers' outputs in the kernel's order of sums, exactly.
+    # The outputs of the kernel's arithmetic on the file's codes, exactly.
     h = x.numpy()
-    for weight in weights:
-        h = kernel_product(h, weight)
+    for seed, (_, kind, inputs, outputs) in enumerate(K_MODEL):  # the file's blocks, as k_quant_model made them
+        blocks, _ = quantised((outputs, inputs), kind, seed=seed, sigma=0.5 / inputs**0.5)
+        found = codes.decode(blocks, int(KINDS[kind]), (outputs, inputs))
+        h = blocked_product(h, found.rows(np.arange(outputs)[::-1].copy()) if kind == "Q4_K" else found)
     assert np.array_equal(got.numpy().view(np.uint32), h.view(np.uint32))
     # And in torch's order of sums, the same to fp32's roundings.
     assert float((got - before).abs().max()) <= 1e-5 * float(before.abs().max())

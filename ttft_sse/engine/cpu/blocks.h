@@ -49,13 +49,15 @@ static inline int64_t tile_rows(int64_t M, int64_t r, int64_t t, int64_t tiles) 
 #pragma GCC visibility push(hidden) /* the library's own: not among the names ctypes finds */
 
 /* kernel.c: whether it multiplies codes of these bits with K inputs; a call computed by the calling thread alone (0,
-   or -1 if its buffer cannot be allocated); panels [p0, p1) of y = x . W^T for fp32 rows, `buffer` holding what
-   fp32_buffer gives for M rows. */
+   or -1 if its buffers cannot be allocated); each block of 32 inputs' sum of M rows (M x K/32 floats), which the
+   blocks' zeros multiply; panels [p0, p1) of y = x . W^T for fp32 rows, `sums` holding fp32_sums of them and
+   `buffer` what fp32_buffer gives for M rows. */
 int fp32_takes(int64_t K, int bits);
 int fp32_alone(const float *x, int64_t M, int64_t K, const uint8_t *codes, int bits, const float *scale,
                const float *zero, int64_t N, float *y);
-void fp32_panels(const float *x, int64_t M, int64_t K, const uint8_t *codes, int bits, const float *scale,
-                 const float *zero, int64_t N, float *y, int64_t p0, int64_t p1, float *buffer);
+void fp32_sums(const float *x, int64_t M, int64_t K, float *sums);
+void fp32_panels(const float *x, const float *sums, int64_t M, int64_t K, const uint8_t *codes, int bits,
+                 const float *scale, const float *zero, int64_t N, float *y, int64_t p0, int64_t p1, float *buffer);
 int fp32_buffer(int64_t M, int64_t K, float **buffer);
 
 /* int8_rows.c: whether it multiplies records of these bits (4 or 8, each plus Q_WIDE or not, or SIXTEEN); the rows'

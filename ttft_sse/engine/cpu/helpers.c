@@ -8,8 +8,9 @@
    does not run: helpers run at SCHED_IDLE, so any other task of the machine (the prefill process, the event loop,
    a client) takes the core from them at once, and a chunk a helper holds longer than twice the caller's own time
    a chunk is taken back and computed by the caller (the helper's result is then dropped). Each chunk is computed
-   by the same code whoever computes it, and an output's chain of multiply-adds does not depend on how the panels
-   are split, so the results are the same bits shared or not.
+   by the same code whoever computes it, and an output's arithmetic does not depend on how the panels are split (the
+   rows' blocks' sums are taken once, with the share's copy of the rows), so the results are the same bits shared
+   or not.
    The weights a helper may still be reading (a chunk taken back from it) must outlive its chunk: whoever frees
    weights calls ttft_helper_fence first (kernel.py's layers do, as they go). The share's copy of the rows grows
    only while no helper is inside a chunk (a call that finds one there runs alone rather than wait), and a helper's
@@ -116,7 +117,8 @@ static int run_chunk(const struct job *j, int64_t c, float *y, float *buffer) {
         return 0;
     }
 #endif
-    fp32_panels(j->rows, j->M, j->K, j->codes, j->bits, j->scale, j->zero, j->N, y, p0, p1, buffer);
+    fp32_panels(j->rows, j->rows + j->M * j->K, j->M, j->K, j->codes, j->bits, j->scale, j->zero, j->N, y, p0, p1,
+                buffer); /* the rows' sums after them (share_run) */
     return 0;
 }
 
@@ -262,7 +264,7 @@ static int share_run(struct job j, const float *x, const int64_t *index, const i
     if (atomic_flag_test_and_set(&share.busy)) return 1;
     float *buffer = NULL;
     int attention = j.kind == ATTENTION;
-    int64_t floats = attention ? j.M * j.N : j.int8 ? q8_floats(j.M, j.K) : j.M * j.K;
+    int64_t floats = attention ? j.M * j.N : j.int8 ? q8_floats(j.M, j.K) : j.M * j.K + j.M * (j.K / BLOCK);
     int64_t keys = attention ? cu_k[j.a.requests] : 0, key_floats = attention ? 2 * keys + 2 * (j.a.requests + 1) : 0;
     if ((share.rows.capacity < floats && atomic_load(&share.in_chunk) > 0) ||
         (attention && atomic_load(&share.in_attention) > 0)) {
@@ -294,7 +296,12 @@ static int share_run(struct job j, const float *x, const int64_t *index, const i
         q8_quantise(x, j.M, j.K, share.rows.floats);
     else
 #endif
-        memcpy(share.rows.floats, x, sizeof(float) * (size_t)floats); /* the fp32 rows, or the queries */
+    if (attention) {
+        memcpy(share.rows.floats, x, sizeof(float) * (size_t)floats); /* the queries */
+    } else { /* the fp32 rows, then their blocks' sums */
+        memcpy(share.rows.floats, x, sizeof(float) * (size_t)(j.M * j.K));
+        fp32_sums(x, j.M, j.K, share.rows.floats + j.M * j.K);
+    }
     j.rows = share.rows.floats;
     share.job = j;
     for (int64_t c = 0; c < j.chunks; c++) atomic_store_explicit(&share.state[c], g << 8 | FREE, memory_order_relaxed);

@@ -16,15 +16,21 @@
                   codes' are: 4.625 bits an input instead of 6);
      dense (HALF, BRAIN, FULL: an F16, BF16 or F32 file's weights): panels x K x 16 values, no scale or zero, each
                   widened exactly to fp32 as it is read (fp16 by F16C, bf16 by a shift).
-   Each input's 16 weights of a panel are expanded to fp32 (the values transformers' loader gives: q * scale, then
-   + zero) and multiplied into 16 outputs at once: out[n] = fma(x[k], w[k][n], out[n]) for k = 0, 1, ..., K-1, from
-   zero. That chain is the same whatever M is and wherever a row falls, so a row's result does not depend on the
-   other rows of the call (a stream's answer does not depend on its batch). A tile of rows (up to 8 rows x 48
-   outputs with AVX-512, 4 x 16 with AVX2) expands the codes in registers for all its rows at once, in calls of up
-   to FUSED_ROWS rows; longer calls expand three panels at a time into a buffer once and reuse them for every tile
-   (8 rows x 48 outputs with AVX-512, 4 x 24 with AVX2), as tiles over a dense layer's own values do; a call of one
-   row expands the codes of up to 8 panels at a time (4 with AVX2), so that more chains are in flight. All give the
-   same bits. Built with -ffp-contract=off: only the written fused multiply-adds fuse. */
+   A block's share of an output is taken as the block's inputs times its codes, then times its scale, then plus its
+   zero times the block's sum of inputs: part = fma(x[k], q[k][n], part) for the block's inputs k in order, from zero
+   (the codes as floats, exact), then out[n] = fma(scale[n], part, out[n]) and, where the blocks have zeros,
+   out[n] = fma(zero[n], sum, out[n]) (sum: fp32_sums, in one order on every build and path), block by block from
+   zero. That is Σ x (q * scale + zero) with fp32's roundings, as the weights-first product is, in one multiply-add
+   an input and output where the weights-first product takes two (expand q * scale + zero, then multiply). A dense
+   layer's values are the weights: out[n] = fma(x[k], w[k][n], out[n]) for k = 0, 1, ..., K-1, from zero. The
+   arithmetic is the same whatever M is and wherever a row falls, so a row's result does not depend on the other
+   rows of the call (a stream's answer does not depend on its batch). A tile of rows (up to 8 rows x 48 outputs
+   with AVX-512, 4 x 16 with AVX2) expands the codes in registers for all its rows at once, in calls of up to
+   FUSED_ROWS rows; longer calls expand three panels at a time into a buffer once (codes as floats, scales and
+   zeros as fp32) and reuse them for every tile (8 rows x 48 outputs with AVX-512, 4 x 24 with AVX2), as tiles over
+   a dense layer's own values do; a call of one row expands the codes of up to 8 panels at a time (4 with AVX2), so
+   that more chains are in flight. All give the same bits. Built with -ffp-contract=off: only the written fused
+   multiply-adds fuse. */
 
 #define _GNU_SOURCE
 #include <immintrin.h>
@@ -34,11 +40,9 @@
 
 #include "blocks.h"
 #include "kernel.h"
+#include "vectors.h"
 
-#define HALF 16       /* dense layouts (F16, BF16 and F32 files): the weights themselves, no scale or zero: fp16, */
-#define BRAIN 17      /* bf16 */
-#define FULL 32       /* and fp32 values */
-#define B_COLS 3      /* columns a tile over the buffer */
+#define B_COLS 3 /* columns a tile over the buffer */
 
 /* Inputs a scale (and a zero) covers, and bytes a panel's codes take for K inputs. */
 static inline int64_t scale_inputs(int bits) { return bits == SIXTEEN ? 16 : BLOCK; }
@@ -47,76 +51,11 @@ static inline int64_t code_bytes(int64_t K, int bits) {
 }
 static inline int dense_bits(int bits) { return bits == HALF || bits == BRAIN || bits == FULL; }
 
-#if defined(__AVX512F__)
-/* 16 outputs in one register; tiles of up to 8 rows x 3 panels: 24 accumulators. */
-#define ROWS 8
-#define PANELS 3
-#define WIDE 8 /* panels a one-row call's tile */
-#define FUSED_ROWS 16 /* calls of up to this many rows expand the codes in registers in every tile */
-typedef __m512 pv;
-static inline pv pv_zero(void) { return _mm512_setzero_ps(); }
-static inline pv pv_load(const float *p) { return _mm512_loadu_ps(p); }
-static inline void pv_store(float *p, pv v) { _mm512_storeu_ps(p, v); }
-static inline pv pv_fma(float x, pv w, pv acc) { return _mm512_fmadd_ps(_mm512_set1_ps(x), w, acc); }
-static inline pv pv_set1(float x) { return _mm512_set1_ps(x); }
-/* Longer calls: tiles of up to 8 rows x 3 columns of 16 outputs over the expanded panels: a column is a panel, and
-   the panel's helpers serve. */
-#define B_ROWS 8
-#define CV 16
-typedef pv cv;
-#define cv_zero pv_zero
-#define cv_load pv_load
-#define cv_store pv_store
-#define cv_fma pv_fma
-/* 16 signed codes to q * scale + zero in one fused multiply-add: q * scale is exact (at most 8 bits times an fp16
-   scale's 11), so the one rounding is that of the sum, as in transformers' q * scale, then + zero (a test checks
-   the weights bit for bit). A multiply and an add would give the same bits, a little slower. */
-static inline pv pv_codes(__m128i q, pv scale, pv zero) {
-    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), scale, zero);
-}
-#elif defined(__AVX2__) && defined(__FMA__)
-/* 16 outputs in two registers; tiles of up to 4 rows x 1 panel. */
-#define ROWS 4
-#define PANELS 1
-#define WIDE 4 /* panels a one-row call's tile */
-/* Calls of up to this many rows (one tile) expand the codes in registers; longer ones through the buffer, once for
-   all their tiles: a second tile expanding the codes again costs more than the buffer, and a single tile through
-   the buffer more than in registers. */
-#define FUSED_ROWS 4
-/* Longer calls: tiles of up to 4 rows x 3 columns of 8 outputs (half a panel) over the expanded panels: 12 chains of
-   fused multiply-adds, where 4 rows x 16 outputs have 8 (AVX2 has 16 registers), so more of them run at once. The
-   same bits either way. */
-#define B_ROWS 4
-#define CV 8
-typedef __m256 cv;
-static inline cv cv_zero(void) { return _mm256_setzero_ps(); }
-static inline cv cv_load(const float *p) { return _mm256_loadu_ps(p); }
-static inline void cv_store(float *p, cv v) { _mm256_storeu_ps(p, v); }
-static inline cv cv_fma(float x, cv w, cv acc) { return _mm256_fmadd_ps(_mm256_set1_ps(x), w, acc); }
-/* A panel is two columns. */
-typedef struct {
-    cv lo, hi;
-} pv;
-static inline pv pv_zero(void) { return (pv){cv_zero(), cv_zero()}; }
-static inline pv pv_load(const float *p) { return (pv){cv_load(p), cv_load(p + CV)}; }
-static inline void pv_store(float *p, pv v) {
-    cv_store(p, v.lo);
-    cv_store(p + CV, v.hi);
-}
-static inline pv pv_fma(float x, pv w, pv acc) { return (pv){cv_fma(x, w.lo, acc.lo), cv_fma(x, w.hi, acc.hi)}; }
-static inline pv pv_set1(float x) { return (pv){_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
-static inline __m256 codes8(__m128i q, __m256 scale, __m256 zero) {
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), scale, zero);
-}
-static inline pv pv_codes(__m128i q, pv scale, pv zero) {
-    return (pv){codes8(q, scale.lo, zero.lo), codes8(_mm_srli_si128(q, 8), scale.hi, zero.hi)};
-}
-#else
-#error "this kernel needs AVX2 and FMA (or AVX-512)"
-#endif
+enum { SCALES_FP32, SCALES_F16, SCALES_K }; /* a panel's scales: fp32 scales and zeros, F16_SCALES, K_SCALES */
+#define K_RECORD 320 /* K_SCALES's bytes a super-block of a panel: d, dmin (16 fp16 each), 8 x 16 sc, 8 x 16 m */
 
-/* A panel's weights for inputs 2i and 2i+1. */
-static inline void pair(const uint8_t *codes, int bits, int64_t i, pv scale, pv zero, pv *w0, pv *w1) {
+/* A panel's codes for inputs 2i and 2i+1, as floats (exact: q - 8 for 4-bit codes). */
+static inline void pair(const uint8_t *codes, int bits, int64_t i, pv *w0, pv *w1) {
     __m128i a, b;
 #if defined(__AVX512F__)
     if (bits == 4) {
@@ -125,8 +64,8 @@ static inline void pair(const uint8_t *codes, int bits, int64_t i, pv scale, pv 
            same floats as converting q - 8, in 4 instructions for two inputs where the conversion takes 9. */
         const __m512 table = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
         __m512i raw = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(codes + P * i)));
-        *w0 = _mm512_fmadd_ps(_mm512_permutexvar_ps(raw, table), scale, zero);
-        *w1 = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(raw, 4), table), scale, zero);
+        *w0 = _mm512_permutexvar_ps(raw, table);
+        *w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(raw, 4), table);
         return;
     }
 #endif
@@ -139,8 +78,25 @@ static inline void pair(const uint8_t *codes, int bits, int64_t i, pv scale, pv 
         a = _mm_loadu_si128((const __m128i *)(codes + 2 * P * i));
         b = _mm_loadu_si128((const __m128i *)(codes + 2 * P * i + P));
     }
-    *w0 = pv_codes(a, scale, zero);
-    *w1 = pv_codes(b, scale, zero);
+    *w0 = pv_q(a);
+    *w1 = pv_q(b);
+}
+
+/* Whether a form's blocks have zeros to add: fp32 scales and zeros (SIXTEEN's are -0.0, unread) and Q4_K's factors
+   do; F16_SCALES's are -0.0, not stored. */
+static inline int has_zeros(int bits, int form) {
+    return form == SCALES_K || (form == SCALES_FP32 && bits != SIXTEEN);
+}
+
+/* A block's share of 16 outputs added to acc: its scale times the sum of the inputs times the codes (part), then its
+   zero times the sum of the inputs (sum): two fused multiply-adds, the zero's only where the form has zeros. */
+static inline pv pv_block(pv acc, pv part, pv s, pv z, float sum, int zeros) {
+    acc = pv_madd(s, part, acc);
+    return zeros ? pv_fma(sum, z, acc) : acc;
+}
+static inline cv cv_block(cv acc, cv part, cv s, cv z, float sum, int zeros) {
+    acc = cv_madd(s, part, acc);
+    return zeros ? cv_fma(sum, z, acc) : acc;
 }
 
 /* A column's CV results into y, or only the first `left` of them (the last panel of the matrix may have fewer than
@@ -171,69 +127,6 @@ static inline __attribute__((always_inline)) void put(int rows, int panels, pv a
         }
 }
 
-#if !defined(__AVX512F__) && !defined(__F16C__)
-/* An fp16 value in fp32, exactly (subnormals, infinities and NaNs included): for an AVX2 build without F16C. */
-static inline float half_float(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF, bits;
-    if (exponent == 0x1F) {
-        bits = sign | 0x7F800000 | (mantissa << 13);
-    } else if (exponent != 0) {
-        bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
-    } else if (mantissa == 0) {
-        bits = sign;
-    } else { /* subnormal: mantissa * 2^-24, normalised */
-        uint32_t e = 113;
-        while (!(mantissa & 0x400)) mantissa <<= 1, e--;
-        bits = sign | (e << 23) | ((mantissa & 0x3FF) << 13);
-    }
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-#endif
-
-/* CV weights of a dense panel from element `at` (fp16 and bf16 widened exactly; fp32 as they are). */
-static inline cv cv_dense(const uint8_t *w, int64_t at, int bits) {
-#if defined(__AVX512F__)
-    if (bits == FULL) return _mm512_loadu_ps((const float *)w + at);
-    __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)w + at));
-    if (bits == HALF) return _mm512_cvtph_ps(h);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-#else
-    if (bits == FULL) return _mm256_loadu_ps((const float *)w + at);
-    __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)w + at));
-#if defined(__F16C__)
-    if (bits == HALF) return _mm256_cvtph_ps(h);
-#else
-    if (bits == HALF) {
-        float widened[CV];
-        for (int i = 0; i < CV; i++) widened[i] = half_float(((const uint16_t *)w)[at + i]);
-        return _mm256_loadu_ps(widened);
-    }
-#endif
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-#endif
-}
-
-/* 16 fp16 scales (F16_SCALES) in fp32, exactly, as a dense fp16 panel's values are widened. */
-static inline pv pv_half(const uint16_t *h) {
-#if defined(__AVX512F__)
-    return cv_dense((const uint8_t *)h, 0, HALF);
-#else
-    return (pv){cv_dense((const uint8_t *)h, 0, HALF), cv_dense((const uint8_t *)h, CV, HALF)};
-#endif
-}
-
-/* 16 bytes (K_SCALES's sc or m) as fp32 values. */
-static inline pv pv_bytes(const uint8_t *p) {
-#if defined(__AVX512F__)
-    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)));
-#else
-    return (pv){_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p))),
-                _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8))))};
-#endif
-}
-
 /* Q4_K's scale d * sc and zero 8 * scale - dmin * m from its factors, one rounding each as codes.py computes them
    (d * sc and dmin * m are exact: 11 bits times 6; 8 * scale too). */
 static inline void pv_k(pv d, pv dmin, pv sc, pv m, pv *s, pv *z) {
@@ -248,8 +141,6 @@ static inline void pv_k(pv d, pv dmin, pv sc, pv m, pv *s, pv *z) {
 #endif
 }
 
-enum { SCALES_FP32, SCALES_F16, SCALES_K }; /* a panel's scales: fp32 scales and zeros, F16_SCALES, K_SCALES */
-#define K_RECORD 320 /* K_SCALES's bytes a super-block of a panel: d, dmin (16 fp16 each), 8 x 16 sc, 8 x 16 m */
 
 /* Block b's scales and zeros of `panels` panels, by their `form`: fp32 (SIXTEEN's zeros -0.0, unread); fp16 scales,
    blocks x 16 a panel, and zeros -0.0, not stored; or Q4_K's factors, a K_RECORD a super-block. */
@@ -275,47 +166,59 @@ static inline __attribute__((always_inline)) void block_scales(int panels, const
 /* A tile of up to ROWS rows against `panels` panels, the codes expanded in registers. */
 static inline __attribute__((always_inline)) void fused(int rows, int panels, const uint8_t *codes,
                                                         int64_t panel_bytes, int bits, int form, const float *scale,
-                                                        const float *zero, const float *x, int64_t K, float *y,
-                                                        int64_t N, int64_t outputs) {
+                                                        const float *zero, const float *x, const float *sums,
+                                                        int64_t K, float *y, int64_t N, int64_t outputs) {
     pv acc[ROWS][PANELS];
     for (int r = 0; r < rows; r++)
         for (int g = 0; g < panels; g++) acc[r][g] = pv_zero();
     int64_t inputs = scale_inputs(bits), blocks = K / inputs;
+    int zeros = has_zeros(bits, form);
     for (int64_t b = 0; b < blocks; b++) {
-        pv s[PANELS], z[PANELS];
+        pv s[PANELS], z[PANELS], part[ROWS][PANELS];
         block_scales(panels, scale, zero, bits, form, blocks, b, s, z);
+        for (int r = 0; r < rows; r++)
+            for (int g = 0; g < panels; g++) part[r][g] = pv_zero();
         for (int64_t i = b * inputs / 2; i < (b + 1) * inputs / 2; i++) {
             pv w0[PANELS], w1[PANELS];
-            for (int g = 0; g < panels; g++) pair(codes + g * panel_bytes, bits, i, s[g], z[g], &w0[g], &w1[g]);
+            for (int g = 0; g < panels; g++) pair(codes + g * panel_bytes, bits, i, &w0[g], &w1[g]);
             for (int r = 0; r < rows; r++)
-                for (int g = 0; g < panels; g++) acc[r][g] = pv_fma(x[r * K + 2 * i], w0[g], acc[r][g]);
+                for (int g = 0; g < panels; g++) part[r][g] = pv_fma(x[r * K + 2 * i], w0[g], part[r][g]);
             for (int r = 0; r < rows; r++)
-                for (int g = 0; g < panels; g++) acc[r][g] = pv_fma(x[r * K + 2 * i + 1], w1[g], acc[r][g]);
+                for (int g = 0; g < panels; g++) part[r][g] = pv_fma(x[r * K + 2 * i + 1], w1[g], part[r][g]);
+        }
+        for (int r = 0; r < rows; r++) {
+            float sum = zeros ? sums[r * (K / BLOCK) + b] : 0.0f;
+            for (int g = 0; g < panels; g++) acc[r][g] = pv_block(acc[r][g], part[r][g], s[g], z[g], sum, zeros);
         }
     }
     put(rows, panels, acc, y, N, outputs);
 }
 
-/* A call of one row against up to WIDE panels, the codes expanded in registers: the same chain of multiply-adds for
-   each output as fused's, but WIDE chains in flight at once where a one-row tile of fused has PANELS, each waiting on
-   the latency of its last fused multiply-add (a decode step of one stream is mostly such calls). */
+/* A call of one row against up to WIDE panels, the codes expanded in registers: the same arithmetic for each output
+   as fused's, but WIDE chains in flight at once where a one-row tile of fused has PANELS, each waiting on the
+   latency of its last fused multiply-add (a decode step of one stream is mostly such calls). */
 static inline __attribute__((always_inline)) void one_row(int panels, const uint8_t *codes, int64_t panel_bytes,
                                                           int bits, int form, const float *scale, const float *zero,
-                                                          const float *x, int64_t K, float *y, int64_t outputs) {
+                                                          const float *x, const float *sums, int64_t K, float *y,
+                                                          int64_t outputs) {
     pv acc[WIDE];
     for (int g = 0; g < panels; g++) acc[g] = pv_zero();
     int64_t inputs = scale_inputs(bits), blocks = K / inputs;
+    int zeros = has_zeros(bits, form);
     for (int64_t b = 0; b < blocks; b++) {
-        pv s[WIDE], z[WIDE];
+        pv s[WIDE], z[WIDE], part[WIDE];
         block_scales(panels, scale, zero, bits, form, blocks, b, s, z);
+        for (int g = 0; g < panels; g++) part[g] = pv_zero();
         for (int64_t i = b * inputs / 2; i < (b + 1) * inputs / 2; i++) {
             float x0 = x[2 * i], x1 = x[2 * i + 1];
             for (int g = 0; g < panels; g++) {
                 pv w0, w1;
-                pair(codes + g * panel_bytes, bits, i, s[g], z[g], &w0, &w1);
-                acc[g] = pv_fma(x1, w1, pv_fma(x0, w0, acc[g]));
+                pair(codes + g * panel_bytes, bits, i, &w0, &w1);
+                part[g] = pv_fma(x1, w1, pv_fma(x0, w0, part[g]));
             }
         }
+        float sum = zeros ? sums[b] : 0.0f;
+        for (int g = 0; g < panels; g++) acc[g] = pv_block(acc[g], part[g], s[g], z[g], sum, zeros);
     }
     for (int g = 0; g < panels; g++) {
         int64_t left = outputs - (int64_t)g * P;
@@ -328,10 +231,8 @@ static inline __attribute__((always_inline)) void one_row(int panels, const uint
     }
 }
 
-
-/* Up to B_ROWS rows against `cols` columns (CV outputs each), from column c0, of the panels of values at w (K x 16
-   a panel): a dense layer's own (HALF, BRAIN, FULL), or the codes of GROUP panels expanded into fp32 (FULL); the
-   same chain of multiply-adds for each output as every other path. */
+/* Up to B_ROWS rows against `cols` columns (CV outputs each), from column c0, of a dense layer's panels of values at
+   w (K x 16 a panel; HALF, BRAIN, FULL): one chain of multiply-adds an output, in input order, from zero. */
 static inline __attribute__((always_inline)) void dense(int rows, int cols, int c0, const uint8_t *w, int bits,
                                                         const float *x, int64_t K, float *y, int64_t N,
                                                         int64_t outputs) {
@@ -353,21 +254,77 @@ static inline __attribute__((always_inline)) void dense(int rows, int cols, int 
         }
 }
 
+/* Up to B_ROWS rows against `cols` columns (CV outputs each), from column c0, of GROUP panels' codes expanded into
+   the buffer (codes: K x 16 floats a panel; scale and zero: blocks x 16 floats a panel): fused's arithmetic. */
+static inline __attribute__((always_inline)) void blocked(int rows, int cols, int c0, const float *codes,
+                                                          const float *scale, const float *zero, int64_t inputs,
+                                                          int zeros, const float *x, const float *sums, int64_t K,
+                                                          float *y, int64_t N, int64_t outputs) {
+    cv acc[B_ROWS][B_COLS];
+    int64_t blocks = K / inputs, at[B_COLS], in_scales[B_COLS];
+    for (int c = 0; c < cols; c++) {
+        int64_t panel = (int64_t)(c0 + c) * CV / P, lane = (int64_t)(c0 + c) * CV % P;
+        at[c] = panel * K * P + lane;
+        in_scales[c] = panel * blocks * P + lane;
+    }
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < cols; c++) acc[r][c] = cv_zero();
+    for (int64_t b = 0; b < blocks; b++) {
+        cv part[B_ROWS][B_COLS];
+        for (int r = 0; r < rows; r++)
+            for (int c = 0; c < cols; c++) part[r][c] = cv_zero();
+        for (int64_t k = b * inputs; k < (b + 1) * inputs; k++) {
+            cv wk[B_COLS];
+            for (int c = 0; c < cols; c++) wk[c] = cv_load(codes + at[c] + k * P);
+            for (int r = 0; r < rows; r++)
+                for (int c = 0; c < cols; c++) part[r][c] = cv_fma(x[r * K + k], wk[c], part[r][c]);
+        }
+        for (int c = 0; c < cols; c++) {
+            cv s = cv_load(scale + in_scales[c] + b * P), z = zeros ? cv_load(zero + in_scales[c] + b * P) : cv_zero();
+            for (int r = 0; r < rows; r++)
+                acc[r][c] = cv_block(acc[r][c], part[r][c], s, z, zeros ? sums[r * (K / BLOCK) + b] : 0.0f, zeros);
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < cols; c++) {
+            int64_t first = (int64_t)(c0 + c) * CV;
+            put_column(y + r * N + first, acc[r][c], outputs - first);
+        }
+}
+
+/* A panel's codes as floats into w (K x 16), and its blocks' scales and zeros as fp32 into scales and zeros (blocks
+   x 16 each; zeros only where the form has them). */
 static void expand(const uint8_t *codes, int bits, int form, const float *scale, const float *zero, int64_t K,
-                   float *w) {
-    int64_t inputs = scale_inputs(bits);
-    for (int64_t b = 0; b < K / inputs; b++) {
+                   float *w, float *scales, float *zeros) {
+    int64_t inputs = scale_inputs(bits), blocks = K / inputs;
+    for (int64_t b = 0; b < blocks; b++) {
         pv s, z;
-        block_scales(1, scale, zero, bits, form, K / inputs, b, &s, &z);
+        block_scales(1, scale, zero, bits, form, blocks, b, &s, &z);
+        pv_store(scales + b * P, s);
+        if (has_zeros(bits, form)) pv_store(zeros + b * P, z);
         for (int64_t i = b * inputs / 2; i < (b + 1) * inputs / 2; i++) {
             pv w0, w1;
-            pair(codes, bits, i, s, z, &w0, &w1);
+            pair(codes, bits, i, &w0, &w1);
             pv_store(w + 2 * i * P, w0);
             pv_store(w + (2 * i + 1) * P, w1);
         }
     }
 }
 
+/* Each block of 32 inputs' sum, a row's K / 32 of them, into sums (M x K/32): each half's 16 inputs added as a tree
+   (8 pairs 8 apart, then 4 apart, 2, 1), then the two halves; the same order on every build and every path. */
+static inline float sum16(const float *x) {
+    float t[8];
+    for (int j = 0; j < 8; j++) t[j] = x[j] + x[j + 8];
+    for (int j = 0; j < 4; j++) t[j] += t[j + 4];
+    for (int j = 0; j < 2; j++) t[j] += t[j + 2];
+    return t[0] + t[1];
+}
+void fp32_sums(const float *x, int64_t M, int64_t K, float *sums) {
+    for (int64_t r = 0; r < M; r++)
+        for (int64_t b = 0; b < K / BLOCK; b++) sums[r * (K / BLOCK) + b] = sum16(x + r * K + b * BLOCK) +
+                                                                         sum16(x + r * K + b * BLOCK + 16);
+}
 
 /* kernel.h's buffers (one a thread, kept): the fp32 and int8 rows keep one, and decoder.c too. */
 float *ttft_grow(struct ttft_buffer *b, int64_t floats) {
@@ -380,8 +337,8 @@ float *ttft_grow(struct ttft_buffer *b, int64_t floats) {
     return b->floats;
 }
 
-/* Panels p .. p+group-1 of y = x . W^T from the panels of values at w (the group's first; K x 16 a panel: a dense
-   layer's own, or codes expanded into fp32, FULL), in tiles of up to B_ROWS rows. */
+/* Panels p .. p+group-1 of y = x . W^T from a dense layer's panels of values at w (the group's first; K x 16 a
+   panel), in tiles of up to B_ROWS rows. */
 static void dense_group(const float *x, int64_t M, int64_t K, const uint8_t *w, int bits, int64_t N, float *y,
                         int64_t p, int group) {
     int columns = group * P / CV;
@@ -408,12 +365,33 @@ static void dense_group(const float *x, int64_t M, int64_t K, const uint8_t *w, 
     }
 }
 
-/* Panels [p0, p1) of y = x . W^T (N outputs a row of y), `buffer` holding GROUP panels when M > FUSED_ROWS: calls
-   of up to FUSED_ROWS rows expand the codes in registers in every tile; longer ones expand GROUP panels at a time
-   into the buffer once, and their tiles read them there. Each output's chain of multiply-adds is the same whatever
-   the range and the tiles, so the results are the same bits however a call's panels are split. */
-void fp32_panels(const float *x, int64_t M, int64_t K, const uint8_t *codes, int bits, const float *scale,
-                 const float *zero, int64_t N, float *y, int64_t p0, int64_t p1, float *buffer) {
+/* Panels p .. p+group-1 of y = x . W^T from their codes expanded into the buffer (expand: GROUP panels' codes, then
+   their scales, then their zeros), in tiles of up to B_ROWS rows. */
+static void blocked_group(const float *x, const float *sums, int64_t M, int64_t K, const float *buffer, int bits,
+                          int form, int64_t N, float *y, int64_t p, int group) {
+    int columns = group * P / CV, zeros = has_zeros(bits, form);
+    int64_t inputs = scale_inputs(bits), blocks = K / inputs, tiles = (M + B_ROWS - 1) / B_ROWS, r = 0;
+    const float *scale = buffer + GROUP * K * P, *zero = scale + GROUP * blocks * P;
+    for (int64_t t = 0; t < tiles; t++) {
+        int64_t rows = tile_rows(M, r, t, tiles);
+        const float *xr = x + r * K, *sr = zeros ? sums + r * (K / BLOCK) : sums;
+        float *yr = y + r * N + p * P;
+        for (int c0 = 0; c0 < columns; c0 += B_COLS) {
+            int cols = columns - c0 < B_COLS ? columns - c0 : B_COLS;
+#define BLOCKED(R, C) if (R <= B_ROWS) blocked(R, C, c0, buffer, scale, zero, inputs, zeros, xr, sr, K, yr, N, N - p * P)
+            BY_ROWS(BLOCKED, rows, cols)
+        }
+        r += rows;
+    }
+}
+
+/* Panels [p0, p1) of y = x . W^T (N outputs a row of y), `sums` holding fp32_sums of x where the layer's blocks
+   have zeros, `buffer` what fp32_buffer gives for M rows: calls of up to FUSED_ROWS rows expand the codes in
+   registers in every tile; longer ones expand GROUP panels at a time into the buffer once, and their tiles read
+   them there. Each output's arithmetic is the same whatever the range and the tiles, so the results are the same
+   bits however a call's panels are split. */
+void fp32_panels(const float *x, const float *sums, int64_t M, int64_t K, const uint8_t *codes, int bits,
+                 const float *scale, const float *zero, int64_t N, float *y, int64_t p0, int64_t p1, float *buffer) {
     int form = bits & F16_SCALES ? SCALES_F16 : bits & K_SCALES ? SCALES_K : SCALES_FP32;
     bits &= ~(F16_SCALES | K_SCALES);
     int64_t panel_bytes = code_bytes(K, bits), blocks = K / scale_inputs(bits); /* blocks: scales a panel's output */
@@ -433,9 +411,9 @@ void fp32_panels(const float *x, int64_t M, int64_t K, const uint8_t *codes, int
             float *yq = y + q * P;
             switch (panels) { /* a constant count in each (always_inline) */
 #define ONE_ROW(G) \
-    case G: if (G <= WIDE) one_row(G, c, panel_bytes, bits, form, s, z, x, K, yq, N - q * P); break;
+    case G: if (G <= WIDE) one_row(G, c, panel_bytes, bits, form, s, z, x, sums, K, yq, N - q * P); break;
                 ONE_ROW(8) ONE_ROW(7) ONE_ROW(6) ONE_ROW(5) ONE_ROW(4) ONE_ROW(3) ONE_ROW(2)
-                default: one_row(1, c, panel_bytes, bits, form, s, z, x, K, yq, N - q * P);
+                default: one_row(1, c, panel_bytes, bits, form, s, z, x, sums, K, yq, N - q * P);
             }
         }
         return;
@@ -446,9 +424,10 @@ void fp32_panels(const float *x, int64_t M, int64_t K, const uint8_t *codes, int
             for (int g = 0; g < group; g++) {
                 int64_t at = p + g;
                 expand(codes + at * panel_bytes, bits, form, scale + at * scales, zero + at * zeros, K,
-                       buffer + g * K * P);
+                       buffer + g * K * P, buffer + GROUP * K * P + g * blocks * P,
+                       buffer + GROUP * K * P + (GROUP + g) * blocks * P);
             }
-            dense_group(x, M, K, (const uint8_t *)buffer, FULL, N, y, p, group);
+            blocked_group(x, sums, M, K, buffer, bits, form, N, y, p, group);
             continue;
         }
         for (int64_t q = p; q < p + group; q += PANELS) {
@@ -458,9 +437,10 @@ void fp32_panels(const float *x, int64_t M, int64_t K, const uint8_t *codes, int
             int64_t tiles = (M + ROWS - 1) / ROWS, r = 0;
             for (int64_t t = 0; t < tiles; t++) {
                 int64_t rows = tile_rows(M, r, t, tiles);
+                const float *sr = has_zeros(bits, form) ? sums + r * (K / BLOCK) : sums;
 #define FUSED(R, G)                                                                                                    \
     if (R <= ROWS && G <= PANELS)                                                                                      \
-    fused(R, G, c, panel_bytes, bits, form, s, z, x + r * K, K, y + r * N + q * P, N, N - q * P)
+    fused(R, G, c, panel_bytes, bits, form, s, z, x + r * K, sr, K, y + r * N + q * P, N, N - q * P)
                 BY_ROWS(FUSED, rows, panels)
                 r += rows;
             }
@@ -468,11 +448,12 @@ void fp32_panels(const float *x, int64_t M, int64_t K, const uint8_t *codes, int
     }
 }
 
-/* Sets *buffer to the buffer fp32_panels needs for M rows (one a thread, kept; NULL where it needs none). Returns 0,
-   or -1 if it cannot be allocated. */
+/* Sets *buffer to the buffer fp32_panels needs for M rows (one a thread, kept; NULL where it needs none): GROUP
+   panels' codes as floats, their scales and their zeros (at most one a 16 inputs each). Returns 0, or -1 if it
+   cannot be allocated. */
 int fp32_buffer(int64_t M, int64_t K, float **buffer) {
     static _Thread_local struct ttft_buffer kept = {NULL, 0};
-    *buffer = M > FUSED_ROWS ? ttft_grow(&kept, GROUP * P * K) : NULL;
+    *buffer = M > FUSED_ROWS ? ttft_grow(&kept, GROUP * P * K + 2 * GROUP * P * (K / 16)) : NULL;
     return M > FUSED_ROWS && *buffer == NULL ? -1 : 0;
 }
 
@@ -484,8 +465,10 @@ int fp32_takes(int64_t K, int bits) {
 
 int fp32_alone(const float *x, int64_t M, int64_t K, const uint8_t *codes, int bits, const float *scale,
                const float *zero, int64_t N, float *y) {
-    float *buffer;
-    if (fp32_buffer(M, K, &buffer) != 0) return -1;
-    fp32_panels(x, M, K, codes, bits, scale, zero, N, y, 0, (N + P - 1) / P, buffer);
+    static _Thread_local struct ttft_buffer kept = {NULL, 0};
+    float *buffer, *sums = ttft_grow(&kept, M * (K / BLOCK) + 1);
+    if (sums == NULL || fp32_buffer(M, K, &buffer) != 0) return -1;
+    fp32_sums(x, M, K, sums);
+    fp32_panels(x, sums, M, K, codes, bits, scale, zero, N, y, 0, (N + P - 1) / P, buffer);
     return 0;
 }
