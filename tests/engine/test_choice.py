@@ -12,6 +12,7 @@ from tests.support.engines import llama_cpp_or_skip
 from ttft_sse.engine import choice
 from ttft_sse.engine.batched.engine import BatchedEngine
 from ttft_sse.engine.choice import AutoEngine, Choice, create_engine, decide
+from ttft_sse.engine.cpu import compiler
 from ttft_sse.engine.fake import FakeEngine
 from ttft_sse.engine.llamacpp.engine import LlamaCppEngine
 from ttft_sse.engine.single import SingleEngine
@@ -70,6 +71,24 @@ def test_a_verdict_is_kept_per_set_of_conditions_and_read_back(tmp_path: Path) -
     assert calls[2:] == [("batched", 4), ("llamacpp", 4)]
     assert choice.verdict_path(base) != choice.verdict_path(other)
     assert choice.verdict_path(base).parent == choice.verdict_path(other).parent  # beside the converted model
+
+
+def test_another_build_of_the_block_kernel_measures_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A verdict holds for the kernel it was measured with: an upgrade that changes the kernel (here its flags) gives
+    another key, and the engines are measured again."""
+    llama_cpp_or_skip()
+    calls: list[str] = []
+
+    def measure(settings: Settings, name: str) -> choice.Rates:
+        calls.append(name)
+        return {"c1": 10.0, "c8": 20.0} if name == "batched" else {"c1": 5.0, "c8": 30.0}
+
+    base = Settings(engine="auto", cache_dir=tmp_path)
+    assert choice.choose(base, measure=measure).chosen_by == "measured"
+    assert choice.choose(base, measure=measure).chosen_by == "measured before"
+    monkeypatch.setattr(compiler, "FLAGS", (*compiler.FLAGS, "-DANOTHER_KERNEL"))
+    assert choice.choose(base, measure=measure).chosen_by == "measured"
+    assert calls == ["batched", "llamacpp", "batched", "llamacpp"]
 
 
 def test_a_verdict_that_cannot_be_kept_is_logged_and_used(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

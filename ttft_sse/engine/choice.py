@@ -5,9 +5,9 @@ The measurement (:func:`_measure`) loads each engine in turn and runs, through t
 48 tokens alone (c=1: tokens a second of one stream) and eight streams of 48 at once (c=8: tokens a second of all of
 them, their prompts included). The engine faster at both wins; where each wins one, the one with the larger product
 of the two. The verdict is written beside the converted model in the cache directory (its folder is keyed by the GGUF
-file's size and bytes, engine/loading/sources.py), with what it depends on: the CPU, the threads, the concurrency
-and the llama-cpp-python version. A later start with the same ones reads it and measures nothing; ``ttft-sse
-prepare`` with ``TTFT_ENGINE=auto`` measures ahead of the first start.
+file's size and bytes, engine/loading/sources.py), with what it depends on: the CPU, the threads, the concurrency,
+the llama-cpp-python version and the block kernel's build. A later start with the same ones reads it and measures
+nothing; ``ttft-sse prepare`` with ``TTFT_ENGINE=auto`` measures ahead of the first start.
 
 ``auto`` needs no measurement where only one engine can run: a model that is not a GGUF, or llama-cpp-python not
 installed, gives the batched engine (``chosen_by`` says why). An explicit ``TTFT_ENGINE`` always wins.
@@ -31,7 +31,7 @@ import structlog
 
 from ttft_sse.engine.base import ChatMessage, Engine, Finished, ModelInfo, Piece, Prompt, SamplingParams
 from ttft_sse.engine.cache_files import write_whole
-from ttft_sse.engine.cpu import compiler
+from ttft_sse.engine.cpu import compiler, kernel
 from ttft_sse.engine.loading import sources
 from ttft_sse.settings import Settings
 from ttft_sse.stages import StageClock
@@ -165,7 +165,17 @@ def _conditions(settings: Settings) -> dict[str, Any]:
         "threads": settings.torch_threads,
         "max_concurrency": settings.max_concurrency,
         "llama_cpp_python": library.installed(),
+        # The batched engine's speed is mostly its block kernel's: another kernel (an upgrade), another measurement.
+        "kernel": _kernel_key(),
     }
+
+
+def _kernel_key() -> str | None:
+    """The block kernel's build key on this machine, or None where no C compiler is on PATH (no kernel either)."""
+    try:
+        return compiler.key(kernel.SOURCES)
+    except RuntimeError:
+        return None
 
 
 def _cpu() -> str:

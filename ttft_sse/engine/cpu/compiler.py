@@ -38,17 +38,7 @@ def build(directory: Path, sources: tuple[Path, ...], name: str) -> Path:
     into one library in ``directory``, ``name-<hash>.so``, compiled now if it is not there yet. Raises ``OSError``
     (``RuntimeError`` for a failed compile) with the reason."""
     compiler = c_compiler()
-    key = hashlib.sha256(
-        b"\0".join(
-            [
-                *(source.read_bytes() for source in (*sources, *HEADERS)),
-                " ".join(FLAGS).encode(),
-                os.path.realpath(compiler).encode(),
-                cpu_features(),
-            ]
-        )
-    ).hexdigest()[:16]
-    target = directory / f"{name}-{key}.so"
+    target = directory / f"{name}-{key(sources, compiler)}.so"
     if target.is_file():
         return target
     directory.mkdir(parents=True, exist_ok=True)
@@ -70,6 +60,19 @@ def build(directory: Path, sources: tuple[Path, ...], name: str) -> Path:
         partial.unlink(missing_ok=True)
     log.info("kernel_built", path=str(target))
     return target
+
+
+def key(sources: tuple[Path, ...], compiler: str | None = None) -> str:
+    """The hash that names the library of ``sources`` built for this CPU: their bytes and the headers', the flags, the
+    compiler (default: :func:`c_compiler`'s) and the CPU's features. Another key, another build."""
+    compiler = compiler or c_compiler()
+    parts = [
+        *(source.read_bytes() for source in (*sources, *HEADERS)),
+        " ".join(FLAGS).encode(),
+        os.path.realpath(compiler).encode(),
+        cpu_features(),
+    ]
+    return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 
 
 def cpu_features() -> bytes:
