@@ -59,7 +59,13 @@ import structlog
 from ttft_sse.bridge import Mailboxes, Resident
 from ttft_sse.engine.base import NORMAL, ChatMessage, Finished, ModelInfo, Piece, Prompt, SamplingParams
 from ttft_sse.engine.batched.claims import Arrivals, Claims, FirstToken
-from ttft_sse.engine.batched.hooks import keep_config_causal, missing_internals, pick_greedy_with, router
+from ttft_sse.engine.batched.hooks import (
+    keep_config_causal,
+    missing_internals,
+    pick_greedy_with,
+    router,
+    zero_cache_lazily,
+)
 from ttft_sse.engine.batched.interlude import Interlude
 from ttft_sse.engine.batched.modes import Modes
 from ttft_sse.engine.batched.prefill import PrefillProcess
@@ -285,6 +291,7 @@ class BatchedEngine:
 
         manager.logit_processor = selection(self._claims)  # before the loop builds its batch processor from it
         if self.model.device.type == "cpu":
+            zero_cache_lazily(manager)
             picker = argmax.build(settings.cache_dir / KERNEL_DIR)
             if picker is not None:
                 pick_greedy_with(manager, picker)

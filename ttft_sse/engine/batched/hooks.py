@@ -17,6 +17,9 @@ from typing import Any
 
 from ttft_sse.engine.cpu import argmax
 
+CACHE_MODULE = "transformers.generation.continuous_batching.cache"
+ALIGN = 64  # bytes: a cache line, as torch's own CPU allocations are aligned
+
 INTERNALS: dict[str, tuple[str, ...]] = {
     "transformers.generation.continuous_batching.continuous_api": (
         "ContinuousBatchingManager._create_batch_processor",
@@ -39,9 +42,10 @@ INTERNALS: dict[str, tuple[str, ...]] = {
     ),
     "transformers.generation.continuous_batching.requests": ("RequestStatus.PENDING", "RequestStatus.DECODING"),
     "transformers.generation.continuous_batching.model_runner": ("ModelRunner._sample",),
-    "transformers.generation.continuous_batching.cache": (
+    CACHE_MODULE: (
         "PagedAttentionCache.update",
         "PagedAttentionCache.mark_complete_blocks",
+        "torch",  # the name its __init__ allocates the cache through (zero_cache_lazily)
     ),
     "transformers.generation.continuous_batching.cache_allocators.cache_allocator": (
         "CacheAllocator.match_prefix_blocks",
@@ -85,6 +89,56 @@ def pick_greedy_with(manager: Any, picker: argmax.Argmax) -> None:
         return processor
 
     manager._create_batch_processor = created
+
+
+def zero_cache_lazily(manager: Any) -> None:
+    """Have the paged cache each batch processor ``manager`` builds take its memory zeroed lazily, on CPU.
+
+    transformers allocates the whole cache when the loop starts (the warm-up's request), with ``torch.zeros``, which
+    writes every page of it: ``kv_cache_tokens`` x layers x KV heads x head size x 2 x 4 bytes, 1.9 GB for a
+    Qwen3-0.6B shape, seconds of start-up before the first answer, and all of it resident from then on. Memory from
+    :func:`lazy_zeros` (calloc's) reads as zeros too, and the kernel zeroes its pages as the cache first writes
+    them. Only the cache's own allocation, while the processor is built: the module's ``torch`` is a stand-in for
+    that call, whose ``zeros`` of CPU bytes is :func:`lazy_zeros` and which is torch for every other name."""
+    import torch
+
+    cache_module: Any = importlib.import_module(CACHE_MODULE)
+    create = manager._create_batch_processor
+
+    class LazyZeros:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(torch, name)
+
+        def zeros(self, *size: Any, **kwargs: Any) -> Any:
+            if (
+                len(size) == 1
+                and isinstance(size[0], int)
+                and kwargs.get("dtype") is torch.uint8
+                and torch.device(kwargs.get("device") or "cpu").type == "cpu"
+                and set(kwargs) <= {"dtype", "device"}
+            ):
+                return lazy_zeros(size[0], torch)
+            return torch.zeros(*size, **kwargs)
+
+    def created() -> Any:
+        cache_module.torch = LazyZeros()
+        try:
+            return create()
+        finally:
+            cache_module.torch = torch
+
+    manager._create_batch_processor = created
+
+
+def lazy_zeros(size: int, torch: Any) -> Any:
+    """``size`` zero bytes as a CPU tensor whose pages are not written until used: calloc's memory (numpy's zeros),
+    which for a large size is fresh pages the kernel zeroes on first touch; the first byte at a multiple of
+    :data:`ALIGN`."""
+    import numpy as np
+
+    whole = np.zeros(size + ALIGN, dtype=np.uint8)
+    start = -whole.ctypes.data % ALIGN
+    return torch.from_numpy(whole[start : start + size])
 
 
 def keep_config_causal(model: Any) -> None:
