@@ -1,13 +1,14 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 from contextlib import aclosing
 
 import pytest
 
-from ttft_sse.bridge import Commands, Emit, Loop, Mailboxes, Resident, Workers
+from ttft_sse.bridge import Commands, Emit, Idle, Loop, Mailboxes, Resident, Workers
 
 
 async def test_items_cross_in_order_and_the_thread_ends() -> None:
@@ -228,3 +229,30 @@ async def test_a_loop_whose_body_raises_reports_it_ends_and_starts_again() -> No
     assert loop.alive and loop.failed is None
     await loop.stop()
     assert not loop.alive and runs == [1, 1]
+
+
+def test_an_idle_job_runs_at_idle_priority_and_the_next_one_stops_it() -> None:
+    idle = Idle(name="t-idle")
+    seen: list[tuple[str, int]] = []
+    first_started, second_done = threading.Event(), threading.Event()
+
+    def first(stop: threading.Event) -> None:
+        seen.append(("first", os.sched_getscheduler(0)))
+        first_started.set()
+        stop.wait(10)
+        seen.append(("first stopped", int(stop.is_set())))
+
+    def second(stop: threading.Event) -> None:
+        seen.append(("second", os.sched_getscheduler(0)))
+        second_done.set()
+
+    idle.run(first)
+    assert first_started.wait(10)
+    idle.run(second)  # stops the first
+    assert second_done.wait(10)
+    for _ in range(100):
+        if len(seen) == 3:
+            break
+        time.sleep(0.05)
+    assert sorted(seen) == [("first", os.SCHED_IDLE), ("first stopped", 1), ("second", os.SCHED_IDLE)]
+    idle.stop()

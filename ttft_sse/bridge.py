@@ -2,7 +2,8 @@
 
 Two shapes of producer: :class:`Workers` runs one thread per request (``model.generate``); :class:`Mailboxes`
 serves many requests from one long-lived thread (a continuous-batching loop), which :class:`Resident` starts and
-stops where a library creates it, and :class:`Loop` where it is ours (fed by :class:`Commands`).
+stops where a library creates it, and :class:`Loop` where it is ours (fed by :class:`Commands`). Beside them,
+:class:`Idle` runs work nobody waits on, at idle priority.
 
 A blocking producer (``model.generate`` with a streamer) runs in its own thread and hands each item to the
 event loop with ``loop.call_soon_threadsafe``. The async side awaits an ``asyncio.Queue``: no thread of anyio's
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import threading
 from collections.abc import AsyncGenerator, Callable, Hashable, Iterable
 from typing import Generic, TypeVar
@@ -189,6 +191,33 @@ class Resident:
                     self.start()
 
         await anyio.to_thread.run_sync(run)
+
+
+class Idle:
+    """A daemon thread at idle priority for work nobody waits on (the paged cache's memory faulted in ahead of use,
+    engine/batched/memory.py): ``SCHED_IDLE`` (Linux), so it runs on a core only when nothing else wants it. A job
+    checks its stop event between steps; :meth:`stop` sets it and joins nothing (a step ends on its own)."""
+
+    def __init__(self, *, name: str) -> None:
+        self._name = name
+        self._stop: threading.Event | None = None
+
+    def run(self, job: Callable[[threading.Event], None]) -> None:
+        """Stop the job before (if any), and start ``job`` in a thread of its own."""
+        self.stop()
+        stop = self._stop = threading.Event()
+
+        def run() -> None:
+            with contextlib.suppress(OSError, AttributeError):  # elsewhere than Linux: at normal priority
+                os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+            job(stop)
+
+        threading.Thread(target=run, name=self._name, daemon=True).start()
+
+    def stop(self) -> None:
+        """Ask the job running (if any) to end at its next step."""
+        if self._stop is not None:
+            self._stop.set()
 
 
 class Inbox(Generic[K, T]):

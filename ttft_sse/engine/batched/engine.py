@@ -18,8 +18,7 @@ The library does the batching, the paged cache and the prefix sharing. Written h
 * **a loop that died**: the library fails the requests it knows about when its loop crashes, but a request added in
   the same instant can wait for ever (the manager's own ``get_result`` loops only while the thread lives). Every
   waiting request also checks that the loop is alive (``Mailboxes``); the next request restarts a dead loop;
-* **prefix-hit counting** (engine/batched/scheduler.py): the library's FIFO scheduler, counting prompt tokens served
-  from shared blocks (:meth:`BatchedEngine.stats`);
+* **prefix-hit counting** (engine/batched/scheduler.py): tokens served from shared blocks (:meth:`BatchedEngine.stats`);
 * **attention request by request, in place** (engine/cpu/attention.py, on CPU in fp32): the library gathers a step's
   keys and values out of its paged cache in every layer and attends every query row to every key of the step under a
   mask; the engine's cache only writes, and each request's rows attend to its own keys, read in place;
@@ -46,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import itertools
 import time
 from collections import deque
@@ -56,16 +56,11 @@ from typing import Any
 
 import structlog
 
-from ttft_sse.bridge import Mailboxes, Resident
+from ttft_sse.bridge import Idle, Mailboxes, Resident
 from ttft_sse.engine.base import NORMAL, ChatMessage, Finished, ModelInfo, Piece, Prompt, SamplingParams
+from ttft_sse.engine.batched import hooks, memory
 from ttft_sse.engine.batched.claims import Arrivals, Claims, FirstToken
-from ttft_sse.engine.batched.hooks import (
-    keep_config_causal,
-    missing_internals,
-    pick_greedy_with,
-    router,
-    zero_cache_lazily,
-)
+from ttft_sse.engine.batched.hooks import missing_internals
 from ttft_sse.engine.batched.interlude import Interlude
 from ttft_sse.engine.batched.modes import Modes
 from ttft_sse.engine.batched.prefill import PrefillProcess
@@ -120,6 +115,7 @@ class BatchedEngine:
         self._settings = settings
         self._single = SingleEngine(settings)
         self._manager: Any = None
+        self._populator = Idle(name="ttft-kv-populate")  # the paged cache's pages faulted in (memory.populate)
         self._loop: Resident | None = None
         self._mailboxes: Mailboxes[str, Any] = Mailboxes(alive=self._alive, dead=self._dead)
         self._ids = itertools.count(1)
@@ -200,7 +196,7 @@ class BatchedEngine:
             self._batching_off = f"transformers {transformers.__version__} lacks what the batching hooks use"
             log.warning("batching_off", reason=self._batching_off, missing=missing)
             return
-        keep_config_causal(self.model)
+        hooks.keep_config_causal(self.model)
         self._start_prefill()  # before the loop: its scheduler hands its cache the interludes
         if self._prefill is not None:
             self._race = Race(self._prefill, self._claims, self._modes, self._mailboxes.deliver)
@@ -286,16 +282,20 @@ class BatchedEngine:
         manager = self._single.model.init_continuous_batching(
             generation_config=generation, continuous_batching_config=batching
         )
-        manager.output_router = router(self._deliver)
+        manager.output_router = hooks.router(self._deliver)
         from ttft_sse.engine.batched.selection import selection  # torch and transformers: imported at load
 
         manager.logit_processor = selection(self._claims)  # before the loop builds its batch processor from it
         if self.model.device.type == "cpu":
-            zero_cache_lazily(manager)
+            hooks.zero_cache_lazily(manager, self._populate)
             picker = argmax.build(settings.cache_dir / KERNEL_DIR)
             if picker is not None:
-                pick_greedy_with(manager, picker)
+                hooks.pick_greedy_with(manager, picker)
         return manager
+
+    def _populate(self, cache: Any) -> None:
+        """The paged cache's pages faulted in at idle priority while no request runs (memory.populate)."""
+        self._populator.run(functools.partial(memory.populate, cache, lambda: self._mailboxes.count > 0))
 
     def _start_manager(self) -> None:
         import torch
@@ -437,6 +437,7 @@ class BatchedEngine:
     async def close(self) -> None:
         """End every generation (batched ones end without a ``Finished``), then stop the loop's thread."""
         self._closed = True
+        self._populator.stop()
         self._mailboxes.end_all()
         if self._loop is not None and self._loop.alive:
             await self._loop.stop()

@@ -15,10 +15,10 @@ import importlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ttft_sse.engine.batched import memory
 from ttft_sse.engine.cpu import argmax
 
 CACHE_MODULE = "transformers.generation.continuous_batching.cache"
-ALIGN = 64  # bytes: a cache line, as torch's own CPU allocations are aligned
 
 INTERNALS: dict[str, tuple[str, ...]] = {
     "transformers.generation.continuous_batching.continuous_api": (
@@ -91,15 +91,15 @@ def pick_greedy_with(manager: Any, picker: argmax.Argmax) -> None:
     manager._create_batch_processor = created
 
 
-def zero_cache_lazily(manager: Any) -> None:
-    """Have the paged cache each batch processor ``manager`` builds take its memory zeroed lazily, on CPU.
+def zero_cache_lazily(manager: Any, made: Callable[[Any], None]) -> None:
+    """Have the paged cache each batch processor ``manager`` builds take its memory zeroed lazily, on CPU
+    (engine/batched/memory.py), and hand the cache's tensor to ``made`` once the processor is built.
 
-    transformers allocates the whole cache when the loop starts (the warm-up's request), with ``torch.zeros``, which
-    writes every page of it: ``kv_cache_tokens`` x layers x KV heads x head size x 2 x 4 bytes, 1.9 GB for a
-    Qwen3-0.6B shape, seconds of start-up before the first answer, and all of it resident from then on. Memory from
-    :func:`lazy_zeros` (calloc's) reads as zeros too, and the kernel zeroes its pages as the cache first writes
-    them. Only the cache's own allocation, while the processor is built: the module's ``torch`` is a stand-in for
-    that call, whose ``zeros`` of CPU bytes is :func:`lazy_zeros` and which is torch for every other name."""
+    transformers allocates the whole cache with ``torch.zeros`` in ``PagedAttentionCache.__init__``. While the
+    processor is built, the cache module's ``torch`` is a stand-in whose ``zeros`` of CPU bytes is
+    :func:`memory.lazy_zeros` and which is torch for every other name; then torch again. The processor's ``cache``
+    and the cache's ``cache_tensor`` are instance attributes (no check of the class finds them): where they are not
+    there, ``made`` is not called."""
     import torch
 
     cache_module: Any = importlib.import_module(CACHE_MODULE)
@@ -117,28 +117,21 @@ def zero_cache_lazily(manager: Any) -> None:
                 and torch.device(kwargs.get("device") or "cpu").type == "cpu"
                 and set(kwargs) <= {"dtype", "device"}
             ):
-                return lazy_zeros(size[0], torch)
+                return memory.lazy_zeros(size[0], torch)
             return torch.zeros(*size, **kwargs)
 
     def created() -> Any:
         cache_module.torch = LazyZeros()
         try:
-            return create()
+            processor = create()
         finally:
             cache_module.torch = torch
+        tensor = getattr(getattr(processor, "cache", None), "cache_tensor", None)  # instance attributes: looked up
+        if tensor is not None:
+            made(tensor)
+        return processor
 
     manager._create_batch_processor = created
-
-
-def lazy_zeros(size: int, torch: Any) -> Any:
-    """``size`` zero bytes as a CPU tensor whose pages are not written until used: calloc's memory (numpy's zeros),
-    which for a large size is fresh pages the kernel zeroes on first touch; the first byte at a multiple of
-    :data:`ALIGN`."""
-    import numpy as np
-
-    whole = np.zeros(size + ALIGN, dtype=np.uint8)
-    start = -whole.ctypes.data % ALIGN
-    return torch.from_numpy(whole[start : start + size])
 
 
 def keep_config_causal(model: Any) -> None:

@@ -1,0 +1,69 @@
+"""The paged cache's memory on CPU: zeroed lazily, and faulted in ahead of use at idle priority.
+
+transformers allocates the whole paged cache (``kv_cache_tokens`` x layers x KV heads x head size x 2 x 4 bytes: 1.9
+GB for a Qwen3-0.6B shape at 8192 tokens) when the batching loop builds its first batch processor, with
+``torch.zeros``, which writes every page before the first answer: seconds of start-up where first writes of fresh
+memory are slow (a virtual machine's: 1.1 ms a MB measured here). The engine has it take :func:`lazy_zeros` instead
+(engine/batched/hooks.py), and once the loop runs, :func:`populate` faults every page in at idle priority
+(bridge.Idle) while no request runs, so that neither the start nor a later long prompt waits for the pages it
+writes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import structlog
+
+log = structlog.get_logger("ttft_sse.engine")
+
+ALIGN = 64
+"""Bytes the memory's first byte is aligned to: a cache line, as torch's own CPU allocations are."""
+MADV_POPULATE_WRITE = 23
+"""madvise's advice (Linux 5.14) that faults pages in as if written, without changing what they hold."""
+CHUNK = 16 << 20
+"""Bytes :func:`populate` asks for at a time (about 20 ms each here): between chunks it checks its stop event, and
+waits while the engine is busy."""
+PAUSE = 0.05
+"""Seconds :func:`populate` waits before it looks again whether the engine is still busy."""
+
+
+def lazy_zeros(size: int, torch: Any) -> Any:
+    """``size`` zero bytes as a CPU tensor whose pages are not written until used: calloc's memory (numpy's zeros),
+    which for a large size is fresh pages that the kernel zeroes at their first touch."""
+    import numpy as np
+
+    whole = np.zeros(size + ALIGN, dtype=np.uint8)
+    start = -whole.ctypes.data % ALIGN
+    return torch.from_numpy(whole[start : start + size])
+
+
+def populate(tensor: Any, busy: Callable[[], bool], stop: threading.Event) -> None:
+    """Fault in every page of ``tensor``'s memory as if written, a :data:`CHUNK` at a time, until done or ``stop`` is
+    set, and only while the engine is not ``busy()`` (the warm-up's request included): first writes of fresh memory
+    slow a request's own, at idle priority or not. What the pages hold does not change (``MADV_POPULATE_WRITE``), so
+    the cache's writers may run meanwhile.
+    Holds ``tensor`` until it returns, so that the memory it advises stays mapped. Logs ``kv_cache_populated``, or
+    ``kv_cache_not_populated`` with the reason (a kernel before 5.14 refuses the advice: pages are then faulted in
+    as the cache writes them)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    page = os.sysconf("SC_PAGE_SIZE")
+    first = -(-tensor.data_ptr() // page) * page
+    end = (tensor.data_ptr() + tensor.numel() * tensor.element_size()) // page * page
+    started = time.perf_counter()
+    for at in range(first, end, CHUNK):
+        while busy() and not stop.is_set():
+            stop.wait(PAUSE)
+        if stop.is_set():
+            log.info("kv_cache_not_populated", reason="stopped", mib=round((at - first) / 2**20))
+            return
+        if libc.madvise(ctypes.c_void_p(at), ctypes.c_size_t(min(CHUNK, end - at)), MADV_POPULATE_WRITE) != 0:
+            log.info("kv_cache_not_populated", reason=os.strerror(ctypes.get_errno()), mib=round((at - first) / 2**20))
+            return
+    log.info("kv_cache_populated", mib=round((end - first) / 2**20), ms=round((time.perf_counter() - started) * 1e3))
