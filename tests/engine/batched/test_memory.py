@@ -53,7 +53,7 @@ def test_populate_faults_every_page_in_and_changes_nothing_it_holds() -> None:
 
 
 def test_populate_stops_between_chunks_when_asked() -> None:
-    cache, stop = memory.lazy_zeros(3 * memory.CHUNK, torch), threading.Event()
+    cache, stop = memory.lazy_zeros(4 * memory.CHUNK, torch), threading.Event()
     stop.set()
     with capture_logs() as logs:
         memory.populate(cache, lambda: False, stop)
@@ -62,7 +62,7 @@ def test_populate_stops_between_chunks_when_asked() -> None:
 
 
 def test_populate_waits_while_the_engine_is_busy() -> None:
-    cache, looks = memory.lazy_zeros(2 * memory.CHUNK, torch), []
+    cache, looks = memory.lazy_zeros(4 * memory.CHUNK, torch), []  # above glibc's largest mmap threshold (32 MB)
 
     def busy() -> bool:
         looks.append(resident(cache))

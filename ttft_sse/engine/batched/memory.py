@@ -35,7 +35,8 @@ PAUSE = 0.05
 
 def lazy_zeros(size: int, torch: Any) -> Any:
     """``size`` zero bytes as a CPU tensor whose pages are not written until used: calloc's memory (numpy's zeros),
-    which for a large size is fresh pages that the kernel zeroes at their first touch."""
+    which for a size above glibc's mmap threshold (at most 32 MB) is fresh pages that the kernel zeroes at their
+    first touch; below it, heap memory calloc zeroes at once (a paged cache is hundreds of MB)."""
     import numpy as np
 
     whole = np.zeros(size + ALIGN, dtype=np.uint8)
