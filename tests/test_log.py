@@ -52,3 +52,33 @@ def test_a_probe_leaves_no_info_line_but_generations_and_refusals_keep_theirs() 
         assert client.post("/complete", json={"prompt": ""}).status_code == 400
         lines = [(e["event"], e.get("status"), e.get("outcome")) for e in info_or_above(logs[start:])]
     assert lines == [("generation", None, "ok"), ("request", 200, None), ("request", 400, None)]
+
+
+def test_each_line_is_written_in_one_write_so_that_threads_lines_never_interleave(monkeypatch: Any) -> None:
+    """print would write the message, then its newline: another logger's whole line (transformers' own, from its
+    thread) could land between them, and the stream would hold a line that is not one JSON object."""
+    import io
+    import json
+    import sys
+
+    from ttft_sse.log import configure
+
+    class Recorder(io.StringIO):
+        def __init__(self) -> None:
+            super().__init__()
+            self.writes: list[str] = []
+
+        def write(self, text: str) -> int:
+            self.writes.append(text)
+            return super().write(text)
+
+    stream, kept, handlers = Recorder(), structlog.get_config(), logging.getLogger().handlers[:]
+    monkeypatch.setattr(sys, "stderr", stream)
+    configure()
+    try:
+        structlog.get_logger("ttft_sse.test").info("one_line", n=1)
+        (written,) = stream.writes
+        assert written.endswith("\n") and json.loads(written)["event"] == "one_line"
+    finally:
+        structlog.configure(**kept)
+        logging.getLogger().handlers[:] = handlers

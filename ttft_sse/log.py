@@ -32,7 +32,9 @@ def configure(*, level: str = "info", fmt: str = "json") -> None:
     structlog.configure(
         processors=[*shared, structlog.processors.format_exc_info, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        # One write a line (the message and its newline together): print's two writes let another thread's line,
+        # written meanwhile by a logger of its own (transformers' has one), land between them.
+        logger_factory=structlog.WriteLoggerFactory(sys.stderr),
         cache_logger_on_first_use=True,
     )
     handler = logging.StreamHandler(sys.stderr)

@@ -58,7 +58,7 @@ def test_populate_stops_between_chunks_when_asked() -> None:
     with capture_logs() as logs:
         memory.populate(cache, lambda: False, stop)
     assert resident(cache) <= PAGE
-    assert [(e["event"], e["reason"], e["mib"]) for e in logs] == [("kv_cache_not_populated", "stopped", 0)]
+    assert [e for e in logs if e["log_level"] != "debug"] == []  # stopping is no news
 
 
 def test_populate_waits_while_the_engine_is_busy() -> None:

@@ -61,8 +61,8 @@ def populate(tensor: Any, busy: Callable[[], bool], stop: threading.Event) -> No
     for at in range(first, end, CHUNK):
         while busy() and not stop.is_set():
             stop.wait(PAUSE)
-        if stop.is_set():
-            log.info("kv_cache_not_populated", reason="stopped", mib=round((at - first) / 2**20))
+        if stop.is_set():  # the engine closing, or its loop restarted with another cache
+            log.debug("kv_cache_not_populated", reason="stopped", mib=round((at - first) / 2**20))
             return
         if libc.madvise(ctypes.c_void_p(at), ctypes.c_size_t(min(CHUNK, end - at)), MADV_POPULATE_WRITE) != 0:
             log.info("kv_cache_not_populated", reason=os.strerror(ctypes.get_errno()), mib=round((at - first) / 2**20))
