@@ -20,6 +20,7 @@ from ttft_sse.settings import Settings
 from ttft_sse.stages import StageClock
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
+BIG = 64 << 20  # bytes: above glibc's largest mmap threshold (32 MB), below which calloc hands out heap memory
 
 
 def resident(tensor: Any) -> int:
@@ -43,7 +44,7 @@ def test_lazily_zeroed_memory_reads_as_zeros_and_is_resident_only_where_written(
 
 
 def test_populate_faults_every_page_in_and_changes_nothing_it_holds() -> None:
-    cache = memory.lazy_zeros(3 * memory.CHUNK + 12345, torch)
+    cache = memory.lazy_zeros(BIG + 12345, torch)
     cache[:5000].fill_(9)
     with capture_logs() as logs:
         memory.populate(cache, lambda: False, threading.Event())
@@ -53,7 +54,7 @@ def test_populate_faults_every_page_in_and_changes_nothing_it_holds() -> None:
 
 
 def test_populate_stops_between_chunks_when_asked() -> None:
-    cache, stop = memory.lazy_zeros(4 * memory.CHUNK, torch), threading.Event()
+    cache, stop = memory.lazy_zeros(BIG, torch), threading.Event()
     stop.set()
     with capture_logs() as logs:
         memory.populate(cache, lambda: False, stop)
@@ -62,7 +63,7 @@ def test_populate_stops_between_chunks_when_asked() -> None:
 
 
 def test_populate_waits_while_the_engine_is_busy() -> None:
-    cache, looks = memory.lazy_zeros(4 * memory.CHUNK, torch), []  # above glibc's largest mmap threshold (32 MB)
+    cache, looks = memory.lazy_zeros(BIG, torch), []
 
     def busy() -> bool:
         looks.append(resident(cache))

@@ -26,11 +26,12 @@ ALIGN = 64
 """Bytes the memory's first byte is aligned to: a cache line, as torch's own CPU allocations are."""
 MADV_POPULATE_WRITE = 23
 """madvise's advice (Linux 5.14) that faults pages in as if written, without changing what they hold."""
-CHUNK = 16 << 20
-"""Bytes :func:`populate` asks for at a time (about 20 ms each here): between chunks it checks its stop event, and
-waits while the engine is busy."""
+CHUNK = 4 << 20
+"""Bytes :func:`populate` asks for at a time (about 5 ms each here): between chunks it checks its stop event and
+whether the engine is busy."""
 PAUSE = 0.05
-"""Seconds :func:`populate` waits before it looks again whether the engine is still busy."""
+"""Seconds the engine must have been idle before :func:`populate` goes on: a stream of requests one after another
+(their gaps a few ms) leaves it waiting, and their first writes fault their pages in themselves."""
 
 
 def lazy_zeros(size: int, torch: Any) -> Any:
@@ -46,20 +47,26 @@ def lazy_zeros(size: int, torch: Any) -> Any:
 
 def populate(tensor: Any, busy: Callable[[], bool], stop: threading.Event) -> None:
     """Fault in every page of ``tensor``'s memory as if written, a :data:`CHUNK` at a time, until done or ``stop`` is
-    set, and only while the engine is not ``busy()`` (the warm-up's request included): first writes of fresh memory
-    slow a request's own, at idle priority or not. What the pages hold does not change (``MADV_POPULATE_WRITE``), so
-    the cache's writers may run meanwhile.
-    Holds ``tensor`` until it returns, so that the memory it advises stays mapped. Logs ``kv_cache_populated``, or
-    ``kv_cache_not_populated`` with the reason (a kernel before 5.14 refuses the advice: pages are then faulted in
-    as the cache writes them)."""
+    set, while the engine has not been ``busy()`` since :data:`PAUSE` before (the warm-up's request included): its
+    first writes of fresh memory would slow a request's own, at idle priority or not. What the pages hold does not
+    change (``MADV_POPULATE_WRITE``), so the cache's writers may run meanwhile. Holds ``tensor`` until it returns,
+    so that the memory it advises stays mapped. Logs ``kv_cache_populated``, or ``kv_cache_not_populated`` with the
+    reason (a kernel before 5.14 refuses the advice: pages are then faulted in as the cache writes them)."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
     page = os.sysconf("SC_PAGE_SIZE")
     first = -(-tensor.data_ptr() // page) * page
     end = (tensor.data_ptr() + tensor.numel() * tensor.element_size()) // page * page
     started = time.perf_counter()
+    settled = False  # the engine seen idle, then idle again PAUSE later, and not busy since
     for at in range(first, end, CHUNK):
-        while busy() and not stop.is_set():
+        while not stop.is_set():
+            if busy():
+                settled = False
+            elif settled:
+                break
+            else:
+                settled = True  # if it is idle still at the next look
             stop.wait(PAUSE)
         if stop.is_set():  # the engine closing, or its loop restarted with another cache
             log.debug("kv_cache_not_populated", reason="stopped", mib=round((at - first) / 2**20))
