@@ -66,6 +66,17 @@ def test_weights_become_column_major_with_the_same_values_and_every_tensor_is_co
         assert type(linear) is torch.nn.Linear  # packed off: the plain class, no packed copy
 
 
+def test_without_a_plain_linear_layer_left_no_tensor_is_copied() -> None:
+    """The block kernel serves every linear layer: nothing read the checkpoint's map wholesale, so its views stay
+    (an embedding table is read row by row as tokens come, not copied whole at the start)."""
+    modules = torch.nn.ModuleDict({"embedding": torch.nn.Embedding(50, 16), "norm": torch.nn.LayerNorm(16)})
+    before = {name: tensor.data_ptr() for name, tensor in modules.state_dict().items()}
+    with capture_logs() as logs:
+        assert weights.arrange(modules, torch, packed=True) == "column-major"  # nothing to pack: no warning either
+    assert logs == []
+    assert {name: tensor.data_ptr() for name, tensor in modules.state_dict().items()} == before
+
+
 def test_a_tied_weight_is_transposed_once_and_stays_shared() -> None:
     embedding = torch.nn.Embedding(50, 16)
     head = torch.nn.Linear(16, 50, bias=False)
@@ -110,12 +121,3 @@ def test_a_packed_gemm_that_disagrees_with_the_plain_one_is_not_used() -> None:
     assert type(arranged[0]) is torch.nn.Linear
     reason = "the packed GEMM disagrees with the plain one"
     assert logs == [{"event": "weights_not_packed", "log_level": "warning", "reason": reason}]
-
-
-def test_a_model_without_linear_layers_only_has_its_tensors_copied() -> None:
-    norm = torch.nn.Sequential(torch.nn.LayerNorm(4))
-    before = norm[0].weight.data_ptr()
-    with capture_logs() as logs:
-        assert weights.arrange(norm, torch, packed=True) == "column-major"
-    assert logs == []
-    assert norm[0].weight.data_ptr() != before

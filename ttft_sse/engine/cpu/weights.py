@@ -36,10 +36,16 @@ def arrange(model: Any, torch: Any, *, packed: bool) -> str:
 
     The other tensors are copied too. Loaded tensors are views of the checkpoint's memory map, and the map, every
     page of it read by the copies above, stays resident while any view lives: with every tensor copied it goes.
+    Where no plain linear layer is left (the block kernel serves them all), nothing read the map wholesale: its
+    views stay, their pages read as they are used (an embedding's rows as tokens come), rather than every tensor
+    read and copied at the start (an embedding table of hundreds of MB: seconds from a cold page cache, and as much
+    memory).
     """
     # Plain linear layers only: a layer on codes (engine/cpu/kernel.py) reads no fp32 weight.
     linears = [module for module in model.modules() if type(module) is torch.nn.Linear]
     layout = "column-major"
+    if not linears:
+        return layout
     if packed:
         layout = _pack(linears, torch) or layout
     seen: set[int] = set()
