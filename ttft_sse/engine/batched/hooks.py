@@ -2,10 +2,11 @@
 
 The engine builds on private parts of transformers' continuous batching: the manager's batch-processor factory and
 output router, the runner's sampler, the per-request logits processors, the scheduler table and the FIFO scheduler's
-hooks, the paged cache's allocators and the token ids they hash (engine/batched/modes.py). ``pyproject.toml`` pins
-the transformers versions the engine is tested with; :func:`missing_internals` checks at load that every name the
-engine uses is there, so that another version makes the engine fall back to one ``model.generate`` per request (the
-library's public path) with one log line, rather than crash mid-request or compute wrongly.
+hooks, the paged cache's allocators and the token ids they hash (engine/batched/modes.py), and the cache's own
+allocation (:func:`zero_cache_lazily`). ``pyproject.toml`` pins the transformers versions the engine is tested
+with; :func:`missing_internals` checks at load that every name the engine uses is there, so that another version
+makes the engine fall back to one ``model.generate`` per request (the library's public path) with one log line,
+rather than crash mid-request or compute wrongly.
 """
 
 from __future__ import annotations
