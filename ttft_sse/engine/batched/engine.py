@@ -60,14 +60,13 @@ from ttft_sse.bridge import Idle, Mailboxes, Resident
 from ttft_sse.engine.base import NORMAL, ChatMessage, Finished, ModelInfo, Piece, Prompt, SamplingParams
 from ttft_sse.engine.batched import hooks, memory
 from ttft_sse.engine.batched.claims import Arrivals, Claims, FirstToken
-from ttft_sse.engine.batched.hooks import missing_internals
+from ttft_sse.engine.batched.hooks import BLOCK_TOKENS, missing_internals
 from ttft_sse.engine.batched.interlude import Interlude
 from ttft_sse.engine.batched.modes import Modes
 from ttft_sse.engine.batched.prefill import PrefillProcess
 from ttft_sse.engine.batched.race import Race
 from ttft_sse.engine.batched.scheduler import PrefixCounters, register_scheduler, unregister_scheduler
-from ttft_sse.engine.cpu import argmax, attention, families, kernel
-from ttft_sse.engine.loading.model import KERNEL_DIR
+from ttft_sse.engine.cpu import attention, families, kernel
 from ttft_sse.engine.single import CacheJanitor, SingleEngine
 from ttft_sse.engine.text import TokenText
 from ttft_sse.errors import EngineError
@@ -78,10 +77,6 @@ log = structlog.get_logger("ttft_sse.engine")
 
 Item = Piece | Finished
 
-# Tokens per KV block: the unit of prefix sharing. A prompt reuses every whole block it shares with an earlier one,
-# short of its last token, so small blocks reuse more of it; decoding is as fast with small blocks as with large
-# ones. 4 is the library's minimum.
-BLOCK_TOKENS = 4
 # How many recent steps ``batch_log`` keeps.
 BATCH_LOG_STEPS = 512
 
@@ -259,39 +254,18 @@ class BatchedEngine:
     def _create_manager(self, *, paged: bool) -> Any:
         import math
 
-        import transformers
-
-        settings = self._settings
-        blocks = math.ceil(settings.kv_cache_tokens / BLOCK_TOKENS)
+        blocks = math.ceil(self._settings.kv_cache_tokens / BLOCK_TOKENS)
         self._capacity = blocks * BLOCK_TOKENS
-        eos = sorted(self._single.eos)
         self._scheduler = register_scheduler(self._counters, paged=paged)
-        generation = transformers.GenerationConfig(
-            do_sample=False,  # an argmax per row; sampled rows are drawn before it (engine/batched/selection.py)
-            eos_token_id=eos or -1,
-            pad_token_id=self._single.tokenizer.pad_token_id,
+        return hooks.create_manager(
+            self._single,
+            self._settings,
+            blocks=blocks,
+            scheduler=self._scheduler,
+            deliver=self._deliver,
+            claims=self._claims,
+            populate=self._populate,
         )
-        batching = transformers.ContinuousBatchingConfig(
-            page_size=BLOCK_TOKENS,
-            num_blocks=blocks,
-            max_batch_tokens=settings.batch_tokens,
-            max_requests_per_batch=settings.max_concurrency,
-            allow_block_sharing=settings.prefix_cache,
-            scheduler_type=self._scheduler,
-        )
-        manager = self._single.model.init_continuous_batching(
-            generation_config=generation, continuous_batching_config=batching
-        )
-        manager.output_router = hooks.router(self._deliver)
-        from ttft_sse.engine.batched.selection import selection  # torch and transformers: imported at load
-
-        manager.logit_processor = selection(self._claims)  # before the loop builds its batch processor from it
-        if self.model.device.type == "cpu":
-            hooks.zero_cache_lazily(manager, self._populate)
-            picker = argmax.build(settings.cache_dir / KERNEL_DIR)
-            if picker is not None:
-                hooks.pick_greedy_with(manager, picker)
-        return manager
 
     def _populate(self, cache: Any) -> None:
         """The paged cache's pages faulted in at idle priority while no request runs (memory.populate)."""

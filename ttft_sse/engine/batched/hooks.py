@@ -17,9 +17,16 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ttft_sse.engine.batched import memory
+from ttft_sse.engine.batched.claims import Claims
 from ttft_sse.engine.cpu import argmax
+from ttft_sse.engine.loading.model import KERNEL_DIR
+from ttft_sse.settings import Settings
 
 CACHE_MODULE = "transformers.generation.continuous_batching.cache"
+BLOCK_TOKENS = 4
+"""Tokens per KV block: the unit of prefix sharing. A prompt reuses every whole block it shares with an earlier one,
+short of its last token, so small blocks reuse more of it; decoding is as fast with small blocks as with large
+ones. 4 is the library's minimum."""
 
 INTERNALS: dict[str, tuple[str, ...]] = {
     "transformers.generation.continuous_batching.continuous_api": (
@@ -75,6 +82,49 @@ def missing_internals(internals: dict[str, tuple[str, ...]] = INTERNALS) -> list
                     missing.append(f"{module_name}.{path}")
                     break
     return missing
+
+
+def create_manager(
+    single: Any,
+    settings: Settings,
+    *,
+    blocks: int,
+    scheduler: str,
+    deliver: Callable[[Sequence[Any]], None],
+    claims: Claims,
+    populate: Callable[[Any], None],
+) -> Any:
+    """The library's continuous-batching manager for ``single``'s model (engine/single.py's engine, loaded): a paged
+    cache of ``blocks`` blocks of :data:`BLOCK_TOKENS`, the registered ``scheduler``, each step's outputs to
+    ``deliver`` (:func:`router`), tokens picked per request (engine/batched/selection.py, with ``claims``), and on
+    CPU the cache zeroed lazily (its tensor to ``populate``) and the greedy pick in C where it builds."""
+    import transformers
+
+    eos = sorted(single.eos)
+    generation = transformers.GenerationConfig(
+        do_sample=False,  # an argmax per row; sampled rows are drawn before it (engine/batched/selection.py)
+        eos_token_id=eos or -1,
+        pad_token_id=single.tokenizer.pad_token_id,
+    )
+    batching = transformers.ContinuousBatchingConfig(
+        page_size=BLOCK_TOKENS,
+        num_blocks=blocks,
+        max_batch_tokens=settings.batch_tokens,
+        max_requests_per_batch=settings.max_concurrency,
+        allow_block_sharing=settings.prefix_cache,
+        scheduler_type=scheduler,
+    )
+    manager = single.model.init_continuous_batching(generation_config=generation, continuous_batching_config=batching)
+    manager.output_router = router(deliver)
+    from ttft_sse.engine.batched.selection import selection  # torch and transformers: imported at load
+
+    manager.logit_processor = selection(claims)  # before the loop builds its batch processor from it
+    if single.model.device.type == "cpu":
+        zero_cache_lazily(manager, populate)
+        picker = argmax.build(settings.cache_dir / KERNEL_DIR)
+        if picker is not None:
+            pick_greedy_with(manager, picker)
+    return manager
 
 
 def pick_greedy_with(manager: Any, picker: argmax.Argmax) -> None:
