@@ -14,7 +14,7 @@
 #define SIXTEEN 6 /* bits of Q6_K's codes: 8-bit codes, a scale each 16 inputs, no zero */
 #define Q_WIDE 64 /* added to int8 records' bits (4 or 8): fp32 scales and zeros, where fp16 cannot hold them */
 #define F16_SCALES 128 /* added to fp32 rows' bits (4 or 8): the scales are the file's fp16 values, the zeros -0.0 */
-#define K_SCALES 256   /* added to fp32 rows' bits (4): Q4_K's own factors d, dmin, sc and m instead of scales and zeros */
+#define K_SCALES 256   /* added to fp32 rows' bits (4): Q4_K's factors d, dmin, sc and m instead of scales and zeros */
 
 /* int8 rows on this build: AVX-512 VNNI, or AVX2 with F16C (int8_rows.c). */
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -49,10 +49,12 @@ static inline int64_t tile_rows(int64_t M, int64_t r, int64_t t, int64_t tiles) 
 #pragma GCC visibility push(hidden) /* the library's own: not among the names ctypes finds */
 
 /* kernel.c: whether it multiplies codes of these bits with K inputs; a call computed by the calling thread alone (0,
-   or -1 if its buffers cannot be allocated); each block of 32 inputs' sum of M rows (M x K/32 floats), which the
-   blocks' zeros multiply; panels [p0, p1) of y = x . W^T for fp32 rows, `sums` holding fp32_sums of them and
-   `buffer` what fp32_buffer gives for M rows. */
+   or -1 if its buffers cannot be allocated); whether panels of these bits have zeros, which multiply each block of
+   32 inputs' sum of the rows; those sums of M rows (M x K/32 floats); panels [p0, p1) of y = x . W^T for fp32 rows,
+   `sums` holding fp32_sums of them where fp32_needs_sums (else unread) and `buffer` what fp32_buffer gives for M
+   rows. */
 int fp32_takes(int64_t K, int bits);
+int fp32_needs_sums(int bits);
 int fp32_alone(const float *x, int64_t M, int64_t K, const uint8_t *codes, int bits, const float *scale,
                const float *zero, int64_t N, float *y);
 void fp32_sums(const float *x, int64_t M, int64_t K, float *sums);

@@ -298,9 +298,9 @@ static int share_run(struct job j, const float *x, const int64_t *index, const i
 #endif
     if (attention) {
         memcpy(share.rows.floats, x, sizeof(float) * (size_t)floats); /* the queries */
-    } else { /* the fp32 rows, then their blocks' sums */
+    } else { /* the fp32 rows, then their blocks' sums where the layer's zeros multiply them */
         memcpy(share.rows.floats, x, sizeof(float) * (size_t)(j.M * j.K));
-        fp32_sums(x, j.M, j.K, share.rows.floats + j.M * j.K);
+        if (fp32_needs_sums(j.bits)) fp32_sums(x, j.M, j.K, share.rows.floats + j.M * j.K);
     }
     j.rows = share.rows.floats;
     share.job = j;

@@ -82,6 +82,11 @@ static inline void pair(const uint8_t *codes, int bits, int64_t i, pv *w0, pv *w
     *w1 = pv_q(b);
 }
 
+/* The form of a panel's scales that fp32 rows' bits say (F16_SCALES, K_SCALES, else fp32 scales and zeros). */
+static inline int form_of(int bits) {
+    return bits & F16_SCALES ? SCALES_F16 : bits & K_SCALES ? SCALES_K : SCALES_FP32;
+}
+
 /* Whether a form's blocks have zeros to add: fp32 scales and zeros (SIXTEEN's are -0.0, unread) and Q4_K's factors
    do; F16_SCALES's are -0.0, not stored. */
 static inline int has_zeros(int bits, int form) {
@@ -140,7 +145,6 @@ static inline void pv_k(pv d, pv dmin, pv sc, pv m, pv *s, pv *z) {
               _mm256_fmsub_ps(eight, s->hi, _mm256_mul_ps(dmin.hi, m.hi))};
 #endif
 }
-
 
 /* Block b's scales and zeros of `panels` panels, by their `form`: fp32 (SIXTEEN's zeros -0.0, unread); fp16 scales,
    blocks x 16 a panel, and zeros -0.0, not stored; or Q4_K's factors, a K_RECORD a super-block. */
@@ -378,7 +382,8 @@ static void blocked_group(const float *x, const float *sums, int64_t M, int64_t 
         float *yr = y + r * N + p * P;
         for (int c0 = 0; c0 < columns; c0 += B_COLS) {
             int cols = columns - c0 < B_COLS ? columns - c0 : B_COLS;
-#define BLOCKED(R, C) if (R <= B_ROWS) blocked(R, C, c0, buffer, scale, zero, inputs, zeros, xr, sr, K, yr, N, N - p * P)
+#define BLOCKED(R, C)                                                                                                  \
+    if (R <= B_ROWS) blocked(R, C, c0, buffer, scale, zero, inputs, zeros, xr, sr, K, yr, N, N - p * P)
             BY_ROWS(BLOCKED, rows, cols)
         }
         r += rows;
@@ -392,7 +397,7 @@ static void blocked_group(const float *x, const float *sums, int64_t M, int64_t 
    bits however a call's panels are split. */
 void fp32_panels(const float *x, const float *sums, int64_t M, int64_t K, const uint8_t *codes, int bits,
                  const float *scale, const float *zero, int64_t N, float *y, int64_t p0, int64_t p1, float *buffer) {
-    int form = bits & F16_SCALES ? SCALES_F16 : bits & K_SCALES ? SCALES_K : SCALES_FP32;
+    int form = form_of(bits);
     bits &= ~(F16_SCALES | K_SCALES);
     int64_t panel_bytes = code_bytes(K, bits), blocks = K / scale_inputs(bits); /* blocks: scales a panel's output */
     /* floats a panel's scales and zeros take (fp16 scales: half as many; K_SCALES: a K_RECORD a super-block) */
@@ -463,12 +468,19 @@ int fp32_takes(int64_t K, int bits) {
     return K % BLOCK == 0 && (codes == 4 || codes == 8 || (!half && (bits == SIXTEEN || dense_bits(bits))));
 }
 
+int fp32_needs_sums(int bits) {
+    return !dense_bits(bits) && has_zeros(bits & ~(F16_SCALES | K_SCALES), form_of(bits));
+}
+
 int fp32_alone(const float *x, int64_t M, int64_t K, const uint8_t *codes, int bits, const float *scale,
                const float *zero, int64_t N, float *y) {
     static _Thread_local struct ttft_buffer kept = {NULL, 0};
-    float *buffer, *sums = ttft_grow(&kept, M * (K / BLOCK) + 1);
-    if (sums == NULL || fp32_buffer(M, K, &buffer) != 0) return -1;
-    fp32_sums(x, M, K, sums);
+    float *buffer, *sums = NULL;
+    if (fp32_needs_sums(bits)) {
+        if ((sums = ttft_grow(&kept, M * (K / BLOCK))) == NULL) return -1;
+        fp32_sums(x, M, K, sums);
+    }
+    if (fp32_buffer(M, K, &buffer) != 0) return -1;
     fp32_panels(x, sums, M, K, codes, bits, scale, zero, N, y, 0, (N + P - 1) / P, buffer);
     return 0;
 }

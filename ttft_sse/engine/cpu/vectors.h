@@ -73,7 +73,8 @@ static inline pv pv_madd(pv a, pv b, pv acc) { return (pv){cv_madd(a.lo, b.lo, a
 static inline pv pv_set1(float x) { return (pv){_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
 /* 16 signed codes as floats (exact). */
 static inline pv pv_q(__m128i q) {
-    return (pv){_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8)))};
+    return (pv){_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)),
+                _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8)))};
 }
 #else
 #error "this kernel needs AVX2 and FMA (or AVX-512)"
