@@ -2,13 +2,16 @@
 it there (engine/cpu/kernel.py's ``apply``), and torch's fp32 ``nn.Linear`` beside it.
 
     .venv/bin/python benchmarks/kernel_types.py [--shape 576x1536] [--rows 1,4] [--types Q4_0,Q8_0,Q4_K,Q6_K] [--int8]
-        [--avx2]
+        [--avx2] [--q6-layouts] [--helpers 1]
 
 Prints, for each type and row count, the median and the least time a call over ``--repeats`` timed batches (the types
 take turns, batch by batch) and the picoseconds a weight (the median over outputs x inputs). The blocks are random bytes
 with fp16 scales of a plausible size: the kernel's speed does not depend on the values. One torch thread, as the engine
 runs the kernel. ``--int8`` measures each type with int8 rows too (``TYPE+int8``: ``TTFT_GGUF_ACTIVATIONS=int8``).
 ``--avx2`` measures the kernel's AVX2 build (``-mno-avx512f``: what a CPU without AVX-512 runs) on this one.
+``--q6-layouts`` adds Q6_K in the layouts this build does not pick: ``Q6_K/sc`` (8-bit codes, the scales as a factor
+and a byte: what a build without AVX-512 VBMI picks) and ``Q6_K/fp32`` (8-bit codes, fp32 scales: the layout before
+those). ``--helpers N`` starts the kernel's helper threads, as the server does (one on two cores).
 """
 
 from __future__ import annotations
@@ -18,12 +21,13 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 import gguf
 import numpy as np
 import torch
 
-from ttft_sse.engine.cpu import compiler, kernel
+from ttft_sse.engine.cpu import compiler, kernel, layouts
 from ttft_sse.engine.loading.model import KERNEL_DIR
 from ttft_sse.settings import Settings
 
@@ -89,6 +93,17 @@ def timed(layers: dict[str, torch.nn.Module], rows: int, inputs: int, repeats: i
     return samples
 
 
+def q6_layouts(outputs: int, inputs: int, directory: Path, work: Path) -> dict[str, torch.nn.Module]:
+    """Q6_K in the layouts the build does not pick: 8-bit codes with the factor-and-byte scales (``/sc``), and with
+    fp32 scales (``/fp32``)."""
+    layers = {}
+    with mock.patch.object(kernel, "takes_six", lambda path: False):
+        layers["Q6_K/sc"] = layer_of("Q6_K", outputs, inputs, directory, work, "fp32")
+        with mock.patch.object(layouts, "six_factors", lambda codes: None):
+            layers["Q6_K/fp32"] = layer_of("Q6_K", outputs, inputs, directory, work, "fp32")
+    return layers
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="576x1536", help="outputs x inputs (inputs: whole super-blocks of 256)")
@@ -97,6 +112,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--int8", action="store_true", help="each type with int8 rows too")
     parser.add_argument("--avx2", action="store_true", help="the kernel's AVX2 build (-mno-avx512f)")
+    parser.add_argument("--q6-layouts", action="store_true", help="Q6_K in the layouts the build does not pick too")
+    parser.add_argument("--helpers", type=int, default=0, help="the kernel's helper threads (default 0)")
     args = parser.parse_args()
     outputs, inputs = (int(n) for n in args.shape.split("x"))
     torch.set_num_threads(1)
@@ -111,8 +128,12 @@ def main() -> None:
             kind + ("+int8" if rows == "int8" else ""): layer_of(kind, outputs, inputs, directory, Path(work), rows)
             for kind, rows in arms
         }
+        if args.q6_layouts:
+            layers |= q6_layouts(outputs, inputs, directory, Path(work))
+        if args.helpers:
+            kernel.start_helpers(kernel.build(directory), args.helpers)
         fp32 = torch.nn.Linear(inputs, outputs, bias=False)
-        build = "AVX2 build" if args.avx2 else "native build"
+        build = ("AVX2 build" if args.avx2 else "native build") + f", {args.helpers} helper threads"
         print(f"{outputs} x {inputs} weight, one thread, {build}; {args.repeats} batches a type, taking turns")
         print(f"{'type':10} {'rows':>4} {'µs median':>10} {'µs least':>9} {'ps a weight (median)':>21}")
         for rows in (int(n) for n in args.rows.split(",")):

@@ -100,6 +100,64 @@ def no_f16c_build(tmp_path_factory: pytest.TempPathFactory) -> Path:
         return kernel.build(tmp_path_factory.mktemp("no-f16c"))
 
 
+@pytest.fixture(scope="module")
+def no_vbmi_build(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The AVX-512 side without VBMI (a CPU before Ice Lake or Zen 4): Q6_K's codes stay in 8 bits."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(compiler, "FLAGS", (*compiler.FLAGS, "-mno-avx512vbmi"))
+        return kernel.build(tmp_path_factory.mktemp("no-vbmi"))
+
+
+def cpu_has(flag: bytes) -> bool:
+    return flag in compiler.cpu_features().split()
+
+
+@pytest.mark.parametrize("build", ["native", "no-vbmi", "avx2", "no-f16c"])
+def test_q6_k_panels_hold_a_factor_and_a_byte_for_each_scale_and_with_vbmi_six_bit_codes_for_the_same_bits(
+    build: str, no_vbmi_build: Path, avx2_build: Path, no_f16c_build: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Q6_K's scales (d*sc each 16 inputs) are held as an fp32 factor a super-block of 256 inputs and a signed byte
+    each 16 (SIX_SCALES), and on a build with AVX-512 VBMI its codes in 6 bits too (SIX_PACKED); each output is the
+    same bits as from 8-bit codes and fp32 scales, on calls of one row, of a tile and through the buffer."""
+    library = {"native": kernel.build(DIRECTORY), "no-vbmi": no_vbmi_build, "avx2": avx2_build}.get(build)
+    library = library or no_f16c_build
+    six = build == "native" and cpu_has(b"avx512vbmi") and cpu_has(b"avx512bw")
+    assert kernel.takes_six(library) is six
+    short, _ = block_layer("Q6_K", (70, 512), library)
+    monkeypatch.setattr(layouts, "six_factors", lambda codes: None)
+    full, _ = block_layer("Q6_K", (70, 512), library)
+    flag = layouts.SIX_PACKED if six else layouts.SIX_SCALES
+    assert (short.panel_bits, full.panel_bits) == (codes.SIXTEEN + flag, codes.SIXTEEN)
+    held = [sum(a.numel() * a.element_size() for a in layer.arrays) for layer in (full, short)]
+    # 5 panels of 512 inputs: 8-bit codes 8192 bytes a panel (6-bit: 6144), fp32 scales 2048 (two records: 640)
+    assert held == [5 * (8192 + 2048), 5 * ((6144 if six else 8192) + 640)]
+    x = torch.randn(24, 512)
+    with torch.no_grad():
+        for rows in (1, 3, 24):  # one row, a tile, the buffer
+            assert torch.equal(short(x[:rows]), full(x[:rows])), rows
+
+
+def test_q6_k_factors_are_found_for_any_d_and_sc_and_checked_exact() -> None:
+    """The factor is the super-block's largest scale over its sc, whatever sc that is (llama.cpp's quantiser makes
+    it -128; random blocks any byte); a scale no factor times a byte gives exactly (here one halved to a value of
+    more bits) leaves the layer's scales in fp32."""
+    rng = np.random.default_rng(3)
+    d = (rng.random((32, 2)) * 1e-3 + 1e-4).astype(np.float16).astype(np.float32)
+    sc = rng.integers(-100, 100, (32, 32)).astype(np.int8)
+    sc[:, 0] = 0  # and a block of scale zero
+    scale = np.repeat(d, 16, axis=1) * sc.astype(np.float32)
+    found = codes.Codes(np.zeros((32, 512), np.int8), scale, np.full_like(scale, -0.0), codes.SIXTEEN)
+    factors = layouts.six_factors(found)
+    assert factors is not None
+    factor, signed = factors
+    assert np.array_equal(np.repeat(factor, 16, axis=1) * signed.astype(np.float32), scale)
+    odd = scale.copy()
+    odd[5, 7] = np.nextafter(odd[5, 7], np.float32(1))  # no byte times any factor
+    assert layouts.six_factors(codes.Codes(found.q, odd, found.zero, codes.SIXTEEN)) is None
+    laid, scales, _ = layouts.panels(codes.Codes(found.q, odd, found.zero, codes.SIXTEEN), six=True)
+    assert (layouts.panel_bits(codes.SIXTEEN, scales, laid), scales.dtype) == (codes.SIXTEEN, np.float32)
+
+
 @pytest.mark.parametrize("build", ["native", "avx2", "no-f16c"])
 @pytest.mark.parametrize("kind", ["Q4_0", "Q5_0", "Q8_0", "Q4_K"])
 def test_short_scales_give_the_same_bits_as_fp32_ones_in_fewer_bytes(
@@ -337,16 +395,17 @@ def test_each_row_is_the_same_bits_whatever_else_the_call_holds(kind: str, build
             assert torch.equal(layer(x[count - 2 : count]), alone[count - 2 : count]), count
 
 
-@pytest.mark.parametrize("build", ["native", "avx2", "no-f16c"])
+@pytest.mark.parametrize("build", ["native", "no-vbmi", "avx2", "no-f16c"])
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
 def test_fp32_rows_are_the_kernels_arithmetic_on_the_codes_bit_for_bit_on_every_build_and_path(
-    kind: str, build: str, avx2_build: Path, no_f16c_build: Path
+    kind: str, build: str, avx2_build: Path, no_f16c_build: Path, no_vbmi_build: Path
 ) -> None:
     """Each output block by block: the block's inputs times its codes, then times its scale, then plus its zero
     times the block's sum of inputs (blocked_product), the same bits in calls of one row, of a tile (codes expanded
     in registers) and through the buffer (24 rows), with fp32 scales and zeros, fp16 scales (Q4_0, Q8_0) and Q4_K's
-    factors, on the AVX-512 (where the CPU has it), AVX2 and AVX2-without-F16C builds."""
-    library = {"native": None, "avx2": avx2_build, "no-f16c": no_f16c_build}[build]
+    factors, Q6_K's factor and bytes with 8-bit codes or 6-bit ones, on the AVX-512 (where the CPU has it; with and
+    without VBMI), AVX2 and AVX2-without-F16C builds."""
+    library = {"native": None, "no-vbmi": no_vbmi_build, "avx2": avx2_build, "no-f16c": no_f16c_build}[build]
     shape = (70, 512)  # 5 panels, the last of 6 real outputs; 16 blocks, 2 super-blocks
     blocks, _ = quantised(shape, kind, seed=7)
     layer = block_layer_from(blocks, kind, shape, library or kernel.build(DIRECTORY), "fp32")
@@ -696,7 +755,8 @@ def test_a_model_of_q5_and_k_quant_layers_runs_on_the_kernel_with_the_fp32_layer
     assert applied == ("fp32", by_type)
     blocks = {"event": "weights_blocks", "log_level": "info", "layers": 5, "q4": 1, "q8": 3, "q6": 1, "dense": 0}
     kept = {"event": "arrangement_kept", "log_level": "info", "path": str(tmp_path / "kernel-arrays-fp32.bin")}
-    assert logs == [{**kept, "layers": 5, "mib": 0.2}, {**blocks, "activations": "fp32", "by_type": by_type}]
+    mib = 0.1 if kernel.takes_six(kernel.build(DIRECTORY)) else 0.2  # Q6_K's codes in 6 bits, or in 8
+    assert logs == [{**kept, "layers": 5, "mib": mib}, {**blocks, "activations": "fp32", "by_type": by_type}]
     assert [type(layer).__name__ for layer in model] == ["BlockLinear"] * 5
     assert [layer.bits for layer in model] == [8, 4, codes.SIXTEEN, 8, 8]
     with torch.no_grad():

@@ -1,7 +1,7 @@
 /* The block kernel's parts, built into one library with decoder.c (ttft_sse/engine/cpu/kernel.py): kernel.c (fp32
-   rows) and int8_rows.c (rows quantised to int8) give helpers.c (the helper threads that share a call's panels,
-   above them, and kernel.h's entry points) what it calls. kernel.h holds what the library gives decoder.c and
-   attention.c. */
+   rows, with its headers: vectors.h the build's vectors, six.h Q6_K's short panels, dense.h the dense layers) and
+   int8_rows.c (rows quantised to int8) give helpers.c (the helper threads that share a call's panels, above them,
+   and kernel.h's entry points) what it calls. kernel.h holds what the library gives decoder.c and attention.c. */
 
 #ifndef TTFT_BLOCKS_H
 #define TTFT_BLOCKS_H
@@ -15,6 +15,10 @@
 #define Q_WIDE 64 /* added to int8 records' bits (4 or 8): fp32 scales and zeros, where fp16 cannot hold them */
 #define F16_SCALES 128 /* added to fp32 rows' bits (4 or 8): the scales are the file's fp16 values, the zeros -0.0 */
 #define K_SCALES 256   /* added to fp32 rows' bits (4): Q4_K's factors d, dmin, sc and m instead of scales and zeros */
+#define SIX_PACKED 512 /* added to fp32 rows' bits (SIXTEEN): 6-bit codes, a super-block's factor and signed sc */
+#define K_RECORD 320 /* K_SCALES's bytes a super-block of a panel: d, dmin (16 fp16 each), 8 x 16 sc, 8 x 16 m; and
+                            SIX_SCALES's and SIX_PACKED's: 16 fp32 D, 16 x 16 sc */
+#define SIX_SCALES 1024 /* added to fp32 rows' bits (SIXTEEN): 8-bit codes, a super-block's factor and signed sc */
 
 /* int8 rows on this build: AVX-512 VNNI, or AVX2 with F16C (int8_rows.c). */
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)

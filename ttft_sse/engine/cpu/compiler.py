@@ -17,7 +17,7 @@ import structlog
 
 log = structlog.get_logger("ttft_sse.engine")
 
-HEADERS = tuple(Path(__file__).with_name(name) for name in ("kernel.h", "blocks.h", "vectors.h"))
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("kernel.h", "blocks.h", "vectors.h", "six.h", "dense.h"))
 """kernel.h, which the kernel's files, decoder.c and attention.c include, blocks.h, which the kernel's files share, and
 vectors.h, kernel.c's vectors: part of every library's hash."""
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-std=c11", "-shared", "-fPIC")

@@ -14,6 +14,11 @@
                   super-block of 256 inputs of a panel (16 fp16 d, 16 fp16 dmin, then 8 blocks' 16 sc, then their
                   16 m), from which the scale d * sc and the zero 8 * scale - dmin * m are computed exactly as the
                   codes' are: 4.625 bits an input instead of 6);
+     SIXTEEN with SIX_SCALES (Q6_K): 8-bit codes, and a record of 320 bytes a super-block of 256 inputs of a
+                  panel (16 fp32 factors D, then 16 blocks' 16 signed sc), each scale D * sc, exact: 8.625 bits an
+                  input instead of 10; with SIX_PACKED instead (a build with AVX-512 VBMI), the codes in 6 bits,
+                  panels x K/4 x 48 bytes (vectors.h's six_quad), each code taken times 2^26 and each scale D * sc
+                  times 2^-26 (exact): 6.625 bits an input;
      dense (HALF, BRAIN, FULL: an F16, BF16 or F32 file's weights): panels x K x 16 values, no scale or zero, each
                   widened exactly to fp32 as it is read (fp16 by F16C, bf16 by a shift).
    A block's share of an output is taken as the block's inputs times its codes, then times its scale, then plus its
@@ -41,8 +46,9 @@
 #include "blocks.h"
 #include "kernel.h"
 #include "vectors.h"
+#include "six.h"
+#include "dense.h"
 
-#define B_COLS 3 /* columns a tile over the buffer */
 
 /* Inputs a scale (and a zero) covers, and bytes a panel's codes take for K inputs. */
 static inline int64_t scale_inputs(int bits) { return bits == SIXTEEN ? 16 : BLOCK; }
@@ -51,8 +57,9 @@ static inline int64_t code_bytes(int64_t K, int bits) {
 }
 static inline int dense_bits(int bits) { return bits == HALF || bits == BRAIN || bits == FULL; }
 
-enum { SCALES_FP32, SCALES_F16, SCALES_K }; /* a panel's scales: fp32 scales and zeros, F16_SCALES, K_SCALES */
-#define K_RECORD 320 /* K_SCALES's bytes a super-block of a panel: d, dmin (16 fp16 each), 8 x 16 sc, 8 x 16 m */
+enum { SCALES_FP32, SCALES_F16, SCALES_K, SCALES_SC, SCALES_SIX }; /* a panel's scales and codes: fp32 scales and
+                                                                       zeros, F16_SCALES, K_SCALES, SIX_SCALES,
+                                                                       SIX_PACKED */
 
 /* A panel's codes for inputs 2i and 2i+1, as floats (exact: q - 8 for 4-bit codes). */
 static inline void pair(const uint8_t *codes, int bits, int64_t i, pv *w0, pv *w1) {
@@ -82,9 +89,20 @@ static inline void pair(const uint8_t *codes, int bits, int64_t i, pv *w0, pv *w
     *w1 = pv_q(b);
 }
 
-/* The form of a panel's scales that fp32 rows' bits say (F16_SCALES, K_SCALES, else fp32 scales and zeros). */
+/* The form of a panel's scales (and codes) that fp32 rows' bits say (F16_SCALES, K_SCALES, SIX_SCALES, SIX_PACKED,
+   else fp32 scales and zeros). */
 static inline int form_of(int bits) {
-    return bits & F16_SCALES ? SCALES_F16 : bits & K_SCALES ? SCALES_K : SCALES_FP32;
+    return bits & F16_SCALES   ? SCALES_F16
+           : bits & K_SCALES   ? SCALES_K
+           : bits & SIX_SCALES ? SCALES_SC
+           : bits & SIX_PACKED ? SCALES_SIX
+                               : SCALES_FP32;
+}
+#define FORMS (F16_SCALES | K_SCALES | SIX_SCALES | SIX_PACKED)
+
+/* Bytes a panel's codes take: SIX_PACKED's 6 bits an input, else code_bytes. */
+static inline int64_t panel_bytes_of(int64_t K, int bits, int form) {
+    return form == SCALES_SIX ? K * P * 6 / 8 : code_bytes(K, bits);
 }
 
 /* Whether a form's blocks have zeros to add: fp32 scales and zeros (SIXTEEN's are -0.0, unread) and Q4_K's factors
@@ -102,18 +120,6 @@ static inline pv pv_block(pv acc, pv part, pv s, pv z, float sum, int zeros) {
 static inline cv cv_block(cv acc, cv part, cv s, cv z, float sum, int zeros) {
     acc = cv_madd(s, part, acc);
     return zeros ? cv_fma(sum, z, acc) : acc;
-}
-
-/* A column's CV results into y, or only the first `left` of them (the last panel of the matrix may have fewer than
-   16 real outputs). */
-static inline void put_column(float *y, cv v, int64_t left) {
-    if (left >= CV) {
-        cv_store(y, v);
-    } else if (left > 0) {
-        float out[CV];
-        cv_store(out, v);
-        memcpy(y, out, sizeof(float) * (size_t)left);
-    }
 }
 
 /* A tile's results into y (N apart), `outputs` of them real from its first panel's first. */
@@ -147,7 +153,8 @@ static inline void pv_k(pv d, pv dmin, pv sc, pv m, pv *s, pv *z) {
 }
 
 /* Block b's scales and zeros of `panels` panels, by their `form`: fp32 (SIXTEEN's zeros -0.0, unread); fp16 scales,
-   blocks x 16 a panel, and zeros -0.0, not stored; or Q4_K's factors, a K_RECORD a super-block. */
+   blocks x 16 a panel, and zeros -0.0, not stored; Q4_K's factors, a K_RECORD a super-block; or Q6_K's records
+   (SIX_SCALES, SIX_PACKED: times 2^-26), a K_RECORD a super-block of 16 blocks (zeros -0.0, unread). */
 static inline __attribute__((always_inline)) void block_scales(int panels, const float *scale, const float *zero,
                                                                int bits, int form, int64_t blocks, int64_t b, pv *s,
                                                                pv *z) {
@@ -160,6 +167,10 @@ static inline __attribute__((always_inline)) void block_scales(int panels, const
             int64_t j = b % 8;
             pv_k(pv_half((const uint16_t *)k), pv_half((const uint16_t *)(k + 32)), pv_bytes(k + 64 + P * j),
                  pv_bytes(k + 64 + 8 * P + P * j), &s[g], &z[g]);
+        } else if (form == SCALES_SC || form == SCALES_SIX) {
+            s[g] = six_scale((const uint8_t *)scale + (g * (blocks / 16) + b / 16) * K_RECORD, b % 16);
+            if (form == SCALES_SIX) s[g] = pv_mul(s[g], pv_set1(0x1p-26f)); /* exact: a power of two */
+            z[g] = pv_set1(-0.0f);
         } else {
             s[g] = pv_load(scale + (g * blocks + b) * P);
             z[g] = bits == SIXTEEN ? pv_set1(-0.0f) : pv_load(zero + (g * blocks + b) * P);
@@ -182,7 +193,14 @@ static inline __attribute__((always_inline)) void fused(int rows, int panels, co
         block_scales(panels, scale, zero, bits, form, blocks, b, s, z);
         for (int r = 0; r < rows; r++)
             for (int g = 0; g < panels; g++) part[r][g] = pv_zero();
-        for (int64_t i = b * inputs / 2; i < (b + 1) * inputs / 2; i++) {
+        for (int64_t t = b * inputs / 4; form == SCALES_SIX && t < (b + 1) * inputs / 4; t++) {
+            pv w[PANELS][4];
+            for (int g = 0; g < panels; g++) six_quad(codes + g * panel_bytes, t, w[g], t == K / 4 - 1);
+            for (int j = 0; j < 4; j++)
+                for (int r = 0; r < rows; r++)
+                    for (int g = 0; g < panels; g++) part[r][g] = pv_fma(x[r * K + 4 * t + j], w[g][j], part[r][g]);
+        }
+        for (int64_t i = b * inputs / 2; form != SCALES_SIX && i < (b + 1) * inputs / 2; i++) {
             pv w0[PANELS], w1[PANELS];
             for (int g = 0; g < panels; g++) pair(codes + g * panel_bytes, bits, i, &w0[g], &w1[g]);
             for (int r = 0; r < rows; r++)
@@ -235,29 +253,6 @@ static inline __attribute__((always_inline)) void one_row(int panels, const uint
     }
 }
 
-/* Up to B_ROWS rows against `cols` columns (CV outputs each), from column c0, of a dense layer's panels of values at
-   w (K x 16 a panel; HALF, BRAIN, FULL): one chain of multiply-adds an output, in input order, from zero. */
-static inline __attribute__((always_inline)) void dense(int rows, int cols, int c0, const uint8_t *w, int bits,
-                                                        const float *x, int64_t K, float *y, int64_t N,
-                                                        int64_t outputs) {
-    cv acc[B_ROWS][B_COLS];
-    int64_t at[B_COLS];
-    for (int c = 0; c < cols; c++) at[c] = (int64_t)(c0 + c) * CV / P * K * P + (int64_t)(c0 + c) * CV % P;
-    for (int r = 0; r < rows; r++)
-        for (int c = 0; c < cols; c++) acc[r][c] = cv_zero();
-    for (int64_t k = 0; k < K; k++) {
-        cv wk[B_COLS];
-        for (int c = 0; c < cols; c++) wk[c] = cv_dense(w, at[c] + k * P, bits);
-        for (int r = 0; r < rows; r++)
-            for (int c = 0; c < cols; c++) acc[r][c] = cv_fma(x[r * K + k], wk[c], acc[r][c]);
-    }
-    for (int r = 0; r < rows; r++)
-        for (int c = 0; c < cols; c++) {
-            int64_t first = (int64_t)(c0 + c) * CV;
-            put_column(y + r * N + first, acc[r][c], outputs - first);
-        }
-}
-
 /* Up to B_ROWS rows against `cols` columns (CV outputs each), from column c0, of GROUP panels' codes expanded into
    the buffer (codes: K x 16 floats a panel; scale and zero: blocks x 16 floats a panel): fused's arithmetic. */
 static inline __attribute__((always_inline)) void blocked(int rows, int cols, int c0, const float *codes,
@@ -306,7 +301,12 @@ static void expand(const uint8_t *codes, int bits, int form, const float *scale,
         block_scales(1, scale, zero, bits, form, blocks, b, &s, &z);
         pv_store(scales + b * P, s);
         if (has_zeros(bits, form)) pv_store(zeros + b * P, z);
-        for (int64_t i = b * inputs / 2; i < (b + 1) * inputs / 2; i++) {
+        for (int64_t t = b * inputs / 4; form == SCALES_SIX && t < (b + 1) * inputs / 4; t++) {
+            pv q[4];
+            six_quad(codes, t, q, t == K / 4 - 1);
+            for (int j = 0; j < 4; j++) pv_store(w + (4 * t + j) * P, q[j]);
+        }
+        for (int64_t i = b * inputs / 2; form != SCALES_SIX && i < (b + 1) * inputs / 2; i++) {
             pv w0, w1;
             pair(codes, bits, i, &w0, &w1);
             pv_store(w + 2 * i * P, w0);
@@ -341,34 +341,6 @@ float *ttft_grow(struct ttft_buffer *b, int64_t floats) {
     return b->floats;
 }
 
-/* Panels p .. p+group-1 of y = x . W^T from a dense layer's panels of values at w (the group's first; K x 16 a
-   panel), in tiles of up to B_ROWS rows. */
-static void dense_group(const float *x, int64_t M, int64_t K, const uint8_t *w, int bits, int64_t N, float *y,
-                        int64_t p, int group) {
-    int columns = group * P / CV;
-    int64_t tiles = (M + B_ROWS - 1) / B_ROWS, r = 0;
-    for (int64_t t = 0; t < tiles; t++) {
-        int64_t rows = tile_rows(M, r, t, tiles);
-        const float *xr = x + r * K;
-        float *yr = y + r * N + p * P;
-        for (int c0 = 0; c0 < columns; c0 += B_COLS) {
-            int cols = columns - c0 < B_COLS ? columns - c0 : B_COLS;
-            /* the kind a constant in each specialisation (always_inline): no test in the inner loop */
-#define DENSE_HALF(R, C) if (R <= B_ROWS) dense(R, C, c0, w, HALF, xr, K, yr, N, N - p * P)
-#define DENSE_BRAIN(R, C) if (R <= B_ROWS) dense(R, C, c0, w, BRAIN, xr, K, yr, N, N - p * P)
-#define DENSE_FULL(R, C) if (R <= B_ROWS) dense(R, C, c0, w, FULL, xr, K, yr, N, N - p * P)
-            if (bits == HALF) {
-                BY_ROWS(DENSE_HALF, rows, cols)
-            } else if (bits == BRAIN) {
-                BY_ROWS(DENSE_BRAIN, rows, cols)
-            } else {
-                BY_ROWS(DENSE_FULL, rows, cols)
-            }
-        }
-        r += rows;
-    }
-}
-
 /* Panels p .. p+group-1 of y = x . W^T from their codes expanded into the buffer (expand: GROUP panels' codes, then
    their scales, then their zeros), in tiles of up to B_ROWS rows. */
 static void blocked_group(const float *x, const float *sums, int64_t M, int64_t K, const float *buffer, int bits,
@@ -398,10 +370,14 @@ static void blocked_group(const float *x, const float *sums, int64_t M, int64_t 
 void fp32_panels(const float *x, const float *sums, int64_t M, int64_t K, const uint8_t *codes, int bits,
                  const float *scale, const float *zero, int64_t N, float *y, int64_t p0, int64_t p1, float *buffer) {
     int form = form_of(bits);
-    bits &= ~(F16_SCALES | K_SCALES);
-    int64_t panel_bytes = code_bytes(K, bits), blocks = K / scale_inputs(bits); /* blocks: scales a panel's output */
-    /* floats a panel's scales and zeros take (fp16 scales: half as many; K_SCALES: a K_RECORD a super-block) */
-    int64_t scales = form == SCALES_F16 ? blocks * P / 2 : form == SCALES_K ? blocks / 8 * K_RECORD / 4 : blocks * P;
+    bits &= ~FORMS;
+    int64_t panel_bytes = panel_bytes_of(K, bits, form), blocks = K / scale_inputs(bits); /* scales an output */
+    /* floats a panel's scales and zeros take (fp16 scales: half as many; K_SCALES: a K_RECORD a super-block of 8
+       blocks; SIX_PACKED: of 16) */
+    int64_t scales = form == SCALES_F16   ? blocks * P / 2
+                     : form == SCALES_K   ? blocks / 8 * K_RECORD / 4
+                     : form == SCALES_SC || form == SCALES_SIX ? blocks / 16 * K_RECORD / 4
+                                          : blocks * P;
     int64_t zeros = form == SCALES_FP32 ? blocks * P : 0;
     if (dense_bits(bits)) {
         for (int64_t p = p0; p < p1; p += GROUP)
@@ -414,6 +390,10 @@ void fp32_panels(const float *x, const float *sums, int64_t M, int64_t K, const 
             const uint8_t *c = codes + q * panel_bytes;
             const float *s = scale + q * scales, *z = zero + q * zeros;
             float *yq = y + q * P;
+            if (form == SCALES_SIX) {
+                six_row(panels, c, panel_bytes, s, x, K, yq, N - q * P);
+                continue;
+            }
             switch (panels) { /* a constant count in each (always_inline) */
 #define ONE_ROW(G) \
     case G: if (G <= WIDE) one_row(G, c, panel_bytes, bits, form, s, z, x, sums, K, yq, N - q * P); break;
@@ -435,17 +415,20 @@ void fp32_panels(const float *x, const float *sums, int64_t M, int64_t K, const 
             blocked_group(x, sums, M, K, buffer, bits, form, N, y, p, group);
             continue;
         }
-        for (int64_t q = p; q < p + group; q += PANELS) {
-            int panels = p + group - q < PANELS ? (int)(p + group - q) : PANELS;
+        int most = form == SCALES_SIX ? 2 : PANELS; /* SIX_PACKED's quads of 2 panels fit the registers beside a tile */
+        for (int64_t q = p; q < p + group; q += most) {
+            int panels = p + group - q < most ? (int)(p + group - q) : most;
             const uint8_t *c = codes + q * panel_bytes;
             const float *s = scale + q * scales, *z = zero + q * zeros;
             int64_t tiles = (M + ROWS - 1) / ROWS, r = 0;
             for (int64_t t = 0; t < tiles; t++) {
                 int64_t rows = tile_rows(M, r, t, tiles);
                 const float *sr = has_zeros(bits, form) ? sums + r * (K / BLOCK) : sums;
+#define FUSED_AS(R, G, F) fused(R, G, c, panel_bytes, bits, F, s, z, x + r * K, sr, K, y + r * N + q * P, N, N - q * P)
 #define FUSED(R, G)                                                                                                    \
-    if (R <= ROWS && G <= PANELS)                                                                                      \
-    fused(R, G, c, panel_bytes, bits, form, s, z, x + r * K, sr, K, y + r * N + q * P, N, N - q * P)
+    if (R <= ROWS && G <= PANELS) { /* SIX_PACKED's own code: the other forms' as it was without it */              \
+        if (form == SCALES_SIX) FUSED_AS(R, G, SCALES_SIX); else FUSED_AS(R, G, form);                                 \
+    }
                 BY_ROWS(FUSED, rows, panels)
                 r += rows;
             }
@@ -464,12 +447,16 @@ int fp32_buffer(int64_t M, int64_t K, float **buffer) {
 
 int fp32_takes(int64_t K, int bits) {
     if (bits == (4 | K_SCALES)) return K % 256 == 0;
+    if (bits == (SIXTEEN | SIX_SCALES)) return K % 256 == 0;
+#if defined(SIX_CODES)
+    if (bits == (SIXTEEN | SIX_PACKED)) return K % 256 == 0;
+#endif
     int codes = bits & ~F16_SCALES, half = bits != codes;
     return K % BLOCK == 0 && (codes == 4 || codes == 8 || (!half && (bits == SIXTEEN || dense_bits(bits))));
 }
 
 int fp32_needs_sums(int bits) {
-    return !dense_bits(bits) && has_zeros(bits & ~(F16_SCALES | K_SCALES), form_of(bits));
+    return !dense_bits(bits) && has_zeros(bits & ~FORMS, form_of(bits));
 }
 
 int fp32_alone(const float *x, int64_t M, int64_t K, const uint8_t *codes, int bits, const float *scale,

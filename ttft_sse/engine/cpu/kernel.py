@@ -50,7 +50,7 @@ import structlog
 
 from ttft_sse.engine.cpu import arrangement, compiler, matches, weights
 from ttft_sse.engine.cpu import codes as gguf_codes
-from ttft_sse.engine.cpu.layouts import PANEL, panel_bits, probed_outputs, record_bits
+from ttft_sse.engine.cpu.layouts import PANEL, SIX_PACKED, panel_bits, probed_outputs, record_bits
 
 log = structlog.get_logger("ttft_sse.engine")
 
@@ -119,6 +119,13 @@ def takes_int8(path: Path) -> bool:
     """Whether the library at ``path`` multiplies int8 rows (it was built for a CPU with AVX-512 VNNI, or AVX2 and
     F16C)."""
     return bool(function(path, INT8)(None, 0, gguf_codes.BLOCK, None, 4, 0, None) == 0)
+
+
+def takes_six(path: Path) -> bool:
+    """Whether the library at ``path`` multiplies fp32 rows by Q6_K's codes in 6 bits (layouts.six_panels: it was
+    built for a CPU with AVX-512 VBMI); elsewhere they are held in 8."""
+    bits = gguf_codes.SIXTEEN + SIX_PACKED
+    return bool(function(path, FP32)(None, 0, 256, None, bits, None, None, 0, None) == 0)
 
 
 class Applied(NamedTuple):
@@ -241,8 +248,9 @@ def _apply(
             name: "fp32" if activations == "int8" and codes.unquantised else activations
             for name, codes in found.codes.items()
         }
+        six = takes_six(library)
         entries = {
-            name: arrangement.laid_out(codes, rows[name], degrade, weights_now[name])
+            name: arrangement.laid_out(codes, rows[name], degrade, weights_now[name], six)
             for name, codes in found.codes.items()
         }
         kept = arrangement.Kept(found.kinds, entries)
@@ -329,7 +337,8 @@ def _attach(
     """Make ``layer`` a ``BlockLinear`` on ``codes`` with the kernel of the library at ``library``; with ``degrade``,
     holding the int8 rows' records too."""
     weight = layer.weight.detach().numpy()
-    _hold_entry(layer, arrangement.laid_out(codes, activations, degrade, weight), library, torch)
+    entry = arrangement.laid_out(codes, activations, degrade, weight, takes_six(library))
+    _hold_entry(layer, entry, library, torch)
 
 
 def _hold_entry(layer: Any, entry: arrangement.Entry, library: Path, torch: Any) -> None:
@@ -344,7 +353,7 @@ def _hold_entry(layer: Any, entry: arrangement.Entry, library: Path, torch: Any)
     layer.record_bits = None if held_records is None else record_bits(entry.bits, held_records.shape[-1])
     # kernel.c's bits for fp32 rows' panels (fp16 scales or not, by their dtype); a dense layer's are its bits
     fp32 = entry.rows == "fp32" and entry.bits not in gguf_codes.DENSE_DTYPES
-    layer.panel_bits = panel_bits(entry.bits, entry.arrays[1]) if fp32 else entry.bits
+    layer.panel_bits = panel_bits(entry.bits, entry.arrays[1], entry.arrays[0]) if fp32 else entry.bits
     _hold(layer, tuple(torch.from_numpy(a) for a in entry.arrays))
     if layer.records is not None:
         int8, held = function(library, INT8), layer.records.data_ptr()

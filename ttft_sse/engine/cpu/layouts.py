@@ -14,13 +14,17 @@ PANEL = 16
 """Outputs a panel of kernel.c's layout."""
 
 
-def panels(codes: gguf_codes.Codes) -> tuple[npt.NDArray[np.uint8], npt.NDArray[Any], npt.NDArray[np.float32]]:
+def panels(
+    codes: gguf_codes.Codes, six: bool = False
+) -> tuple[npt.NDArray[np.uint8], npt.NDArray[Any], npt.NDArray[np.float32]]:
     """``codes`` in kernel.c's layout: panels of :data:`PANEL` outputs (the last one padded with zero weights), the
     codes of each input's 16 outputs side by side (4-bit ones two inputs a byte, plus 8), and a block's 16 scales
     and zeros likewise (fp16 scales and empty zeros where :func:`half_scales`). Q6_K's codes
     (:data:`~ttft_sse.engine.cpu.codes.SIXTEEN`) have a scale each 16 inputs and no zeros: their zeros are empty
-    (panels x 0 x 16). A dense type's values (codes.DENSE_DTYPES) lie likewise,
-    each input's 16 side by side, as their bytes, with empty scales and zeros."""
+    (panels x 0 x 16); where :func:`six_factors` finds each super-block's factor and each block's signed byte,
+    :func:`six_panels` holds those instead of fp32 scales, and with ``six`` (a kernel built with AVX-512 VBMI:
+    kernel.takes_six) the codes in 6 bits. A dense type's values (codes.DENSE_DTYPES)
+    lie likewise, each input's 16 side by side, as their bytes, with empty scales and zeros."""
     out, inputs = codes.q.shape
     padded = _padded(out)
     if codes.unquantised:
@@ -29,6 +33,10 @@ def panels(codes: gguf_codes.Codes) -> tuple[npt.NDArray[np.uint8], npt.NDArray[
         laid = np.ascontiguousarray(values.reshape(padded // PANEL, PANEL, inputs).transpose(0, 2, 1))
         empty = np.zeros((padded // PANEL, 0, PANEL), np.float32)
         return laid.view(np.uint8), empty, empty.copy()
+    if codes.bits == gguf_codes.SIXTEEN:
+        factors = six_factors(codes)
+        if factors is not None:
+            return six_panels(codes, *factors, six)
     q = np.zeros((padded, inputs), np.int8)
     q[:out] = codes.q
     by_input = q.reshape(padded // PANEL, PANEL, inputs).transpose(0, 2, 1)  # panels x inputs x 16
@@ -106,12 +114,90 @@ def _factor_panels(codes: gguf_codes.Codes) -> npt.NDArray[np.uint8]:
     return np.ascontiguousarray(np.concatenate([*halves, *bytes_], axis=2))
 
 
-def panel_bits(bits: int, scales: npt.NDArray[Any]) -> int:
-    """The ``bits`` kernel.c takes for panels of codes of ``bits`` whose scales are ``scales`` (:func:`panels`'s
-    second array): plus :data:`F16_SCALES` where they are fp16, :data:`K_SCALES` where they are Q4_K's factors."""
+def panel_bits(bits: int, scales: npt.NDArray[Any], laid: npt.NDArray[Any]) -> int:
+    """The ``bits`` kernel.c takes for panels ``laid`` of codes of ``bits`` whose scales are ``scales``
+    (:func:`panels`'s first two arrays): plus :data:`F16_SCALES` where they are fp16, :data:`K_SCALES` where they
+    are Q4_K's factors, :data:`SIX_SCALES` where they are Q6_K's records (:func:`six_panels`), :data:`SIX_PACKED`
+    where its codes are in 6 bits too (48 bytes a panel's four inputs)."""
     if scales.dtype == np.float16:
         return bits + F16_SCALES
-    return bits + K_SCALES if scales.dtype == np.uint8 else bits
+    if scales.dtype != np.uint8:
+        return bits
+    if bits != gguf_codes.SIXTEEN:
+        return bits + K_SCALES
+    return bits + (SIX_PACKED if laid.shape[-1] == SIX_QUAD else SIX_SCALES)
+
+
+SIX_SCALES = 1024
+"""Added to the ``bits`` of fp32 rows' panels of Q6_K codes with records of factors (blocks.h's ``SIX_SCALES``)."""
+SIX_PACKED = 512
+"""Added instead where the codes are in 6 bits too (blocks.h's ``SIX_PACKED``)."""
+SIX_QUAD = 48
+"""Bytes of a :data:`SIX_PACKED` panel's four inputs (64 codes of 6 bits)."""
+SIX_SUPER = 16
+"""Scales (blocks of 16 inputs) a Q6_K super-block of 256 inputs holds."""
+
+
+def six_factors(codes: gguf_codes.Codes) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.int8]] | None:
+    """Each super-block's factor ``D`` (outputs x super-blocks, fp32) and each block's signed ``sc`` (outputs x
+    blocks) such that ``D * sc`` (one fp32 multiply, as kernel.c's) is the block's scale exactly, for every block
+    of ``codes`` (Q6_K's); None where no such factors are found (kernel.c's SIX_PACKED takes it times 2^-26, exact
+    for every fp16 ``d`` times a byte).
+    ``D`` is the super-block's scale of largest magnitude over its ``sc``, tried from -128 (what llama.cpp's
+    quantiser makes it) down in magnitude; each is checked, and where none fits the codes stay in 8 bits."""
+    out, blocks = codes.scale.shape
+    if blocks % SIX_SUPER:
+        return None
+    scaled = codes.scale.reshape(out, -1, SIX_SUPER)
+    largest = np.take_along_axis(scaled, np.abs(scaled).argmax(axis=2)[..., None], axis=2)[..., 0]
+    factor = np.zeros_like(largest)
+    sc = np.zeros(scaled.shape, np.int8)
+    left = np.flatnonzero(largest.reshape(-1) != 0)  # a super-block of zero scales: factor and sc 0
+    flat_factor, flat_sc, flat_scaled = factor.reshape(-1), sc.reshape(-1, SIX_SUPER), scaled.reshape(-1, SIX_SUPER)
+    for code in (c for m in range(128, 0, -1) for c in (-m, m) if c != 128):  # the likeliest first
+        if left.size == 0:
+            break
+        d = largest.reshape(-1)[left] / np.float32(code)
+        ratio = (flat_scaled[left] / d[:, None]).round()
+        fits = (ratio >= -128) & (ratio <= 127)
+        ratio = ratio.clip(-128, 127)
+        exact = (fits & (d[:, None] * ratio == flat_scaled[left])).all(axis=1)
+        flat_factor[left[exact]] = d[exact]
+        flat_sc[left[exact]] = ratio[exact].astype(np.int8)
+        left = left[~exact]
+    if left.size:
+        return None
+    return factor.astype(np.float32), sc.reshape(out, blocks)
+
+
+def six_panels(
+    codes: gguf_codes.Codes, factor: npt.NDArray[np.float32], sc: npt.NDArray[np.int8], six: bool
+) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.uint8], npt.NDArray[np.float32]]:
+    """Q6_K's codes in kernel.c's ``SIX_SCALES`` panels: 8-bit codes as :func:`panels` lays them, or with ``six``
+    (``SIX_PACKED``) panels x K/4 x 48 bytes, input 4t+j's output o the code
+    ``w = 16 (o // 4) + 4 j + o % 4`` of its four inputs' 64, each ``q`` (-32..31) in 6 bits (two's complement) at
+    bits ``6 w`` of the 48 little-endian bytes (vectors.h's six_quad); the records panels x super-blocks x 320
+    bytes, each the 16 outputs' ``factor`` (fp32) then the 16 blocks' 16 ``sc`` (:func:`six_factors`); zeros
+    empty. Padding outputs are all zero."""
+    out, inputs = codes.q.shape
+    padded = _padded(out)
+    q = np.zeros((padded, inputs), np.uint8)
+    q[:out] = codes.q.view(np.uint8) & (0x3F if six else 0xFF)
+    if six:  # panel, quad of inputs, output // 4, input in the quad, output % 4: 64 codes of 6 bits, little-endian
+        quads = q.reshape(padded // PANEL, 4, 4, inputs // 4, 4).transpose(0, 3, 1, 4, 2).reshape(-1, 8, 8)
+        words = np.zeros(quads.shape[:2], np.uint64)  # each 8 codes' 48 bits
+        for i in range(8):
+            words |= quads[..., i].astype(np.uint64) << np.uint64(6 * i)
+        little = words.astype("<u8").view(np.uint8).reshape(*words.shape, 8)[..., :6]
+        packed = np.ascontiguousarray(little).reshape(padded // PANEL, inputs // 4, SIX_QUAD)
+    else:  # each input's 16 codes side by side
+        packed = q.reshape(padded // PANEL, PANEL, inputs).transpose(0, 2, 1)
+    factors = _by_panel(factor, np.float32).view(np.uint8)  # panels x supers x 64
+    signed = np.zeros((padded, sc.shape[1]), np.int8)
+    signed[:out] = sc
+    by = signed.reshape(padded // PANEL, PANEL, -1, SIX_SUPER).transpose(0, 2, 3, 1).view(np.uint8)
+    record = np.concatenate([factors, np.ascontiguousarray(by).reshape(*factors.shape[:2], -1)], axis=2)
+    return np.ascontiguousarray(packed), np.ascontiguousarray(record), np.zeros((padded // PANEL, 0, PANEL), np.float32)
 
 
 WIDE = 64

@@ -7,6 +7,7 @@
 
 #include <immintrin.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define HALF 16 /* dense layouts (F16, BF16 and F32 files): the weights themselves, no scale or zero: fp16, */
@@ -26,6 +27,7 @@ static inline void pv_store(float *p, pv v) { _mm512_storeu_ps(p, v); }
 static inline pv pv_fma(float x, pv w, pv acc) { return _mm512_fmadd_ps(_mm512_set1_ps(x), w, acc); }
 static inline pv pv_madd(pv a, pv b, pv acc) { return _mm512_fmadd_ps(a, b, acc); }
 static inline pv pv_set1(float x) { return _mm512_set1_ps(x); }
+static inline pv pv_mul(pv a, pv b) { return _mm512_mul_ps(a, b); }
 /* Longer calls: tiles of up to 8 rows x 3 columns of 16 outputs over the expanded panels: a column is a panel, and
    the panel's helpers serve. */
 #define B_ROWS 8
@@ -71,6 +73,7 @@ static inline void pv_store(float *p, pv v) {
 static inline pv pv_fma(float x, pv w, pv acc) { return (pv){cv_fma(x, w.lo, acc.lo), cv_fma(x, w.hi, acc.hi)}; }
 static inline pv pv_madd(pv a, pv b, pv acc) { return (pv){cv_madd(a.lo, b.lo, acc.lo), cv_madd(a.hi, b.hi, acc.hi)}; }
 static inline pv pv_set1(float x) { return (pv){_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+static inline pv pv_mul(pv a, pv b) { return (pv){_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
 /* 16 signed codes as floats (exact). */
 static inline pv pv_q(__m128i q) {
     return (pv){_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)),
@@ -141,6 +144,18 @@ static inline pv pv_bytes(const uint8_t *p) {
     return (pv){_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p))),
                 _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8))))};
 #endif
+}
+
+/* A column's CV results into y, or only the first `left` of them (the last panel of the matrix may have fewer than
+   16 real outputs). */
+static inline void put_column(float *y, cv v, int64_t left) {
+    if (left >= CV) {
+        cv_store(y, v);
+    } else if (left > 0) {
+        float out[CV];
+        cv_store(out, v);
+        memcpy(y, out, sizeof(float) * (size_t)left);
+    }
 }
 
 #endif
