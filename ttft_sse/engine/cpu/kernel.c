@@ -17,7 +17,7 @@
      SIXTEEN with SIX_SCALES (Q6_K): 8-bit codes, and a record of 320 bytes a super-block of 256 inputs of a
                   panel (16 fp32 factors D, then 16 blocks' 16 signed sc), each scale D * sc, exact: 8.625 bits an
                   input instead of 10; with SIX_PACKED instead (a build with AVX-512 VBMI), the codes in 6 bits,
-                  panels x K/4 x 48 bytes (vectors.h's six_quad), each code taken times 2^26 and each scale D * sc
+                  panels x K/4 x 48 bytes (six.h's six_quad), each code taken times 2^26 and each scale D * sc
                   times 2^-26 (exact): 6.625 bits an input;
      dense (HALF, BRAIN, FULL: an F16, BF16 or F32 file's weights): panels x K x 16 values, no scale or zero, each
                   widened exactly to fp32 as it is read (fp16 by F16C, bf16 by a shift).
@@ -48,7 +48,6 @@
 #include "vectors.h"
 #include "six.h"
 #include "dense.h"
-
 
 /* Inputs a scale (and a zero) covers, and bytes a panel's codes take for K inputs. */
 static inline int64_t scale_inputs(int bits) { return bits == SIXTEEN ? 16 : BLOCK; }

@@ -176,7 +176,7 @@ def six_panels(
     """Q6_K's codes in kernel.c's ``SIX_SCALES`` panels: 8-bit codes as :func:`panels` lays them, or with ``six``
     (``SIX_PACKED``) panels x K/4 x 48 bytes, input 4t+j's output o the code
     ``w = 16 (o // 4) + 4 j + o % 4`` of its four inputs' 64, each ``q`` (-32..31) in 6 bits (two's complement) at
-    bits ``6 w`` of the 48 little-endian bytes (vectors.h's six_quad); the records panels x super-blocks x 320
+    bits ``6 w`` of the 48 little-endian bytes (six.h's six_quad); the records panels x super-blocks x 320
     bytes, each the 16 outputs' ``factor`` (fp32) then the 16 blocks' 16 ``sc`` (:func:`six_factors`); zeros
     empty. Padding outputs are all zero."""
     out, inputs = codes.q.shape
