@@ -12,6 +12,7 @@ writes.
 from __future__ import annotations
 
 import ctypes
+import mmap
 import os
 import threading
 import time
@@ -22,8 +23,6 @@ import structlog
 
 log = structlog.get_logger("ttft_sse.engine")
 
-ALIGN = 64
-"""Bytes the memory's first byte is aligned to: a cache line, as torch's own CPU allocations are."""
 MADV_POPULATE_WRITE = 23
 """madvise's advice (Linux 5.14) that faults pages in as if written, without changing what they hold."""
 CHUNK = 4 << 20
@@ -35,14 +34,16 @@ PAUSE = 0.05
 
 
 def lazy_zeros(size: int, torch: Any) -> Any:
-    """``size`` zero bytes as a CPU tensor whose pages are not written until used: calloc's memory (numpy's zeros),
-    which for a size above glibc's mmap threshold (at most 32 MB) is fresh pages that the kernel zeroes at their
-    first touch; below it, heap memory calloc zeroes at once (a paged cache is hundreds of MB)."""
+    """``size`` zero bytes as a CPU tensor whose pages are not written until used: an anonymous private mapping of
+    its own (page-aligned), whose pages the kernel zeroes at their first touch, whatever the process's allocator
+    does (calloc hands out heap memory, written at once, where its mmap threshold is above the size: the suite once
+    met one so). The tensor holds the mapping; it goes when the tensor does."""
     import numpy as np
 
-    whole = np.zeros(size + ALIGN, dtype=np.uint8)
-    start = -whole.ctypes.data % ALIGN
-    return torch.from_numpy(whole[start : start + size])
+    mapped = mmap.mmap(-1, max(size, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):  # huge pages where the kernel gives them, as numpy asks for its large arrays
+        mapped.madvise(mmap.MADV_HUGEPAGE)
+    return torch.from_numpy(np.frombuffer(mapped, dtype=np.uint8, count=size))
 
 
 def populate(tensor: Any, busy: Callable[[], bool], stop: threading.Event) -> None:
