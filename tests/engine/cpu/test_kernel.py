@@ -119,8 +119,9 @@ def test_q6_k_panels_hold_a_factor_and_a_byte_for_each_scale_and_with_vbmi_six_b
     """Q6_K's scales (d*sc each 16 inputs) are held as an fp32 factor a super-block of 256 inputs and a signed byte
     each 16 (SIX_SCALES), and on a build with AVX-512 VBMI its codes in 6 bits too (SIX_PACKED); each output is the
     same bits as from 8-bit codes and fp32 scales, on calls of one row, of a tile and through the buffer."""
-    library = {"native": kernel.build(DIRECTORY), "no-vbmi": no_vbmi_build, "avx2": avx2_build}.get(build)
-    library = library or no_f16c_build
+    library = {"no-vbmi": no_vbmi_build, "avx2": avx2_build, "no-f16c": no_f16c_build}.get(build) or kernel.build(
+        DIRECTORY
+    )
     six = build == "native" and cpu_has(b"avx512vbmi") and cpu_has(b"avx512bw")
     assert kernel.takes_six(library) is six
     short, _ = block_layer("Q6_K", (70, 512), library)

@@ -19,7 +19,8 @@ log = structlog.get_logger("ttft_sse.engine")
 
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("kernel.h", "blocks.h", "vectors.h", "six.h", "dense.h"))
 """kernel.h, which the kernel's files, decoder.c and attention.c include, blocks.h, which the kernel's files share, and
-vectors.h, kernel.c's vectors: part of every library's hash."""
+kernel.c's own (vectors.h its vectors, six.h Q6_K's short panels, dense.h the dense layers): part of every library's
+hash."""
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-std=c11", "-shared", "-fPIC")
 BUILD_SECONDS = 120
 

@@ -101,7 +101,7 @@ static inline int form_of(int bits) {
 
 /* Bytes a panel's codes take: SIX_PACKED's 6 bits an input, else code_bytes. */
 static inline int64_t panel_bytes_of(int64_t K, int bits, int form) {
-    return form == SCALES_SIX ? K * P * 6 / 8 : code_bytes(K, bits);
+    return form == SCALES_SIX ? K / 4 * SIX_QUAD : code_bytes(K, bits);
 }
 
 /* Whether a form's blocks have zeros to add: fp32 scales and zeros (SIXTEEN's are -0.0, unread) and Q4_K's factors
@@ -167,8 +167,7 @@ static inline __attribute__((always_inline)) void block_scales(int panels, const
             pv_k(pv_half((const uint16_t *)k), pv_half((const uint16_t *)(k + 32)), pv_bytes(k + 64 + P * j),
                  pv_bytes(k + 64 + 8 * P + P * j), &s[g], &z[g]);
         } else if (form == SCALES_SC || form == SCALES_SIX) {
-            s[g] = six_scale((const uint8_t *)scale + (g * (blocks / 16) + b / 16) * K_RECORD, b % 16);
-            if (form == SCALES_SIX) s[g] = pv_mul(s[g], pv_set1(0x1p-26f)); /* exact: a power of two */
+            s[g] = six_scale(scale, g, blocks, b, form == SCALES_SIX);
             z[g] = pv_set1(-0.0f);
         } else {
             s[g] = pv_load(scale + (g * blocks + b) * P);

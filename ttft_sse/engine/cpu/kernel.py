@@ -122,7 +122,7 @@ def takes_int8(path: Path) -> bool:
 
 
 def takes_six(path: Path) -> bool:
-    """Whether the library at ``path`` multiplies fp32 rows by Q6_K's codes in 6 bits (layouts.six_panels: it was
+    """Whether the library at ``path`` multiplies fp32 rows by Q6_K's codes in 6 bits (layouts.six_codes: it was
     built for a CPU with AVX-512 VBMI); elsewhere they are held in 8."""
     bits = gguf_codes.SIXTEEN + SIX_PACKED
     return bool(function(path, FP32)(None, 0, 256, None, bits, None, None, 0, None) == 0)

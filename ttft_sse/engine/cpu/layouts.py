@@ -21,9 +21,9 @@ def panels(
     codes of each input's 16 outputs side by side (4-bit ones two inputs a byte, plus 8), and a block's 16 scales
     and zeros likewise (fp16 scales and empty zeros where :func:`half_scales`). Q6_K's codes
     (:data:`~ttft_sse.engine.cpu.codes.SIXTEEN`) have a scale each 16 inputs and no zeros: their zeros are empty
-    (panels x 0 x 16); where :func:`six_factors` finds each super-block's factor and each block's signed byte,
-    :func:`six_panels` holds those instead of fp32 scales, and with ``six`` (a kernel built with AVX-512 VBMI:
-    kernel.takes_six) the codes in 6 bits. A dense type's values (codes.DENSE_DTYPES)
+    (panels x 0 x 16); where :func:`six_factors` finds each super-block's factor and each block's signed byte, their
+    scales are :func:`six_records` instead of fp32 ones, and with ``six`` (a kernel built with AVX-512 VBMI:
+    kernel.takes_six) their codes :func:`six_codes`. A dense type's values (codes.DENSE_DTYPES)
     lie likewise, each input's 16 side by side, as their bytes, with empty scales and zeros."""
     out, inputs = codes.q.shape
     padded = _padded(out)
@@ -33,10 +33,10 @@ def panels(
         laid = np.ascontiguousarray(values.reshape(padded // PANEL, PANEL, inputs).transpose(0, 2, 1))
         empty = np.zeros((padded // PANEL, 0, PANEL), np.float32)
         return laid.view(np.uint8), empty, empty.copy()
-    if codes.bits == gguf_codes.SIXTEEN:
-        factors = six_factors(codes)
-        if factors is not None:
-            return six_panels(codes, *factors, six)
+    no_zeros = np.zeros((padded // PANEL, 0, PANEL), np.float32)  # zeros kernel.c adds without reading
+    factors = six_factors(codes) if codes.bits == gguf_codes.SIXTEEN else None
+    if factors is not None and six:  # SIX_PACKED
+        return six_codes(codes), six_records(*factors), no_zeros
     q = np.zeros((padded, inputs), np.int8)
     q[:out] = codes.q
     by_input = q.reshape(padded // PANEL, PANEL, inputs).transpose(0, 2, 1)  # panels x inputs x 16
@@ -45,7 +45,8 @@ def panels(
         packed = unsigned[:, 0::2] | (unsigned[:, 1::2] << 4)
     else:
         packed = by_input.view(np.uint8)
-    no_zeros = np.zeros((padded // PANEL, 0, PANEL), np.float32)  # zeros kernel.c adds without reading
+    if factors is not None:  # SIX_SCALES
+        return np.ascontiguousarray(packed), six_records(*factors), no_zeros
     if k_factors(codes):  # K_SCALES: Q4_K's own factors, from which kernel.c computes the scales and zeros
         return np.ascontiguousarray(packed), _factor_panels(codes), no_zeros
     if half_scales(codes):  # F16_SCALES: the file's fp16 d, and zeros of -0.0
@@ -117,7 +118,7 @@ def _factor_panels(codes: gguf_codes.Codes) -> npt.NDArray[np.uint8]:
 def panel_bits(bits: int, scales: npt.NDArray[Any], laid: npt.NDArray[Any]) -> int:
     """The ``bits`` kernel.c takes for panels ``laid`` of codes of ``bits`` whose scales are ``scales``
     (:func:`panels`'s first two arrays): plus :data:`F16_SCALES` where they are fp16, :data:`K_SCALES` where they
-    are Q4_K's factors, :data:`SIX_SCALES` where they are Q6_K's records (:func:`six_panels`), :data:`SIX_PACKED`
+    are Q4_K's factors, :data:`SIX_SCALES` where they are Q6_K's records (:func:`six_records`), :data:`SIX_PACKED`
     where its codes are in 6 bits too (48 bytes a panel's four inputs)."""
     if scales.dtype == np.float16:
         return bits + F16_SCALES
@@ -160,44 +161,41 @@ def six_factors(codes: gguf_codes.Codes) -> tuple[npt.NDArray[np.float32], npt.N
         d = largest.reshape(-1)[left] / np.float32(code)
         ratio = (flat_scaled[left] / d[:, None]).round()
         fits = (ratio >= -128) & (ratio <= 127)
-        ratio = ratio.clip(-128, 127)
         exact = (fits & (d[:, None] * ratio == flat_scaled[left])).all(axis=1)
         flat_factor[left[exact]] = d[exact]
         flat_sc[left[exact]] = ratio[exact].astype(np.int8)
         left = left[~exact]
     if left.size:
         return None
-    return factor.astype(np.float32), sc.reshape(out, blocks)
+    return factor, sc.reshape(out, blocks)
 
 
-def six_panels(
-    codes: gguf_codes.Codes, factor: npt.NDArray[np.float32], sc: npt.NDArray[np.int8], six: bool
-) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.uint8], npt.NDArray[np.float32]]:
-    """Q6_K's codes in kernel.c's ``SIX_SCALES`` panels: 8-bit codes as :func:`panels` lays them, or with ``six``
-    (``SIX_PACKED``) panels x K/4 x 48 bytes, input 4t+j's output o the code
+def six_codes(codes: gguf_codes.Codes) -> npt.NDArray[np.uint8]:
+    """Q6_K's codes in kernel.c's ``SIX_PACKED`` panels: panels x K/4 x 48 bytes, input 4t+j's output o the code
     ``w = 16 (o // 4) + 4 j + o % 4`` of its four inputs' 64, each ``q`` (-32..31) in 6 bits (two's complement) at
-    bits ``6 w`` of the 48 little-endian bytes (six.h's six_quad); the records panels x super-blocks x 320
-    bytes, each the 16 outputs' ``factor`` (fp32) then the 16 blocks' 16 ``sc`` (:func:`six_factors`); zeros
-    empty. Padding outputs are all zero."""
+    bits ``6 w`` of the 48 little-endian bytes (six.h's six_quad); padding outputs all zero."""
     out, inputs = codes.q.shape
     padded = _padded(out)
     q = np.zeros((padded, inputs), np.uint8)
-    q[:out] = codes.q.view(np.uint8) & (0x3F if six else 0xFF)
-    if six:  # panel, quad of inputs, output // 4, input in the quad, output % 4: 64 codes of 6 bits, little-endian
-        quads = q.reshape(padded // PANEL, 4, 4, inputs // 4, 4).transpose(0, 3, 1, 4, 2).reshape(-1, 8, 8)
-        words = np.zeros(quads.shape[:2], np.uint64)  # each 8 codes' 48 bits
-        for i in range(8):
-            words |= quads[..., i].astype(np.uint64) << np.uint64(6 * i)
-        little = words.astype("<u8").view(np.uint8).reshape(*words.shape, 8)[..., :6]
-        packed = np.ascontiguousarray(little).reshape(padded // PANEL, inputs // 4, SIX_QUAD)
-    else:  # each input's 16 codes side by side
-        packed = q.reshape(padded // PANEL, PANEL, inputs).transpose(0, 2, 1)
+    q[:out] = codes.q.view(np.uint8) & 0x3F
+    # panel, quad of inputs, output // 4, input in the quad, output % 4: 64 codes of 6 bits, little-endian
+    quads = q.reshape(padded // PANEL, 4, 4, inputs // 4, 4).transpose(0, 3, 1, 4, 2).reshape(-1, 8, 8)
+    words = np.zeros(quads.shape[:2], np.uint64)  # each 8 codes' 48 bits
+    for i in range(8):
+        words |= quads[..., i].astype(np.uint64) << np.uint64(6 * i)
+    little = words.astype("<u8").view(np.uint8).reshape(*words.shape, 8)[..., :6]
+    return np.ascontiguousarray(little).reshape(padded // PANEL, inputs // 4, SIX_QUAD)
+
+
+def six_records(factor: npt.NDArray[np.float32], sc: npt.NDArray[np.int8]) -> npt.NDArray[np.uint8]:
+    """Q6_K's scales as kernel.c's ``SIX_SCALES`` and ``SIX_PACKED`` panels hold them (:func:`six_factors`): panels x
+    super-blocks x 320 bytes, each the 16 outputs' ``factor`` (fp32) then the 16 blocks' 16 ``sc``; padding outputs
+    all zero."""
     factors = _by_panel(factor, np.float32).view(np.uint8)  # panels x supers x 64
-    signed = np.zeros((padded, sc.shape[1]), np.int8)
-    signed[:out] = sc
-    by = signed.reshape(padded // PANEL, PANEL, -1, SIX_SUPER).transpose(0, 2, 3, 1).view(np.uint8)
-    record = np.concatenate([factors, np.ascontiguousarray(by).reshape(*factors.shape[:2], -1)], axis=2)
-    return np.ascontiguousarray(packed), np.ascontiguousarray(record), np.zeros((padded // PANEL, 0, PANEL), np.float32)
+    signed = np.zeros((_padded(sc.shape[0]), sc.shape[1]), np.int8)
+    signed[: sc.shape[0]] = sc
+    by = signed.reshape(factors.shape[0], PANEL, -1, SIX_SUPER).transpose(0, 2, 3, 1).view(np.uint8)
+    return np.ascontiguousarray(np.concatenate([factors, np.ascontiguousarray(by).reshape(*factors.shape[:2], -1)], 2))
 
 
 WIDE = 64

@@ -1,6 +1,6 @@
-/* Q6_K's panels in fewer bytes (kernel.c's SIX_SCALES and SIX_PACKED, laid out by layouts.six_panels): a block's
-   scale (d * sc each 16 inputs) as a super-block's fp32 factor times a signed byte, and on a build with AVX-512 VBMI
-   the codes in 6 bits; the unpacking, the scales and the one-row tile over the 6-bit codes. */
+/* Q6_K's panels in fewer bytes (kernel.c's SIX_SCALES and SIX_PACKED, laid out by layouts.six_records and
+   six_codes): a block's scale (d * sc each 16 inputs) as a super-block's fp32 factor times a signed byte, and on a
+   build with AVX-512 VBMI the codes in 6 bits; the unpacking, the scales and the one-row tile over the 6-bit codes. */
 
 #ifndef TTFT_SIX_H
 #define TTFT_SIX_H
@@ -14,18 +14,14 @@
 
 #define SIX_QUAD 48 /* bytes of a SIX_PACKED panel's four inputs: 64 codes of 6 bits */
 
-/* The scales of block j (16 inputs) of a Q6_K record (K_RECORD bytes a super-block of a panel: 16 fp32 factors D,
-   then 16 blocks' 16 signed sc): D * sc, exact (layouts.six_factors checked that each product is the scale). */
-static inline pv six_scale(const uint8_t *record, int64_t j) {
-    __m128i sc = _mm_loadu_si128((const __m128i *)(record + 4 * P + P * j));
-#if defined(__AVX512F__)
-    return _mm512_mul_ps(_mm512_loadu_ps((const float *)record), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
-#else
-    const float *d = (const float *)record;
-    __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc));
-    __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8)));
-    return (pv){_mm256_mul_ps(_mm256_loadu_ps(d), lo), _mm256_mul_ps(_mm256_loadu_ps(d + CV), hi)};
-#endif
+/* The scales of block b (16 inputs) of panel g's records (`blocks` scales an output; K_RECORD bytes a super-block:
+   16 fp32 factors D, then 16 blocks' 16 signed sc): D * sc, exact (layouts.six_factors checked that each product
+   is the scale), times 2^-26 where the codes are `packed` (SIX_PACKED's codes are taken times 2^26: six_quad). */
+static inline pv six_scale(const float *scale, int64_t g, int64_t blocks, int64_t b, int packed) {
+    const uint8_t *record = (const uint8_t *)scale + (g * (blocks / 16) + b / 16) * K_RECORD;
+    __m128i sc = _mm_loadu_si128((const __m128i *)(record + 4 * P + P * (b % 16)));
+    pv s = pv_mul(pv_load((const float *)record), pv_q(sc));
+    return packed ? pv_mul(s, pv_set1(0x1p-26f)) : s; /* exact: a power of two */
 }
 
 #if defined(__AVX512VBMI__) && defined(__AVX512BW__)
@@ -77,7 +73,6 @@ static inline __attribute__((always_inline)) void six_part(int panels, const uin
 static inline __attribute__((always_inline)) void one_row_six(int panels, const uint8_t *codes, int64_t panel_bytes,
                                                               const float *scale, const float *x, int64_t K, float *y,
                                                               int64_t outputs) {
-    const pv scaled = pv_set1(0x1p-26f);
     pv acc[WIDE];
     for (int g = 0; g < panels; g++) acc[g] = pv_zero();
     for (int64_t b = 0; b < K / 16; b++) {
@@ -88,10 +83,7 @@ static inline __attribute__((always_inline)) void one_row_six(int panels, const 
         } else {
             six_part(panels, codes, panel_bytes, x, b, part, 1);
         }
-        for (int g = 0; g < panels; g++) {
-            const uint8_t *record = (const uint8_t *)scale + (g * (K / 256) + b / 16) * K_RECORD;
-            acc[g] = pv_madd(pv_mul(six_scale(record, b % 16), scaled), part[g], acc[g]);
-        }
+        for (int g = 0; g < panels; g++) acc[g] = pv_madd(six_scale(scale, g, K / 16, b, 1), part[g], acc[g]);
     }
     for (int g = 0; g < panels; g++) put_column(y + g * P, acc[g], outputs - (int64_t)g * P);
 }

@@ -7,7 +7,6 @@
 
 #include <immintrin.h>
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 
 #define HALF 16 /* dense layouts (F16, BF16 and F32 files): the weights themselves, no scale or zero: fp16, */
