@@ -159,35 +159,59 @@ def test_q6_k_factors_are_found_for_any_d_and_sc_and_checked_exact() -> None:
     assert (layouts.panel_bits(codes.SIXTEEN, scales, laid), scales.dtype) == (codes.SIXTEEN, np.float32)
 
 
+def test_q5_codes_lie_in_five_bits_two_inputs_a_record_and_other_8_bit_codes_stay_in_eight() -> None:
+    """Each two inputs' 20 bytes: byte n their ``q + 16``'s low nibbles for output n (the first input's low), then
+    each input's fifth bits as a little-endian uint16, bit n output n's. Codes outside -16..15 (Q8_0's) keep 8 bits."""
+    rng = np.random.default_rng(5)
+    q = rng.integers(-16, 16, (16, 64)).astype(np.int8)
+    q[3, 5], q[4, 6] = -16, 15
+    found = codes.Codes(q, np.ones((16, 2), np.float32), np.full((16, 2), -0.0, np.float32), 8)
+    laid, scales, _ = layouts.panels(found)
+    assert laid.shape == (1, 32, layouts.FIVE_PAIR) and layouts.panel_bits(8, scales, laid) == layouts.FIVE + 128
+    u = (q.astype(np.int16) + 16).astype(np.uint8)
+    for j in (0, 2, 3, 31):
+        record = laid[0, j]
+        assert np.array_equal(record[:16] & 0x0F, u[:, 2 * j] & 0x0F)
+        assert np.array_equal(record[:16] >> 4, u[:, 2 * j + 1] & 0x0F)
+        words = record[16:].view("<u2")
+        for input_, word in zip((2 * j, 2 * j + 1), words, strict=True):
+            assert [(int(word) >> n) & 1 for n in range(16)] == (u[:, input_] >> 4).tolist()
+    wide = codes.Codes(q.copy(), found.scale, found.zero, 8)
+    wide.q[0, 0] = 16
+    assert not layouts.fits_five(wide) and layouts.panels(wide)[0].shape == (1, 64, 16)
+
+
 @pytest.mark.parametrize("build", ["native", "avx2", "no-f16c"])
-@pytest.mark.parametrize("kind", ["Q4_0", "Q5_0", "Q8_0", "Q4_K"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q5_0", "Q8_0", "Q4_K", "Q5_K"])
 def test_short_scales_give_the_same_bits_as_fp32_ones_in_fewer_bytes(
     kind: str, build: str, avx2_build: Path, no_f16c_build: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Q4_0's, Q5_0's and Q8_0's scales are the file's fp16 d and their zeros -0.0: their panels hold fp16 scales and
     no zeros (F16_SCALES), widened exactly by every build (F16C, AVX-512's conversion, or plain C). Q4_K's panels
     hold its own factors (K_SCALES: fp16 d and dmin a super-block, 6-bit sc and m a block), from which every build
-    computes each scale and zero as codes.py does. Each output is the same bits as from fp32 scales and zeros, on
-    calls of one row, of a tile, and through the buffer."""
+    computes each scale and zero as codes.py does, and so do Q5_K's (their zero 16 times the scale less dmin * m).
+    Each output is the same bits as from fp32 scales and zeros, on calls of one row, of a tile, and through the
+    buffer."""
     library = {"native": None, "avx2": avx2_build, "no-f16c": no_f16c_build}[build]
     short, _ = block_layer(kind, (70, 512), library)
     monkeypatch.setattr(layouts, "half_scales", lambda codes: False)
     monkeypatch.setattr(layouts, "k_factors", lambda codes: False)
     full, _ = block_layer(kind, (70, 512), library)
-    flag = layouts.K_SCALES if kind == "Q4_K" else layouts.F16_SCALES
-    assert (short.panel_bits, full.panel_bits) == (short.bits + flag, short.bits)
+    flag = layouts.K_SCALES if kind in ("Q4_K", "Q5_K") else layouts.F16_SCALES
+    bits = layouts.FIVE if kind in ("Q5_0", "Q5_K") else short.bits  # the Q5 types' codes in 5 bits
+    assert (short.panel_bits, full.panel_bits) == (bits + flag, bits)
     assert short.arrays[2].numel() == 0
     held = [sum(a.numel() * a.element_size() for a in layer.arrays) for layer in (full, short)]
-    # 5 panels of 16 outputs, 16 blocks: fp32 scales and zeros 128 bytes a block, fp16 scales 32; Q4_K's factors
-    # 320 bytes a super-block of 8
-    assert held[0] - held[1] == 5 * (16 * (128 - 32) if kind != "Q4_K" else 16 * 128 - 2 * 320)
+    # 5 panels of 16 outputs, 16 blocks: fp32 scales and zeros 128 bytes a block, fp16 scales 32; a K-quant's
+    # factors 320 bytes a super-block of 8
+    assert held[0] - held[1] == 5 * (16 * (128 - 32) if "K" not in kind else 16 * 128 - 2 * 320)
     x = torch.randn(24, 512)
     with torch.no_grad():
         for rows in (1, 3, 24):  # one row, a tile, the buffer
             assert torch.equal(short(x[:rows]), full(x[:rows])), rows
 
 
-def test_only_fp16_scales_and_zeros_of_minus_zero_or_q4_k_factors_take_the_short_panels() -> None:
+def test_only_fp16_scales_and_zeros_of_minus_zero_or_k_quant_factors_take_the_short_panels() -> None:
     for kind, short in (("Q4_0", True), ("Q5_0", True), ("Q8_0", True), ("Q4_1", False), ("Q5_1", False)):
         found = codes.decode(quantised((16, 64), kind)[0], int(KINDS[kind]), (16, 64))
         assert layouts.half_scales(found) is short, kind
@@ -195,7 +219,7 @@ def test_only_fp16_scales_and_zeros_of_minus_zero_or_q4_k_factors_take_the_short
     for kind in ("Q4_K", "Q5_K", "Q6_K"):
         found = codes.decode(quantised((16, 256), kind)[0], int(KINDS[kind]), (16, 256))
         assert layouts.half_scales(found) is False, kind
-        assert layouts.k_factors(found) is (kind == "Q4_K"), kind
+        assert layouts.k_factors(found) is (kind in ("Q4_K", "Q5_K")), kind
     # Factors that do not give back the codes' zero (a changed zero) are not taken
     found = codes.decode(quantised((16, 256), "Q4_K")[0], int(KINDS["Q4_K"]), (16, 256))
     moved = codes.Codes(found.q, found.scale, found.zero + np.float32(1e-3), 4, found.factors)
@@ -397,7 +421,7 @@ def test_each_row_is_the_same_bits_whatever_else_the_call_holds(kind: str, build
 
 
 @pytest.mark.parametrize("build", ["native", "no-vbmi", "avx2", "no-f16c"])
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
 def test_fp32_rows_are_the_kernels_arithmetic_on_the_codes_bit_for_bit_on_every_build_and_path(
     kind: str, build: str, avx2_build: Path, no_f16c_build: Path, no_vbmi_build: Path
 ) -> None:
@@ -622,7 +646,8 @@ def test_apply_puts_exactly_the_layers_the_file_holds_as_blocks_on_the_kernel(
     dense = "blocks: 1" if activations == "fp32" else "blocks, fp32 rows: 1 (not quantised: int8 rows multiply"
     by_type = {"F32": dense if activations == "fp32" else f"{dense} quantised blocks)", "Q4_1": rows, "Q8_0": rows}
     assert applied == (activations, by_type)
-    blocks = {"event": "weights_blocks", "log_level": "info", "layers": 3, "q4": 1, "q8": 1, "q6": 0, "dense": 1}
+    blocks = {"event": "weights_blocks", "log_level": "info", "layers": 3, "q4": 1, "q8": 1, "q5": 0, "q6": 0}
+    blocks["dense"] = 1
     assert {**blocks, "activations": activations, "by_type": by_type} in logs
     assert [type(layer).__name__ for layer in model] == ["BlockLinear"] * 3
     assert [layer.activations for layer in model] == [activations, activations, "fp32"]  # F32: dense, fp32 rows
@@ -754,7 +779,9 @@ def test_a_model_of_q5_and_k_quant_layers_runs_on_the_kernel_with_the_fp32_layer
         "Q6_K": "blocks: 1",
     }
     assert applied == ("fp32", by_type)
-    blocks = {"event": "weights_blocks", "log_level": "info", "layers": 5, "q4": 1, "q8": 3, "q6": 1, "dense": 0}
+    # the Q5 types' codes in 5 bits (q5), none left in 8 (q8)
+    blocks = {"event": "weights_blocks", "log_level": "info", "layers": 5, "q4": 1, "q8": 0, "q5": 3, "q6": 1}
+    blocks["dense"] = 0
     kept = {"event": "arrangement_kept", "log_level": "info", "path": str(tmp_path / "kernel-arrays-fp32.bin")}
     mib = 0.1 if kernel.takes_six(kernel.build(DIRECTORY)) else 0.2  # Q6_K's codes in 6 bits, or in 8
     assert logs == [{**kept, "layers": 5, "mib": mib}, {**blocks, "activations": "fp32", "by_type": by_type}]
@@ -943,6 +970,7 @@ async def test_the_bundled_model_runs_every_linear_layer_on_the_kernel(settings:
             "layers": len(on_kernel),
             "q4": 210,
             "q8": 1,
+            "q5": 0,
             "q6": 0,
             "dense": 0,
         }

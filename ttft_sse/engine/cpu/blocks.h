@@ -1,7 +1,8 @@
 /* The block kernel's parts, built into one library with decoder.c (ttft_sse/engine/cpu/kernel.py): kernel.c (fp32
-   rows, with its headers: vectors.h the build's vectors, six.h Q6_K's short panels, dense.h the dense layers) and
-   int8_rows.c (rows quantised to int8) give helpers.c (the helper threads that share a call's panels, above them,
-   and kernel.h's entry points) what it calls. kernel.h holds what the library gives decoder.c and attention.c. */
+   rows, with its headers: vectors.h the build's vectors, five.h the Q5 types' 5-bit codes, six.h Q6_K's short panels,
+   dense.h the dense layers) and int8_rows.c (rows quantised to int8) give helpers.c (the helper threads that share a
+   call's panels, above them, and kernel.h's entry points) what it calls. kernel.h holds what the library gives
+   decoder.c and attention.c. */
 
 #ifndef TTFT_BLOCKS_H
 #define TTFT_BLOCKS_H
@@ -12,6 +13,8 @@
 #define BLOCK 32 /* inputs a block */
 #define GROUP 3  /* panels kernel.c expands into its buffer at a time: a shared call's chunks are whole groups */
 #define SIXTEEN 6 /* bits of Q6_K's codes: 8-bit codes, a scale each 16 inputs, no zero */
+#define FIVE 5       /* bits of 5-bit codes (Q5_0, Q5_1, Q5_K's q - 16) */
+#define FIVE_PAIR 20 /* bytes of a FIVE panel's two inputs: 16 of low nibbles as 4-bit codes lie, 2 x 2 of fifth bits */
 #define Q_WIDE 64 /* added to int8 records' bits (4 or 8): fp32 scales and zeros, where fp16 cannot hold them */
 #define F16_SCALES 128 /* added to fp32 rows' bits (4 or 8): the scales are the file's fp16 values, the zeros -0.0 */
 #define K_SCALES 256   /* added to fp32 rows' bits (4): Q4_K's factors d, dmin, sc and m instead of scales and zeros */

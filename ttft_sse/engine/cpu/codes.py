@@ -101,8 +101,9 @@ class Codes:
     scale: npt.NDArray[np.float32]
     zero: npt.NDArray[np.float32]
     bits: int
-    # Q4_K's own factors, where the codes are Q4_K's: d and dmin (fp16, out x super-blocks of 256), sc and m (uint8,
-    # out x blocks): scale == d*sc and zero == 8*scale - dmin*m, each one fp32 rounding (the kernel's compact panels).
+    # A K-quant's own factors, where the codes are Q4_K's or Q5_K's: d and dmin (fp16, out x super-blocks of 256), sc
+    # and m (uint8, out x blocks): scale == d*sc and zero == 8*scale - dmin*m (Q5_K: 16*scale), each one fp32
+    # rounding (the kernel's compact panels).
     factors: tuple[Any, Any, Any, Any] | None = None
 
     @property
@@ -140,7 +141,7 @@ class Codes:
     def unpacked(cls, packed: npt.NDArray[np.uint8], scale: Any, zero: Any, bits: int, factors: Any = None) -> Codes:
         """The inverse of :meth:`packed` (``scale``, ``zero`` and ``factors`` as the codes hold them)."""
         if bits != 4:
-            return cls(packed.view(DENSE_DTYPES.get(bits, np.int8)), scale, zero, bits)
+            return cls(packed.view(DENSE_DTYPES.get(bits, np.int8)), scale, zero, bits, factors)
         out = packed.shape[0]
         halves = packed.reshape(out, -1, 1, BLOCK // 2)
         q = np.concatenate([halves & 0x0F, halves >> 4], axis=2).reshape(out, -1).astype(np.int8) - np.int8(8)
@@ -221,7 +222,7 @@ def decode(blocks: npt.NDArray[Any], kind: int, shape: tuple[int, int]) -> Codes
         # (d*sc)*q - dmin*m == (d*sc)*(q - middle) + (middle*(d*sc) - dmin*m); middle*(d*sc) is exact.
         zero = np.float32(middle) * scale - minimum
         q = values.reshape(out, inputs).astype(np.int8) - np.int8(middle)
-        factors = (d, dmin, sc.reshape(out, -1), m.reshape(out, -1)) if kind == Q4_K else None
+        factors = (d, dmin, sc.reshape(out, -1), m.reshape(out, -1))
         return Codes(q, scale.reshape(out, -1), zero.reshape(out, -1), form.bits, factors)
     d = _fp16(raw, 0)
     zero = np.full_like(d, -0.0)  # nothing added (Codes)

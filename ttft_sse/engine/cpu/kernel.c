@@ -1,19 +1,24 @@
 /* fp32 rows times a weight kept in a GGUF file's own blocks, for CPU (ttft_sse/engine/cpu/kernel.py builds it).
 
    y[M,N] = x[M,K] . W[N,K]^T. W's blocks of 32 inputs hold w = q * scale + zero, one scale and one zero a block
-   (q: 4-bit codes less 8, or 8-bit codes); or, with bits SIXTEEN (Q6_K's), w = q * scale with 8-bit codes and one
+   (q: 4-bit codes less 8, 5-bit codes less 16, or 8-bit codes); or, with bits SIXTEEN (Q6_K's), w = q * scale with
+   8-bit codes and one
    scale each 16 inputs, no zero (the kernel adds -0.0, which changes no value). kernel.py lays them out in panels
    of 16 outputs (N padded to whole panels with zero weights):
      4-bit codes: panels x K/2 x 16 bytes; byte j of row i holds output j's code for input 2i (low nibble) and for
                   input 2i+1 (high nibble), each plus 8;
+     5-bit codes (FIVE: the Q5 types' q - 16): panels x K/2 x FIVE_PAIR (20) bytes; each two inputs' 16 bytes of
+                  low nibbles as 4-bit codes lie (plus 16), then input 2i's fifth bits, 16 as a little-endian uint16
+                  (bit j: output j's), then input 2i+1's: 5 bits an input instead of 8;
      8-bit codes: panels x K x 16 signed bytes (SIXTEEN's too);
      scale, zero: panels x K/32 x 16 floats (SIXTEEN: scale panels x K/16 x 16 floats, zero unread; with
                   F16_SCALES, where every scale is the file's fp16 d and every zero -0.0 (Q4_0, Q5_0, Q8_0): scale
                   panels x K/32 x 16 fp16 values, widened exactly, zero unread: 8.5 bits an input instead of 10,
-                  or 4.5 instead of 6; with K_SCALES (Q4_K): Q4_K's own factors, a record of 320 bytes a
-                  super-block of 256 inputs of a panel (16 fp16 d, 16 fp16 dmin, then 8 blocks' 16 sc, then their
-                  16 m), from which the scale d * sc and the zero 8 * scale - dmin * m are computed exactly as the
-                  codes' are: 4.625 bits an input instead of 6);
+                  or 4.5 instead of 6 (FIVE: 5.5); with K_SCALES (Q4_K, Q5_K): the K-quant's own factors, a
+                  record of 320 bytes a super-block of 256 inputs of a panel (16 fp16 d, 16 fp16 dmin, then 8
+                  blocks' 16 sc, then their 16 m), from which the scale d * sc and the zero 8 * scale - dmin * m
+                  (FIVE: 16 * scale) are computed exactly as the codes' are: 4.625 bits an input instead of 6, or
+                  5.625 instead of 7);
      SIXTEEN with SIX_SCALES (Q6_K): 8-bit codes, and a record of 320 bytes a super-block of 256 inputs of a
                   panel (16 fp32 factors D, then 16 blocks' 16 signed sc), each scale D * sc, exact: 8.625 bits an
                   input instead of 10; with SIX_PACKED instead (a build with AVX-512 VBMI), the codes in 6 bits,
@@ -46,13 +51,14 @@
 #include "blocks.h"
 #include "kernel.h"
 #include "vectors.h"
+#include "five.h"
 #include "six.h"
 #include "dense.h"
 
 /* Inputs a scale (and a zero) covers, and bytes a panel's codes take for K inputs. */
 static inline int64_t scale_inputs(int bits) { return bits == SIXTEEN ? 16 : BLOCK; }
 static inline int64_t code_bytes(int64_t K, int bits) {
-    return bits == 4 ? K * P / 2 : bits == FULL ? K * P * 4 : bits == HALF || bits == BRAIN ? K * P * 2 : K * P;
+    return bits == 4 ? K * P / 2 : bits == FIVE ? K / 2 * FIVE_PAIR : bits == FULL ? K * P * 4 : bits == HALF || bits == BRAIN ? K * P * 2 : K * P;
 }
 static inline int dense_bits(int bits) { return bits == HALF || bits == BRAIN || bits == FULL; }
 
@@ -60,10 +66,14 @@ enum { SCALES_FP32, SCALES_F16, SCALES_K, SCALES_SC, SCALES_SIX }; /* a panel's 
                                                                        zeros, F16_SCALES, K_SCALES, SIX_SCALES,
                                                                        SIX_PACKED */
 
-/* A panel's codes for inputs 2i and 2i+1, as floats (exact: q - 8 for 4-bit codes). */
+/* A panel's codes for inputs 2i and 2i+1, as floats (exact: q - 8 for 4-bit codes, q - 16 for 5-bit ones). */
 static inline void pair(const uint8_t *codes, int bits, int64_t i, pv *w0, pv *w1) {
     __m128i a, b;
 #if defined(__AVX512F__)
+    if (bits == FIVE) {
+        five_pair(codes, i, w0, w1);
+        return;
+    }
     if (bits == 4) {
         /* q - 8 as a float, from a table of -8..7 by vpermps, which reads only a lane's low 4 bits: each byte
            zero-extended to its lane gives the low nibble's value, and shifted right by 4 the high nibble's. The
@@ -80,6 +90,8 @@ static inline void pair(const uint8_t *codes, int bits, int64_t i, pv *w0, pv *w
         __m128i raw = _mm_loadu_si128((const __m128i *)(codes + P * i));
         a = _mm_sub_epi8(_mm_and_si128(raw, low), eight);
         b = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(raw, 4), low), eight);
+    } else if (bits == FIVE) {
+        five_bytes(codes, i, &a, &b);
     } else {
         a = _mm_loadu_si128((const __m128i *)(codes + 2 * P * i));
         b = _mm_loadu_si128((const __m128i *)(codes + 2 * P * i + P));
@@ -137,17 +149,18 @@ static inline __attribute__((always_inline)) void put(int rows, int panels, pv a
         }
 }
 
-/* Q4_K's scale d * sc and zero 8 * scale - dmin * m from its factors, one rounding each as codes.py computes them
-   (d * sc and dmin * m are exact: 11 bits times 6; 8 * scale too). */
-static inline void pv_k(pv d, pv dmin, pv sc, pv m, pv *s, pv *z) {
+/* A K-quant's scale d * sc and zero middle * scale - dmin * m from its factors (middle: 8 for Q4_K's codes, 16 for
+   Q5_K's), one rounding each as codes.py computes them (d * sc and dmin * m are exact: 11 bits times 6; middle *
+   scale too). */
+static inline void pv_k(pv d, pv dmin, pv sc, pv m, float middle, pv *s, pv *z) {
 #if defined(__AVX512F__)
     *s = _mm512_mul_ps(d, sc);
-    *z = _mm512_fmsub_ps(_mm512_set1_ps(8.0f), *s, _mm512_mul_ps(dmin, m));
+    *z = _mm512_fmsub_ps(_mm512_set1_ps(middle), *s, _mm512_mul_ps(dmin, m));
 #else
-    const __m256 eight = _mm256_set1_ps(8.0f);
+    const __m256 times = _mm256_set1_ps(middle);
     *s = (pv){_mm256_mul_ps(d.lo, sc.lo), _mm256_mul_ps(d.hi, sc.hi)};
-    *z = (pv){_mm256_fmsub_ps(eight, s->lo, _mm256_mul_ps(dmin.lo, m.lo)),
-              _mm256_fmsub_ps(eight, s->hi, _mm256_mul_ps(dmin.hi, m.hi))};
+    *z = (pv){_mm256_fmsub_ps(times, s->lo, _mm256_mul_ps(dmin.lo, m.lo)),
+              _mm256_fmsub_ps(times, s->hi, _mm256_mul_ps(dmin.hi, m.hi))};
 #endif
 }
 
@@ -165,7 +178,7 @@ static inline __attribute__((always_inline)) void block_scales(int panels, const
             const uint8_t *k = (const uint8_t *)scale + (g * (blocks / 8) + b / 8) * K_RECORD;
             int64_t j = b % 8;
             pv_k(pv_half((const uint16_t *)k), pv_half((const uint16_t *)(k + 32)), pv_bytes(k + 64 + P * j),
-                 pv_bytes(k + 64 + 8 * P + P * j), &s[g], &z[g]);
+                 pv_bytes(k + 64 + 8 * P + P * j), bits == FIVE ? 16.0f : 8.0f, &s[g], &z[g]);
         } else if (form == SCALES_SC || form == SCALES_SIX) {
             s[g] = six_scale(scale, g, blocks, b, form == SCALES_SIX);
             z[g] = pv_set1(-0.0f);
@@ -392,12 +405,15 @@ void fp32_panels(const float *x, const float *sums, int64_t M, int64_t K, const 
                 six_row(panels, c, panel_bytes, s, x, K, yq, N - q * P);
                 continue;
             }
-            switch (panels) { /* a constant count in each (always_inline) */
-#define ONE_ROW(G) \
-    case G: if (G <= WIDE) one_row(G, c, panel_bytes, bits, form, s, z, x, sums, K, yq, N - q * P); break;
-                ONE_ROW(8) ONE_ROW(7) ONE_ROW(6) ONE_ROW(5) ONE_ROW(4) ONE_ROW(3) ONE_ROW(2)
-                default: one_row(1, c, panel_bytes, bits, form, s, z, x, sums, K, yq, N - q * P);
-            }
+            /* a constant count in each (always_inline), and FIVE's codes a constant of their own */
+#define ONE_ROW(G, B) \
+    case G: if (G <= WIDE) one_row(G, c, panel_bytes, B, form, s, z, x, sums, K, yq, N - q * P); break;
+#define ONE_ROWS(B)                                                                                                    \
+    switch (panels) {                                                                                                  \
+        ONE_ROW(8, B) ONE_ROW(7, B) ONE_ROW(6, B) ONE_ROW(5, B) ONE_ROW(4, B) ONE_ROW(3, B) ONE_ROW(2, B)              \
+        default: one_row(1, c, panel_bytes, B, form, s, z, x, sums, K, yq, N - q * P);                                 \
+    }
+            if (bits == FIVE) ONE_ROWS(FIVE) else ONE_ROWS(bits)
         }
         return;
     }
@@ -422,10 +438,12 @@ void fp32_panels(const float *x, const float *sums, int64_t M, int64_t K, const 
             for (int64_t t = 0; t < tiles; t++) {
                 int64_t rows = tile_rows(M, r, t, tiles);
                 const float *sr = has_zeros(bits, form) ? sums + r * (K / BLOCK) : sums;
-#define FUSED_AS(R, G, F) fused(R, G, c, panel_bytes, bits, F, s, z, x + r * K, sr, K, y + r * N + q * P, N, N - q * P)
+#define FUSED_AS(R, G, B, F) fused(R, G, c, panel_bytes, B, F, s, z, x + r * K, sr, K, y + r * N + q * P, N, N - q * P)
 #define FUSED(R, G)                                                                                                    \
-    if (R <= ROWS && G <= PANELS) { /* SIX_PACKED's own code: the other forms' as it was without it */              \
-        if (form == SCALES_SIX) FUSED_AS(R, G, SCALES_SIX); else FUSED_AS(R, G, form);                                 \
+    if (R <= ROWS && G <= PANELS) { /* SIX_PACKED's and FIVE's own code: the others' as it was without them */      \
+        if (form == SCALES_SIX) FUSED_AS(R, G, bits, SCALES_SIX);                                                      \
+        else if (bits == FIVE) FUSED_AS(R, G, FIVE, form);                                                             \
+        else FUSED_AS(R, G, bits, form);                                                                               \
     }
                 BY_ROWS(FUSED, rows, panels)
                 r += rows;
@@ -444,13 +462,13 @@ int fp32_buffer(int64_t M, int64_t K, float **buffer) {
 }
 
 int fp32_takes(int64_t K, int bits) {
-    if (bits == (4 | K_SCALES)) return K % 256 == 0;
+    if (bits == (4 | K_SCALES) || bits == (FIVE | K_SCALES)) return K % 256 == 0;
     if (bits == (SIXTEEN | SIX_SCALES)) return K % 256 == 0;
 #if defined(SIX_CODES)
     if (bits == (SIXTEEN | SIX_PACKED)) return K % 256 == 0;
 #endif
     int codes = bits & ~F16_SCALES, half = bits != codes;
-    return K % BLOCK == 0 && (codes == 4 || codes == 8 || (!half && (bits == SIXTEEN || dense_bits(bits))));
+    return K % BLOCK == 0 && (codes == 4 || codes == FIVE || codes == 8 || (!half && (bits == SIXTEEN || dense_bits(bits))));
 }
 
 int fp32_needs_sums(int bits) {

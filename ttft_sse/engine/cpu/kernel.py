@@ -50,7 +50,7 @@ import structlog
 
 from ttft_sse.engine.cpu import arrangement, compiler, matches, weights
 from ttft_sse.engine.cpu import codes as gguf_codes
-from ttft_sse.engine.cpu.layouts import PANEL, SIX_PACKED, panel_bits, probed_outputs, record_bits
+from ttft_sse.engine.cpu.layouts import FIVE_PAIR, PANEL, SIX_PACKED, panel_bits, probed_outputs, record_bits
 
 log = structlog.get_logger("ttft_sse.engine")
 
@@ -282,6 +282,7 @@ def _apply(
     for layer in changed:
         if id(layer.weight) not in shared:  # never read again: the fp32 weight's memory goes back
             layer.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+    five = sum(entry.rows == "fp32" and entry.arrays[0].shape[-1] == FIVE_PAIR for entry in entries.values())
     counts = {bits: sum(entry.bits == bits for entry in entries.values()) for bits in (4, 8, gguf_codes.SIXTEEN)}
     dense = sum(entry.bits in gguf_codes.DENSE_DTYPES for entry in entries.values())
     used = "int8" if "int8" in rows.values() else "fp32"
@@ -290,7 +291,8 @@ def _apply(
         "weights_blocks",
         layers=len(changed),
         q4=counts[4],
-        q8=counts[8],
+        q8=counts[8] - five,
+        q5=five,
         q6=counts[gguf_codes.SIXTEEN],
         dense=dense,
         activations=used,

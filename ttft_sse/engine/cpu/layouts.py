@@ -18,7 +18,8 @@ def panels(
     codes: gguf_codes.Codes, six: bool = False
 ) -> tuple[npt.NDArray[np.uint8], npt.NDArray[Any], npt.NDArray[np.float32]]:
     """``codes`` in kernel.c's layout: panels of :data:`PANEL` outputs (the last one padded with zero weights), the
-    codes of each input's 16 outputs side by side (4-bit ones two inputs a byte, plus 8), and a block's 16 scales
+    codes of each input's 16 outputs side by side (4-bit ones two inputs a byte, plus 8; 8-bit ones of -16..15, as
+    the Q5 types' are, in 5 bits: :func:`five_codes`), and a block's 16 scales
     and zeros likewise (fp16 scales and empty zeros where :func:`half_scales`). Q6_K's codes
     (:data:`~ttft_sse.engine.cpu.codes.SIXTEEN`) have a scale each 16 inputs and no zeros: their zeros are empty
     (panels x 0 x 16); where :func:`six_factors` finds each super-block's factor and each block's signed byte, their
@@ -40,14 +41,17 @@ def panels(
     q = np.zeros((padded, inputs), np.int8)
     q[:out] = codes.q
     by_input = q.reshape(padded // PANEL, PANEL, inputs).transpose(0, 2, 1)  # panels x inputs x 16
+    packed: npt.NDArray[Any]
     if codes.bits == 4:
         unsigned = (by_input.astype(np.int16) + 8).astype(np.uint8)
         packed = unsigned[:, 0::2] | (unsigned[:, 1::2] << 4)
+    elif codes.bits == 8 and fits_five(codes):
+        packed = five_codes(by_input)
     else:
         packed = by_input.view(np.uint8)
     if factors is not None:  # SIX_SCALES
         return np.ascontiguousarray(packed), six_records(*factors), no_zeros
-    if k_factors(codes):  # K_SCALES: Q4_K's own factors, from which kernel.c computes the scales and zeros
+    if k_factors(codes):  # K_SCALES: a K-quant's own factors, from which kernel.c computes the scales and zeros
         return np.ascontiguousarray(packed), _factor_panels(codes), no_zeros
     if half_scales(codes):  # F16_SCALES: the file's fp16 d, and zeros of -0.0
         return np.ascontiguousarray(packed), _by_panel(codes.scale, np.float16), no_zeros
@@ -76,30 +80,31 @@ def half_scales(codes: gguf_codes.Codes) -> bool:
 
 
 K_SCALES = 256
-"""Added to the ``bits`` of fp32 rows' panels of Q4_K codes that hold its own factors instead of fp32 scales and
-zeros (blocks.h's ``K_SCALES``)."""
+"""Added to the ``bits`` of fp32 rows' panels of Q4_K or Q5_K codes that hold its own factors instead of fp32 scales
+and zeros (blocks.h's ``K_SCALES``)."""
 SUPER = 8
 """Blocks a K-quant super-block holds."""
 
 
 def k_factors(codes: gguf_codes.Codes) -> bool:
-    """Whether the panels of ``codes`` hold Q4_K's own factors (:attr:`~ttft_sse.engine.cpu.codes.Codes.factors`):
-    4-bit codes of whole super-blocks whose factors give back every scale and zero exactly (d*sc, then
-    8*scale - dmin*m, one fp32 rounding each, as kernel.c computes them). Their panels then read 4.625 bits an
-    input instead of 6."""
-    if codes.bits != 4 or codes.factors is None or codes.scale.shape[1] % SUPER:
+    """Whether the panels of ``codes`` hold a K-quant's own factors (:attr:`~ttft_sse.engine.cpu.codes.Codes.factors`):
+    Q4_K's 4-bit codes or Q5_K's 5 (:func:`fits_five`) of whole super-blocks whose factors give back every scale and
+    zero exactly (d*sc, then 8*scale - dmin*m, Q5_K's 16*scale - dmin*m, one fp32 rounding each, as kernel.c
+    computes them). Their panels then read 4.625 bits an input instead of 6 (Q5_K: 5.625 instead of 7)."""
+    five = codes.bits == 8 and fits_five(codes)
+    if not (codes.bits == 4 or five) or codes.factors is None or codes.scale.shape[1] % SUPER:
         return False
     d, dmin, sc, m = codes.factors
     scale = np.repeat(d.astype(np.float32), SUPER, axis=1) * sc.astype(np.float32)
     minimum = np.repeat(dmin.astype(np.float32), SUPER, axis=1) * m.astype(np.float32)
-    zero = np.float32(8) * scale - minimum
+    zero = np.float32(16 if five else 8) * scale - minimum
     return bool(np.array_equal(scale.view(np.uint32), codes.scale.view(np.uint32))) and bool(
         np.array_equal(zero.view(np.uint32), codes.zero.view(np.uint32))
     )
 
 
 def _factor_panels(codes: gguf_codes.Codes) -> npt.NDArray[np.uint8]:
-    """Q4_K's factors panel by panel, a record of 320 bytes a super-block: the 16 outputs' d, then their dmin
+    """A K-quant's factors panel by panel, a record of 320 bytes a super-block: the 16 outputs' d, then their dmin
     (fp16), then each of the 8 blocks' 16 sc, then their 16 m (uint8); padding outputs all zero."""
     assert codes.factors is not None
     d, dmin, sc, m = codes.factors
@@ -115,11 +120,40 @@ def _factor_panels(codes: gguf_codes.Codes) -> npt.NDArray[np.uint8]:
     return np.ascontiguousarray(np.concatenate([*halves, *bytes_], axis=2))
 
 
+FIVE = 5
+"""The ``bits`` of fp32 rows' panels of 8-bit codes of -16..15 laid in 5 bits (blocks.h's ``FIVE``:
+:func:`five_codes`)."""
+FIVE_PAIR = 20
+"""Bytes of a :data:`FIVE` panel's two inputs: 16 of low nibbles, then 2 x 2 of fifth bits."""
+
+
+def fits_five(codes: gguf_codes.Codes) -> bool:
+    """Whether 8-bit ``codes`` all lie in -16..15 (the Q5 types' ``q - 16``), which :func:`five_codes` holds."""
+    return codes.q.size > 0 and int(codes.q.min()) >= -16 and int(codes.q.max()) <= 15
+
+
+def five_codes(by_input: npt.NDArray[np.int8]) -> npt.NDArray[np.uint8]:
+    """Codes of -16..15 (panels x inputs x 16, each input's 16 outputs) in kernel.c's ``FIVE`` panels: panels x
+    K/2 x 20 bytes, each two inputs' ``q + 16``: their low nibbles as 4-bit codes lie (byte n output n's, the first
+    input's in the low nibble), then their fifth bits, 16 an input (bit n of a little-endian uint16: output n's): 5
+    bits an input instead of 8."""
+    panels, inputs, _ = by_input.shape
+    unsigned = (by_input.astype(np.int16) + 16).astype(np.uint8)
+    low = unsigned & 0x0F
+    nibbles = low[:, 0::2] | (low[:, 1::2] << 4)  # panels x K/2 x 16
+    fifth = (unsigned >> 4).astype(np.uint16) << np.arange(PANEL, dtype=np.uint16)
+    words = fifth.sum(axis=2, dtype=np.uint16).astype("<u2").view(np.uint8).reshape(panels, inputs // 2, 4)
+    return np.ascontiguousarray(np.concatenate([nibbles, words], axis=2))
+
+
 def panel_bits(bits: int, scales: npt.NDArray[Any], laid: npt.NDArray[Any]) -> int:
     """The ``bits`` kernel.c takes for panels ``laid`` of codes of ``bits`` whose scales are ``scales``
     (:func:`panels`'s first two arrays): plus :data:`F16_SCALES` where they are fp16, :data:`K_SCALES` where they
     are Q4_K's factors, :data:`SIX_SCALES` where they are Q6_K's records (:func:`six_records`), :data:`SIX_PACKED`
-    where its codes are in 6 bits too (48 bytes a panel's four inputs)."""
+    where its codes are in 6 bits too (48 bytes a panel's four inputs); 8-bit codes laid in 5 bits
+    (:func:`five_codes`) are :data:`FIVE`'s."""
+    if bits == 8 and laid.shape[-1] == FIVE_PAIR:
+        bits = FIVE
     if scales.dtype == np.float16:
         return bits + F16_SCALES
     if scales.dtype != np.uint8:

@@ -155,9 +155,10 @@ class Found:
     codes: dict[str, Codes]
 
 
-CACHE_FILE = "gguf-codes-4.npz"
+CACHE_FILE = "gguf-codes-5.npz"
 """Where :func:`of_layers` keeps what it found, by layer name, in the model's converted directory (its name
-changes with the types read into codes, so that a cache of fewer types is not taken for one of all of them)."""
+changes with the types read into codes and what they keep, so that a cache of fewer types, or without Q5_K's
+factors, is not taken for one of all of them)."""
 
 
 FACTORS = ("kd", "kdmin", "ksc", "km")
@@ -182,7 +183,7 @@ def _load_cached(path: Path | None, layers: dict[str, Any]) -> Found | None:
                 if f"{name}.q" in saved.files:
                     bits = int(saved[f"{name}.bits"])
                     q, scale, zero = (saved[f"{name}.{part}"] for part in ("q", "scale", "zero"))
-                    kept = f"{name}.kd" in saved.files  # Q4_K's factors
+                    kept = f"{name}.kd" in saved.files  # a K-quant's factors
                     factors = tuple(saved[f"{name}.{part}"] for part in FACTORS) if kept else None
                     found[name] = Codes.unpacked(q, scale, zero, bits, factors)
     except (OSError, ValueError, KeyError) as exc:
