@@ -90,13 +90,20 @@ def test_rows_that_sample_without_top_p_are_left_whole_for_the_draw() -> None:
     assert out.tolist() == [[pytest.approx(v) for v in scores[0]]]
 
 
-def step(selection: Any, requests: list[tuple[str, list[int]]], scores: list[list[float]]) -> Any:
-    """A greedy step of ``requests`` (request id, tokens generated so far; a row each), its per-request values
-    prepared by the library's own code, then selected."""
+def step(
+    selection: Any,
+    requests: list[tuple[str, list[int]]],
+    scores: list[list[float]],
+    values: dict[str, Any] | None = None,
+) -> Any:
+    """A step of ``requests`` (request id, tokens generated so far; a row each), greedy or of ``values`` (each
+    request's temperature and top_p), its per-request values prepared by the library's own code, then selected."""
     states = [
         SimpleNamespace(
             has_new_token=True,
-            state=SimpleNamespace(request_id=request_id, generated_tokens=done, logit_processor_kwargs={}),
+            state=SimpleNamespace(
+                request_id=request_id, generated_tokens=done, logit_processor_kwargs=(values or {}).get(request_id, {})
+            ),
         )
         for request_id, done in requests
     ]
@@ -120,3 +127,30 @@ def test_a_first_token_the_prefill_process_gave_first_is_the_one_the_step_picks(
     # The step settled the race it had not lost: the process's token, when it comes, is not used.
     assert not claims.wanted("batch-first")
     assert not claims.side("batch-first", 2)
+
+
+def test_a_step_of_greedy_rows_passes_its_logits_by_untouched_and_its_values_unwritten() -> None:
+    chosen = selection(Claims())
+    scores = torch.tensor([[0.1, 2.0, -1.0], [5.0, 4.0, 3.0]])
+    storage = torch.full((chosen.tensors_required, 2), -7, dtype=torch.int32)
+    states = [
+        SimpleNamespace(
+            has_new_token=True,
+            state=SimpleNamespace(request_id=name, generated_tokens=[3], logit_processor_kwargs={"temperature": 0.0}),
+        )
+        for name in ("a", "b")
+    ]
+    args = chosen.prepare_tensor_args(states, storage)
+    assert args is storage and bool((storage == -7).all())  # no processor reads them
+    assert chosen(torch.zeros(2, dtype=torch.long), scores, args) is scores
+    # The next call, its step not prepared so, runs the processors: the first row samples at temperature 0.5.
+    out = run(chosen, [[1.0, 2.0, -4.0]], [[0.5], [1.0], [0.5], [0.0]])
+    assert out.isfinite().sum().item() == 1
+
+
+def test_a_step_with_one_sampled_row_runs_the_processors_on_it_and_leaves_the_greedy_row() -> None:
+    torch.manual_seed(0)
+    values = {"sampled": {"temperature": 1.0, "top_p": 0.5}, "greedy": {"temperature": 0.0}}
+    out = step(selection(Claims()), [("sampled", [1]), ("greedy", [1])], [[0.0, 3.0, 0.0], [0.1, 2.0, -1.0]], values)
+    assert out[0].tolist() == [-INF, 0.0, -INF]  # top-p 0.5 keeps the one token of probability 0.82
+    assert out[1].tolist() == [pytest.approx(0.1), 2.0, -1.0]

@@ -37,9 +37,34 @@ from ttft_sse.engine.batched.claims import Claims
 def selection(claims: Claims) -> Any:
     """The processors as one list for the library's batch processor, with ``claims`` settling first tokens."""
     processors = [Temperature(), TopP(), Draw(), Claimed(claims)]
-    chosen = ContinuousBatchingLogitsProcessorList(transformers.LogitsProcessorList(processors))
+    chosen = Selection(transformers.LogitsProcessorList(processors))
     chosen.tensors_required = len(processors)  # one row of per-request values each (the library counts its own)
     return chosen
+
+
+class Selection(ContinuousBatchingLogitsProcessorList):  # type: ignore[misc]
+    """The library's list of processors, which a step of greedy rows only, none of them a raced first token, passes
+    by: its processors would leave every score as it is (the argmax picks), yet cost a few torch calls each, in the
+    step's preparation (a tensor of values each) and on its logits (a comparison and its nonzero each), ~0.3 ms a
+    step of a small model's ~7 (figures: docs/engine.md). Which steps are such is known when the step is prepared
+    (:meth:`prepare_tensor_args`), from the requests' own values; the step's logits then come back untouched. A call
+    on logits whose step was not prepared so (every other) runs the processors."""
+
+    plain: bool = False  # the step prepared last is greedy rows only, none a first token settled by a race
+
+    def prepare_tensor_args(self, requests_in_batch: list[Any], arg_storage: Any) -> Any:
+        with_token = [request for request in requests_in_batch if request.has_new_token]
+        claimed = next(p for p in self.logits_processor if isinstance(p, Claimed))
+        greedy = all(r.state.logit_processor_kwargs.get(Temperature.key, Temperature.default) <= 0 for r in with_token)
+        if greedy and claimed.take_firsts(with_token) == []:
+            self.plain = True
+            return arg_storage  # read by no processor: __call__ does not run them
+        self.plain = False
+        return super().prepare_tensor_args(requests_in_batch, arg_storage)
+
+    def __call__(self, input_ids: Any, scores: Any, logits_processor_args: Any) -> Any:
+        plain, self.plain = self.plain, False
+        return scores if plain else super().__call__(input_ids, scores, logits_processor_args)
 
 
 class PerRequest(ContinuousBatchingLogitsProcessor):  # type: ignore[misc]
@@ -120,10 +145,16 @@ class Claimed(ContinuousBatchingLogitsProcessor):  # type: ignore[misc]
     def fill_defaults(self, int32_tensor: Any) -> None:
         int32_tensor.zero_()
 
-    def prepare_tensor_args(self, requests_with_new_token: list[Any]) -> Any:
+    def take_firsts(self, requests_with_new_token: list[Any]) -> list[tuple[int, str]]:
+        """Records the rows that give a request its first token (and tells the claims they are scheduled); returns
+        them."""
         rows = enumerate(requests_with_new_token)
         self.firsts = [(row, r.state.request_id) for row, r in rows if not r.state.generated_tokens]
         self.claims.scheduled([request_id for _, request_id in self.firsts])
+        return self.firsts
+
+    def prepare_tensor_args(self, requests_with_new_token: list[Any]) -> Any:
+        self.take_firsts(requests_with_new_token)
         return torch.zeros(len(requests_with_new_token), dtype=torch.int32)
 
     def __call__(self, scores: Any, tensor_arg: Any) -> Any:
