@@ -12,7 +12,9 @@ The library does the batching, the paged cache and the prefix sharing. Written h
 
 * **routing** (``router`` → :class:`~ttft_sse.bridge.Mailboxes`): the library's router forgets a callback only when
   its request finishes, so a cancelled request's would stay for ever, its results piling up unread. Ours delivers each
-  step's results to the event loop in one ``call_soon_threadsafe`` and drops those of requests that have left;
+  step's results to the event loop in one ``call_soon_threadsafe`` and drops those of requests that have left; a
+  step's results that can wait are posted as the next step's decoder layers go into C, so that the event loop's
+  Python runs beside the kernel rather than before it (engine/batched/held.py);
 * **stop sequences and text**: the library knows token ids; :class:`~ttft_sse.engine.text.TokenText` frames text
   exactly as the single-request engine does, and a stop sequence cancels the request in the library;
 * **a loop that died**: the library fails the requests it knows about when its loop crashes, but a request added in
@@ -60,6 +62,7 @@ from ttft_sse.bridge import Idle, Mailboxes, Resident
 from ttft_sse.engine.base import NORMAL, ChatMessage, Finished, ModelInfo, Piece, Prompt, SamplingParams
 from ttft_sse.engine.batched import hooks, memory
 from ttft_sse.engine.batched.claims import Arrivals, Claims, FirstToken
+from ttft_sse.engine.batched.held import Held
 from ttft_sse.engine.batched.hooks import BLOCK_TOKENS, missing_internals
 from ttft_sse.engine.batched.interlude import Interlude
 from ttft_sse.engine.batched.modes import Modes
@@ -128,6 +131,8 @@ class BatchedEngine:
         self._interlude_first = 0
         self._batching_off: str | None = None  # why requests run on the single engine, where they must
         self._modes = Modes((NORMAL,))  # the model's modes, once loaded
+        self._held = Held(self._post)  # a step's outputs, posted as the next step's layers go into C
+        self._counters.before_kernel = self._held.release
 
     @property
     def info(self) -> ModelInfo:
@@ -461,6 +466,9 @@ class BatchedEngine:
         if isinstance(self._prefill, Interlude):
             self._prefill.sweep()
         self.batch_log.append(tuple(output.request_id for output in outputs))
+        self._held.deliver(outputs)
+
+    def _post(self, outputs: Sequence[Any]) -> None:
         self._mailboxes.deliver((output.request_id, output) for output in outputs)
 
     def _alive(self) -> bool:

@@ -41,6 +41,7 @@ class PrefixCounters:
     in_place: bool = False  # the loop's cache hands the attention its rows in place (attention.read_in_place)
     between: Callable[[Any], None] | None = None  # called between a batched step's layers (attention.InPlace.between)
     waiting: Any = None  # a ctypes int, not 0 while between has work (attention.InPlace.waiting)
+    before_kernel: Callable[[], None] | None = None  # called as a step's layers go into C (InPlace.before_kernel)
     prefill_chunk: int = 0  # prompt tokens a step computes beside decoding streams (0: the whole token budget)
     modes: Modes | None = None  # where the engine has more than one mode: switched here, between two steps
 
@@ -68,6 +69,7 @@ def register_scheduler(counters: PrefixCounters, *, paged: bool) -> str:
                 self._in_place = getattr(cache, attention.IN_PLACE)
                 self._in_place.between = counters.between
                 self._in_place.waiting = counters.waiting
+                self._in_place.before_kernel = counters.before_kernel
             if counters.modes is not None:
                 keep_apart(cache, counters.modes)
 

@@ -340,6 +340,10 @@ class InPlace:
         """With :attr:`between`, a ctypes int that is not 0 while it has something to do (a newcomer waits): the
         decoder layers run in one call (engine/cpu/decoder.py's ``run_layers``) read it before each layer, and stop
         there for it. None: they run one by one, ``between`` called before each."""
+        self.before_kernel: Callable[[], None] | None = None
+        """Called as a batched step's decoder layers in C are about to run (engine/cpu/decoder.py), each time a layer
+        or the stack of them goes into C, without the GIL: the batched engine posts the last step's outputs there
+        (engine/batched/held.py)."""
         self.stacked: Any = None
         """The output of the step in flight's decoder layers, computed in one call by its first layer: the later
         layers pass it on."""
