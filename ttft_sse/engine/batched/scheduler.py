@@ -69,7 +69,8 @@ def register_scheduler(counters: PrefixCounters, *, paged: bool) -> str:
                 self._in_place = getattr(cache, attention.IN_PLACE)
                 self._in_place.between = counters.between
                 self._in_place.waiting = counters.waiting
-                self._in_place.before_kernel = counters.before_kernel
+                if counters.before_kernel is not None:
+                    self._in_place.before_kernel = counters.before_kernel
             if counters.modes is not None:
                 keep_apart(cache, counters.modes)
 

@@ -316,6 +316,10 @@ class Step(NamedTuple):
     slots: int
 
 
+def _nothing() -> None:
+    """:attr:`InPlace.before_kernel` where no engine asks for it."""
+
+
 class InPlace:
     """A paged KV cache that reads in place (:func:`read_in_place`): each layer's key and value rows, as the
     library's indices count them, and the index arrays of the step in flight."""
@@ -340,7 +344,7 @@ class InPlace:
         """With :attr:`between`, a ctypes int that is not 0 while it has something to do (a newcomer waits): the
         decoder layers run in one call (engine/cpu/decoder.py's ``run_layers``) read it before each layer, and stop
         there for it. None: they run one by one, ``between`` called before each."""
-        self.before_kernel: Callable[[], None] | None = None
+        self.before_kernel: Callable[[], None] = _nothing
         """Called as a batched step's decoder layers in C are about to run (engine/cpu/decoder.py), each time a layer
         or the stack of them goes into C, without the GIL: the batched engine posts the last step's outputs there
         (engine/batched/held.py)."""

@@ -168,8 +168,7 @@ def run_layers(
         serve(in_place)  # an interlude (engine/batched/interlude.py), if a newcomer waits
     y = torch.empty_like(x)
     at, source = 0, x
-    if in_place.before_kernel is not None:
-        in_place.before_kernel()
+    in_place.before_kernel()
     while True:
         status = chain.run(
             ctypes.addressof(stack), at, source.data_ptr(), rows, cos.data_ptr(), sin.data_ptr(), y.data_ptr()
@@ -459,8 +458,7 @@ def _in_place(
             return in_place.stacked
     if in_place.between is not None:
         in_place.between(in_place)  # an interlude (engine/batched/interlude.py), if a newcomer waits
-    if in_place.before_kernel is not None:
-        in_place.before_kernel()
+    in_place.before_kernel()
     keys, values = in_place.rows[module.self_attn.layer_idx]
     return whole(module, shared, x, rows, cos, sin, keys, values)
 
@@ -481,7 +479,7 @@ def _around_attention(
     k, v = torch.empty((*shape, layer.kv_heads * layer.dim)), torch.empty((*shape, layer.kv_heads * layer.dim))
     address = module.addresses[kernel.ROWS.int8]
     in_place: attention.InPlace | None = getattr(cache, attention.IN_PLACE, None)
-    if in_place is not None and in_place.before_kernel is not None:
+    if in_place is not None:
         in_place.before_kernel()
     status = module.head(
         address, x.data_ptr(), rows, cos.data_ptr(), sin.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr()
