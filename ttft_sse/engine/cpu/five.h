@@ -1,19 +1,27 @@
 /* The Q5 types' codes in 5 bits (kernel.c's FIVE panels, laid out by layouts.five_codes): each two inputs' FIVE_PAIR
    bytes, their 16 bytes of low nibbles as 4-bit codes lie (q + 16), then the first input's fifth bits, 16 as a
    little-endian uint16 (bit j: output j's), then the second's; unpacked to q - 16 exactly. Two inputs' bytes lie
-   together so that one index reaches both (a one-row call keeps 8 panels' pointers in registers). */
+   together so that one index reaches both (a one-row call keeps 8 panels' pointers in registers). AVX-512 builds
+   only: with AVX2 the unpacking (each bit spread to a byte) made a one-row call 1.8x slower than 8-bit codes, and
+   those builds hold the Q5 types in 8 bits (kernel.takes_five). */
 
 #ifndef TTFT_FIVE_H
 #define TTFT_FIVE_H
 
 #include <immintrin.h>
 #include <stdint.h>
-#include <string.h>
 
 #include "blocks.h"
 #include "vectors.h"
 
 #if defined(__AVX512F__)
+#define FIVE_CODES /* this build multiplies FIVE panels */
+#define FIVE_BUILT 1
+#else
+#define FIVE_BUILT 0
+#endif
+
+#if defined(FIVE_CODES)
 /* Inputs 2i and 2i+1 of a FIVE panel as floats: each nibble less 16 from a table by vpermps (which reads only a
    lane's low 4 bits, as 4-bit codes are read), then 16 added where its fifth bit is set, under that mask. */
 static inline void five_pair(const uint8_t *codes, int64_t i, pv *w0, pv *w1) {
@@ -26,23 +34,5 @@ static inline void five_pair(const uint8_t *codes, int64_t i, pv *w0, pv *w1) {
     *w1 = _mm512_mask_add_ps(high, _load_mask16((__mmask16 *)(fifth + 2)), high, sixteen);
 }
 #endif
-
-/* Inputs 2i and 2i+1 of a FIVE panel as signed bytes q - 16 (any build): each fifth bit spread to its output's byte
-   as 16 (its word to every byte of its half, then each byte's own bit compared), or'ed into the nibble, less 16. */
-static inline void five_bytes(const uint8_t *codes, int64_t i, __m128i *a, __m128i *b) {
-    const uint8_t *pair = codes + FIVE_PAIR * i;
-    const __m128i low = _mm_set1_epi8(0x0F), sixteen = _mm_set1_epi8(16);
-    const __m128i halves = _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-    const __m128i bit = _mm_setr_epi8(1, 2, 4, 8, 16, 32, 64, -128, 1, 2, 4, 8, 16, 32, 64, -128);
-    __m128i raw = _mm_loadu_si128((const __m128i *)pair);
-    uint16_t words[2];
-    memcpy(words, pair + P, 4);
-    __m128i f0 = _mm_shuffle_epi8(_mm_cvtsi32_si128(words[0]), halves);
-    __m128i f1 = _mm_shuffle_epi8(_mm_cvtsi32_si128(words[1]), halves);
-    f0 = _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(f0, bit), bit), sixteen);
-    f1 = _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(f1, bit), bit), sixteen);
-    *a = _mm_sub_epi8(_mm_or_si128(_mm_and_si128(raw, low), f0), sixteen);
-    *b = _mm_sub_epi8(_mm_or_si128(_mm_and_si128(_mm_srli_epi16(raw, 4), low), f1), sixteen);
-}
 
 #endif

@@ -7,7 +7,7 @@
    of 16 outputs (N padded to whole panels with zero weights):
      4-bit codes: panels x K/2 x 16 bytes; byte j of row i holds output j's code for input 2i (low nibble) and for
                   input 2i+1 (high nibble), each plus 8;
-     5-bit codes (FIVE: the Q5 types' q - 16): panels x K/2 x FIVE_PAIR (20) bytes; each two inputs' 16 bytes of
+     5-bit codes (FIVE: the Q5 types' q - 16; AVX-512 builds): panels x K/2 x FIVE_PAIR (20) bytes; each two inputs' 16 bytes of
                   low nibbles as 4-bit codes lie (plus 16), then input 2i's fifth bits, 16 as a little-endian uint16
                   (bit j: output j's), then input 2i+1's: 5 bits an input instead of 8;
      8-bit codes: panels x K x 16 signed bytes (SIXTEEN's too);
@@ -69,11 +69,13 @@ enum { SCALES_FP32, SCALES_F16, SCALES_K, SCALES_SC, SCALES_SIX }; /* a panel's 
 /* A panel's codes for inputs 2i and 2i+1, as floats (exact: q - 8 for 4-bit codes, q - 16 for 5-bit ones). */
 static inline void pair(const uint8_t *codes, int bits, int64_t i, pv *w0, pv *w1) {
     __m128i a, b;
-#if defined(__AVX512F__)
+#if defined(FIVE_CODES)
     if (bits == FIVE) {
         five_pair(codes, i, w0, w1);
         return;
     }
+#endif
+#if defined(__AVX512F__)
     if (bits == 4) {
         /* q - 8 as a float, from a table of -8..7 by vpermps, which reads only a lane's low 4 bits: each byte
            zero-extended to its lane gives the low nibble's value, and shifted right by 4 the high nibble's. The
@@ -90,8 +92,6 @@ static inline void pair(const uint8_t *codes, int bits, int64_t i, pv *w0, pv *w
         __m128i raw = _mm_loadu_si128((const __m128i *)(codes + P * i));
         a = _mm_sub_epi8(_mm_and_si128(raw, low), eight);
         b = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(raw, 4), low), eight);
-    } else if (bits == FIVE) {
-        five_bytes(codes, i, &a, &b);
     } else {
         a = _mm_loadu_si128((const __m128i *)(codes + 2 * P * i));
         b = _mm_loadu_si128((const __m128i *)(codes + 2 * P * i + P));
@@ -413,7 +413,7 @@ void fp32_panels(const float *x, const float *sums, int64_t M, int64_t K, const 
         ONE_ROW(8, B) ONE_ROW(7, B) ONE_ROW(6, B) ONE_ROW(5, B) ONE_ROW(4, B) ONE_ROW(3, B) ONE_ROW(2, B)              \
         default: one_row(1, c, panel_bytes, B, form, s, z, x, sums, K, yq, N - q * P);                                 \
     }
-            if (bits == FIVE) ONE_ROWS(FIVE) else ONE_ROWS(bits)
+            if (FIVE_BUILT && bits == FIVE) ONE_ROWS(FIVE) else ONE_ROWS(bits)
         }
         return;
     }
@@ -442,7 +442,7 @@ void fp32_panels(const float *x, const float *sums, int64_t M, int64_t K, const 
 #define FUSED(R, G)                                                                                                    \
     if (R <= ROWS && G <= PANELS) { /* SIX_PACKED's and FIVE's own code: the others' as it was without them */      \
         if (form == SCALES_SIX) FUSED_AS(R, G, bits, SCALES_SIX);                                                      \
-        else if (bits == FIVE) FUSED_AS(R, G, FIVE, form);                                                             \
+        else if (FIVE_BUILT && bits == FIVE) FUSED_AS(R, G, FIVE, form);                                               \
         else FUSED_AS(R, G, bits, form);                                                                               \
     }
                 BY_ROWS(FUSED, rows, panels)
@@ -462,13 +462,19 @@ int fp32_buffer(int64_t M, int64_t K, float **buffer) {
 }
 
 int fp32_takes(int64_t K, int bits) {
-    if (bits == (4 | K_SCALES) || bits == (FIVE | K_SCALES)) return K % 256 == 0;
+    if (bits == (4 | K_SCALES)) return K % 256 == 0;
+#if defined(FIVE_CODES)
+    if (bits == (FIVE | K_SCALES)) return K % 256 == 0;
+#endif
     if (bits == (SIXTEEN | SIX_SCALES)) return K % 256 == 0;
 #if defined(SIX_CODES)
     if (bits == (SIXTEEN | SIX_PACKED)) return K % 256 == 0;
 #endif
     int codes = bits & ~F16_SCALES, half = bits != codes;
-    return K % BLOCK == 0 && (codes == 4 || codes == FIVE || codes == 8 || (!half && (bits == SIXTEEN || dense_bits(bits))));
+#if defined(FIVE_CODES)
+    if (codes == FIVE) return K % BLOCK == 0;
+#endif
+    return K % BLOCK == 0 && (codes == 4 || codes == 8 || (!half && (bits == SIXTEEN || dense_bits(bits))));
 }
 
 int fp32_needs_sums(int bits) {

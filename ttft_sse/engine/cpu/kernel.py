@@ -50,7 +50,16 @@ import structlog
 
 from ttft_sse.engine.cpu import arrangement, compiler, matches, weights
 from ttft_sse.engine.cpu import codes as gguf_codes
-from ttft_sse.engine.cpu.layouts import FIVE_PAIR, PANEL, SIX_PACKED, panel_bits, probed_outputs, record_bits
+from ttft_sse.engine.cpu.layouts import (
+    F16_SCALES,
+    FIVE,
+    FIVE_PAIR,
+    PANEL,
+    SIX_PACKED,
+    panel_bits,
+    probed_outputs,
+    record_bits,
+)
 
 log = structlog.get_logger("ttft_sse.engine")
 
@@ -125,6 +134,13 @@ def takes_six(path: Path) -> bool:
     """Whether the library at ``path`` multiplies fp32 rows by Q6_K's codes in 6 bits (layouts.six_codes: it was
     built for a CPU with AVX-512 VBMI); elsewhere they are held in 8."""
     bits = gguf_codes.SIXTEEN + SIX_PACKED
+    return bool(function(path, FP32)(None, 0, 256, None, bits, None, None, 0, None) == 0)
+
+
+def takes_five(path: Path) -> bool:
+    """Whether the library at ``path`` multiplies fp32 rows by the Q5 types' codes in 5 bits (layouts.five_codes: it
+    was built for a CPU with AVX-512); elsewhere they are held in 8."""
+    bits = FIVE + F16_SCALES
     return bool(function(path, FP32)(None, 0, 256, None, bits, None, None, 0, None) == 0)
 
 
@@ -248,9 +264,9 @@ def _apply(
             name: "fp32" if activations == "int8" and codes.unquantised else activations
             for name, codes in found.codes.items()
         }
-        six = takes_six(library)
+        six, five = takes_six(library), takes_five(library)
         entries = {
-            name: arrangement.laid_out(codes, rows[name], degrade, weights_now[name], six)
+            name: arrangement.laid_out(codes, rows[name], degrade, weights_now[name], six, five)
             for name, codes in found.codes.items()
         }
         kept = arrangement.Kept(found.kinds, entries)
@@ -282,7 +298,7 @@ def _apply(
     for layer in changed:
         if id(layer.weight) not in shared:  # never read again: the fp32 weight's memory goes back
             layer.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
-    five = sum(entry.rows == "fp32" and entry.arrays[0].shape[-1] == FIVE_PAIR for entry in entries.values())
+    in_five = sum(entry.rows == "fp32" and entry.arrays[0].shape[-1] == FIVE_PAIR for entry in entries.values())
     counts = {bits: sum(entry.bits == bits for entry in entries.values()) for bits in (4, 8, gguf_codes.SIXTEEN)}
     dense = sum(entry.bits in gguf_codes.DENSE_DTYPES for entry in entries.values())
     used = "int8" if "int8" in rows.values() else "fp32"
@@ -291,8 +307,8 @@ def _apply(
         "weights_blocks",
         layers=len(changed),
         q4=counts[4],
-        q8=counts[8] - five,
-        q5=five,
+        q8=counts[8] - in_five,
+        q5=in_five,
         q6=counts[gguf_codes.SIXTEEN],
         dense=dense,
         activations=used,
@@ -339,7 +355,7 @@ def _attach(
     """Make ``layer`` a ``BlockLinear`` on ``codes`` with the kernel of the library at ``library``; with ``degrade``,
     holding the int8 rows' records too."""
     weight = layer.weight.detach().numpy()
-    entry = arrangement.laid_out(codes, activations, degrade, weight, takes_six(library))
+    entry = arrangement.laid_out(codes, activations, degrade, weight, takes_six(library), takes_five(library))
     _hold_entry(layer, entry, library, torch)
 
 

@@ -15,11 +15,12 @@ PANEL = 16
 
 
 def panels(
-    codes: gguf_codes.Codes, six: bool = False
+    codes: gguf_codes.Codes, six: bool = False, five: bool = False
 ) -> tuple[npt.NDArray[np.uint8], npt.NDArray[Any], npt.NDArray[np.float32]]:
     """``codes`` in kernel.c's layout: panels of :data:`PANEL` outputs (the last one padded with zero weights), the
-    codes of each input's 16 outputs side by side (4-bit ones two inputs a byte, plus 8; 8-bit ones of -16..15, as
-    the Q5 types' are, in 5 bits: :func:`five_codes`), and a block's 16 scales
+    codes of each input's 16 outputs side by side (4-bit ones two inputs a byte, plus 8; with ``five``, a kernel
+    built with AVX-512: kernel.takes_five, 8-bit ones of -16..15, as the Q5 types' are, in 5 bits:
+    :func:`five_codes`), and a block's 16 scales
     and zeros likewise (fp16 scales and empty zeros where :func:`half_scales`). Q6_K's codes
     (:data:`~ttft_sse.engine.cpu.codes.SIXTEEN`) have a scale each 16 inputs and no zeros: their zeros are empty
     (panels x 0 x 16); where :func:`six_factors` finds each super-block's factor and each block's signed byte, their
@@ -45,13 +46,13 @@ def panels(
     if codes.bits == 4:
         unsigned = (by_input.astype(np.int16) + 8).astype(np.uint8)
         packed = unsigned[:, 0::2] | (unsigned[:, 1::2] << 4)
-    elif codes.bits == 8 and fits_five(codes):
+    elif five and codes.bits == 8 and fits_five(codes):
         packed = five_codes(by_input)
     else:
         packed = by_input.view(np.uint8)
     if factors is not None:  # SIX_SCALES
         return np.ascontiguousarray(packed), six_records(*factors), no_zeros
-    if k_factors(codes):  # K_SCALES: a K-quant's own factors, from which kernel.c computes the scales and zeros
+    if k_factors(codes) and (codes.bits == 4 or five):  # K_SCALES: a K-quant's own factors (Q5_K's: 5-bit codes)
         return np.ascontiguousarray(packed), _factor_panels(codes), no_zeros
     if half_scales(codes):  # F16_SCALES: the file's fp16 d, and zeros of -0.0
         return np.ascontiguousarray(packed), _by_panel(codes.scale, np.float16), no_zeros
