@@ -19,7 +19,7 @@ from tests.support.servers import eventually
 from tests.support.texts import STORY
 from ttft_sse.engine.base import Finished, Piece, SamplingParams
 from ttft_sse.engine.batched.engine import BLOCK_TOKENS, BatchedEngine
-from ttft_sse.engine.cpu import argmax, attention, decoder, grouped
+from ttft_sse.engine.cpu import argmax, attention, grouped, stack
 from ttft_sse.engine.single import CacheJanitor, SingleEngine
 from ttft_sse.errors import EngineError
 from ttft_sse.settings import Settings
@@ -97,17 +97,17 @@ async def test_concurrent_greedy_requests_give_the_single_engines_text(
         return real(query, key, value, *args, **kwargs)
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
-    # Steps whose decoder layers all ran in one C call (engine/cpu/decoder.py's run_layers), and layers run alone.
+    # Steps whose decoder layers all ran in one C call (engine/cpu/stack.py's run_layers), and layers run alone.
     stacked: list[int] = []
     alone: list[int] = []
-    run_layers, whole = decoder.run_layers, decoder.whole
+    run_layers, whole = stack.run_layers, stack.whole
 
-    def stack(*arguments: Any, between: bool, **named: Any) -> Any:
+    def in_one_call(*arguments: Any, between: bool, **named: Any) -> Any:
         stacked.extend([1] if between else [])  # a step's, not an interlude's pass
         return run_layers(*arguments, between=between, **named)
 
-    monkeypatch.setattr(decoder, "run_layers", stack)
-    monkeypatch.setattr(decoder, "whole", lambda *arguments: alone.append(1) or whole(*arguments))
+    monkeypatch.setattr(stack, "run_layers", in_one_call)
+    monkeypatch.setattr(stack, "whole", lambda *arguments: alone.append(1) or whole(*arguments))
     picks: list[int] = []  # rows of each step's greedy pick in C (engine/cpu/argmax.py)
     rows = argmax.Argmax.rows
     monkeypatch.setattr(
@@ -127,7 +127,7 @@ async def test_concurrent_greedy_requests_give_the_single_engines_text(
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", real)
     steps = engine.stats().steps - before
     # Every attention call of the batch went the way asked; paged, the library gathered nothing (and no prompt is
-    # long enough for SDPA), and every step ran its 30 layers in one C call (engine/cpu/decoder.py). The other ways
+    # long enough for SDPA), and every step ran its 30 layers in one C call (engine/cpu/stack.py). The other ways
     # gather in engine/cpu/attention.py: the engine's cache reads in place.
     assert heads == {"paged": set(), "grouped-kv": {3}, "repeated-kv": {9}}[way]
     assert (len(stacked), alone) == ((steps if way == "paged" else 0), [])

@@ -23,7 +23,7 @@ from ttft_sse.engine.base import Finished, Piece, SamplingParams, Usage
 from ttft_sse.engine.batched import interlude
 from ttft_sse.engine.batched.engine import BLOCK_TOKENS, BatchedEngine
 from ttft_sse.engine.batched.interlude import Interlude
-from ttft_sse.engine.cpu import attention, decoder
+from ttft_sse.engine.cpu import attention, stack
 from ttft_sse.engine.single import SingleEngine
 from ttft_sse.settings import Settings
 from ttft_sse.stages import StageClock
@@ -110,7 +110,7 @@ async def test_newcomers_at_a_busy_batch_get_the_single_engines_text_and_their_p
 
 
 @contextmanager
-def recorded(engine: BatchedEngine, calls: list[tuple[int, int]], *, flag: bool = False) -> Iterator[decoder.Chain]:
+def recorded(engine: BatchedEngine, calls: list[tuple[int, int]], *, flag: bool = False) -> Iterator[stack.Chain]:
     """The model's layers run in one call through a wrapper that records each call's first layer and what it
     returned; with ``flag``, the interludes' flag is raised before each call from the first layer, as a newcomer that
     came during it would."""
@@ -127,7 +127,7 @@ def recorded(engine: BatchedEngine, calls: list[tuple[int, int]], *, flag: bool 
         calls.append((start, status))
         return status
 
-    recording = decoder.Chain(chain.layers, chain.addresses, run)
+    recording = stack.Chain(chain.layers, chain.addresses, run)
     for layer in layers:
         layer.chain = recording
     try:
@@ -141,7 +141,7 @@ def recorded(engine: BatchedEngine, calls: list[tuple[int, int]], *, flag: bool 
 async def test_a_steps_layers_run_in_one_call_that_stops_where_a_newcomer_waits_and_goes_on_from_there(
     engine: BatchedEngine, reference: SingleEngine
 ) -> None:
-    """Every decoder layer is fused, so a batched step's first layer runs them all in one C call (decoder.run_layers).
+    """Every decoder layer is fused, so a batched step's first layer runs them all in one C call (stack.run_layers).
     The interludes' flag, raised while it runs the first layer, stops it before the second: the interlude runs
     there, and the call goes on from that layer. The text is the single engine's."""
     params = SamplingParams(max_tokens=12)
@@ -175,10 +175,10 @@ async def test_in_one_call_newcomers_get_the_single_engines_text_and_no_layer_is
     engine: BatchedEngine, reference: SingleEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With real newcomers at a busy batch: the steps and the interludes' own passes run their layers in one call,
-    never one layer alone (decoder.whole), and where a newcomer stopped a call it went on from that layer."""
+    never one layer alone (stack.whole), and where a newcomer stopped a call it went on from that layer."""
     alone: list[int] = []
-    whole = decoder.whole
-    monkeypatch.setattr(decoder, "whole", lambda *arguments: alone.append(1) or whole(*arguments))
+    whole = stack.whole
+    monkeypatch.setattr(stack, "whole", lambda *arguments: alone.append(1) or whole(*arguments))
     calls: list[tuple[int, int]] = []
     with recorded(engine, calls) as chain:
         assert await newcomers(engine, reference, "Stopped") >= 1

@@ -14,7 +14,7 @@ from structlog.testing import capture_logs
 from tests.support.ggufs import quantise, write_gguf
 from tests.support.paths import CACHE_DIR
 from tests.support.texts import PASSAGE
-from ttft_sse.engine.cpu import attention, compiler, decoder, families, kernel
+from ttft_sse.engine.cpu import attention, compiler, decoder, families, kernel, stack, structs
 from ttft_sse.engine.loading.model import KERNEL_DIR
 from ttft_sse.engine.single import SingleEngine
 from ttft_sse.settings import Settings
@@ -208,7 +208,7 @@ def test_q_k_v_and_gate_up_joined_give_the_same_bits_as_the_layers_one_by_one(
     assert k.arrays[0].data_ptr() == qkv[0][panels].data_ptr()
     up = layer.get_submodule(decoder.LINEARS["up"])
     assert up.arrays[0].data_ptr() == gate_up[0][intermediate // 16].data_ptr() and numbers.gate_up.codes
-    apart = decoder.Layer.from_buffer_copy(numbers)
+    apart = structs.Layer.from_buffer_copy(numbers)
     apart.qkv, apart.gate_up = decoder.Linear(), decoder.Linear()  # codes NULL: one call a layer, as before
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(count, hidden, generator=generator)
@@ -265,7 +265,7 @@ def test_a_batched_steps_layer_in_one_call_is_its_head_cache_write_attention_and
 
     got_cache = [t.clone() for t in cache]
     shared = attention.Step(write, index, cu_q, cu_k, len(requests), cache[0].stride(0), cache[0].stride(1), 40)
-    step = decoder.c_step(shared, module)
+    step = stack.c_step(shared, module)
     got = torch.empty(rows, numbers.hidden)
     status = layer.whole(
         layer.address, ctypes.addressof(step), pointers[0], rows, pointers[1], pointers[2],
@@ -297,7 +297,7 @@ def test_a_steps_layers_in_one_call_are_each_layers_call_in_turn_and_stop_where_
     cu_q, cu_k = attention.starts(torch, requests)
     write = torch.cat([index[int(cu_k[s + 1]) - n : int(cu_k[s + 1])] for s, (n, _) in enumerate(requests)])
     shared = attention.Step(write, index, cu_q, cu_k, len(requests), caches[0][0].stride(0), caches[0][0].stride(1), 40)
-    step = decoder.c_step(shared, module)
+    step = stack.c_step(shared, module)
 
     def one_by_one(count: int) -> tuple[Any, list[list[Any]]]:
         cache = [[t.clone() for t in pair] for pair in caches]
@@ -320,18 +320,18 @@ def test_a_steps_layers_in_one_call_are_each_layers_call_in_turn_and_stop_where_
         [pair[1].data_ptr() for pair in got_cache],
     )]  # fmt: skip
     waiting = ctypes.c_int32(1)
-    stack = decoder.Stack(len(layers), *(ctypes.addressof(p) for p in pointers), ctypes.addressof(waiting))
+    called = structs.Stack(len(layers), *(ctypes.addressof(p) for p in pointers), ctypes.addressof(waiting))
     run = decoder.function(kernel.build(DIRECTORY), decoder.STACK)
     y = torch.empty(rows, numbers.hidden)
     arguments = (rows, cos.data_ptr(), sin.data_ptr(), y.data_ptr())
-    assert run(ctypes.addressof(stack), 0, x.data_ptr(), *arguments) == 1  # stopped before the second layer
+    assert run(ctypes.addressof(called), 0, x.data_ptr(), *arguments) == 1  # stopped before the second layer
     first, first_cache = one_by_one(1)
     assert torch.equal(y, first)
     assert all(
         torch.equal(g, w) for gp, wp in zip(got_cache, first_cache, strict=True) for g, w in zip(gp, wp, strict=True)
     )
     waiting.value = 0
-    assert run(ctypes.addressof(stack), 1, y.data_ptr(), *arguments) == len(layers)
+    assert run(ctypes.addressof(called), 1, y.data_ptr(), *arguments) == len(layers)
     want, want_cache = one_by_one(len(layers))
     assert torch.equal(y, want) and not torch.equal(want, first)
     assert all(

@@ -15,7 +15,7 @@ from tests.support import tinymodels
 from tests.support.engines import collect, prompt_of
 from ttft_sse.engine.base import SamplingParams
 from ttft_sse.engine.batched.engine import BatchedEngine
-from ttft_sse.engine.cpu import attention, decoder, families
+from ttft_sse.engine.cpu import attention, families, stack
 from ttft_sse.engine.single import SingleEngine
 from ttft_sse.settings import Settings
 from ttft_sse.stages import StageClock
@@ -155,7 +155,7 @@ async def test_concurrent_requests_on_the_batched_engine_each_get_the_text_they_
     single, _ = singles(family)
     stacked: list[int] = []
     windows: list[bool] = []
-    run_layers, window_index = decoder.run_layers, attention.window_index
+    run_layers, window_index = stack.run_layers, attention.window_index
 
     def spy(*arguments: Any, **named: Any) -> Any:
         stacked.append(1)
@@ -166,7 +166,7 @@ async def test_concurrent_requests_on_the_batched_engine_each_get_the_text_they_
         windows.append(found is not None)
         return found
 
-    monkeypatch.setattr(decoder, "run_layers", spy)
+    monkeypatch.setattr(stack, "run_layers", spy)
     monkeypatch.setattr(attention, "window_index", seen)
     try:
         assert engine.info.decoder == f"fused: {LAYERS[family]} of {LAYERS[family]} layers"

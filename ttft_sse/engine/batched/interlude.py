@@ -219,8 +219,8 @@ def first_tokens(
 def _step(model: Any, torch: Any, in_place: Any, prompts: Sequence[tuple[str, list[int], int]]) -> Any:
     """The logits after each of ``prompts`` (``(name, tokens, shared)``: its cache allocated under ``name``, its
     first ``shared`` tokens in the cache already): its new rows through the embedding, every decoder layer's one C
-    call (as in a batched step: engine/cpu/decoder.py), the final norm and the output layer for its last row."""
-    from ttft_sse.engine.cpu import attention, decoder
+    call (as in a batched step: engine/cpu/stack.py), the final norm and the output layer for its last row."""
+    from ttft_sse.engine.cpu import attention, stack
 
     cache, base = in_place.cache, model.base_model
     rows = [ids[shared:] for _, ids, shared in prompts]
@@ -250,12 +250,12 @@ def _step(model: Any, torch: Any, in_place: Any, prompts: Sequence[tuple[str, li
         count = int(cu_q[-1])
         chain = getattr(base.layers[0], "chain", None)
         if chain is not None:  # every layer in one call
-            x = decoder.run_layers(chain, in_place, steps, x, count, cos, sin, between=False, positions=position_ids)
+            x = stack.run_layers(chain, in_place, steps, x, count, cos, sin, between=False, positions=position_ids)
         else:
             for layer in base.layers:
                 index = layer.self_attn.layer_idx
                 keys, values = in_place.rows[index]
-                x = decoder.whole(layer, steps[cache.layer_to_allocator[index].index], x, count, cos, sin, keys, values)
+                x = stack.whole(layer, steps[cache.layer_to_allocator[index].index], x, count, cos, sin, keys, values)
         last = (cu_q[1:] - 1).to(torch.int64)
         return model.get_output_embeddings()(base.norm(x)[0, last])
 

@@ -342,12 +342,12 @@ class InPlace:
         (engine/cpu/decoder.py): the batched engine's interludes (engine/batched/interlude.py), where it runs them."""
         self.waiting: Any = None
         """With :attr:`between`, a ctypes int that is not 0 while it has something to do (a newcomer waits): the
-        decoder layers run in one call (engine/cpu/decoder.py's ``run_layers``) read it before each layer, and stop
+        decoder layers run in one call (engine/cpu/stack.py's ``run_layers``) read it before each layer, and stop
         there for it. None: they run one by one, ``between`` called before each."""
         self.before_kernel: Callable[[], None] = _nothing
-        """Called as a batched step's decoder layers in C are about to run (engine/cpu/decoder.py), each time a layer
-        or the stack of them goes into C, without the GIL: the batched engine posts the last step's outputs there
-        (engine/batched/held.py)."""
+        """Called as a batched step's decoder layers in C are about to run (engine/cpu/stack.py, decoder.py), each time
+        a layer or the stack of them goes into C, without the GIL: the batched engine posts the last step's outputs
+        there (engine/batched/held.py)."""
         self.stacked: Any = None
         """The output of the step in flight's decoder layers, computed in one call by its first layer: the later
         layers pass it on."""

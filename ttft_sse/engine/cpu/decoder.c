@@ -15,7 +15,7 @@
    paged KV cache read in place, ttft_decoder_layer does all three in one call: the head, the new keys and values
    written into the cache's rows, the attention by attention.c's function (handed over as a pointer: it is built into
    its own library), the tail; and ttft_decoder_stack runs a step's layers one after another in one call, stopping
-   between two of them when a newcomer waits (decoder.py's run_layers).
+   between two of them when a newcomer waits (stack.py's run_layers).
 
    Every linear layer is the block kernel's (kernel.c), on the layer's GGUF blocks, with fp32 rows or rows quantised
    to int8. Each step is one row's own arithmetic, so a row's result does not depend on the other rows of the call, as

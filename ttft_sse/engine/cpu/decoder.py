@@ -12,20 +12,20 @@ up, down, residual). Between them the layer calls the model's KV cache and atten
 transformers' ``LlamaAttention`` does, so the batched engine's paged cache, the single engine's dense one and the
 prefill process's all work unchanged, and every engine runs the same arithmetic: a request's text is the same on each.
 
-In the batched engine's steps over its paged cache read in place (engine/cpu/attention.py's
-:class:`~attention.InPlace`) a layer is one C call (``ttft_decoder_layer``): the head, the new keys and values copied
-into the layer's cache rows, attention.c's function (a pointer into its own library), the tail. That skips the
-Python between the two halves (the cache's update, the attention function's wrapper, the tensors between them). The
-index arrays a step's layers share are made once, by its first layer (:meth:`attention.InPlace.step`). The same
-arithmetic in the same order as the calls it replaces, so the same bits (a test); other calls (the single engine's
-dense cache, the prefill process's, long prompts, a softcap or sliding window) keep the two halves.
+In the batched engine's steps over its paged cache read in place (engine/cpu/attention.py's :class:`~attention.InPlace`)
+a layer is one C call (``ttft_decoder_layer``, made by engine/cpu/stack.py): the head, the new keys and values copied
+into the layer's cache rows, attention.c's function (a pointer into its own library), the tail. That skips the Python
+between the two halves (the cache's update, the attention function's wrapper, the tensors between them). The index
+arrays a step's layers share are made once, by its first layer (:meth:`attention.InPlace.step`). The same arithmetic in
+the same order as the calls it replaces, so the same bits (a test); other calls (the single engine's dense cache, the
+prefill process's, long prompts, a softcap or sliding window) keep the two halves.
 
 Where every decoder layer of the model is fused, a batched step's first layer computes them all in one call
-(``ttft_decoder_stack``, :func:`run_layers`), so that the Python around each layer's call (module calls, arguments,
-the GIL taken back) is paid once a step: each layer's ``ttft_decoder_layer`` in turn, the same calls, so the same
-bits; the step's later layers hand its output on. The interludes still run between two layers: the call stops before
-a layer when their flag says a newcomer waits (:attr:`attention.InPlace.waiting`), and goes on from there after them.
-The interludes' own passes use it too.
+(``ttft_decoder_stack``, engine/cpu/stack.py's ``run_layers``), so that the Python around each layer's call (module
+calls, arguments, the GIL taken back) is paid once a step: each layer's ``ttft_decoder_layer`` in turn, the same calls,
+so the same bits; the step's later layers hand its output on. The interludes still run between two layers: the call
+stops before a layer when their flag says a newcomer waits (:attr:`attention.InPlace.waiting`), and goes on from there
+after them. The interludes' own passes use it too.
 
 Each layer computes q, k and v in one call of the kernel and gate and up in another, over their panels side by side
 (:func:`kernel.join`; the same bits as one call a layer): a call shared with the kernel's helper threads costs the
@@ -48,16 +48,14 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import weakref
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import structlog
 
-from ttft_sse.engine.cpu import attention, compiler, families, kernel, weights
+from ttft_sse.engine.cpu import attention, compiler, families, kernel, stack, weights
 from ttft_sse.engine.cpu.families import LINEARS
-from ttft_sse.engine.cpu.structs import JOINED, Layer, Linear, Stack, Step
+from ttft_sse.engine.cpu.structs import JOINED, Layer, Linear
 
 log = structlog.get_logger("ttft_sse.engine")
 
@@ -74,173 +72,6 @@ _ARGUMENTS = {
     GELU_MUL: (_PTR, _PTR, _I64),  # g, u, n
     STACK: (_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR),  # stack, from, x, rows, cos, sin, out
 }
-
-
-@dataclass(frozen=True)
-class Chain:
-    """Every decoder layer of a model, fused, in order (:func:`fuse` gives each of them the model's): what
-    :func:`run_layers` computes in one call."""
-
-    layers: tuple[Any, ...]
-    addresses: Any  # a ctypes array of each layer's ``Layer``
-    run: Any  # ttft_decoder_stack
-    int8_addresses: Any = None  # each layer's int8 ``Layer`` (TTFT_DEGRADE=int8), for a thread on int8 rows
-    # Where layers take rotary embeddings of different kinds (Gemma 3's sliding and full layers: other bases), each
-    # layer's kind and the model's rotary embedding that makes them; else empty and None (one for all).
-    kinds: tuple[str, ...] = ()
-    rotary: Any = None
-
-
-@dataclass(frozen=True)
-class _Rows:
-    """A chain's layers' cache rows in one paged cache, as decoder.c reads them; the cache's allocator group of each
-    layer, and the first layer's attention module of each group (it names the group's step)."""
-
-    keys: Any
-    values: Any
-    groups: tuple[int, ...]
-    firsts: dict[int, Any]
-
-
-_rows_of: weakref.WeakKeyDictionary[attention.InPlace, _Rows] = weakref.WeakKeyDictionary()
-"""Each paged cache's :class:`_Rows`, made at its first step that runs the layers in one call."""
-
-
-def _rows(chain: Chain, in_place: attention.InPlace) -> _Rows:
-    found = _rows_of.get(in_place)
-    if found is None:
-        indices = [layer.self_attn.layer_idx for layer in chain.layers]
-        keys, values = ((_PTR * len(indices))(*(in_place.rows[i][n].data_ptr() for i in indices)) for n in (0, 1))
-        groups = tuple(in_place.cache.layer_to_allocator[i].index for i in indices)
-        firsts: dict[int, Any] = {}
-        for layer, group in zip(chain.layers, groups, strict=True):
-            firsts.setdefault(group, layer.self_attn)
-        found = _rows_of[in_place] = _Rows(keys, values, groups, firsts)
-    return found
-
-
-def step_groups(chain: Chain, in_place: attention.InPlace, kwargs: dict[str, Any]) -> dict[int, attention.Step] | None:
-    """The step of each allocator group of ``chain``'s layers in the batched step ``kwargs`` describe
-    (:meth:`attention.InPlace.step`), or None if one of them is not computed in one call."""
-    steps: dict[int, attention.Step] = {}
-    for group, module in _rows(chain, in_place).firsts.items():
-        shared = in_place.step(module, kwargs)
-        if shared is None:
-            return None
-        steps[group] = shared
-    return steps
-
-
-def run_layers(
-    chain: Chain,
-    in_place: attention.InPlace,
-    steps: dict[int, attention.Step],
-    x: Any,
-    rows: int,
-    cos: Any,
-    sin: Any,
-    *,
-    between: bool,
-    positions: Any = None,
-) -> Any:
-    """The output of ``chain``'s layers for the ``rows`` rows of ``x``, in one C call (``ttft_decoder_stack``): each
-    layer's one call (as :func:`whole`) in turn over the paged cache of ``in_place``, by the step of its allocator
-    group (``steps``). ``cos`` and ``sin`` are the first layer's rotary embedding; where the chain's layers take
-    several kinds (:attr:`Chain.kinds`), the others are made here for ``positions`` (the rows' position ids). With
-    ``between``, ``in_place.between`` runs before the first layer and wherever the call stops because
-    ``in_place.waiting`` says a newcomer waits; the call then goes on from that layer."""
-    import torch
-
-    tables = _rotary_tables(chain, x, cos, sin, positions)  # held: C reads them
-    found = _rows(chain, in_place)
-    made = {group: _c_step(shared, found.firsts[group]) for group, shared in steps.items()}  # held: C reads them
-    pointers = (_PTR * len(found.groups))(*(ctypes.addressof(made[group]) for group in found.groups))
-    waiting = in_place.waiting if between else None
-    layers = chain.int8_addresses if kernel.ROWS.int8 and chain.int8_addresses is not None else chain.addresses
-    stack = Stack(
-        len(chain.layers), ctypes.addressof(layers), ctypes.addressof(pointers),
-        ctypes.addressof(found.keys), ctypes.addressof(found.values),
-        None if waiting is None else ctypes.addressof(waiting),
-        *((None, None) if tables is None else (ctypes.addressof(tables[0]), ctypes.addressof(tables[1]))),
-    )  # fmt: skip
-    serve = in_place.between if between else None
-    if serve is not None:
-        serve(in_place)  # an interlude (engine/batched/interlude.py), if a newcomer waits
-    y = torch.empty_like(x)
-    at, source = 0, x
-    in_place.before_kernel()
-    while True:
-        status = chain.run(
-            ctypes.addressof(stack), at, source.data_ptr(), rows, cos.data_ptr(), sin.data_ptr(), y.data_ptr()
-        )
-        if status < 0:
-            raise RuntimeError(f"the C decoder layers failed ({status})")
-        if status >= len(chain.layers):
-            return y
-        at, source = status, y  # stopped before layer `status`: y holds the output of the layers before it
-        if serve is not None:
-            serve(in_place)
-
-
-def _rotary_tables(chain: Chain, x: Any, cos: Any, sin: Any, positions: Any) -> tuple[Any, Any, Any] | None:
-    """Each layer's rotary embedding (:func:`families.embeddings`) as ctypes arrays of addresses (cos, sin), and
-    the tensors behind them, where the chain's layers take several kinds; None where they take one (the call's)."""
-    if not chain.kinds:
-        return None
-    made = families.embeddings(chain.rotary, chain.kinds, x, cos, sin, positions)
-    count = len(chain.kinds)
-    arrays = tuple((_PTR * count)(*(made[kind][n].data_ptr() for kind in chain.kinds)) for n in (0, 1))
-    return arrays[0], arrays[1], made
-
-
-def _c_step(shared: attention.Step, module: Any) -> Step:
-    """``shared`` as decoder.c reads it, for the layers of ``module``'s kind (marked by :func:`attention.page`); the
-    arrays stay ``shared``'s (the caller holds both while C reads them)."""
-    function = getattr(module, attention.PAGED)
-    part = getattr(module, attention.PAGED_PART, None)
-    arrays = (shared.write, shared.index, shared.cu_q, shared.cu_k)
-    return Step(
-        ctypes.cast(function, _PTR).value,
-        None if part is None else ctypes.cast(part, _PTR).value,
-        *(a.data_ptr() for a in arrays),
-        shared.requests,
-        shared.key_stride,
-        shared.head_stride,
-        attention.LONG_ROWS,
-        module.scaling,
-    )
-
-
-def c_step(shared: attention.Step, module: Any) -> Step:
-    """``shared`` as decoder.c reads it, for the layers of ``module``'s kind (marked by :func:`attention.page`); the
-    arrays stay ``shared``'s (the caller holds both while C reads them). The last one made is kept, for the step's
-    next layers; another engine's step in another thread only makes it again."""
-    global _last
-    made, step = _last
-    if made is not shared:
-        step = _c_step(shared, module)
-        _last = (shared, step)
-    return step
-
-
-_last: tuple[attention.Step | None, Step] = (None, Step())
-"""The last :func:`c_step` made, and what it was made of (held, so that its arrays stay alive)."""
-
-
-def whole(layer: Any, shared: attention.Step, x: Any, rows: int, cos: Any, sin: Any, keys: Any, values: Any) -> Any:
-    """``layer``'s (a :func:`fused_layer_class` one) output for the ``rows`` rows of ``x``, in one C call that writes
-    their keys and values into the paged cache's rows ``keys`` and ``values`` by ``shared`` and attends over them."""
-    import torch
-
-    step = c_step(shared, layer.self_attn)  # held until the call returns: decoder.c reads it
-    y = torch.empty_like(x)
-    status = layer.whole(
-        layer.addresses[kernel.ROWS.int8], ctypes.addressof(step), x.data_ptr(), rows, cos.data_ptr(), sin.data_ptr(),
-        keys.data_ptr(), values.data_ptr(), y.data_ptr(),
-    )  # fmt: skip
-    if status != 0:
-        raise RuntimeError(f"the C decoder layer failed ({status})")
-    return y
 
 
 def function(path: Path, name: str) -> Any:
@@ -282,7 +113,9 @@ def fuse(model: Any, torch: Any, library: Path) -> int:
     if candidates == layers and all(m.self_attn.layer_idx == i for i, m in enumerate(layers)):
         arrays = [(_PTR * len(layers))(*(m.addresses[int8] for m in layers)) for int8 in (0, 1)]
         kinds, rotary = families.rotary_kinds(model, layers)
-        chain = Chain(tuple(layers), arrays[0], function(library, STACK), arrays[1] if both else None, kinds, rotary)
+        chain = stack.Chain(
+            tuple(layers), arrays[0], function(library, STACK), arrays[1] if both else None, kinds, rotary
+        )
         for layer in layers:
             layer.chain = chain
     extra: dict[str, Any] = {"int8_too": True} if both else {}  # TTFT_DEGRADE=int8: both arrangements
@@ -400,7 +233,7 @@ def _fused_class(base: Any) -> type[Any]:
         head: Any
         tail: Any
         whole: Any  # ttft_decoder_layer: head, cache write, attention and tail in one call
-        chain: Chain | None  # every layer of the model, where all are fused: a batched step's first runs them all
+        chain: stack.Chain | None  # every layer of the model, where all are fused: a batched step's first runs them all
         family: families.Family
         biases: tuple[Any, ...]  # the tensors behind arithmetic's biases (Qwen 2), else empty
 
@@ -416,7 +249,7 @@ def _fused_class(base: Any) -> type[Any]:
         ) -> Any:
             in_place: attention.InPlace | None = getattr(cache, attention.IN_PLACE, None)
             if in_place is not None and hidden_states is in_place.stacked:
-                return hidden_states  # the step's first layer computed this one too (run_layers)
+                return hidden_states  # the step's first layer computed this one too (stack.run_layers)
             assert position_embeddings is not None, "the model passes every layer its rotary embedding"
             layer = self.arithmetic
             shape = hidden_states.shape[:-1]
@@ -452,15 +285,17 @@ def _in_place(
     chain = module.chain
     stoppable = in_place.between is None or in_place.waiting is not None
     if chain is not None and module is chain.layers[0] and stoppable:
-        steps = step_groups(chain, in_place, kwargs)
+        steps = stack.step_groups(chain, in_place, kwargs)
         if steps is not None:
-            in_place.stacked = run_layers(chain, in_place, steps, x, rows, cos, sin, between=True, positions=positions)
+            in_place.stacked = stack.run_layers(
+                chain, in_place, steps, x, rows, cos, sin, between=True, positions=positions
+            )
             return in_place.stacked
     if in_place.between is not None:
         in_place.between(in_place)  # an interlude (engine/batched/interlude.py), if a newcomer waits
     in_place.before_kernel()
     keys, values = in_place.rows[module.self_attn.layer_idx]
-    return whole(module, shared, x, rows, cos, sin, keys, values)
+    return stack.whole(module, shared, x, rows, cos, sin, keys, values)
 
 
 def _around_attention(
