@@ -77,9 +77,8 @@ def laid_out(
     codes: Codes, rows: str, degrade: bool, weight: npt.NDArray[np.float32], six: bool = False, five: bool = False
 ) -> Entry:
     """``codes`` laid out for ``rows`` (``"fp32"``: panels, Q6_K's in 6 bits where ``six``, the Q5 types' in 5 where
-    ``five``: layouts.panels;
-    ``"int8"``: records), with the records beside them where ``degrade``; ``weight`` is the fp32 weight the codes
-    give back, as loaded."""
+    ``five``: layouts.panels; ``"int8"``: records), with the records beside them where ``degrade``; ``weight`` is the
+    fp32 weight the codes give back, as loaded."""
     arrays = (records(codes),) if rows == "int8" else panels(codes, six, five)
     held = records(codes) if degrade and not codes.unquantised else None
     out, inputs = codes.q.shape

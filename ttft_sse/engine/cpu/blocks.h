@@ -17,7 +17,7 @@
 #define FIVE_PAIR 20 /* bytes of a FIVE panel's two inputs: 16 of low nibbles as 4-bit codes lie, 2 x 2 of fifth bits */
 #define Q_WIDE 64 /* added to int8 records' bits (4 or 8): fp32 scales and zeros, where fp16 cannot hold them */
 #define F16_SCALES 128 /* added to fp32 rows' bits (4 or 8): the scales are the file's fp16 values, the zeros -0.0 */
-#define K_SCALES 256   /* added to fp32 rows' bits (4): Q4_K's factors d, dmin, sc and m instead of scales and zeros */
+#define K_SCALES 256   /* added to fp32 rows' bits (4, FIVE): a K-quant's d, dmin, sc, m instead of scales and zeros */
 #define SIX_PACKED 512 /* added to fp32 rows' bits (SIXTEEN): 6-bit codes, a super-block's factor and signed sc */
 #define K_RECORD 320 /* K_SCALES's bytes a super-block of a panel: d, dmin (16 fp16 each), 8 x 16 sc, 8 x 16 m; and
                             SIX_SCALES's and SIX_PACKED's: 16 fp32 D, 16 x 16 sc */

@@ -15,13 +15,12 @@
 #include "vectors.h"
 
 #if defined(__AVX512F__)
-#define FIVE_CODES /* this build multiplies FIVE panels */
-#define FIVE_BUILT 1
+#define FIVE_BUILT 1 /* this build multiplies FIVE panels (a constant, so that kernel.c's C can test it too) */
 #else
 #define FIVE_BUILT 0
 #endif
 
-#if defined(FIVE_CODES)
+#if FIVE_BUILT
 /* Inputs 2i and 2i+1 of a FIVE panel as floats: each nibble less 16 from a table by vpermps (which reads only a
    lane's low 4 bits, as 4-bit codes are read), then 16 added where its fifth bit is set, under that mask. */
 static inline void five_pair(const uint8_t *codes, int64_t i, pv *w0, pv *w1) {

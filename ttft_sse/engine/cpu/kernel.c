@@ -2,14 +2,13 @@
 
    y[M,N] = x[M,K] . W[N,K]^T. W's blocks of 32 inputs hold w = q * scale + zero, one scale and one zero a block
    (q: 4-bit codes less 8, 5-bit codes less 16, or 8-bit codes); or, with bits SIXTEEN (Q6_K's), w = q * scale with
-   8-bit codes and one
-   scale each 16 inputs, no zero (the kernel adds -0.0, which changes no value). kernel.py lays them out in panels
-   of 16 outputs (N padded to whole panels with zero weights):
+   8-bit codes and one scale each 16 inputs, no zero (the kernel adds -0.0, which changes no value). kernel.py lays
+   them out in panels of 16 outputs (N padded to whole panels with zero weights):
      4-bit codes: panels x K/2 x 16 bytes; byte j of row i holds output j's code for input 2i (low nibble) and for
                   input 2i+1 (high nibble), each plus 8;
-     5-bit codes (FIVE: the Q5 types' q - 16; AVX-512 builds): panels x K/2 x FIVE_PAIR (20) bytes; each two inputs' 16 bytes of
-                  low nibbles as 4-bit codes lie (plus 16), then input 2i's fifth bits, 16 as a little-endian uint16
-                  (bit j: output j's), then input 2i+1's: 5 bits an input instead of 8;
+     5-bit codes (FIVE: the Q5 types' q - 16; AVX-512 builds): panels x K/2 x FIVE_PAIR (20) bytes; each two
+                  inputs' 16 bytes of low nibbles as 4-bit codes lie (plus 16), then input 2i's fifth bits, 16 as a
+                  little-endian uint16 (bit j: output j's), then input 2i+1's: 5 bits an input instead of 8;
      8-bit codes: panels x K x 16 signed bytes (SIXTEEN's too);
      scale, zero: panels x K/32 x 16 floats (SIXTEEN: scale panels x K/16 x 16 floats, zero unread; with
                   F16_SCALES, where every scale is the file's fp16 d and every zero -0.0 (Q4_0, Q5_0, Q8_0): scale
@@ -58,7 +57,11 @@
 /* Inputs a scale (and a zero) covers, and bytes a panel's codes take for K inputs. */
 static inline int64_t scale_inputs(int bits) { return bits == SIXTEEN ? 16 : BLOCK; }
 static inline int64_t code_bytes(int64_t K, int bits) {
-    return bits == 4 ? K * P / 2 : bits == FIVE ? K / 2 * FIVE_PAIR : bits == FULL ? K * P * 4 : bits == HALF || bits == BRAIN ? K * P * 2 : K * P;
+    return bits == 4      ? K * P / 2
+           : bits == FIVE ? K / 2 * FIVE_PAIR
+           : bits == FULL ? K * P * 4
+           : bits == HALF || bits == BRAIN ? K * P * 2
+                                          : K * P;
 }
 static inline int dense_bits(int bits) { return bits == HALF || bits == BRAIN || bits == FULL; }
 
@@ -69,7 +72,7 @@ enum { SCALES_FP32, SCALES_F16, SCALES_K, SCALES_SC, SCALES_SIX }; /* a panel's 
 /* A panel's codes for inputs 2i and 2i+1, as floats (exact: q - 8 for 4-bit codes, q - 16 for 5-bit ones). */
 static inline void pair(const uint8_t *codes, int bits, int64_t i, pv *w0, pv *w1) {
     __m128i a, b;
-#if defined(FIVE_CODES)
+#if FIVE_BUILT
     if (bits == FIVE) {
         five_pair(codes, i, w0, w1);
         return;
@@ -463,7 +466,7 @@ int fp32_buffer(int64_t M, int64_t K, float **buffer) {
 
 int fp32_takes(int64_t K, int bits) {
     if (bits == (4 | K_SCALES)) return K % 256 == 0;
-#if defined(FIVE_CODES)
+#if FIVE_BUILT
     if (bits == (FIVE | K_SCALES)) return K % 256 == 0;
 #endif
     if (bits == (SIXTEEN | SIX_SCALES)) return K % 256 == 0;
@@ -471,7 +474,7 @@ int fp32_takes(int64_t K, int bits) {
     if (bits == (SIXTEEN | SIX_PACKED)) return K % 256 == 0;
 #endif
     int codes = bits & ~F16_SCALES, half = bits != codes;
-#if defined(FIVE_CODES)
+#if FIVE_BUILT
     if (codes == FIVE) return K % BLOCK == 0;
 #endif
     return K % BLOCK == 0 && (codes == 4 || codes == 8 || (!half && (bits == SIXTEEN || dense_bits(bits))));

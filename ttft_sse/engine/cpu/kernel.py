@@ -133,14 +133,18 @@ def takes_int8(path: Path) -> bool:
 def takes_six(path: Path) -> bool:
     """Whether the library at ``path`` multiplies fp32 rows by Q6_K's codes in 6 bits (layouts.six_codes: it was
     built for a CPU with AVX-512 VBMI); elsewhere they are held in 8."""
-    bits = gguf_codes.SIXTEEN + SIX_PACKED
-    return bool(function(path, FP32)(None, 0, 256, None, bits, None, None, 0, None) == 0)
+    return _takes_panels(path, gguf_codes.SIXTEEN + SIX_PACKED)
 
 
 def takes_five(path: Path) -> bool:
     """Whether the library at ``path`` multiplies fp32 rows by the Q5 types' codes in 5 bits (layouts.five_codes: it
     was built for a CPU with AVX-512); elsewhere they are held in 8."""
-    bits = FIVE + F16_SCALES
+    return _takes_panels(path, FIVE + F16_SCALES)
+
+
+def _takes_panels(path: Path, bits: int) -> bool:
+    """Whether the library at ``path`` multiplies fp32 rows by panels of ``bits`` (a call of no rows: 0 where it
+    does, kernel.c's fp32_takes)."""
     return bool(function(path, FP32)(None, 0, 256, None, bits, None, None, 0, None) == 0)
 
 

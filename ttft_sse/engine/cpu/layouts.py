@@ -20,13 +20,13 @@ def panels(
     """``codes`` in kernel.c's layout: panels of :data:`PANEL` outputs (the last one padded with zero weights), the
     codes of each input's 16 outputs side by side (4-bit ones two inputs a byte, plus 8; with ``five``, a kernel
     built with AVX-512: kernel.takes_five, 8-bit ones of -16..15, as the Q5 types' are, in 5 bits:
-    :func:`five_codes`), and a block's 16 scales
-    and zeros likewise (fp16 scales and empty zeros where :func:`half_scales`). Q6_K's codes
+    :func:`five_codes`), and a block's 16 scales and zeros likewise (fp16 scales and empty zeros where
+    :func:`half_scales`; a K-quant's factors where :func:`k_factors`, with 4-bit or 5-bit codes). Q6_K's codes
     (:data:`~ttft_sse.engine.cpu.codes.SIXTEEN`) have a scale each 16 inputs and no zeros: their zeros are empty
     (panels x 0 x 16); where :func:`six_factors` finds each super-block's factor and each block's signed byte, their
     scales are :func:`six_records` instead of fp32 ones, and with ``six`` (a kernel built with AVX-512 VBMI:
-    kernel.takes_six) their codes :func:`six_codes`. A dense type's values (codes.DENSE_DTYPES)
-    lie likewise, each input's 16 side by side, as their bytes, with empty scales and zeros."""
+    kernel.takes_six) their codes :func:`six_codes`. A dense type's values (codes.DENSE_DTYPES) lie likewise, each
+    input's 16 side by side, as their bytes, with empty scales and zeros."""
     out, inputs = codes.q.shape
     padded = _padded(out)
     if codes.unquantised:
@@ -43,16 +43,17 @@ def panels(
     q[:out] = codes.q
     by_input = q.reshape(padded // PANEL, PANEL, inputs).transpose(0, 2, 1)  # panels x inputs x 16
     packed: npt.NDArray[Any]
+    in_five = five and codes.bits == 8 and fits_five(codes)
     if codes.bits == 4:
         unsigned = (by_input.astype(np.int16) + 8).astype(np.uint8)
         packed = unsigned[:, 0::2] | (unsigned[:, 1::2] << 4)
-    elif five and codes.bits == 8 and fits_five(codes):
+    elif in_five:
         packed = five_codes(by_input)
     else:
         packed = by_input.view(np.uint8)
     if factors is not None:  # SIX_SCALES
         return np.ascontiguousarray(packed), six_records(*factors), no_zeros
-    if k_factors(codes) and (codes.bits == 4 or five):  # K_SCALES: a K-quant's own factors (Q5_K's: 5-bit codes)
+    if (codes.bits == 4 or in_five) and k_factors(codes):  # K_SCALES: a K-quant's own factors (Q5_K's in 5 bits)
         return np.ascontiguousarray(packed), _factor_panels(codes), no_zeros
     if half_scales(codes):  # F16_SCALES: the file's fp16 d, and zeros of -0.0
         return np.ascontiguousarray(packed), _by_panel(codes.scale, np.float16), no_zeros
@@ -88,17 +89,17 @@ SUPER = 8
 
 
 def k_factors(codes: gguf_codes.Codes) -> bool:
-    """Whether the panels of ``codes`` hold a K-quant's own factors (:attr:`~ttft_sse.engine.cpu.codes.Codes.factors`):
-    Q4_K's 4-bit codes or Q5_K's 5 (:func:`fits_five`) of whole super-blocks whose factors give back every scale and
-    zero exactly (d*sc, then 8*scale - dmin*m, Q5_K's 16*scale - dmin*m, one fp32 rounding each, as kernel.c
-    computes them). Their panels then read 4.625 bits an input instead of 6 (Q5_K: 5.625 instead of 7)."""
-    five = codes.bits == 8 and fits_five(codes)
-    if not (codes.bits == 4 or five) or codes.factors is None or codes.scale.shape[1] % SUPER:
+    """Whether the panels of ``codes`` can hold a K-quant's own factors
+    (:attr:`~ttft_sse.engine.cpu.codes.Codes.factors`, which only Q4_K's 4-bit codes and Q5_K's 8-bit ones carry): whole
+    super-blocks whose factors give back every scale and zero exactly (d*sc, then 8*scale - dmin*m, Q5_K's
+    16*scale - dmin*m, one fp32 rounding each, as kernel.c computes them). Their panels then read 4.625 bits an input
+    instead of 6 (Q5_K, its codes in 5 bits: 5.625 instead of 7)."""
+    if codes.factors is None or codes.bits not in (4, 8) or codes.scale.shape[1] % SUPER:
         return False
     d, dmin, sc, m = codes.factors
     scale = np.repeat(d.astype(np.float32), SUPER, axis=1) * sc.astype(np.float32)
     minimum = np.repeat(dmin.astype(np.float32), SUPER, axis=1) * m.astype(np.float32)
-    zero = np.float32(16 if five else 8) * scale - minimum
+    zero = np.float32(8 if codes.bits == 4 else 16) * scale - minimum
     return bool(np.array_equal(scale.view(np.uint32), codes.scale.view(np.uint32))) and bool(
         np.array_equal(zero.view(np.uint32), codes.zero.view(np.uint32))
     )
