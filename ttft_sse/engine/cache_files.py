@@ -8,6 +8,7 @@ not an error: the file's work is done again at the next start, and the log says 
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -26,6 +27,7 @@ def write_whole(path: Path, write: Callable[[Path], None], event: str) -> bool:
         partial.replace(path)
     except OSError as exc:
         log.warning(event, path=str(path), reason=repr(exc))
-        partial.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # where the directory is not one, the partial cannot even be looked for
+            partial.unlink(missing_ok=True)
         return False
     return True

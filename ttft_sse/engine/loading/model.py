@@ -20,7 +20,7 @@ import structlog
 
 from ttft_sse.engine.base import INT8, NORMAL, ModelInfo
 from ttft_sse.engine.cpu import attention, decoder, families, grouped, kernel, matches, weights
-from ttft_sse.engine.loading import sources
+from ttft_sse.engine.loading import imports, sources
 from ttft_sse.errors import StartupError
 from ttft_sse.settings import Settings
 from ttft_sse.stages import StageClock
@@ -52,9 +52,10 @@ def load_model(settings: Settings, clock: StageClock) -> Loaded:
 
         # What every model's loading and modules import (torch._dynamo, torch.distributed.tensor, accelerate): seconds,
         # which transformers imports lazily, inside whichever stage touches it first; here it is counted as imports.
-        import transformers.activations
-        import transformers.masking_utils
-        import transformers.modeling_utils
+        with imports.remembered_models_table(settings.cache_dir):
+            import transformers.activations
+            import transformers.masking_utils
+            import transformers.modeling_utils
     threads = settings.torch_threads
     torch.set_num_threads(threads)
     source = sources.resolve(settings.model)
