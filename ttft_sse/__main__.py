@@ -91,11 +91,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _prepare(settings: Settings) -> int:
-    from ttft_sse.engine.loading import sources
+    from ttft_sse.engine.loading import model, sources
     from ttft_sse.stages import StageClock
 
     clock = StageClock()
     source = sources.resolve(settings.model)
+    model.start_builds(settings, source)  # compiled beside the conversion
     location = sources.materialize(source, settings.cache_dir, clock)
     if source.kind == "gguf":
         from ttft_sse.engine.cpu import argmax

@@ -60,3 +60,71 @@ def test_a_model_is_loaded_without_the_hubs_kernels(tiny_models: Callable[[str],
     # offline H200: the start failed with "not available in the local cache"); on CPU it marks the model the same way.
     loaded = model.load_model(replace(settings, model=str(tiny_models("llama"))), StageClock())
     assert loaded.model.use_kernels is False
+
+
+@pytest.mark.parametrize(
+    ("device", "dtype", "gpu", "early"),
+    [
+        ("cpu", "auto", True, True),
+        ("auto", "float32", False, True),
+        ("auto", "auto", True, False),  # torch may see it: once the device is known
+        ("cpu", "bfloat16", False, False),  # no C layers
+        ("cuda", "auto", False, False),
+    ],
+)
+def test_the_c_builds_start_before_the_imports_only_where_the_load_is_plainly_on_cpu_in_fp32(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, settings: Settings, device: str, dtype: str, gpu: bool, early: bool
+) -> None:
+    node = tmp_path / "nvidiactl"
+    if gpu:
+        node.write_text("")
+    monkeypatch.setattr(model, "GPU_NODES", (str(node),))
+    assert model._plainly_cpu_fp32(replace(settings, device=device, dtype=dtype)) is early
+
+
+def test_the_load_starts_the_c_builds_before_it_converts_the_file(
+    tmp_path: Path, settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tests.support import tinymodels
+
+    calls: list[str] = []
+    for module, name in ((model.kernel, "start"), (model.attention, "start"), (model.sources, "materialize")):
+        monkeypatch.setattr(
+            module, name, recorded(f"{module.__name__.rsplit('.', 1)[1]}.{name}", getattr(module, name), calls)
+        )
+    gguf = tinymodels.build_gguf("qwen2", tmp_path)
+    model.load_model(replace(settings, model=str(gguf), device="cpu"), StageClock())
+    assert calls == ["kernel.start", "attention.start", "sources.materialize"]
+    calls.clear()
+    monkeypatch.setattr(model, "_plainly_cpu_fp32", lambda settings: False)  # as on a machine with a GPU's files
+    model.load_model(replace(settings, model=str(gguf), device="auto"), StageClock())  # torch sees none: CPU
+    assert calls == ["kernel.start", "attention.start", "sources.materialize"]
+
+
+def recorded(name: str, function: Callable[..., object], calls: list[str]) -> Callable[..., object]:
+    def call(*args: object, **kwargs: object) -> object:
+        calls.append(name)
+        return function(*args, **kwargs)
+
+    return call
+
+
+def test_prepare_starts_the_c_builds_before_it_converts_the_file(
+    settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ttft_sse.__main__ import _prepare
+
+    class Converting(Exception):
+        pass
+
+    calls: list[str] = []
+
+    def materialize(*args: object, **kwargs: object) -> None:
+        calls.append("sources.materialize")
+        raise Converting
+
+    monkeypatch.setattr(model, "start_builds", recorded("model.start_builds", model.start_builds, calls))
+    monkeypatch.setattr(model.sources, "materialize", materialize)
+    with pytest.raises(Converting):
+        _prepare(settings)
+    assert calls == ["model.start_builds", "sources.materialize"]

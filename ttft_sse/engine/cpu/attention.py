@@ -88,6 +88,16 @@ def plain_kwargs(kwargs: dict[str, Any], keys: int | None = None) -> bool:
     return True
 
 
+def build(directory: Path) -> Path:
+    """attention.c's library built for this CPU in ``directory`` (compiler.build)."""
+    return compiler.build(directory, (SOURCE,), "attention")
+
+
+def start(directory: Path) -> None:
+    """:func:`build`'s compile started in the background (compiler.start)."""
+    compiler.start(directory, (SOURCE,), "attention")
+
+
 def page(model: Any, torch: Any, directory: Path) -> int:
     """Mark ``model``'s attention modules so that the batched engine's steps attend request by request over the
     paged KV cache in place (``attention.c``, built in ``directory``), after checking it against SDPA over the
@@ -103,7 +113,7 @@ def page(model: Any, torch: Any, directory: Path) -> int:
         return 0
     probe = modules[0]
     try:
-        library = compiler.build(directory, (SOURCE,), "attention")
+        library = build(directory)
         function = _function(library)
         heads, dim = probe.config.num_attention_heads, probe.head_dim
         kv_heads = probe.config.num_key_value_heads

@@ -78,6 +78,11 @@ def build(directory: Path) -> Path:
     return compiler.build(directory, SOURCES, "blocks")
 
 
+def start(directory: Path) -> None:
+    """:func:`build`'s compile started in the background (compiler.start)."""
+    compiler.start(directory, SOURCES, "blocks")
+
+
 FP32, INT8 = "ttft_blocks_linear", "ttft_q8_linear"
 """The kernel's two functions: fp32 rows (:func:`panels`), and rows quantised to int8 (:func:`records`)."""
 _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int

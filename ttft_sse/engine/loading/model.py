@@ -29,6 +29,8 @@ log = structlog.get_logger("ttft_sse.engine")
 
 KERNEL_DIR = "kernels"
 """Where in the cache directory the C kernels are built (engine/cpu/kernel.py)."""
+GPU_NODES = ("/dev/nvidiactl", "/dev/kfd")
+"""Device files of a machine where torch may see a GPU (NVIDIA's driver, ROCm's)."""
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,8 @@ class Loaded:
 
 def load_model(settings: Settings, clock: StageClock) -> Loaded:
     """Load ``settings.model`` on ``settings.device`` in ``settings.dtype``, timing each stage on ``clock``."""
+    source = sources.resolve(settings.model)
+    early = start_builds(settings, source)  # beside the imports; else once the device is known, beside the conversion
     with clock.stage("imports"), _imports_uncollected():
         import torch
         import transformers
@@ -58,11 +62,12 @@ def load_model(settings: Settings, clock: StageClock) -> Loaded:
             import transformers.modeling_utils
     threads = settings.torch_threads
     torch.set_num_threads(threads)
-    source = sources.resolve(settings.model)
     device = _pick_device(settings, torch)
     dtype = _pick_dtype(settings, torch, device)
     if settings.degrade == INT8 and (reason := _no_int8_mode(settings, source, device, dtype, torch)) is not None:
         raise _refused(reason)  # before the model is read: nothing it holds could change this
+    if not early and device == "cpu" and dtype == torch.float32:
+        _start_builds(settings, source)
     location = sources.materialize(source, settings.cache_dir, clock)
     try:
         with clock.stage("tokenizer"):
@@ -121,6 +126,36 @@ def load_model(settings: Settings, clock: StageClock) -> Loaded:
         info=info,
         library=library,
     )
+
+
+def _plainly_cpu_fp32(settings: Settings) -> bool:
+    """Whether the load runs on CPU in fp32 as far as can be told before torch is imported: CPU asked for, or
+    ``auto`` on a machine without a GPU's device files (NVIDIA's, or ROCm's, which torch also calls CUDA)."""
+    gpu = any(Path(node).exists() for node in GPU_NODES)
+    return settings.dtype in ("auto", "float32") and (
+        settings.device == "cpu" or (settings.device == "auto" and not gpu)
+    )
+
+
+def start_builds(settings: Settings, source: sources.ModelSource) -> bool:
+    """Where the load plainly runs on CPU in fp32 (:func:`_plainly_cpu_fp32`), start the C libraries it builds there
+    now; returns whether it did. ``ttft-sse prepare`` calls it before it converts the file, :func:`load_model` before
+    its imports."""
+    if _plainly_cpu_fp32(settings):
+        _start_builds(settings, source)
+        return True
+    return False
+
+
+def _start_builds(settings: Settings, source: sources.ModelSource) -> None:
+    """The C libraries this load builds on CPU in fp32 (the block kernel's for a GGUF file, the paged attention's),
+    started on the other core now (compiler.start), where they are not built yet: a first start converts the file and
+    reads the model meanwhile (the block kernel's library alone takes 15-20 s to compile), instead of after."""
+    directory = settings.cache_dir / KERNEL_DIR
+    if settings.gguf_kernel and source.kind == "gguf":
+        kernel.start(directory)
+    if settings.paged_attention:
+        attention.start(directory)
 
 
 @contextmanager
