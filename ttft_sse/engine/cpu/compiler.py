@@ -121,13 +121,17 @@ def _spawn(compiler: str, sources: tuple[Path, ...], target: Path) -> _Compile:
     target.parent.mkdir(parents=True, exist_ok=True)
     stem = target.parent / f".{target.name}.{os.getpid()}"
     partial, messages = stem.with_name(stem.name + ".partial"), stem.with_name(stem.name + ".log")
-    with messages.open("wb") as log_file:
-        process = subprocess.Popen(
-            [compiler, *FLAGS, "-o", str(partial), *map(str, sources)],
-            stdin=subprocess.DEVNULL,
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-        )
+    try:
+        with messages.open("wb") as log_file:
+            process = subprocess.Popen(
+                [compiler, *FLAGS, "-o", str(partial), *map(str, sources)],
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+            )
+    except OSError:
+        messages.unlink(missing_ok=True)
+        raise
     _abandon_at_exit()
     return _Compile(process, partial, messages, time.monotonic() + BUILD_SECONDS)
 
