@@ -2,7 +2,7 @@
 it there (engine/cpu/kernel.py's ``apply``), and torch's fp32 ``nn.Linear`` beside it.
 
     .venv/bin/python benchmarks/kernel_types.py [--shape 576x1536] [--rows 1,4] [--types Q4_0,Q8_0,Q4_K,Q6_K] [--int8]
-        [--avx2] [--q6-layouts] [--helpers 1]
+        [--avx2] [--q6-layouts] [--helpers 1] [--copies 24]
 
 Prints, for each type and row count, the median and the least time a call over ``--repeats`` timed batches (the types
 take turns, batch by batch) and the picoseconds a weight (the median over outputs x inputs). The blocks are random bytes
@@ -11,7 +11,9 @@ runs the kernel. ``--int8`` measures each type with int8 rows too (``TYPE+int8``
 ``--avx2`` measures the kernel's AVX2 build (``-mno-avx512f``: what a CPU without AVX-512 runs) on this one.
 ``--q6-layouts`` adds Q6_K in the layouts this build does not pick: ``Q6_K/sc`` (8-bit codes, the scales as a factor
 and a byte: what a build without AVX-512 VBMI picks) and ``Q6_K/fp32`` (8-bit codes, fp32 scales: the layout before
-those). ``--helpers N`` starts the kernel's helper threads, as the server does (one on two cores).
+those). ``--helpers N`` starts the kernel's helper threads, as the server does (one on two cores). ``--copies N``
+makes N copies of each layer and calls them in turn, so that, with enough of them to pass the last-level cache, each
+call reads its weights from memory, as a decode step of a model larger than the caches does.
 """
 
 from __future__ import annotations
@@ -66,29 +68,29 @@ def layer_of(kind: str, outputs: int, inputs: int, directory: Path, work: Path, 
     return model[0]
 
 
-def calls_in(layer: torch.nn.Module, x: torch.Tensor, seconds: float) -> int:
-    """How many calls of ``layer`` on ``x`` take about ``seconds`` (after a warm-up)."""
-    for _ in range(20):
-        layer(x)
+def calls_in(copies: list[torch.nn.Module], x: torch.Tensor, seconds: float) -> int:
+    """How many calls (each of the next copy in turn) on ``x`` take about ``seconds`` (after a warm-up)."""
+    for at in range(max(20, len(copies))):
+        copies[at % len(copies)](x)
     start, calls = time.perf_counter(), 0
     while time.perf_counter() - start < seconds:
-        layer(x)
+        copies[calls % len(copies)](x)
         calls += 1
     return calls
 
 
-def timed(layers: dict[str, torch.nn.Module], rows: int, inputs: int, repeats: int) -> dict[str, list[float]]:
-    """Seconds a call of ``rows`` rows of each layer, ``repeats`` batches of about 20 ms each, the layers taking
-    turns batch by batch (so that a busy spell of the machine falls on all of them alike)."""
+def timed(layers: dict[str, list[torch.nn.Module]], rows: int, inputs: int, repeats: int) -> dict[str, list[float]]:
+    """Seconds a call of ``rows`` rows of each layer (its copies called in turn), ``repeats`` batches of about 20 ms
+    each, the layers taking turns batch by batch (so that a busy spell of the machine falls on all of them alike)."""
     x = torch.randn(rows, inputs)
     samples: dict[str, list[float]] = {kind: [] for kind in layers}
     with torch.no_grad():
-        calls = {kind: calls_in(layer, x, 0.02) for kind, layer in layers.items()}
+        calls = {kind: calls_in(copies, x, 0.02) for kind, copies in layers.items()}
         for _ in range(repeats):
-            for kind, layer in layers.items():
+            for kind, copies in layers.items():
                 start = time.perf_counter()
-                for _ in range(calls[kind]):
-                    layer(x)
+                for at in range(calls[kind]):
+                    copies[at % len(copies)](x)
                 samples[kind].append((time.perf_counter() - start) / calls[kind])
     return samples
 
@@ -114,6 +116,9 @@ def main() -> None:
     parser.add_argument("--avx2", action="store_true", help="the kernel's AVX2 build (-mno-avx512f)")
     parser.add_argument("--q6-layouts", action="store_true", help="Q6_K in the layouts the build does not pick too")
     parser.add_argument("--helpers", type=int, default=0, help="the kernel's helper threads (default 0)")
+    parser.add_argument(
+        "--copies", type=int, default=1, help="copies of each layer, called in turn (enough: read from memory)"
+    )
     args = parser.parse_args()
     outputs, inputs = (int(n) for n in args.shape.split("x"))
     torch.set_num_threads(1)
@@ -125,16 +130,19 @@ def main() -> None:
         if args.int8:
             arms += [(kind, "int8") for kind in args.types.split(",")]
         layers = {
-            kind + ("+int8" if rows == "int8" else ""): layer_of(kind, outputs, inputs, directory, Path(work), rows)
+            kind + ("+int8" if rows == "int8" else ""): [
+                layer_of(kind, outputs, inputs, directory, Path(work), rows) for _ in range(args.copies)
+            ]
             for kind, rows in arms
         }
         if args.q6_layouts:
-            layers |= q6_layouts(outputs, inputs, directory, Path(work))
+            layers |= {kind: [layer] for kind, layer in q6_layouts(outputs, inputs, directory, Path(work)).items()}
         if args.helpers:
             kernel.start_helpers(kernel.build(directory), args.helpers)
-        fp32 = torch.nn.Linear(inputs, outputs, bias=False)
+        fp32 = [torch.nn.Linear(inputs, outputs, bias=False) for _ in range(args.copies)]
         build = ("AVX2 build" if args.avx2 else "native build") + f", {args.helpers} helper threads"
-        print(f"{outputs} x {inputs} weight, one thread, {build}; {args.repeats} batches a type, taking turns")
+        copies = f", {args.copies} copies a type called in turn" if args.copies > 1 else ""
+        print(f"{outputs} x {inputs} weight, one thread, {build}{copies}; {args.repeats} batches a type, taking turns")
         print(f"{'type':10} {'rows':>4} {'µs median':>10} {'µs least':>9} {'ps a weight (median)':>21}")
         for rows in (int(n) for n in args.rows.split(",")):
             for kind, seconds in timed({**layers, "fp32": fp32}, rows, inputs, args.repeats).items():
