@@ -136,7 +136,8 @@ def main() -> None:
             for kind, rows in arms
         }
         if args.q6_layouts:
-            layers |= {kind: [layer] for kind, layer in q6_layouts(outputs, inputs, directory, Path(work)).items()}
+            made = [q6_layouts(outputs, inputs, directory, Path(work)) for _ in range(args.copies)]
+            layers |= {kind: [copy[kind] for copy in made] for kind in made[0]}
         if args.helpers:
             kernel.start_helpers(kernel.build(directory), args.helpers)
         fp32 = [torch.nn.Linear(inputs, outputs, bias=False) for _ in range(args.copies)]
