@@ -31,7 +31,7 @@ def test_environment_values_are_parsed_by_type() -> None:
     assert s.grouped_attention is False and Settings().grouped_attention is True
     assert s.paged_attention is False and Settings().paged_attention is True
     assert s.gguf_kernel is False and Settings().gguf_kernel is True
-    assert s.gguf_activations == "int8" and Settings().gguf_activations == "fp32"
+    assert s.gguf_activations == "int8" and Settings().gguf_activations == "auto"
     assert s.fused_layers is False and Settings().fused_layers is True
     assert s.degrade == "off" and Settings.from_env({"TTFT_DEGRADE": "int8"}).degrade == "int8"
 
@@ -49,7 +49,7 @@ def test_cli_overrides_win_over_the_environment_and_none_means_not_given() -> No
         ({"TTFT_MAX_CONCURRENCY": "0"}, "max_concurrency must be at least 1"),
         ({"TTFT_DEVICE": "tpu"}, "device must be auto, cpu"),
         ({"TTFT_ENGINE": "vllm"}, "engine must be batched, single, llamacpp or auto"),
-        ({"TTFT_GGUF_ACTIVATIONS": "int4"}, "gguf_activations must be int8 or fp32, got 'int4'"),
+        ({"TTFT_GGUF_ACTIVATIONS": "int4"}, "gguf_activations must be auto, int8 or fp32, got 'int4'"),
         ({"TTFT_DEGRADE": "int4"}, "degrade must be off or int8, got 'int4'"),
         (
             {"TTFT_DEGRADE": "int8", "TTFT_GGUF_ACTIVATIONS": "int8"},

@@ -96,17 +96,17 @@ def _prepare(settings: Settings) -> int:
 
     clock = StageClock()
     source = sources.resolve(settings.model)
-    model.start_builds(settings, source)  # compiled beside the conversion
+    model.start_builds(settings, source)  # compiled beside reading the metadata and laying the weights out
     location = sources.materialize(source, settings.cache_dir, clock)
     if source.kind == "gguf":
         from ttft_sse.engine.cpu import argmax
         from ttft_sse.engine.loading.model import KERNEL_DIR
         from ttft_sse.engine.single import SingleEngine
 
-        # Loaded once here too: on CPU that finds the file's blocks behind the layers and builds the block kernel
-        # and the attention (engine/cpu/codes.py, engine/cpu/kernel.py, engine/cpu/attention.py), kept in the cache
-        # directory
-        # for the server's start; and the batched engine's greedy pick (engine/cpu/argmax.py).
+        # Loaded once here too: on CPU that reads the file's blocks behind the layers, lays them out for the block
+        # kernel and keeps them in the cache directory (engine/cpu/kernel.py, engine/cpu/arrangement.py), and builds
+        # the attention (engine/cpu/attention.py) for the server's start; and the batched engine's greedy pick
+        # (engine/cpu/argmax.py).
         engine = SingleEngine(settings)
         engine.load(clock)
         if engine.model.device.type == "cpu":
@@ -114,7 +114,7 @@ def _prepare(settings: Settings) -> int:
     if settings.engine == "auto":
         from ttft_sse.engine import choice
 
-        # The faster engine for this file, measured once and kept beside the converted model (engine/choice.py).
+        # The faster engine for this file, measured once and kept in the model's cache folder (engine/choice.py).
         chosen = choice.choose(settings)
         structlog.get_logger("ttft_sse.prepare").info("engine_chosen", **chosen.as_dict())
     structlog.get_logger("ttft_sse.prepare").info("prepared", model=settings.model, path=location, **clock.as_dict())

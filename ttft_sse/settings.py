@@ -80,8 +80,9 @@ class Settings:
     # the file's own blocks, in fp32 (engine/cpu/kernel.py).
     gguf_kernel: bool = True
     # The block kernel's rows: "fp32", the fp32 model's arithmetic; "int8", quantised per block of 32 inputs as
-    # llama.cpp does (AVX-512 VNNI or AVX2): faster, other answers.
-    gguf_activations: str = "fp32"
+    # llama.cpp does (AVX-512 VNNI or AVX2): faster, other answers; "auto", int8 for a GGUF file of 2 GiB or more (a
+    # 3B model and up, whose fp32-row prompts take seconds on a few cores), fp32 below and with TTFT_DEGRADE=int8.
+    gguf_activations: str = "auto"
     # The faster mode the engine may be switched to at run time (Engine.set_mode): "off", or "int8", the block
     # kernel's int8 rows beside its fp32 ones (both arrangements held: more memory). Where the mode cannot run, the
     # server refuses to start.
@@ -136,6 +137,10 @@ class Settings:
     # stays a few decode steps. 0: no limit.
     prefill_chunk_tokens: int = 16
     kv_cache_tokens: int = 8192
+    # Memory the server may use, in MiB (0: what the machine has available, or its cgroup's limit where lower). The
+    # model's weights, KV cache and working memory are planned against it before loading (engine/loading/budget.py):
+    # a KV cache that does not fit is made smaller, a model that does not fit is refused at start.
+    memory_limit_mb: int = 0
     prefix_cache: bool = True
     queue_timeout_seconds: float = 30.0
     ping_seconds: float = 15.0
@@ -180,7 +185,15 @@ class Settings:
         for name in positive:
             if getattr(self, name) < 1:
                 raise SettingsError(f"{name} must be at least 1, got {getattr(self, name)}")
-        for name in ("threads", "max_queue", "cuda_empty_cache_every", "prefill_chunk_tokens", "max_prompt_tokens"):
+        zero_or_more = (
+            "threads",
+            "max_queue",
+            "cuda_empty_cache_every",
+            "prefill_chunk_tokens",
+            "max_prompt_tokens",
+            "memory_limit_mb",
+        )
+        for name in zero_or_more:
             if getattr(self, name) < 0:
                 raise SettingsError(f"{name} must be 0 or more, got {getattr(self, name)}")
         more_than_zero = (
@@ -207,8 +220,8 @@ class Settings:
             )
         if self.engine not in ENGINES:
             raise SettingsError(f"engine must be {', '.join(ENGINES[:-1])} or {ENGINES[-1]}, got {self.engine!r}")
-        if self.gguf_activations not in ("int8", "fp32"):
-            raise SettingsError(f"gguf_activations must be int8 or fp32, got {self.gguf_activations!r}")
+        if self.gguf_activations not in ("auto", "int8", "fp32"):
+            raise SettingsError(f"gguf_activations must be auto, int8 or fp32, got {self.gguf_activations!r}")
         if self.degrade not in ("off", "int8"):
             raise SettingsError(f"degrade must be off or int8, got {self.degrade!r}")
         if self.degrade == "int8" and self.gguf_activations == "int8":

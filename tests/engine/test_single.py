@@ -63,8 +63,11 @@ def test_without_the_block_kernel_linear_weights_are_stored_transposed_and_packe
         assert (out_features, in_features) == (linear.out_features, linear.in_features)
         assert linear.weight.stride() == (1, out_features)  # column-major: weight.T is contiguous
         assert type(linear) is packed_linear_class() and linear.packed_weight.is_mkldnn  # and pre-packed
-    # The LM head is still tied to the embedding, which reads the same (transposed) storage.
-    assert model.lm_head.weight is model.get_input_embeddings().weight
+    # The LM head holds the table in fp32; the embedding reads its rows from the file (Q8_0), the same values.
+    embedding = model.get_input_embeddings()
+    assert type(embedding).__name__ == "FileRowsEmbedding" and embedding.weight.numel() == 0
+    ids = torch.tensor([[0, 5, 49151]])
+    assert torch.equal(embedding(ids)[0], model.lm_head.weight[ids[0]])
 
 
 def test_prompt_goes_through_the_chat_template_unless_raw(engine: SingleEngine) -> None:

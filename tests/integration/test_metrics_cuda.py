@@ -36,7 +36,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     import transformers
 
     given = os.environ.get("CUDA_TEST_TOKENIZER_DIR")
-    tokenizer_dir = Path(given) if given else sources.converted_dir(sources.bundled_gguf(), CACHE_DIR)
+    tokenizer_dir = Path(given) if given else sources.model_dir(sources.bundled_gguf(), CACHE_DIR)
     target = tmp_path_factory.mktemp("tiny-llama")
     tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
     config = transformers.LlamaConfig(

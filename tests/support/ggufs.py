@@ -234,3 +234,121 @@ def write_model_gguf(
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+# A whole Llama-shaped model in a GGUF file, as llama-quantize's Q4_K_M lays one out, with random blocks: what the
+# loading tests and the memory test load. Its tokenizer is the bundled model's (copied from that file's metadata).
+Q4_K_M_TYPES = {"attn_v": "Q6_K", "ffn_down": "Q6_K", "output": "Q6_K"}
+"""The types of a Q4_K_M file's tensors that are not Q4_K (llama-quantize gives half the v and down layers Q6_K)."""
+_BLOCK_BYTES = {"Q4_K": (256, 144), "Q6_K": (256, 210), "Q8_0": (32, 34)}
+
+
+def random_blocks(shape: tuple[int, int], kind: str, rng: np.random.Generator) -> np.ndarray:
+    """Random ``kind`` blocks for an ``(out, in)`` weight whose values spread about 0.02 either side of zero: random
+    codes and scales, with the fp16 factors set so (no quantiser runs: fast at hundreds of MB)."""
+    out, inputs = shape
+    per_block, size = _BLOCK_BYTES[kind]
+    raw = rng.integers(0, 256, (out, inputs // per_block, size), dtype=np.uint8)
+    if kind == "Q4_K":  # w = d*sc*q - dmin*m, q 0..15, sc and m 0..63
+        d = rng.uniform(1.0e-4, 2.0e-4, raw.shape[:2]).astype(np.float16)
+        raw[..., 0:2] = d[..., None].view(np.uint8)
+        raw[..., 2:4] = (d * np.float16(7.5))[..., None].view(np.uint8)
+    elif kind == "Q6_K":  # w = d*sc*(q-32), sc -128..127
+        d = rng.uniform(1.0e-5, 2.0e-5, raw.shape[:2]).astype(np.float16)
+        raw[..., 208:210] = d[..., None].view(np.uint8)
+    else:  # Q8_0: w = d*q
+        d = rng.uniform(1.0e-4, 3.0e-4, raw.shape[:2]).astype(np.float16)
+        raw[..., 0:2] = d[..., None].view(np.uint8)
+    return raw.reshape(out, -1)
+
+
+def tokenizer_fields(path: Path) -> list[tuple[str, Any, Any, Any]]:
+    """The ``tokenizer.*`` fields of the GGUF file at ``path``: (key, value, type, element type)."""
+    reader = gguf.GGUFReader(str(path))
+    fields = []
+    for key, field in reader.fields.items():
+        if not key.startswith("tokenizer."):
+            continue
+        kind = field.types[0]
+        sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+        fields.append((key, field.contents(), kind, sub))
+    return fields
+
+
+def write_llama(
+    path: Path,
+    *,
+    tokenizer_from: Path,
+    hidden: int = 256,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    ffn: int = 512,
+    seed: int = 0,
+    tied: bool = False,
+) -> Path:
+    """A Llama-shaped Q4_K_M GGUF at ``path`` with random blocks (:func:`random_blocks`) and the tokenizer of the
+    GGUF file ``tokenizer_from``; ``tied``: no output tensor (the LM head is the token embedding)."""
+    fields = tokenizer_fields(tokenizer_from)
+    vocab = next(len(value) for key, value, _, _ in fields if key == "tokenizer.ggml.tokens")
+    rng = np.random.default_rng(seed)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_name("tiny-llama-q4_k_m")
+    writer.add_context_length(2048)
+    writer.add_embedding_length(hidden)
+    writer.add_block_count(layers)
+    writer.add_feed_forward_length(ffn)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_dimension_count(hidden // heads)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M)
+    for key, value, kind, sub in fields:
+        writer.add_key_value(key, value, kind, sub_type=sub)
+    head = hidden // heads
+
+    def matrix(name: str, out: int, inputs: int) -> None:
+        kind = Q4_K_M_TYPES.get(name.split(".")[-1], "Q4_K")
+        writer.add_tensor(f"{name}.weight", random_blocks((out, inputs), kind, rng), raw_dtype=KINDS[kind])
+
+    matrix("token_embd", vocab, hidden)
+    for i in range(layers):
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(hidden, np.float32))
+        matrix(f"blk.{i}.attn_q", heads * head, hidden)
+        matrix(f"blk.{i}.attn_k", kv_heads * head, hidden)
+        matrix(f"blk.{i}.attn_v", kv_heads * head, hidden)
+        matrix(f"blk.{i}.attn_output", hidden, heads * head)
+        writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(hidden, np.float32))
+        matrix(f"blk.{i}.ffn_gate", ffn, hidden)
+        matrix(f"blk.{i}.ffn_up", ffn, hidden)
+        matrix(f"blk.{i}.ffn_down", hidden, ffn)
+    writer.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
+    if not tied:
+        matrix("output", vocab, hidden)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def sequential(path: Path, reversed_rows: tuple[str, ...] = ()) -> Any:
+    """The file's tensors for a ``torch.nn.Sequential`` of its matrices: layer ``i``'s weight is the file's ``i``-th
+    tensor, its rows reversed for those named in ``reversed_rows`` (as transformers' loader reorders q and k rows)."""
+    from ttft_sse.engine.cpu.stored import Place, Stored, table
+
+    tensors = table(path)
+    places = {}
+    for i, (name, tensor) in enumerate(tensors.items()):
+        order = np.arange(tensor.shape[0])[::-1].copy() if name in reversed_rows else None
+        places[f"{i}.weight"] = Place(name, order)
+    return Stored(path, places, tensors)
+
+
+def named(path: Path) -> Any:
+    """The file's tensors for a model whose modules are named as the file's tensors are (``<name>.weight``)."""
+    from ttft_sse.engine.cpu.stored import Place, Stored, table
+
+    tensors = table(path)
+    return Stored(path, {f"{name}.weight": Place(name) for name in tensors}, tensors)

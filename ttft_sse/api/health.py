@@ -46,6 +46,12 @@ async def readyz(request: Request) -> JSONResponse:
             "beside_batch": info.beside_batch,
             "modes": list(info.modes),
             "mode": runtime.engine.mode,
+            "memory": {
+                "weights_bytes": info.weights_bytes,
+                "kv_cache_tokens": info.kv_cache_tokens,
+                "kv_cache_bytes": info.kv_cache_bytes,
+                "load_peak_rss_bytes": info.load_peak_rss_bytes,
+            },
             "startup": lifecycle.startup_report(),
             "running": runtime.gate.running,
             "waiting": runtime.gate.waiting,

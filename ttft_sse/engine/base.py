@@ -122,6 +122,13 @@ class ModelInfo:
     modes: tuple[str, ...] = (NORMAL,)
     # Which engine runs the model (/readyz's "engine"): "batched", "single", "llamacpp", "fake".
     engine: str = ""
+    # Memory (/readyz's "memory"): the bytes of weights held, the KV cache's tokens (TTFT_KV_CACHE_TOKENS, or fewer
+    # where the memory plan made it smaller: engine/loading/budget.py) and bytes, and the most the process held
+    # resident while it loaded.
+    weights_bytes: int = 0
+    kv_cache_tokens: int = 0
+    kv_cache_bytes: int = 0
+    load_peak_rss_bytes: int = 0
 
 
 class Engine(Protocol):

@@ -4,13 +4,15 @@ the llama.cpp engine on this model file, measured once and remembered.
 The measurement (:func:`_measure`) loads each engine in turn and runs, through the engine interface, a greedy decode of
 48 tokens alone (c=1: tokens a second of one stream) and eight streams of 48 at once (c=8: tokens a second of all of
 them, their prompts included). The engine faster at both wins; where each wins one, the one with the larger product
-of the two. The verdict is written beside the converted model in the cache directory (its folder is keyed by the GGUF
+of the two. The verdict is written into the model's folder in the cache directory (its folder is keyed by the GGUF
 file's size and bytes, engine/loading/sources.py), with what it depends on: the CPU, the threads, the concurrency,
 the llama-cpp-python version and the block kernel's build. A later start with the same ones reads it and measures
 nothing; ``ttft-sse prepare`` with ``TTFT_ENGINE=auto`` measures ahead of the first start.
 
 ``auto`` needs no measurement where only one engine can run: a model that is not a GGUF, or llama-cpp-python not
-installed, gives the batched engine (``chosen_by`` says why). An explicit ``TTFT_ENGINE`` always wins.
+installed, gives the batched engine (``chosen_by`` says why); and where the machine's memory holds the KV cache asked
+for beside one engine's weights and not the other's (engine/loading/budget.py: fp32 keys and values on the batched
+engine, f16 on llama.cpp's), that one runs (``chosen_by`` "memory"). An explicit ``TTFT_ENGINE`` always wins.
 ``/readyz`` and the start-up log say which engine runs and why (:func:`report`).
 """
 
@@ -32,7 +34,7 @@ import structlog
 from ttft_sse.engine.base import ChatMessage, Engine, Finished, ModelInfo, Piece, Prompt, SamplingParams
 from ttft_sse.engine.cache_files import write_whole
 from ttft_sse.engine.cpu import compiler, kernel
-from ttft_sse.engine.loading import sources
+from ttft_sse.engine.loading import budget, sources
 from ttft_sse.settings import Settings
 from ttft_sse.stages import StageClock
 
@@ -67,7 +69,7 @@ class Choice:
     """Which engine runs, and why (``/readyz``'s ``engine``)."""
 
     name: str
-    chosen_by: str  # "setting", "measured", "measured before", or "only candidate"
+    chosen_by: str  # "setting", "measured", "measured before", "only candidate", or "memory"
     reason: str = ""
     tokens_per_second: dict[str, Rates] = field(default_factory=dict)
 
@@ -119,6 +121,9 @@ def choose(settings: Settings, *, measure: Measure | None = None) -> Choice:
             "only candidate",
             f"{library.DISTRIBUTION}=={library.VERSION} is not installed (pip install 'ttft-sse[llamacpp]')",
         )
+    fits = _fitting(settings, source)
+    if len(fits) == 1:
+        return fits[0]
     conditions = _conditions(settings)
     path = verdict_path(settings, conditions)
     remembered = _read(path, conditions)
@@ -130,13 +135,35 @@ def choose(settings: Settings, *, measure: Measure | None = None) -> Choice:
     return choice
 
 
+def _fitting(settings: Settings, source: sources.ModelSource) -> list[Choice]:
+    """Where the memory plans (engine/loading/budget.py) let one candidate hold the KV cache asked for and the other
+    not (the transformers engines hold it in fp32, llama.cpp in f16; a plan that cannot fit at all is refused), that
+    one alone, with the reason; else both candidates (an empty reason each)."""
+    import transformers
+
+    location = sources.materialize(source, settings.cache_dir, StageClock())
+    config = transformers.AutoConfig.from_pretrained(location)
+    plans = {
+        "batched": budget.for_transformers(settings, "gguf", location, source.location, config, "float32", True)[0],
+        "llamacpp": budget.for_llama_cpp(settings, source.location, config),
+    }
+    whole = [name for name, plan in plans.items() if plan.refusal is None and plan.kv_tokens == plan.asked_tokens]
+    if len(whole) != 1:
+        return [Choice(name, "") for name in CANDIDATES]
+    other = next(name for name in CANDIDATES if name != whole[0])
+    held = plans[other]
+    short = "cannot start" if held.refusal else f"would hold {held.kv_tokens} of its {held.asked_tokens} KV tokens"
+    reason = f"memory: {other} {short} in {held.available / budget.GIB:.1f} GiB ({held.limit_from})"
+    return [Choice(whole[0], "memory", reason)]
+
+
 def verdict_path(settings: Settings, conditions: dict[str, Any] | None = None) -> Path:
     """Where the verdict for ``settings.model`` (a GGUF) under ``conditions`` (default: this machine's) is kept: in
     the model's converted folder, one file per set of conditions."""
     conditions = conditions or _conditions(settings)
     digest = hashlib.sha256(json.dumps(conditions, sort_keys=True).encode()).hexdigest()[:12]
     gguf = Path(sources.resolve(settings.model).location)
-    return sources.converted_dir(gguf, settings.cache_dir) / f"{VERDICT_STEM}-{digest}.json"
+    return sources.model_dir(gguf, settings.cache_dir) / f"{VERDICT_STEM}-{digest}.json"
 
 
 def decide(rates: dict[str, Rates]) -> Choice:

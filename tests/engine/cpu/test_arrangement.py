@@ -10,7 +10,9 @@ import pytest
 from structlog.testing import capture_logs
 
 from tests.engine.cpu.test_kernel import DIRECTORY, one_thread, skip_without_int8, tiny_model
-from ttft_sse.engine.cpu import arrangement, kernel, matches
+from tests.support.ggufs import sequential
+from ttft_sse.engine.cpu import arrangement, kernel
+from ttft_sse.engine.cpu.stored import Stored
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("gguf")
@@ -20,7 +22,7 @@ __all__ = ["one_thread"]  # the kernel runs on one torch thread (an autouse fixt
 X = torch.from_numpy(np.random.default_rng(3).standard_normal((5, 64)).astype(np.float32))
 
 
-def model_of(tmp_path: Path) -> tuple[Any, Path]:
+def model_of(tmp_path: Path) -> tuple[Any, Any]:
     """The tiny model of tests/engine/cpu/test_kernel.py, with the same biases at every start."""
     torch.manual_seed(0)
     return tiny_model(tmp_path)
@@ -28,14 +30,14 @@ def model_of(tmp_path: Path) -> tuple[Any, Path]:
 
 def start(tmp_path: Path, activations: str = "fp32", degrade: bool = False) -> tuple[Any, kernel.Applied, list[Any]]:
     """A start of the tiny model: applied with the codes' cache in ``tmp_path``; its output for :data:`X`."""
-    model, path = model_of(tmp_path)
+    model, stored = model_of(tmp_path)
     with capture_logs() as logs:
         applied = kernel.apply(
             model,
-            path,
+            stored,
             torch,
             directory=DIRECTORY,
-            cache=tmp_path / matches.CACHE_FILE,
+            cache=tmp_path,
             activations=activations,
             degrade=degrade,
         )
@@ -44,11 +46,11 @@ def start(tmp_path: Path, activations: str = "fp32", degrade: bool = False) -> t
 
 
 def no_codes(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(matches, "of_layers", lambda *_args: pytest.fail("the codes were read and laid out again"))
+    monkeypatch.setattr(Stored, "codes", lambda *_args: pytest.fail("the codes were read and laid out again"))
 
 
 def kept_file(tmp_path: Path, activations: str = "fp32", degrade: bool = False) -> Path:
-    return arrangement.path_for(tmp_path / matches.CACHE_FILE, activations, degrade)
+    return arrangement.path_for(tmp_path, activations, degrade)
 
 
 @pytest.mark.parametrize(("activations", "degrade"), [("fp32", False), ("int8", False), ("fp32", True)])
@@ -63,14 +65,14 @@ def test_a_later_start_maps_the_kept_arrays_and_computes_the_same_bits(
     assert not list(tmp_path.glob(".*partial*"))
 
     no_codes(monkeypatch)
-    model, path = model_of(tmp_path)
+    model, stored = model_of(tmp_path)
     with capture_logs() as logs:
         again = kernel.apply(
             model,
-            path,
+            stored,
             torch,
             directory=DIRECTORY,
-            cache=tmp_path / matches.CACHE_FILE,
+            cache=tmp_path,
             activations=activations,
             degrade=degrade,
         )
@@ -118,7 +120,7 @@ def break_key(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 def flip_a_byte(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     data = bytearray(path.read_bytes())
-    data[-100] ^= 0x10  # in the last layer's arrays
+    data[arrangement.ALIGN + 100] ^= 0x10  # in the first layer's arrays
     path.write_bytes(bytes(data))
 
 
@@ -132,7 +134,7 @@ def garbage(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 def broken_header(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     data = bytearray(path.read_bytes())
-    data[20:30] = b"}}}}}}}}}}"
+    data[-30:-20] = b"}}}}}}}}}}"  # in the header, at the file's end
     path.write_bytes(bytes(data))
 
 
@@ -167,12 +169,13 @@ def test_a_stale_or_corrupt_file_is_never_used_but_laid_out_again_and_rewritten(
 def test_a_file_kept_for_other_weights_is_laid_out_again(tmp_path: Path) -> None:
     """As if the loader now gave another row order: the kept rows' checksum no longer matches the weight."""
     start(tmp_path)
-    model, path = model_of(tmp_path)
+    model, _ = model_of(tmp_path)
+    stored = sequential(tmp_path / "tiny.gguf")  # the first layer's rows in the file's order, not reversed
     with torch.no_grad():
         model[0].weight.copy_(model[0].weight.flip(0))
         want = model(X)
     with capture_logs() as logs:
-        kernel.apply(model, path, torch, directory=DIRECTORY, cache=tmp_path / matches.CACHE_FILE)
+        kernel.apply(model, stored, torch, directory=DIRECTORY, cache=tmp_path)
     assert logs[0]["event"] == "arrangement_rebuilt" and logs[0]["reason"] == "written for another weight of 0"
     with torch.no_grad():
         assert float((model(X) - want).abs().max()) <= 1e-5 * float(want.abs().max())
@@ -186,7 +189,7 @@ def test_an_unwritable_directory_is_logged_and_the_start_goes_on(
 
     monkeypatch.setattr(Path, "replace", refuse)
     _, applied, logs = start(tmp_path)
-    events = ["codes_cache_not_written", "arrangement_not_written", "weights_blocks"]
+    events = ["arrangement_not_written", "weights_blocks"]
     assert [entry["event"] for entry in logs] == events
     assert applied.activations == "fp32" and not kept_file(tmp_path).exists()
     assert not list(tmp_path.glob(".*partial*"))

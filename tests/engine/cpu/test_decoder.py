@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
-from tests.support.ggufs import quantise, write_gguf
+from tests.support.ggufs import named, quantise, write_gguf
 from tests.support.paths import CACHE_DIR
 from tests.support.texts import PASSAGE
 from ttft_sse.engine.cpu import attention, compiler, decoder, families, kernel, stack, structs
@@ -475,8 +475,8 @@ def test_a_model_in_the_q4_k_m_mix_is_fused_whole_and_answers_as_its_layers_unfu
     try:
         with torch.inference_mode():
             plain = model.generate(prompt, max_new_tokens=16, do_sample=False, pad_token_id=0)
-        applied = kernel.apply(model, path, torch, directory=library.parent)
-        unknown = "fp32: 1 (no matrix of the file holds its rows)"  # the LM head
+        applied = kernel.apply(model, named(path), torch, directory=library.parent)
+        unknown = "fp32: 1 (the file holds no tensor for it)"  # the LM head
         assert applied == ("fp32", {"Q4_K": "blocks: 10", "Q6_K": "blocks: 4", "unknown": unknown})
         with torch.inference_mode():
             unfused = model.generate(prompt, max_new_tokens=16, do_sample=False, pad_token_id=0)

@@ -14,12 +14,12 @@ import pytest
 from structlog.testing import capture_logs
 
 from tests.support.engines import collect, prompt_of
-from tests.support.ggufs import KINDS, layers_of, quantised, write_gguf
+from tests.support.ggufs import KINDS, layers_of, quantised, sequential, write_gguf
 from tests.support.paths import CACHE_DIR
 from tests.support.texts import PASSAGE
 from ttft_sse.engine.base import SamplingParams
 from ttft_sse.engine.batched.engine import BatchedEngine
-from ttft_sse.engine.cpu import attention, codes, compiler, kernel, layouts, matches
+from ttft_sse.engine.cpu import attention, codes, compiler, kernel, layouts
 from ttft_sse.engine.cpu.layouts import records
 from ttft_sse.engine.loading.model import KERNEL_DIR
 from ttft_sse.engine.single import SingleEngine
@@ -639,15 +639,15 @@ def test_an_attention_chunk_the_helper_holds_too_long_is_taken_back_and_the_next
     assert all(np.array_equal(out, want) for _, out in [*got, (status, right_after)])
 
 
-def tiny_model(tmp_path: Path, *, tied: bool = False) -> tuple[Any, Path]:
-    """The layers of tests/engine/cpu/test_codes.py (stored as Q4_1, Q8_0 and F32) as a model; with ``tied``, an
-    embedding sharing the Q8_0 layer's weight, as a tied LM head does."""
+def tiny_model(tmp_path: Path, *, tied: bool = False) -> tuple[Any, Any]:
+    """The layers of tests/engine/cpu/test_codes.py (stored as Q4_1, Q8_0 and F32) as a model, and the file's tensors
+    for them; with ``tied``, an embedding sharing the Q8_0 layer's weight, as a tied LM head does."""
     layers, path = layers_of(tmp_path)
     model = torch.nn.Sequential(*layers.values())
     if tied:
         model.append(torch.nn.Embedding(32, 96))
         model[3].weight = model[1].weight
-    return model, path
+    return model, sequential(path, reversed_rows=("up",))
 
 
 @pytest.mark.parametrize(("activations", "least", "most"), [("fp32", 0.0, 1e-5), ("int8", 1e-5, 0.05)])
@@ -656,12 +656,12 @@ def test_apply_puts_exactly_the_layers_the_file_holds_as_blocks_on_the_kernel(
 ) -> None:
     if activations == "int8":
         skip_without_int8()
-    model, path = tiny_model(tmp_path)
+    model, stored = tiny_model(tmp_path)
     x = torch.randn(3, 64)
     with torch.no_grad():
         want = model(x)
     with capture_logs() as logs:
-        applied = kernel.apply(model, path, torch, directory=DIRECTORY, activations=activations)
+        applied = kernel.apply(model, stored, torch, directory=DIRECTORY, activations=activations)
     rows = "blocks: 1" if activations == "fp32" else "blocks, int8 rows: 1"
     dense = "blocks: 1" if activations == "fp32" else "blocks, fp32 rows: 1 (not quantised: int8 rows multiply"
     by_type = {"F32": dense if activations == "fp32" else f"{dense} quantised blocks)", "Q4_1": rows, "Q8_0": rows}
@@ -683,10 +683,10 @@ def test_apply_puts_exactly_the_layers_the_file_holds_as_blocks_on_the_kernel(
 def test_on_a_cpu_without_avx512_vnni_or_f16c_int8_rows_fall_back_to_fp32_and_the_log_says_so(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    model, path = tiny_model(tmp_path)
+    model, stored = tiny_model(tmp_path)
     monkeypatch.setattr(compiler, "FLAGS", (*compiler.FLAGS, "-mno-avx512vnni", "-mno-f16c"))
     with capture_logs() as logs:
-        got = kernel.apply(model, path, torch, directory=tmp_path / "kernels", activations="int8")
+        got = kernel.apply(model, stored, torch, directory=tmp_path / "kernels", activations="int8")
     assert got.activations == "fp32"
     assert [entry["event"] for entry in logs] == ["kernel_built", "activations_not_int8", "weights_blocks"]
     assert logs[1] == {
@@ -698,9 +698,9 @@ def test_on_a_cpu_without_avx512_vnni_or_f16c_int8_rows_fall_back_to_fp32_and_th
 
 
 def test_a_weight_another_module_shares_is_kept(tmp_path: Path) -> None:
-    model, path = tiny_model(tmp_path, tied=True)
+    model, stored = tiny_model(tmp_path, tied=True)
     with capture_logs():
-        assert kernel.apply(model, path, torch, directory=DIRECTORY).activations == "fp32"
+        assert kernel.apply(model, stored, torch, directory=DIRECTORY).activations == "fp32"
     assert type(model[1]).__name__ == "BlockLinear"
     assert model[1].weight is model[3].weight and model[3].weight.shape == (32, 96)  # the embedding still reads it
     assert model[0].weight.numel() == 0
@@ -766,7 +766,7 @@ K_MODEL = [  # name, GGUF type, inputs, outputs: a chain of 64 -> 256 -> 256 -> 
 ]
 
 
-def k_quant_model(tmp_path: Path) -> tuple[Any, Path]:
+def k_quant_model(tmp_path: Path) -> tuple[Any, Any]:
     """Linear layers stored as Q5_0, Q4_K, Q6_K, Q5_K and Q5_1 in a file, holding gguf's dequantisation of them, as
     a model (the Q4_K rows reordered, as transformers' loader does to q and k)."""
     path = tmp_path / "k-quants.gguf"
@@ -780,17 +780,17 @@ def k_quant_model(tmp_path: Path) -> tuple[Any, Path]:
             layer.weight.copy_(torch.from_numpy(dense[::-1].copy() if kind == "Q4_K" else dense))
         model.append(layer)
     write_gguf(path, tensors)
-    return model, path
+    return model, sequential(path, reversed_rows=("q4_k",))
 
 
 def test_a_model_of_q5_and_k_quant_layers_runs_on_the_kernel_with_the_fp32_layers_outputs(tmp_path: Path) -> None:
-    model, path = k_quant_model(tmp_path)
+    model, stored = k_quant_model(tmp_path)
     weights = [layer.weight.detach().numpy().copy() for layer in model]
     x = torch.from_numpy(np.random.default_rng(0).standard_normal((3, 64)).astype(np.float32))
     with torch.no_grad():
         before = model(x)
     with capture_logs() as logs:
-        applied = kernel.apply(model, path, torch, directory=DIRECTORY, cache=tmp_path / matches.CACHE_FILE)
+        applied = kernel.apply(model, stored, torch, directory=DIRECTORY, cache=tmp_path)
     by_type = {
         "Q4_K": "blocks: 1",
         "Q5_0": "blocks: 1",
@@ -829,10 +829,10 @@ def test_with_int8_rows_every_quantised_type_takes_them_in_the_records_that_hold
     value, nor is Q5_1's offset m - 112d: fp32 tails; Q6_K's scales cover 16 inputs: two a block. Each layer gives
     the product of its weight and the quantised rows."""
     skip_without_int8()
-    model, path = k_quant_model(tmp_path)
+    model, stored = k_quant_model(tmp_path)
     weights = [layer.weight.detach().numpy().astype(np.float64) for layer in model]
     with capture_logs() as logs:
-        applied = kernel.apply(model, path, torch, directory=DIRECTORY, activations="int8")
+        applied = kernel.apply(model, stored, torch, directory=DIRECTORY, activations="int8")
     assert applied == ("int8", dict.fromkeys(["Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K"], "blocks, int8 rows: 1"))
     assert [entry["event"] for entry in logs] == ["weights_blocks"]
     assert [layer.activations for layer in model] == ["int8"] * 5
@@ -852,11 +852,12 @@ def test_with_int8_rows_an_unquantised_layer_keeps_fp32_rows_and_the_account_say
     blocks, dense = quantised((32, 256), "Q4_K")
     values = np.random.default_rng(1).standard_normal((32, 256)).astype(np.float16)
     write_gguf(path, {"k": (blocks, "Q4_K"), "f": (values, "F16")})
+    stored = sequential(path)
     model = torch.nn.Sequential(torch.nn.Linear(256, 32, bias=False), torch.nn.Linear(256, 32, bias=False))
     with torch.no_grad():
         model[0].weight.copy_(torch.from_numpy(dense))
         model[1].weight.copy_(torch.from_numpy(values.astype(np.float32)))
-    applied = kernel.apply(model, path, torch, directory=DIRECTORY, activations="int8")
+    applied = kernel.apply(model, stored, torch, directory=DIRECTORY, activations="int8")
     why = "blocks, fp32 rows: 1 (not quantised: int8 rows multiply quantised blocks)"
     assert applied == ("int8", {"F16": why, "Q4_K": "blocks, int8 rows: 1"})
     assert [layer.activations for layer in model] == ["int8", "fp32"]
@@ -866,9 +867,9 @@ def test_degrade_holds_int8_records_for_a_model_of_k_quants_and_switches_to_them
     """TTFT_DEGRADE=int8 needs every quantised layer in int8 records too: the K-quants', Q5_1's and Q6_K's take fp32
     tails, so the int8 mode exists for such a model; a thread in it gets the int8 rows' product."""
     skip_without_int8()
-    model, path = k_quant_model(tmp_path)
+    model, stored = k_quant_model(tmp_path)
     weight = model[1].weight.detach().numpy().astype(np.float64)  # Q4_K's
-    applied = kernel.apply(model, path, torch, directory=DIRECTORY, degrade=True)
+    applied = kernel.apply(model, stored, torch, directory=DIRECTORY, degrade=True)
     assert applied.activations == "fp32"
     assert all(layer.records is not None for layer in model)
     layer = model[1]  # Q4_K
@@ -893,12 +894,13 @@ def test_a_model_with_no_layer_in_a_type_the_kernel_runs_is_left_as_it_was_and_t
     blocks = np.random.default_rng(0).integers(0, 256, (32, 84), dtype=np.uint8)  # one Q2_K super-block a row
     blocks[:, 80:84] = np.array([0.01, 0.005], np.float16).view(np.uint8)  # its d and dmin: finite
     write_gguf(path, {"only": (blocks, "Q2_K")})
+    stored = sequential(path)
     model = torch.nn.Sequential(torch.nn.Linear(256, 32, bias=False))
     with torch.no_grad():
         weight = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q2_K)
         model[0].weight.copy_(torch.from_numpy(weight.astype(np.float32)))
     with capture_logs() as logs:
-        applied = kernel.apply(model, path, torch, directory=DIRECTORY)
+        applied = kernel.apply(model, stored, torch, directory=DIRECTORY)
     by_type = {"Q2_K": "fp32: 1 (no kernel layout for 16-input scales and minimums)"}
     assert applied == (None, by_type)
     reason = "no linear weight of the model is stored in a type the kernel runs"
@@ -918,9 +920,10 @@ def test_a_model_of_f16_bf16_and_f32_layers_runs_on_the_kernel_with_the_fp32_lay
         with torch.no_grad():
             model[-1].weight.copy_(torch.from_numpy(dense))
     write_gguf(path, tensors)
+    stored = sequential(path)
     weights = [layer.weight.detach().numpy().copy() for layer in model]
     with capture_logs() as logs:
-        applied = kernel.apply(model, path, torch, directory=DIRECTORY)
+        applied = kernel.apply(model, stored, torch, directory=DIRECTORY)
     assert applied == ("fp32", {"BF16": "blocks: 1", "F16": "blocks: 1", "F32": "blocks: 1"})
     assert {"layers": 3, "q4": 0, "q8": 0, "q6": 0, "dense": 3}.items() <= logs[-1].items()
     assert [layer.bits for layer in model] == [codes.HALF, codes.BRAIN, codes.FULL]
@@ -962,18 +965,19 @@ def four_threads(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_where_the_kernel_cannot_serve_every_layer_stays_as_it_was_and_the_log_says_why(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cause: Any, reason: str
 ) -> None:
-    model, path = tiny_model(tmp_path)
+    model, stored = tiny_model(tmp_path)
     cause(monkeypatch)
     with capture_logs() as logs:
-        assert kernel.apply(model, path, torch, directory=DIRECTORY) == (None, {})
+        assert kernel.apply(model, stored, torch, directory=DIRECTORY) == (None, {})
     assert [type(layer) for layer in model] == [torch.nn.Linear] * 3
     assert not hasattr(model[0], "arrays") and model[0].weight.shape == (96, 64)
     assert logs == [{"event": "weights_not_blocks", "log_level": "warning", "reason": reason}]
 
 
 async def test_the_bundled_model_runs_every_linear_layer_on_the_kernel(settings: Settings) -> None:
-    """The decoders' layers (Q4_1) and the LM head (Q8_0, tied to the embedding) all take the kernel; the answer
-    is right and each decode step goes through it."""
+    """The decoders' layers (Q4_1) and the LM head (Q8_0, tied to the embedding) all take the kernel, and the
+    embedding reads its rows from the file: no fp32 copy of the table is left; the answer is right and each decode
+    step goes through the kernel."""
     engine = BatchedEngine(settings)
     with capture_logs() as logs:
         engine.load(StageClock())
@@ -981,7 +985,9 @@ async def test_the_bundled_model_runs_every_linear_layer_on_the_kernel(settings:
         model = engine.model
         on_kernel = [m for m in model.modules() if isinstance(m, kernel.block_linear_class())]
         assert len(on_kernel) == 7 * model.config.num_hidden_layers + 1  # q, k, v, o, gate, up, down; LM head
-        assert model.lm_head.bits == 8 and model.lm_head.weight is model.get_input_embeddings().weight
+        assert model.lm_head.bits == 8 and model.lm_head.weight.numel() == 0
+        embedding = model.get_input_embeddings()
+        assert type(embedding).__name__ == "FileRowsEmbedding" and embedding.weight.numel() == 0
         assert engine.info.weights == "gguf-blocks"
         by_type = {"Q4_1": "blocks: 210", "Q8_0": "blocks: 1"}
         assert engine.info.weights_by_type == by_type

@@ -14,6 +14,7 @@ from structlog.testing import capture_logs
 
 from ttft_sse.engine.batched.engine import BatchedEngine
 from ttft_sse.engine.cpu import arrangement, kernel
+from ttft_sse.engine.loading import sources
 from ttft_sse.engine.loading.model import KERNEL_DIR
 from ttft_sse.engine.single import SingleEngine
 from ttft_sse.errors import StartupError
@@ -83,6 +84,8 @@ def test_int8_records_that_disagree_with_their_reference_are_refused(
     monkeypatch.setattr(arrangement, "load", lambda *_args: None)  # laid out now, as at a first start
     with pytest.raises(StartupError, match=f"^{REFUSED}the block kernel with int8 rows disagrees with its fp64"):
         SingleEngine(settings.replace(degrade="int8")).load(StageClock())
+    folder = sources.model_dir(sources.bundled_gguf(), settings.cache_dir)
+    assert not arrangement.path_for(folder, "fp32", True).exists()  # written as laid out, gone once refused
 
 
 def test_with_degrade_both_arrangements_are_held_and_their_memory_logged(settings: Settings) -> None:

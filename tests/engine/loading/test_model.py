@@ -128,3 +128,18 @@ def test_prepare_starts_the_c_builds_before_it_converts_the_file(
     with pytest.raises(Converting):
         _prepare(settings)
     assert calls == ["model.start_builds", "sources.materialize"]
+
+
+def test_auto_rows_are_int8_for_a_file_of_2_gib_or_more_and_fp32_below_or_with_degrade(
+    tmp_path: Path, settings: Settings
+) -> None:
+    large, small = tmp_path / "large.gguf", tmp_path / "small.gguf"
+    with large.open("wb") as fh:
+        fh.truncate(model.LARGE_FILE_BYTES)  # sparse: its size is what counts
+    small.write_bytes(b"GGUF")
+    auto = replace(settings, gguf_activations="auto")
+    assert model.activations_for(auto, large) == "int8"
+    assert model.activations_for(auto, small) == "fp32"
+    assert model.activations_for(replace(auto, degrade="int8"), large) == "fp32"  # its switch needs fp32 rows
+    assert model.activations_for(replace(settings, gguf_activations="fp32"), large) == "fp32"
+    assert model.activations_for(replace(settings, gguf_activations="int8"), small) == "int8"

@@ -259,7 +259,7 @@ class BatchedEngine:
     def _create_manager(self, *, paged: bool) -> Any:
         import math
 
-        blocks = math.ceil(self._settings.kv_cache_tokens / BLOCK_TOKENS)
+        blocks = math.ceil((self.info.kv_cache_tokens or self._settings.kv_cache_tokens) / BLOCK_TOKENS)
         self._capacity = blocks * BLOCK_TOKENS
         self._scheduler = register_scheduler(self._counters, paged=paged)
         return hooks.create_manager(

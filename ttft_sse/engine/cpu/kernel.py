@@ -46,6 +46,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import numpy as np
 import structlog
 
 from ttft_sse.engine.cpu import arrangement, compiler, matches, weights
@@ -60,6 +61,7 @@ from ttft_sse.engine.cpu.layouts import (
     probed_outputs,
     record_bits,
 )
+from ttft_sse.engine.cpu.stored import Stored
 
 log = structlog.get_logger("ttft_sse.engine")
 
@@ -189,7 +191,7 @@ class Refused(RuntimeError):
 
 def apply(
     model: Any,
-    gguf_path: str | Path,
+    stored: Stored,
     torch: Any,
     *,
     directory: Path,
@@ -197,21 +199,23 @@ def apply(
     activations: str = "fp32",
     degrade: bool = False,
 ) -> Applied:
-    """Make every fp32 linear layer of ``model`` whose weight the GGUF file at ``gguf_path`` holds in one of the
-    types engine/cpu/codes.py reads (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K; F16, BF16, F32 as their values)
-    a ``BlockLinear`` on those codes,
-    with the kernel built in ``directory``; the codes are kept in ``cache`` for the next start, and the layers' arrays
-    as laid out beside it (engine/cpu/arrangement.py), which a later start maps instead of reading and laying out
-    the codes again. ``activations``:
+    """Make every linear layer of ``model`` whose weight the GGUF file ``stored`` holds in one of the types
+    engine/cpu/codes.py reads (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K; F16, BF16, F32 as their values) a
+    ``BlockLinear`` on those codes, read from the file and laid out for the kernel built in ``directory``; the layers'
+    arrays are kept in the model's ``cache`` directory (engine/cpu/arrangement.py), which a later start maps instead
+    of reading and laying out the codes again. A layer's weight may be on torch's meta device: it is never read, the
+    file is. ``activations``:
     ``"int8"`` quantises each row per block of 32 inputs first, as llama.cpp does, in each quantised layer
     (a dense type's keep fp32 rows, ``Codes.unquantised``, as all do on a CPU with neither AVX-512 VNNI nor AVX2
     and F16C, where the log says so); ``"fp32"`` keeps the fp32 model's arithmetic.
 
-    Returns the activations the layers use (None when nothing changed: logged with the reason when the kernel
-    cannot be built or disagrees with its reference on a probe) and the path of each GGUF type's layers, also
-    logged. A changed layer drops its fp32 weight unless another module shares it (a tied LM head's is the
-    embedding's). Nothing changes either when torch runs on more than one thread: the kernel runs on one, and
-    oneDNN's fp32 GEMMs on all of them are faster for prompts.
+    A layer gets codes only where they give back, bit for bit, the file's own dequantisation of rows spread over its
+    weight (what transformers' loader gives the fp32 model: :func:`arrangement.checked_rows`), and each kind of
+    layer's kernel agrees with its fp64 reference on a probe. Returns the activations the layers use (None when
+    nothing changed: logged with the reason when the kernel cannot be built or disagrees with its reference on a
+    probe) and the path of each GGUF type's layers, also logged. A changed layer drops its weight unless another
+    module shares it (a tied LM head's is the embedding's). Nothing changes either when torch runs on more than one
+    thread: the kernel runs on one, and oneDNN's fp32 GEMMs on all of them are faster for prompts.
 
     ``degrade`` (with fp32 ``activations``): each layer holds the int8 rows' records beside its fp32 panels, both
     checked on the probe, and a thread computes with them while :data:`ROWS` says so (a dense type's layers keep
@@ -220,7 +224,7 @@ def apply(
     if degrade and activations != "fp32":
         raise ValueError("degrade adds int8 rows to fp32 ones: activations must be fp32")
     try:
-        return _apply(model, gguf_path, torch, directory, cache, activations, degrade)
+        return _apply(model, stored, torch, directory, cache, activations, degrade)
     except Refused as exc:
         if degrade:
             raise
@@ -230,7 +234,7 @@ def apply(
 
 def _apply(
     model: Any,
-    gguf_path: str | Path,
+    stored: Stored,
     torch: Any,
     directory: Path,
     cache: Path | None,
@@ -255,61 +259,77 @@ def _apply(
         for name, m in model.named_modules()
         if type(m) is torch.nn.Linear and m.weight.dtype == torch.float32 and m.in_features % gguf_codes.BLOCK == 0
     }
-    stored = None if cache is None else arrangement.path_for(cache, activations, degrade)
+    kinds = {name: stored.kind(f"{name}.weight") for name in layers}
+    shapes = {name: (m.out_features, m.in_features) for name, m in layers.items()}
+    candidates = [name for name in layers if _has_codes(stored, name, shapes[name])]
+    checked = {name: stored.rows(f"{name}.weight", _checked(shapes[name])) for name in candidates}
+    checks = {name: (shapes[name], arrangement.rows_checksum(rows)) for name, rows in checked.items()}
+    if not candidates:
+        paths = matches.by_type(kinds, {}, activations)
+        reason = "no linear weight of the model is stored in a type the kernel runs"
+        if degrade:
+            raise Refused(reason)
+        log.warning("weights_not_blocks", reason=reason, by_type=paths)
+        return Applied(None, paths)
+    path = None if cache is None else arrangement.path_for(cache, activations, degrade)
     key = arrangement.key(library, activations, degrade)
-    weights_now = {name: m.weight.detach().numpy() for name, m in layers.items()}
-    kept = None if stored is None else arrangement.load(stored, key, weights_now)
+    kept = None if path is None else arrangement.load(path, key, kinds, checks)
     fresh = kept is None
     if kept is None:
-        found = matches.of_layers(layers, gguf_path, cache)
-        if not found.codes:
-            paths = matches.by_type(found.kinds, {}, activations)
-            reason = "no linear weight of the model is stored in a type the kernel runs"
-            if degrade:
-                raise Refused(reason)
-            log.warning("weights_not_blocks", reason=reason, by_type=paths)
-            return Applied(None, paths)
-        rows = {
-            name: "fp32" if activations == "int8" and codes.unquantised else activations
-            for name, codes in found.codes.items()
-        }
         six, five = takes_six(library), takes_five(library)
-        entries = {
-            name: arrangement.laid_out(codes, rows[name], degrade, weights_now[name], six, five)
-            for name, codes in found.codes.items()
-        }
-        kept = arrangement.Kept(found.kinds, entries)
-    entries = kept.entries
-    rows = {name: entry.rows for name, entry in entries.items()}
-    changed = [layers[name] for name in entries]
-    for name, layer in zip(entries, changed, strict=True):
-        _hold_entry(layer, entries[name], library, torch)
+
+        def entries() -> Iterator[tuple[str, arrangement.Entry]]:
+            for name in candidates:
+                codes = stored.codes(f"{name}.weight")
+                if codes is None or not np.array_equal(codes.rows(_checked(shapes[name])).dense(), checked[name]):
+                    log.warning("layer_codes_inexact", layer=name, kind=kinds[name])  # stays off the kernel
+                    continue
+                rows = "fp32" if activations == "int8" and codes.unquantised else activations
+                yield name, arrangement.laid_out(codes, rows, degrade, checks[name][1], six, five)
+
+        if path is not None and arrangement.save(path, key, kinds, entries()):
+            kept = arrangement.load(path, key, kinds, checks)
+        if kept is None:  # no cache directory, or one that cannot be written: held in memory
+            kept = arrangement.Kept(kinds, dict(entries()))
+    entries_kept = kept.entries
+    if not entries_kept:  # every candidate's codes were inexact
+        paths = matches.by_type(kinds, {}, activations)
+        if degrade:
+            raise Refused("no linear weight's codes give back the file's dequantisation")
+        log.warning("weights_not_blocks", reason="no linear weight's codes give back the file's weights", by_type=paths)
+        return Applied(None, paths)
+    rows = {name: entry.rows for name, entry in entries_kept.items()}
+    changed = [layers[name] for name in entries_kept]
+    for name, layer in zip(entries_kept, changed, strict=True):
+        _hold_entry(layer, entries_kept[name], library, torch)
     try:
-        kinds = {(layer.panel_bits, layer.activations, layer.record_bits or 0) for layer in changed}
-        for kind in sorted(kinds):  # one layer of each layout: panels' bits and scales, rows, records' tail
+        kinds_held = {(layer.panel_bits, layer.activations, layer.record_bits or 0) for layer in changed}
+        by_layer = dict(zip(changed, entries_kept, strict=True))
+        for kind in sorted(kinds_held):  # one layer of each layout: panels' bits and scales, rows, records' tail
             probed = next(m for m in changed if (m.panel_bits, m.activations, m.record_bits or 0) == kind)
-            row = kind[1]
-            _check(probed, torch, int8=row == "int8")
+            outputs = probed_outputs(probed.out_features, torch)
+            weight = torch.from_numpy(stored.rows(f"{by_layer[probed]}.weight", outputs.numpy()))
+            _check(probed, torch, weight, outputs, int8=kind[1] == "int8")
             if degrade and probed.records is not None:  # dense layers keep fp32 rows in the int8 mode too
                 with int8_rows():
-                    _check(probed, torch, int8=True)
+                    _check(probed, torch, weight, outputs, int8=True)
     except RuntimeError as exc:
-        for layer in changed:  # back to the plain fp32 layers they were
+        for layer in changed:  # back to the plain linear layers they were
             layer.fence()  # as BlockLinear's __del__ does: a helper may still read the codes (helpers.c)
             layer.__class__ = torch.nn.Linear
             del layer.arrays, layer.multiply, layer.bits, layer.activations, layer.fence
-            del layer.records, layer.int8_multiply, layer.record_bits, layer.panel_bits
+            del layer.records, layer.int8_multiply, layer.record_bits, layer.panel_bits, layer.mapped
+        if fresh and path is not None:  # laid out now and failed its probe: not kept for the next start
+            path.unlink(missing_ok=True)
         raise Refused(str(exc)) from exc
-    if fresh and stored is not None:  # probed: kept for the next start
-        arrangement.save(stored, key, kept)
     others = (m for m in model.modules() if not isinstance(m, block_linear_class()))
     shared = {id(p) for m in others for p in m.parameters(recurse=False)}
     for layer in changed:
-        if id(layer.weight) not in shared:  # never read again: the fp32 weight's memory goes back
+        if id(layer.weight) not in shared:  # never read: its memory (or its place on the meta device) goes
             layer.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
-    in_five = sum(entry.rows == "fp32" and entry.arrays[0].shape[-1] == FIVE_PAIR for entry in entries.values())
-    counts = {bits: sum(entry.bits == bits for entry in entries.values()) for bits in (4, 8, gguf_codes.SIXTEEN)}
-    dense = sum(entry.bits in gguf_codes.DENSE_DTYPES for entry in entries.values())
+    in_five = sum(entry.rows == "fp32" and entry.arrays[0].shape[-1] == FIVE_PAIR for entry in entries_kept.values())
+    counts = {bits: sum(entry.bits == bits for entry in entries_kept.values()) for bits in (4, 8, gguf_codes.SIXTEEN)}
+    dense = sum(entry.bits in gguf_codes.DENSE_DTYPES for entry in entries_kept.values())
     used = "int8" if "int8" in rows.values() else "fp32"
     paths = matches.by_type(kept.kinds, rows, activations)
     log.info(
@@ -326,13 +346,27 @@ def _apply(
     return Applied(used, paths)
 
 
-def _check(layer: Any, torch: Any, *, int8: bool) -> None:
-    """The layer against its reference in fp64 (the fp32 weights times the rows, quantised first where ``int8``: the
-    rows the calling thread gives it are int8 ones), on the outputs layouts.probed_outputs picks; and each row of a call
-    against the same row alone (bit for bit, every output)."""
-    probed = probed_outputs(layer.out_features, torch)
+def _has_codes(stored: Stored, name: str, shape: tuple[int, int]) -> bool:
+    """Whether the file holds the layer ``name``'s weight as a matrix of ``shape`` in a type with codes."""
+    tensor = stored.tensor(f"{name}.weight")
+    return (
+        tensor is not None
+        and tensor.shape == shape
+        and (tensor.kind in gguf_codes.FORMATS or tensor.kind in gguf_codes.DENSE)
+    )
+
+
+def _checked(shape: tuple[int, int]) -> Any:
+    return arrangement.checked_rows(shape[0])
+
+
+def _check(layer: Any, torch: Any, weight: Any, probed: Any, *, int8: bool) -> None:
+    """The layer against its reference in fp64 on the outputs ``probed`` (layouts.probed_outputs), whose fp32
+    weights, as the file's dequantisation gives them, are ``weight`` (the rows the calling thread gives it are
+    quantised first where ``int8``); and each row of a call against the same row alone (bit for bit, every
+    output)."""
     with torch.no_grad():
-        weight = layer.weight[probed].double()
+        weight = weight.double()
         bias = None if layer.bias is None else layer.bias[probed].double()
     for count in PROBE_ROWS:
         rows = weights.probe_rows(torch, count, layer.in_features)
@@ -363,8 +397,8 @@ def _attach(
 ) -> None:
     """Make ``layer`` a ``BlockLinear`` on ``codes`` with the kernel of the library at ``library``; with ``degrade``,
     holding the int8 rows' records too."""
-    weight = layer.weight.detach().numpy()
-    entry = arrangement.laid_out(codes, activations, degrade, weight, takes_six(library), takes_five(library))
+    check = arrangement.rows_checksum(codes.rows(_checked(codes.q.shape)).dense())
+    entry = arrangement.laid_out(codes, activations, degrade, check, takes_six(library), takes_five(library))
     _hold_entry(layer, entry, library, torch)
 
 
@@ -374,6 +408,7 @@ def _hold_entry(layer: Any, entry: arrangement.Entry, library: Path, torch: Any)
     layer.fence = compiler.load(library, "ttft_helper_fence", ())
     layer.bits = entry.bits
     layer.activations = entry.rows
+    layer.mapped = entry.mapped
     layer.records = None if entry.records is None else torch.from_numpy(entry.records)
     held_records = entry.arrays[0] if entry.rows == "int8" else entry.records
     # int8_rows.c's bits for the records (their tail by their length), for every int8 call of this layer
@@ -422,7 +457,10 @@ def join(layers: list[Any], torch: Any) -> tuple[Any, ...] | None:
     start = 0
     for m in layers:
         count = m.arrays[0].shape[0]  # panels
+        before, mapped = m.arrays, m.mapped
         _hold(m, tuple(a[start : start + count] for a in joined))
+        if mapped:  # its own arrays, views of the kept file, are read no more
+            arrangement.release(before)
         start += count
     return joined
 
@@ -442,6 +480,7 @@ def block_linear_class() -> type[Any]:
         bits: int
         record_bits: int | None  # int8_rows.c's bits for its records (layouts.record_bits); None without records
         panel_bits: int  # kernel.c's bits for its fp32 rows' panels (layouts.panel_bits)
+        mapped: bool  # its arrays are views of the kept arrangement file's mapping (arrangement.release)
         activations: str
         fence: Callable[[], int]  # helpers.c's ttft_helper_fence
 

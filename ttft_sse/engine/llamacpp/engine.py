@@ -9,9 +9,9 @@ one token for every row that asked for logits and hands the step's tokens to the
 cancellation, which the loop applies before its next step: it gets no further token.
 
 Shared with the other engines, so that a request means the same on each: the prompt (engine/prompts.py, with the
-tokenizer of the converted model, so the same token ids), the text and stop sequences (engine/text.py), and
-sampling (engine/sampling.py, over llama.cpp's logits, with the request's own generator: a ``seed`` reproduces its
-answer). A greedy token is the row's argmax (numpy's: the first index on a tie, as torch's).
+tokenizer transformers builds from the file's metadata, so the same token ids), the text and stop sequences
+(engine/text.py), and sampling (engine/sampling.py, over llama.cpp's logits, with the request's own generator: a
+``seed`` reproduces its answer). A greedy token is the row's argmax (numpy's: the first index on a tie, as torch's).
 
 llama.cpp computes a step's rows together, and only some of its kernels give a row the same bits whatever else the
 step holds: docs/engine.md ("The llama.cpp engine") says what is promised.
@@ -35,7 +35,7 @@ from ttft_sse.engine.base import check_mode as _check_mode
 from ttft_sse.engine.llamacpp import library
 from ttft_sse.engine.llamacpp.schedule import Schedule
 from ttft_sse.engine.llamacpp.schedule import Sequence as Running
-from ttft_sse.engine.loading import sources
+from ttft_sse.engine.loading import budget, sources
 from ttft_sse.engine.text import TokenText
 from ttft_sse.errors import EngineError, StartupError
 from ttft_sse.settings import Settings
@@ -129,13 +129,17 @@ class LlamaCppEngine:
                 f"TTFT_ENGINE=llamacpp serves GGUF files, and {settings.model!r} is a {source.kind} model: "
                 "use TTFT_ENGINE=batched"
             )
-        location = sources.materialize(source, settings.cache_dir, clock)  # the tokenizer, as the other engines'
+        # The tokenizer and config that transformers builds from the file's metadata, as the other engines': no
+        # tensor of the file is read but by llama.cpp.
+        location = sources.materialize(source, settings.cache_dir, clock)
+        config = transformers.AutoConfig.from_pretrained(location)
+        plan = budget.settle(budget.for_llama_cpp(settings, source.location, config))
         with clock.stage("tokenizer"):
             self._tokenizer = transformers.AutoTokenizer.from_pretrained(location)
             self._eos = _eos(transformers, location, self._tokenizer)
         threads = settings.torch_threads
         shape = library.Shape(
-            cells=settings.kv_cache_tokens,
+            cells=plan.kv_tokens,
             sequences=settings.max_concurrency,
             batch_tokens=max(min(settings.batch_tokens, library.ROWS_PER_STEP), settings.max_concurrency),
             threads=threads,
@@ -151,6 +155,10 @@ class LlamaCppEngine:
             threads=threads,
             weights=f"llama.cpp: {runner.description}",
             engine="llamacpp",
+            weights_bytes=plan.weights,
+            kv_cache_tokens=plan.kv_tokens,
+            kv_cache_bytes=plan.kv_cache,
+            load_peak_rss_bytes=budget.peak_resident_bytes(),
         )
         log.info("llamacpp_loaded", model=source.name, description=runner.description, **vars(shape))
         self._loop.start()

@@ -19,8 +19,8 @@ from typing import Any
 import structlog
 
 from ttft_sse.engine.base import INT8, NORMAL, ModelInfo
-from ttft_sse.engine.cpu import attention, decoder, families, grouped, kernel, matches, weights
-from ttft_sse.engine.loading import imports, sources
+from ttft_sse.engine.cpu import attention, decoder, families, grouped, kernel, weights
+from ttft_sse.engine.loading import assembly, budget, imports, sources
 from ttft_sse.errors import StartupError
 from ttft_sse.settings import Settings
 from ttft_sse.stages import StageClock
@@ -47,7 +47,8 @@ class Loaded:
 
 
 def load_model(settings: Settings, clock: StageClock) -> Loaded:
-    """Load ``settings.model`` on ``settings.device`` in ``settings.dtype``, timing each stage on ``clock``."""
+    """Load ``settings.model`` on ``settings.device`` in ``settings.dtype``, timing each stage on ``clock``: a GGUF
+    file from the file itself (:func:`_from_gguf`), a model directory or id through transformers."""
     source = sources.resolve(settings.model)
     early = start_builds(settings, source)  # beside the imports; else once the device is known, beside the conversion
     with clock.stage("imports"), _imports_uncollected():
@@ -69,23 +70,18 @@ def load_model(settings: Settings, clock: StageClock) -> Loaded:
     if not early and device == "cpu" and dtype == torch.float32:
         _start_builds(settings, source)
     location = sources.materialize(source, settings.cache_dir, clock)
+    on_cpu_in_fp32 = device == "cpu" and dtype == torch.float32
+    plan = _planned(settings, transformers, source, location, device, dtype, on_cpu_in_fp32)
     try:
         with clock.stage("tokenizer"):
             tokenizer = transformers.AutoTokenizer.from_pretrained(location)
         with clock.stage("model"):
-            # use_kernels=False: transformers (5.25, with the `kernels` package it depends on) otherwise swaps layers
-            # for kernels it downloads from the Hugging Face Hub at load time on CUDA, and a server that is offline,
-            # as a production one often is, fails to start ("not available in the local cache").
-            kwargs: dict[str, Any] = {"dtype": dtype, "use_kernels": False}
-            if device.startswith("cuda"):
-                # accelerate places the weights; "auto" spreads a model too big for one GPU.
-                kwargs["device_map"] = "auto" if settings.device == "auto" else device
-            model = transformers.AutoModelForCausalLM.from_pretrained(location, **kwargs)
-            if "device_map" not in kwargs:
-                model = model.to(device)
+            if source.kind == "gguf":
+                model, applied = _from_gguf(settings, torch, transformers, source, location, device, dtype)
+            else:
+                model, applied = _from_pretrained(settings, torch, transformers, location, device, dtype), None
             model.eval()
-            on_cpu_in_fp32 = device == "cpu" and dtype == torch.float32
-            arranged = _arrange(settings, model, torch, source, location, on_cpu_in_fp32)
+            arranged = _arrange(settings, model, torch, applied, on_cpu_in_fp32)
             layout, library, helpers, by_type, layers = arranged
             if device == "cpu" and settings.grouped_attention:
                 grouped.group(model, torch)
@@ -117,6 +113,10 @@ def load_model(settings: Settings, clock: StageClock) -> Loaded:
         kernel_helpers=helpers,
         modes=(NORMAL, INT8) if settings.degrade == INT8 else (NORMAL,),
         engine="single",  # the batched engine, which loads through here too, says "batched"
+        weights_bytes=held_bytes(model),
+        kv_cache_tokens=settings.kv_cache_tokens if plan is None else plan.kv_tokens,
+        kv_cache_bytes=0 if plan is None else plan.kv_cache,
+        load_peak_rss_bytes=budget.peak_resident_bytes(),
     )
     return Loaded(
         torch=torch,
@@ -126,6 +126,55 @@ def load_model(settings: Settings, clock: StageClock) -> Loaded:
         info=info,
         library=library,
     )
+
+
+def _planned(
+    settings: Settings,
+    transformers: Any,
+    source: sources.ModelSource,
+    location: str,
+    device: str,
+    dtype: Any,
+    on_cpu_in_fp32: bool,
+) -> budget.Plan | None:
+    """The memory plan of this load on CPU (engine/loading/budget.py), logged; raises :class:`StartupError` with the
+    plan's sentence where the model does not fit. None on a GPU, whose memory accelerate places."""
+    if device != "cpu":
+        log.info("memory_not_planned", reason=f"the model runs on {device}")
+        return None
+    config = transformers.AutoConfig.from_pretrained(location)
+    gguf = source.location if source.kind == "gguf" else None
+    on_kernel = on_cpu_in_fp32 and settings.gguf_kernel and settings.torch_threads == 1
+    dtype_name = str(dtype).removeprefix("torch.")
+    plan, widened = budget.for_transformers(settings, source.kind, location, gguf, config, dtype_name, on_kernel)
+    if widened is not None:
+        log.warning("weights_widened", model=source.name, detail=widened)
+    return budget.settle(plan)
+
+
+def held_bytes(model: Any) -> int:
+    """The bytes of weights ``model`` holds: its parameters, the block kernel's arrays and records, and the rows of
+    an embedding read from the file (at most its table)."""
+    seen: set[int] = set()
+    total = 0
+
+    def count(array: Any) -> None:
+        nonlocal total
+        if array is None:
+            return
+        pointer = array.data_ptr() if hasattr(array, "data_ptr") else array.ctypes.data
+        if pointer not in seen:
+            seen.add(pointer)
+            total += int(array.numel() * array.element_size()) if hasattr(array, "numel") else int(array.nbytes)
+
+    for module in model.modules():
+        for parameter in module.parameters(recurse=False):
+            count(parameter)
+        for array in getattr(module, "arrays", ()):
+            count(array)
+        count(getattr(module, "records", None))
+        count(getattr(module, "stored_rows", None))
+    return total
 
 
 def _plainly_cpu_fp32(settings: Settings) -> bool:
@@ -181,30 +230,95 @@ def _imports_uncollected() -> Iterator[None]:
         gc.enable()
 
 
-def _arrange(
-    settings: Settings, model: Any, torch: Any, source: sources.ModelSource, location: str, on_cpu_in_fp32: bool
-) -> tuple[str, Path | None, int, dict[str, str], str]:
-    """Lay the weights out for the CPU kernels (engine/cpu/kernel.py, engine/cpu/weights.py). Returns the layout,
-    the block kernel's library (None where it serves no layer), how many helper threads it started, the path of
-    each GGUF type's layers (empty where the block kernel was not tried or could not run) and what ``/readyz`` says
-    of the decoder layers (engine/cpu/decoder.py's label)."""
-    if not on_cpu_in_fp32:
-        return "as loaded", None, 0, {}, families.label(model, tried="the C layers are for fp32 on CPU")
-    applied = kernel.Applied(None, {})
-    degrade = settings.degrade == INT8
-    if settings.gguf_kernel and source.kind == "gguf":
+def _from_pretrained(settings: Settings, torch: Any, transformers: Any, location: str, device: str, dtype: Any) -> Any:
+    """A model directory's (or a model id's) weights, read by transformers in ``dtype`` on ``device``."""
+    # use_kernels=False: transformers (5.25, with the `kernels` package it depends on) otherwise swaps layers for
+    # kernels it downloads from the Hugging Face Hub at load time on CUDA, and a server that is offline, as a
+    # production one often is, fails to start ("not available in the local cache").
+    kwargs: dict[str, Any] = {"dtype": dtype, "use_kernels": False}
+    if device.startswith("cuda"):
+        # accelerate places the weights; "auto" spreads a model too big for one GPU.
+        kwargs["device_map"] = "auto" if settings.device == "auto" else device
+    model = transformers.AutoModelForCausalLM.from_pretrained(location, **kwargs)
+    return model if "device_map" in kwargs else model.to(device)
+
+
+def _from_gguf(
+    settings: Settings,
+    torch: Any,
+    transformers: Any,
+    source: sources.ModelSource,
+    location: str,
+    device: str,
+    dtype: Any,
+) -> tuple[Any, kernel.Applied | None]:
+    """A GGUF file's model, assembled from the file without expanding it (engine/loading/assembly.py): on CPU in
+    fp32 its linear layers on the block kernel first, from the file's codes (kernel.apply: None where not tried),
+    then every other weight read from the file one tensor at a time. Where the file cannot be assembled here,
+    transformers loads it (dequantising every tensor), and the log says why."""
+    gguf = Path(source.location)
+    model = assembly.empty(location, torch, transformers, dtype)
+    try:
+        assembled = assembly.places(model, gguf, torch)
+    except assembly.NotAssembled as exc:
+        log.warning("gguf_loaded_by_transformers", reason=str(exc))
+        parent, name = str(gguf.parent), gguf.name
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(
+            parent, gguf_file=name, dtype=dtype, use_kernels=False
+        )
+        return loaded.to(device), None
+    on_cpu_in_fp32 = device == "cpu" and dtype == torch.float32
+    applied = None
+    read = assembly.fill_vectors(assembled, torch, dtype, device)
+    if on_cpu_in_fp32 and settings.gguf_kernel:
         try:
             applied = kernel.apply(
                 model,
-                source.location,
+                assembled.stored,
                 torch,
                 directory=settings.cache_dir / KERNEL_DIR,
-                cache=Path(location) / matches.CACHE_FILE,  # for a GGUF, location is its converted directory
-                activations=settings.gguf_activations,
-                degrade=degrade,
+                cache=Path(location),
+                activations=activations_for(settings, gguf),
+                degrade=settings.degrade == INT8,
             )
         except kernel.Refused as exc:  # only with degrade: the int8 mode cannot exist
             raise _refused(str(exc)) from exc
+    read += assembly.fill(assembled, torch, dtype, device, rows_from_file=on_cpu_in_fp32)
+    assembled.stored.close()
+    log.info("gguf_assembled", read_mib=round(read / 2**20, 1), on_kernel=applied is not None and applied.activations)
+    return model.to(device), applied
+
+
+LARGE_FILE_BYTES = 2 * 2**30
+"""From this size of GGUF file up, ``TTFT_GGUF_ACTIVATIONS=auto`` gives the block kernel int8 rows."""
+
+
+def activations_for(settings: Settings, gguf: Path) -> str:
+    """The block kernel's rows for the GGUF file ``gguf``: ``TTFT_GGUF_ACTIVATIONS``, or for ``auto`` int8 rows for a
+    file of :data:`LARGE_FILE_BYTES` or more (a 7B model's prompt of a few dozen tokens takes 1.3-1.6 s in fp32 rows
+    on 2 cores, 0.5 s in int8 ones: docs/performance.md), fp32 rows below it and wherever ``TTFT_DEGRADE=int8`` keeps
+    them for its switch."""
+    if settings.gguf_activations != "auto":
+        return settings.gguf_activations
+    if settings.degrade == INT8 or gguf.stat().st_size < LARGE_FILE_BYTES:
+        return "fp32"
+    size = round(gguf.stat().st_size / 2**30, 1)
+    log.info("activations_chosen", activations="int8", reason=f"a {size} GiB file (TTFT_GGUF_ACTIVATIONS=auto)")
+    return "int8"
+
+
+def _arrange(
+    settings: Settings, model: Any, torch: Any, applied: kernel.Applied | None, on_cpu_in_fp32: bool
+) -> tuple[str, Path | None, int, dict[str, str], str]:
+    """Lay the weights out for the CPU kernels (engine/cpu/weights.py), around the block kernel's layers where
+    :func:`_from_gguf` made some (``applied``). Returns the layout, the block kernel's library (None where it serves
+    no layer), how many helper threads it started, the path of each GGUF type's layers (empty where the block
+    kernel was not tried or could not run) and what ``/readyz`` says of the decoder layers (engine/cpu/decoder.py's
+    label)."""
+    if not on_cpu_in_fp32:
+        return "as loaded", None, 0, {}, families.label(model, tried="the C layers are for fp32 on CPU")
+    applied = applied or kernel.Applied(None, {})
+    degrade = settings.degrade == INT8
     # The layers left (none of the bundled model's with the block kernel) get the fp32 layouts.
     layout = weights.arrange(model, torch, packed=settings.packed_weights)
     library: Path | None = None

