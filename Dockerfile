@@ -1,5 +1,5 @@
 # syntax=docker/dockerfile:1
-# ttft-sse with the bundled model, converted at build time, run by a non-root user.
+# ttft-sse with the bundled model, its blocks laid out at build time, run by a non-root user.
 #   docker build -t ttft-sse .
 #   docker run --rm -p 8000:8000 --stop-timeout 30 ttft-sse
 # `docker ps` says "healthy" once /readyz is 200 (model loaded and warmed). On `docker stop` the server drains:
@@ -49,8 +49,8 @@ RUN pip install . \
  && rm -rf build ./*.egg-info \
  && groupadd --system --gid 10001 ttft \
  && useradd --system --uid 10001 --gid 10001 --home-dir /app --shell /usr/sbin/nologin ttft \
- # Convert the bundled GGUF, find its blocks and build the kernel at build time: the container's first start loads
- # the converted copy in ~1 s.
+ # Write the bundled GGUF's metadata, lay its blocks out and build the kernel at build time: the container's first
+ # start maps the laid-out blocks.
  && ttft-sse prepare \
  && chown -R 10001:10001 /opt/ttft-cache
 

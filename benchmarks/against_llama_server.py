@@ -6,7 +6,8 @@
 A model is a ``.gguf`` path, ``bundled`` (the SmolLM2 the package ships), or a family of ``benchmarks/family_models.py``
 (its Q4_K_M file, built on first use). For each model and round, each server in turn — ttft-sse first in odd rounds,
 llama-server first in even ones, so that a change in the machine's load hits both alike — is started with 8 slots
-(llama-server ``-np 8 -c 8192``; ttft-sse's default ``max_concurrency`` 8) on the machine's cores (llama-server ``-t``
+(llama-server ``-np 8 -c 8192``; ttft-sse's ``max_concurrency`` 8 and ``kv_cache_tokens`` 8192: ``--slots``,
+``--kv-tokens``) on the machine's cores (llama-server ``-t``
 the cores, or ``--llama-threads``; ttft-sse its defaults, torch on half the cores and the block kernel's helper on
 the other, or ``--ours-threads``), measured with ``ttft-sse bench`` at c=1 then c=8 (new conversations from
 ``benchmarks/chat-questions.txt``, ``--max-tokens`` each, greedy, streamed through ``/v1/chat/completions``), and
@@ -21,10 +22,12 @@ counts answers shorter than asked, for each server.
 
 It prints one row per model and concurrency: tokens/s (all requests' tokens over the time the level ran, the mean over
 rounds), TTFT p50/p99 (every request of every round), the ratios ttft-sse / llama-server, and the request counts
-that failed. Then, for each model, what ttft-sse logged about its weights (``weights_blocks``: the kernel's layout
-for each GGUF type) and decoder layers (``decoder_fused`` / ``decoder_not_fused``). results.json of each run, the
-servers' logs and ``table.md`` go under ``--out``. llama-server is the one ``benchmarks/against_llama_server.sh``
-builds (in ``LLAMA_DIR``; it builds it on the first run).
+that failed; then each server's time from its process's start to ready and its process tree's peak resident memory
+(sampled from /proc every 0.1 s, from start to stop). Then, for each model, what ttft-sse logged about its weights
+(``weights_blocks``: the kernel's layout for each GGUF type) and decoder layers (``decoder_fused`` /
+``decoder_not_fused``). results.json of each run, the servers' logs and ``table.md`` go under ``--out``.
+llama-server is the one ``benchmarks/against_llama_server.sh`` builds (in ``LLAMA_DIR``; it builds it on the first
+run).
 """
 
 from __future__ import annotations
@@ -63,8 +66,12 @@ class Measured:
 
     rates: dict[int, list[float]] = field(default_factory=dict)
     records: list[dict[str, Any]] = field(default_factory=list)
+    ready_s: list[float] = field(default_factory=list)  # process start to ready, each round
+    peak_rss: list[int] = field(default_factory=list)  # the server's process tree at its most resident, each round
 
     def add(self, document: dict[str, Any]) -> None:
+        self.ready_s.append(document["ready_s"])
+        self.peak_rss.append(document["peak_rss_bytes"])
         for row in document["summary"]:
             if row["tokens_per_s"] is not None:
                 self.rates.setdefault(row["concurrency"], []).append(row["tokens_per_s"])
@@ -114,15 +121,48 @@ def start(
     if server != "llama-server":
         cmd = [sys.executable, "-m", "ttft_sse", "serve", "--port", str(port), "--model", str(gguf)]
         cmd += ["--threads", str(args.ours_threads)] if args.ours_threads else []
-        env = {**os.environ, "TTFT_LOG_LEVEL": "info"}
+        env = {**os.environ, "TTFT_LOG_LEVEL": "info", "TTFT_MAX_CONCURRENCY": str(args.slots)}
+        env["TTFT_KV_CACHE_TOKENS"] = str(args.kv_tokens)
         if server == INT8:
             env["TTFT_GGUF_ACTIVATIONS"] = "int8"
     else:
         cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", str(args.llama_threads)]
-        cmd += ["-np", "8", "-c", "8192"]
+        cmd += ["-np", str(args.slots), "-c", str(args.kv_tokens)]
         env = dict(os.environ)
     with log.open("wb") as fh:
         return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+class TreeMemory:
+    """The most a process tree (the server's session: llama-server, or ttft-sse and any process it starts) holds
+    resident, summed over its processes, sampled every 0.1 s from /proc while it runs."""
+
+    def __init__(self, session: int) -> None:
+        import threading
+
+        self.session, self.peak, self._stop = session, 0, threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        page = os.sysconf("SC_PAGE_SIZE")
+        while not self._stop.wait(0.1):
+            total = 0
+            for entry in Path("/proc").iterdir():
+                if not entry.name.isdigit():
+                    continue
+                try:
+                    if os.getsid(int(entry.name)) != self.session:
+                        continue
+                    total += int((entry / "statm").read_text().split()[1]) * page
+                except (OSError, ValueError, IndexError):
+                    continue
+            self.peak = max(self.peak, total)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.peak
 
 
 def wait_ready(proc: subprocess.Popen[bytes], url: str, log: Path, timeout: float) -> None:
@@ -156,9 +196,12 @@ def measure(server: str, gguf: Path, args: argparse.Namespace, binary: Path, run
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     log = run_dir / "server.log"
+    started = time.monotonic()
     proc = start(server, gguf, args, port, log, binary)
+    memory = TreeMemory(proc.pid)  # its own session (start_new_session)
     try:
         wait_ready(proc, base + ("/health" if server == "llama-server" else "/readyz"), log, args.ready_timeout)
+        ready_s = time.monotonic() - started
         load = Path("/proc/loadavg").read_text().split()[:3]
         print(f"  {server}: {base}, load average {' '.join(load)}", flush=True)
         cmd = [sys.executable, "-m", "ttft_sse", "bench", "--url", base, "--protocol", "openai"]
@@ -172,8 +215,9 @@ def measure(server: str, gguf: Path, args: argparse.Namespace, binary: Path, run
             raise SystemExit(f"the bench exited with {done.returncode}; see {run_dir / 'bench.log'}")
     finally:
         stop(proc)
+        peak = memory.stop()
     document: dict[str, Any] = json.loads((run_dir / "bench" / "results.json").read_text())
-    return document
+    return {**document, "ready_s": ready_s, "peak_rss_bytes": peak}
 
 
 def logged(log: Path) -> list[str]:
@@ -221,6 +265,17 @@ def table(results: dict[str, dict[str, Measured]], levels: list[int]) -> list[st
     return rows
 
 
+def memory_table(results: dict[str, dict[str, Measured]]) -> list[str]:
+    """One row per model and server: start to ready, and the process tree's peak resident memory (the most of any
+    round)."""
+    rows = ["| model | server | ready s | peak resident GiB |", "|---|---|---|---|"]
+    for model, by_server in results.items():
+        for server, measured in by_server.items():
+            ready = sum(measured.ready_s) / len(measured.ready_s)
+            rows.append(f"| {model} | {server} | {ready:.1f} | {max(measured.peak_rss) / 2**30:.2f} |")
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("models", nargs="+", help=f"GGUF files, 'bundled', or families: {', '.join(families.BY_NAME)}")
@@ -234,6 +289,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=ROOT / ".cache" / "against-llama-server-models")
     parser.add_argument("--ready-timeout", type=float, default=1200, help="seconds a server may take to start")
     parser.add_argument("--int8", action="store_true", help="ttft-sse with TTFT_GGUF_ACTIVATIONS=int8 too")
+    parser.add_argument("--slots", type=int, default=8, help="generations at once on each server (default 8)")
+    parser.add_argument("--kv-tokens", type=int, default=8192, help="each server's KV cache, tokens (default 8192)")
     args = parser.parse_args(argv)
     servers = (SERVERS[0], INT8, SERVERS[1]) if args.int8 else SERVERS
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -256,7 +313,7 @@ def main(argv: list[str] | None = None) -> None:
                 results[name][server].add(measure(server, gguf, args, binary, run_dir))
                 if server != "llama-server":
                     notes.setdefault(f"{name}, {server}", logged(run_dir / "server.log"))
-    rows = table(results, levels)
+    rows = [*table(results, levels), "", *memory_table(results)]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "table.md").write_text("\n".join(rows) + "\n")
     print("\n" + "\n".join(rows))

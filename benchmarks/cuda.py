@@ -28,13 +28,13 @@ from serve import ROOT, serving
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 
 
-def bundled_converted() -> Path:
-    """The bundled model's converted folder (config and tokenizer), as ``ttft-sse prepare`` writes it."""
+def bundled_folder() -> Path:
+    """The bundled model's cache folder (its config and tokenizer), as ``ttft-sse prepare`` writes it."""
     sys.path.insert(0, str(ROOT))
     from ttft_sse.engine.loading import sources
     from ttft_sse.settings import Settings
 
-    return sources.converted_dir(sources.bundled_gguf(), Path(Settings.from_env().cache_dir))
+    return sources.model_dir(sources.bundled_gguf(), Path(Settings.from_env().cache_dir))
 
 
 def random_model(shape_of: Path, target: Path) -> Path:
@@ -83,7 +83,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("bench-results/cuda"))
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="ttft-cuda-") as scratch:
-        model = args.model or random_model(args.shape_of or bundled_converted(), Path(scratch) / "model")
+        model = args.model or random_model(args.shape_of or bundled_folder(), Path(scratch) / "model")
         for engine in args.engines.split(","):
             env = {"TTFT_MODEL": str(model), "TTFT_DEVICE": args.device, "TTFT_ENGINE": engine}
             with serving(env) as base:

@@ -1,10 +1,11 @@
 """Q4_K_M models of other families for the speed comparison, built here without downloading any weights.
 
-    python benchmarks/family_models.py                # every family; prints each GGUF's path, size and tensor types
+    python benchmarks/family_models.py                # every small family; prints each GGUF's path, size and types
     python benchmarks/family_models.py qwen2.5-0.5b gemma3-270m
+    python benchmarks/family_models.py llama2-7b      # a 7-8B shape: named only (~14 GB of memory and disk, minutes)
     python benchmarks/family_models.py --list         # the names, one a line
 
-Each model has the shape of a published small model of its family (hidden size, layers, heads, KV heads, head size,
+Each model has the shape of a published model of its family (hidden size, layers, heads, KV heads, head size,
 intermediate size, rope settings, sliding windows, tied embeddings: the figures of its ``config.json``, copied below
 with the source of each), and seeded random weights: the initialisation transformers gives a new model
 (``initializer_range`` 0.02 normal, norms at their neutral value), which keeps activations finite; each model is
@@ -172,8 +173,80 @@ FAMILIES: tuple[Family, ...] = (
             "tie_word_embeddings": True,
         },
     ),
+    Family(
+        "llama2-7b",
+        "llama",
+        # meta-llama/Llama-2-7b-chat-hf, config.json (architectures LlamaForCausalLM; vocab_size 32000 there): the
+        # 7B shape the service was specified around, multi-head attention (32 KV heads), no tied embeddings.
+        "meta-llama/Llama-2-7b-chat-hf config.json",
+        {
+            "hidden_size": 4096,
+            "intermediate_size": 11008,
+            "num_hidden_layers": 32,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 32,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "mlp_bias": False,
+            "max_position_embeddings": 4096,
+            "rms_norm_eps": 1e-5,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+            "tie_word_embeddings": False,
+        },
+    ),
+    Family(
+        "llama3.1-8b",
+        "llama",
+        # meta-llama/Llama-3.1-8B-Instruct, config.json (architectures LlamaForCausalLM; vocab_size 128256 there).
+        "meta-llama/Llama-3.1-8B-Instruct config.json",
+        {
+            "hidden_size": 4096,
+            "intermediate_size": 14336,
+            "num_hidden_layers": 32,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "head_dim": 128,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "mlp_bias": False,
+            "max_position_embeddings": 131072,
+            "rms_norm_eps": 1e-5,
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            },
+            "tie_word_embeddings": False,
+        },
+    ),
+    Family(
+        "qwen2.5-7b",
+        "qwen2",
+        # Qwen/Qwen2.5-7B-Instruct, config.json (architectures Qwen2ForCausalLM; vocab_size 152064 there).
+        "Qwen/Qwen2.5-7B-Instruct config.json",
+        {
+            "hidden_size": 3584,
+            "intermediate_size": 18944,
+            "num_hidden_layers": 28,
+            "num_attention_heads": 28,
+            "num_key_value_heads": 4,
+            "hidden_act": "silu",
+            "max_position_embeddings": 32768,
+            "rms_norm_eps": 1e-6,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+            "use_sliding_window": False,
+            "sliding_window": 32768,
+            "max_window_layers": 28,
+            "tie_word_embeddings": False,
+        },
+    ),
 )
 BY_NAME = {family.name: family for family in FAMILIES}
+LARGE = ("llama2-7b", "llama3.1-8b", "qwen2.5-7b")
+"""Built only when named: each takes ~14 GB of memory and of disk for its BF16 intermediates, and minutes of CPU."""
 
 
 def default_out() -> Path:
@@ -268,6 +341,7 @@ def build(family: Family, out: Path, tree: Path, keep: bool, tokenizer: list[Any
         return final
     folder.mkdir(parents=True, exist_ok=True)
     hf = folder / "hf"
+    _enough_disk(family, folder)
     bf16 = folder / f"{family.name}.BF16.gguf"
     if not (hf / "config.json").is_file() and not bf16.is_file():
         if not tokenizer:
@@ -278,6 +352,8 @@ def build(family: Family, out: Path, tree: Path, keep: bool, tokenizer: list[Any
         convert = [str(hf), "--outtype", "bf16", "--outfile", str(partial)]
         run([sys.executable, "-c", CONVERT, str(tree), *convert], folder / "convert.log")
         os.replace(partial, bf16)
+    if not keep:  # the BF16 GGUF holds the same weights: the safetensors' disk goes back before quantising
+        shutil.rmtree(hf, ignore_errors=True)
     partial = final.with_suffix(".part")
     run([str(llama_quantize(tree)), str(bf16), str(partial), "Q4_K_M"], folder / "quantize.log")
     os.replace(partial, final)
@@ -285,6 +361,27 @@ def build(family: Family, out: Path, tree: Path, keep: bool, tokenizer: list[Any
         shutil.rmtree(hf, ignore_errors=True)
         bf16.unlink()
     return final
+
+
+def _parameters(family: Family, vocab: int = 49152) -> int:
+    """About how many parameters ``family``'s model has with the bundled tokenizer's vocabulary."""
+    c = family.config
+    hidden, layers, ffn = c["hidden_size"], c["num_hidden_layers"], c["intermediate_size"]
+    heads, kv = c["num_attention_heads"], c.get("num_key_value_heads", c["num_attention_heads"])
+    head = c.get("head_dim", hidden // heads)
+    per_layer = hidden * head * (2 * heads + 2 * kv) + 3 * hidden * ffn
+    return layers * per_layer + vocab * hidden * (1 if c.get("tie_word_embeddings") else 2)
+
+
+def _enough_disk(family: Family, folder: Path) -> None:
+    """Refuse, with the numbers, a build whose BF16 intermediates (two copies at most) do not fit on the disk."""
+    need = 2 * 2 * _parameters(family) + (1 << 30)
+    free = shutil.disk_usage(folder).free
+    if free < need:
+        raise SystemExit(
+            f"{family.name}: building it takes about {need / 2**30:.1f} GiB of disk under {folder} "
+            f"(safetensors and a BF16 GGUF, then the Q4_K_M file), and {free / 2**30:.1f} GiB are free"
+        )
 
 
 def describe(path: Path) -> str:
@@ -300,7 +397,8 @@ def describe(path: Path) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("names", nargs="*", help=f"families to build (default: all of {', '.join(BY_NAME)})")
+    small = ", ".join(name for name in BY_NAME if name not in LARGE)
+    parser.add_argument("names", nargs="*", help=f"families to build (default: {small}; also {', '.join(LARGE)})")
     parser.add_argument("--out", type=Path, default=default_out(), help="cache folder (default %(default)s)")
     parser.add_argument("--llama-cpp", type=Path, help="the llama.cpp tree (default: under LLAMA_DIR)")
     parser.add_argument("--keep", action="store_true", help="keep the safetensors and the BF16 GGUF")
@@ -317,7 +415,7 @@ def main(argv: list[str] | None = None) -> None:
     if not (tree / "convert_hf_to_gguf.py").is_file():
         parser.error(f"no convert_hf_to_gguf.py in {tree}; set LLAMA_DIR or --llama-cpp")
     tokenizer: list[Any] = []  # read once, only when a model has to be built
-    for name in args.names or list(BY_NAME):
+    for name in args.names or [name for name in BY_NAME if name not in LARGE]:
         path = build(BY_NAME[name], args.out, tree, args.keep, tokenizer)
         print(path if args.paths else describe(path), flush=True)
 

@@ -7,8 +7,9 @@ llama.cpp (llama-cpp-python, the ``llamacpp`` extra), token for token on the sam
 For the first, middle and last position of the prompt it prints the correlation of the two logit vectors, their
 largest difference, and each side's top three tokens with their logits; then each side's greedy continuation. Where
 the two disagree on a greedy token, the top logits tell whether it is a near tie (llama.cpp multiplies with int8
-activations, which move a logit by a few hundredths) or a different model (a low correlation). Run ``ttft-sse
-prepare --model FILE`` first: the converted folder is read.
+activations, which move a logit by a few hundredths) or a different model (a low correlation). transformers' side
+is its own GGUF loading (every tensor dequantised to fp32: the model ttft-sse's engines answer as, without the
+memory they spare), so a small model's file is what this is for.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ttft_sse.engine.loading import sources
 from ttft_sse.settings import Settings
+from ttft_sse.stages import StageClock
 
 PROMPT = "The capital of France is a city where many people live and work every day, and"
 
@@ -37,11 +39,11 @@ def main() -> None:
     import torch
     import transformers
 
-    converted = sources.converted_dir(args.gguf, Path(Settings.from_env().cache_dir))
-    if not converted.is_dir():
-        raise SystemExit(f"not converted yet: run ttft-sse prepare --model {args.gguf}")
-    tokenizer = transformers.AutoTokenizer.from_pretrained(converted)
-    model = transformers.AutoModelForCausalLM.from_pretrained(converted, dtype=torch.float32, use_kernels=False)
+    folder = sources.materialize(sources.resolve(str(args.gguf)), Path(Settings.from_env().cache_dir), StageClock())
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(args.gguf.parent), gguf_file=args.gguf.name, dtype=torch.float32, use_kernels=False
+    )
     ids = tokenizer(args.prompt)["input_ids"]
     size = len(ids) + args.tokens + 8
     llm = llama_cpp.Llama(
