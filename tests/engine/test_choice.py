@@ -104,7 +104,8 @@ def test_a_verdict_that_cannot_be_kept_is_logged_and_used(tmp_path: Path, monkey
     assert (verdict.name, verdict.chosen_by) == ("llamacpp", "measured")
     assert [log["event"] for log in logs] == ["engine_choice_not_written"]
     assert logs[0]["path"] == str(choice.verdict_path(settings)) and "read-only" in logs[0]["reason"]
-    assert not list(choice.verdict_path(settings).parent.iterdir())  # no partial file left behind
+    folder = choice.verdict_path(settings).parent  # the model's folder: its metadata, no verdict, no partial file
+    assert not list(folder.glob(f"*{choice.VERDICT_STEM}*")) and not list(folder.glob(".*partial*"))
 
 
 def test_auto_engine_is_the_chosen_engine_once_loaded() -> None:

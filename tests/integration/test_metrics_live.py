@@ -173,7 +173,8 @@ def test_model_and_tokenizer_stay_the_same_objects_across_requests(
 
 
 def test_tokenizer_and_model_are_loaded_once_per_process(monkeypatch: pytest.MonkeyPatch, settings: Settings) -> None:
-    """Counted at ``from_pretrained``: start-up loads each once; warm-up and requests load nothing more."""
+    """Counted at ``from_pretrained`` (and, for the model, ``from_config``: a GGUF's model is built empty, then read
+    from the file): start-up loads each once; warm-up and requests load nothing more."""
     import transformers
 
     calls: dict[str, int] = {"tokenizer": 0, "model": 0}
@@ -194,6 +195,11 @@ def test_tokenizer_and_model_are_loaded_once_per_process(monkeypatch: pytest.Mon
         transformers.AutoModelForCausalLM,
         "from_pretrained",
         counting("model", transformers.AutoModelForCausalLM.from_pretrained),
+    )
+    monkeypatch.setattr(
+        transformers.AutoModelForCausalLM,
+        "from_config",
+        counting("model", transformers.AutoModelForCausalLM.from_config),
     )
     with TestClient(create_app(settings)) as c:
         eventually(lambda: c.get("/readyz").status_code == 200, timeout=120)

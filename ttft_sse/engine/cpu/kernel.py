@@ -262,7 +262,8 @@ def _apply(
     kinds = {name: stored.kind(f"{name}.weight") for name in layers}
     shapes = {name: (m.out_features, m.in_features) for name, m in layers.items()}
     candidates = [name for name in layers if _has_codes(stored, name, shapes[name])]
-    checked = {name: stored.rows(f"{name}.weight", _checked(shapes[name])) for name in candidates}
+    spread = {name: arrangement.checked_rows(shapes[name][0]) for name in candidates}
+    checked = {name: stored.rows(f"{name}.weight", spread[name]) for name in candidates}
     checks = {name: (shapes[name], arrangement.rows_checksum(rows)) for name, rows in checked.items()}
     if not candidates:
         paths = matches.by_type(kinds, {}, activations)
@@ -281,7 +282,7 @@ def _apply(
         def entries() -> Iterator[tuple[str, arrangement.Entry]]:
             for name in candidates:
                 codes = stored.codes(f"{name}.weight")
-                if codes is None or not np.array_equal(codes.rows(_checked(shapes[name])).dense(), checked[name]):
+                if codes is None or not np.array_equal(codes.rows(spread[name]).dense(), checked[name]):
                     log.warning("layer_codes_inexact", layer=name, kind=kinds[name])  # stays off the kernel
                     continue
                 rows = "fp32" if activations == "int8" and codes.unquantised else activations
@@ -349,15 +350,8 @@ def _apply(
 def _has_codes(stored: Stored, name: str, shape: tuple[int, int]) -> bool:
     """Whether the file holds the layer ``name``'s weight as a matrix of ``shape`` in a type with codes."""
     tensor = stored.tensor(f"{name}.weight")
-    return (
-        tensor is not None
-        and tensor.shape == shape
-        and (tensor.kind in gguf_codes.FORMATS or tensor.kind in gguf_codes.DENSE)
-    )
-
-
-def _checked(shape: tuple[int, int]) -> Any:
-    return arrangement.checked_rows(shape[0])
+    typed = tensor is not None and (tensor.kind in gguf_codes.FORMATS or tensor.kind in gguf_codes.DENSE)
+    return typed and tensor is not None and tensor.shape == shape
 
 
 def _check(layer: Any, torch: Any, weight: Any, probed: Any, *, int8: bool) -> None:
@@ -397,7 +391,7 @@ def _attach(
 ) -> None:
     """Make ``layer`` a ``BlockLinear`` on ``codes`` with the kernel of the library at ``library``; with ``degrade``,
     holding the int8 rows' records too."""
-    check = arrangement.rows_checksum(codes.rows(_checked(codes.q.shape)).dense())
+    check = arrangement.rows_checksum(codes.rows(arrangement.checked_rows(codes.q.shape[0])).dense())
     entry = arrangement.laid_out(codes, activations, degrade, check, takes_six(library), takes_five(library))
     _hold_entry(layer, entry, library, torch)
 

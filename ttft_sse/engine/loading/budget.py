@@ -45,6 +45,9 @@ LEAST_KV_TOKENS = 1024
 LAYOUT_FACTOR = {"Q5_0": 1.6, "Q5_1": 1.45, "Q5_K": 1.8, "Q6_K": 1.25}
 """The block kernel's layout of a matrix against its bytes in the file, at most (codes held in 8 bits where the CPU's
 build does not take 5 or 6: engine/cpu/layouts.py); 1.05 for the other types."""
+INT8_FACTOR = 1.6
+"""The int8 rows' records against the file's bytes, at most (fp32 scales and offsets beside the codes: a 7B Q4_K_M
+file of 3.9 GiB is 5.3 GiB of records)."""
 CGROUP = Path("/sys/fs/cgroup")
 """cgroup v2's files of this process's group (a container's memory limit)."""
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
@@ -120,7 +123,15 @@ def resident_bytes() -> int:
 
 
 def peak_resident_bytes() -> int:
-    """The most the process has held resident so far (``ru_maxrss``)."""
+    """The most the process has held resident so far: its memory map's high-water mark (``VmHWM``), which starts
+    anew with the program. Not ``ru_maxrss``: Linux carries that over from before ``exec``, so a process forked from a
+    large one starts with its parent's peak. ``ru_maxrss`` only where /proc cannot be read."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
@@ -150,10 +161,16 @@ def working_bytes(config: Any, batch_tokens: int) -> int:
     return RUNTIME_BYTES + batch_tokens * (6 * hidden + 3 * ffn + vocab) * 4
 
 
-def gguf_weights(tensors: dict[str, Any], *, on_kernel: bool, embedding: str = "token_embd.weight") -> int:
+def gguf_weights(
+    tensors: dict[str, Any], *, on_kernel: bool, int8: bool = False, embedding: str = "token_embd.weight"
+) -> int:
     """The weights of a GGUF file's ``tensors`` (engine/cpu/stored.py's table) as the transformers engines hold them
-    on CPU in fp32: with ``on_kernel``, matrices of the kernel's types laid out for it, the embedding's rows read from
-    the file (its bytes, at most), the rest in fp32."""
+    on CPU in fp32: with ``on_kernel``, matrices of the kernel's types laid out for it (as int8 rows' records where
+    ``int8``), the embedding's rows read from the file (its bytes, at most), the rest in fp32."""
+
+    def laid(tensor: Any) -> int:
+        return int(tensor.size * (INT8_FACTOR if int8 else LAYOUT_FACTOR.get(tensor.kind_name, 1.05)))
+
     total = 0
     tied = "output.weight" not in tensors
     for name, tensor in tensors.items():
@@ -166,9 +183,9 @@ def gguf_weights(tensors: dict[str, Any], *, on_kernel: bool, embedding: str = "
         elif name == embedding:
             total += tensor.size  # rows read from the file: resident as they are touched
             if tied:  # the LM head lays the same codes out for the kernel
-                total += int(tensor.size * LAYOUT_FACTOR.get(tensor.kind_name, 1.05))
+                total += laid(tensor)
         else:
-            total += int(tensor.size * LAYOUT_FACTOR.get(tensor.kind_name, 1.05))
+            total += laid(tensor)
     return total
 
 
@@ -218,15 +235,23 @@ def plan(
 
 
 def for_transformers(
-    settings: Any, kind: str, location: str, gguf: str | None, config: Any, dtype: str, on_kernel: bool
+    settings: Any,
+    kind: str,
+    location: str,
+    gguf: str | None,
+    config: Any,
+    dtype: str,
+    on_kernel: bool,
+    int8: bool = False,
 ) -> tuple[Plan, str | None]:
     """The plan of a transformers engine on CPU for a model whose config is ``config`` (``kind``: ``"gguf"``, with
-    the file ``gguf``, or a directory or id at ``location``); and a sentence where a directory's weights are widened."""
+    the file ``gguf``, or a directory or id at ``location``; ``int8``: the block kernel on int8 rows); and a sentence
+    where a directory's weights are widened."""
     from ttft_sse.engine.cpu.stored import table
 
     widened = None
     if kind == "gguf" and gguf is not None:
-        weights = gguf_weights(table(gguf), on_kernel=on_kernel)
+        weights = gguf_weights(table(gguf), on_kernel=on_kernel, int8=int8)
     elif Path(location).is_dir():
         weights, widened = directory_weights(Path(location), config, dtype)
     else:

@@ -146,7 +146,10 @@ def _planned(
     gguf = source.location if source.kind == "gguf" else None
     on_kernel = on_cpu_in_fp32 and settings.gguf_kernel and settings.torch_threads == 1
     dtype_name = str(dtype).removeprefix("torch.")
-    plan, widened = budget.for_transformers(settings, source.kind, location, gguf, config, dtype_name, on_kernel)
+    int8 = gguf is not None and activations_for(settings, Path(gguf)) == "int8"
+    plan, widened = budget.for_transformers(
+        settings, source.kind, location, gguf, config, dtype_name, on_kernel, int8=int8
+    )
     if widened is not None:
         log.warning("weights_widened", model=source.name, detail=widened)
     return budget.settle(plan)
@@ -271,6 +274,10 @@ def _from_gguf(
     applied = None
     read = assembly.fill_vectors(assembled, torch, dtype, device)
     if on_cpu_in_fp32 and settings.gguf_kernel:
+        rows = activations_for(settings, gguf)
+        if rows != settings.gguf_activations:
+            size = f"a {gguf.stat().st_size / 2**30:.1f} GiB file"
+            log.info("activations_chosen", activations=rows, reason=f"{size} (TTFT_GGUF_ACTIVATIONS=auto)")
         try:
             applied = kernel.apply(
                 model,
@@ -278,7 +285,7 @@ def _from_gguf(
                 torch,
                 directory=settings.cache_dir / KERNEL_DIR,
                 cache=Path(location),
-                activations=activations_for(settings, gguf),
+                activations=rows,
                 degrade=settings.degrade == INT8,
             )
         except kernel.Refused as exc:  # only with degrade: the int8 mode cannot exist
@@ -302,8 +309,6 @@ def activations_for(settings: Settings, gguf: Path) -> str:
         return settings.gguf_activations
     if settings.degrade == INT8 or gguf.stat().st_size < LARGE_FILE_BYTES:
         return "fp32"
-    size = round(gguf.stat().st_size / 2**30, 1)
-    log.info("activations_chosen", activations="int8", reason=f"a {size} GiB file (TTFT_GGUF_ACTIVATIONS=auto)")
     return "int8"
 
 
