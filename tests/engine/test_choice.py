@@ -102,8 +102,9 @@ def test_a_verdict_that_cannot_be_kept_is_logged_and_used(tmp_path: Path, monkey
     with capture_logs() as logs:
         verdict = choice.choose(settings, measure=lambda _settings, name: {"c1": 1.0 + (name == "llamacpp"), "c8": 9.0})
     assert (verdict.name, verdict.chosen_by) == ("llamacpp", "measured")
-    assert [log["event"] for log in logs] == ["engine_choice_not_written"]
-    assert logs[0]["path"] == str(choice.verdict_path(settings)) and "read-only" in logs[0]["reason"]
+    # the memory plan's tensor table could not be kept either (engine/cpu/stored.py): both logged, both used
+    assert [log["event"] for log in logs] == ["gguf_header_not_kept", "engine_choice_not_written"]
+    assert logs[1]["path"] == str(choice.verdict_path(settings)) and "read-only" in logs[1]["reason"]
     folder = choice.verdict_path(settings).parent  # the model's folder: its metadata, no verdict, no partial file
     assert not list(folder.glob(f"*{choice.VERDICT_STEM}*")) and not list(folder.glob(".*partial*"))
 

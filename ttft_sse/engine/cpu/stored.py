@@ -14,6 +14,7 @@ file as well. :meth:`Stored.mapped` maps one tensor alone (the token embedding, 
 from __future__ import annotations
 
 import functools
+import json
 import mmap
 import os
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from ttft_sse.engine.cache_files import write_whole
 from ttft_sse.engine.cpu.codes import DENSE, FORMATS, Codes, decode
 
 UNKNOWN = "unknown"
@@ -54,20 +56,33 @@ class Tensor:
         return self.size // self.shape[0] if len(self.shape) > 1 else self.size
 
 
-def table(path: str | Path) -> dict[str, Tensor]:
+def table(path: str | Path, keep: Path | None = None) -> dict[str, Tensor]:
     """The tensors of the GGUF file at ``path`` by name (:func:`header`)."""
-    return header(path)[0]
+    return header(path, keep)[0]
 
 
-def header(path: str | Path) -> tuple[dict[str, Tensor], str]:
-    """The tensors of the GGUF file at ``path`` by name, and its ``general.architecture``: gguf's reader, run once a
-    file (its parse of a large vocabulary's metadata costs a hundred MB while it runs)."""
+def header(path: str | Path, keep: Path | None = None) -> tuple[dict[str, Tensor], str]:
+    """The tensors of the GGUF file at ``path`` by name, and its ``general.architecture``. gguf's reader parses every
+    metadata field (seconds for a large vocabulary's tokens and merges), so what it found is kept in ``keep`` (a JSON
+    file in the model's cache folder, which is keyed by the file) and read from there at later starts; and once a
+    process."""
     stat = os.stat(path)
-    return _header(str(path), stat.st_size, stat.st_mtime_ns)
+    return _header(str(path), stat.st_size, stat.st_mtime_ns, keep)
 
 
 @functools.lru_cache(maxsize=4)
-def _header(path: str, size: int, mtime: int) -> tuple[dict[str, Tensor], str]:
+def _header(path: str, size: int, mtime: int, keep: Path | None) -> tuple[dict[str, Tensor], str]:
+    if keep is not None:
+        try:
+            kept = json.loads(keep.read_text())
+            if kept["format"] == HEADER_FORMAT and kept["size"] == size:
+                tensors = {
+                    name: Tensor(int(kind), str(kind_name), tuple(shape), int(offset), int(size_))
+                    for name, (kind, kind_name, shape, offset, size_) in kept["tensors"].items()
+                }
+                return tensors, str(kept["arch"])
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # parsed again, and kept again
     import gguf
 
     reader = gguf.GGUFReader(path)
@@ -79,7 +94,19 @@ def _header(path: str, size: int, mtime: int) -> tuple[dict[str, Tensor], str]:
     field = reader.fields.get("general.architecture")
     architecture = "" if field is None else str(field.contents())
     del reader  # its mapping of the whole file goes with it
+    if keep is not None and keep.parent.is_dir():
+        body = {"format": HEADER_FORMAT, "size": size, "arch": architecture}
+        body["tensors"] = {name: [t.kind, t.kind_name, list(t.shape), t.offset, t.size] for name, t in tensors.items()}
+
+        def write(partial: Path) -> None:
+            partial.write_text(json.dumps(body))
+
+        write_whole(keep, write, "gguf_header_not_kept")
     return tensors, architecture
+
+
+HEADER_FORMAT = 1
+"""Bump when what :func:`header` keeps changes."""
 
 
 class Stored:

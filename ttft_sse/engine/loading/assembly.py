@@ -66,7 +66,27 @@ def empty(location: str, torch: Any, transformers: Any, dtype: Any) -> Any:
     return model
 
 
-def places(model: Any, gguf: Path, torch: Any) -> Assembly:
+HEADER_FILE = "gguf-tensors.json"
+"""The GGUF file's tensor table, kept in the model's cache folder (engine/cpu/stored.py's header)."""
+
+
+class _Names:
+    """What transformers' ``get_gguf_hf_weights_map`` reads of a model: its config and its weights' names, and no
+    children (it would otherwise build the architecture's name map again for each of its ~400 modules: 2 s a start;
+    the top level's names are every weight's)."""
+
+    def __init__(self, model: Any) -> None:
+        self.config = model.config
+        self._names = dict.fromkeys(model.state_dict())
+
+    def state_dict(self) -> dict[str, None]:
+        return self._names
+
+    def named_children(self) -> Any:
+        return iter(())
+
+
+def places(model: Any, gguf: Path, torch: Any, folder: Path | None = None) -> Assembly:
     """Each weight of ``model`` found in the GGUF file at ``gguf`` (the module docstring); raises
     :class:`NotAssembled` where the file's architecture changes tensors in ways not reproduced here, or a weight is
     missing."""
@@ -75,11 +95,11 @@ def places(model: Any, gguf: Path, torch: Any) -> Assembly:
     needed = ("TENSOR_PROCESSORS", "TensorProcessor", "get_gguf_hf_weights_map")
     if missing := [name for name in needed if not hasattr(gguf_utils, name)]:
         raise NotAssembled(f"transformers' GGUF module has no {', '.join(missing)}")
-    tensors, arch = stored_module.header(gguf)
+    tensors, arch = stored_module.header(gguf, None if folder is None else folder / HEADER_FILE)
     processor = gguf_utils.TENSOR_PROCESSORS.get(arch, gguf_utils.TensorProcessor)(config=model.config.to_dict())
     if type(processor).__name__ not in PROCESSORS:
         raise NotAssembled(f"transformers' {type(processor).__name__} for {arch} splits or joins tensors")
-    names = gguf_utils.get_gguf_hf_weights_map(model, processor)  # the file's names to the model's
+    names = gguf_utils.get_gguf_hf_weights_map(_Names(model), processor)  # the file's names to the model's
     by_parameter: dict[str, Place] = {}
     changes_values: set[str] = set()
     for tensor_name, parameter in names.items():

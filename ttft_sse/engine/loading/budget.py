@@ -251,7 +251,7 @@ def for_transformers(
 
     widened = None
     if kind == "gguf" and gguf is not None:
-        weights = gguf_weights(table(gguf), on_kernel=on_kernel, int8=int8)
+        weights = gguf_weights(table(gguf, Path(location) / "gguf-tensors.json"), on_kernel=on_kernel, int8=int8)
     elif Path(location).is_dir():
         weights, widened = directory_weights(Path(location), config, dtype)
     else:

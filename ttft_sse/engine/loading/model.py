@@ -262,7 +262,7 @@ def _from_gguf(
     gguf = Path(source.location)
     model = assembly.empty(location, torch, transformers, dtype)
     try:
-        assembled = assembly.places(model, gguf, torch)
+        assembled = assembly.places(model, gguf, torch, Path(location))
     except assembly.NotAssembled as exc:
         log.warning("gguf_loaded_by_transformers", reason=str(exc))
         parent, name = str(gguf.parent), gguf.name
