@@ -107,6 +107,8 @@ def _header(path: str, size: int, mtime: int, keep: Path | None) -> tuple[dict[s
 
 HEADER_FORMAT = 1
 """Bump when what :func:`header` keeps changes."""
+HEADER_FILE = "gguf-tensors.json"
+"""Where :func:`header` keeps a file's table: in the model's cache folder."""
 
 
 class Stored:

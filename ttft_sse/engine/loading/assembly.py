@@ -66,10 +66,6 @@ def empty(location: str, torch: Any, transformers: Any, dtype: Any) -> Any:
     return model
 
 
-HEADER_FILE = "gguf-tensors.json"
-"""The GGUF file's tensor table, kept in the model's cache folder (engine/cpu/stored.py's header)."""
-
-
 class _Names:
     """What transformers' ``get_gguf_hf_weights_map`` reads of a model: its config and its weights' names, and no
     children (it would otherwise build the architecture's name map again for each of its ~400 modules: 2 s a start;
@@ -95,7 +91,7 @@ def places(model: Any, gguf: Path, torch: Any, folder: Path | None = None) -> As
     needed = ("TENSOR_PROCESSORS", "TensorProcessor", "get_gguf_hf_weights_map")
     if missing := [name for name in needed if not hasattr(gguf_utils, name)]:
         raise NotAssembled(f"transformers' GGUF module has no {', '.join(missing)}")
-    tensors, arch = stored_module.header(gguf, None if folder is None else folder / HEADER_FILE)
+    tensors, arch = stored_module.header(gguf, None if folder is None else folder / stored_module.HEADER_FILE)
     processor = gguf_utils.TENSOR_PROCESSORS.get(arch, gguf_utils.TensorProcessor)(config=model.config.to_dict())
     if type(processor).__name__ not in PROCESSORS:
         raise NotAssembled(f"transformers' {type(processor).__name__} for {arch} splits or joins tensors")

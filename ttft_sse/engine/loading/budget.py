@@ -247,11 +247,11 @@ def for_transformers(
     """The plan of a transformers engine on CPU for a model whose config is ``config`` (``kind``: ``"gguf"``, with
     the file ``gguf``, or a directory or id at ``location``; ``int8``: the block kernel on int8 rows); and a sentence
     where a directory's weights are widened."""
-    from ttft_sse.engine.cpu.stored import table
+    from ttft_sse.engine.cpu.stored import HEADER_FILE, table
 
     widened = None
     if kind == "gguf" and gguf is not None:
-        weights = gguf_weights(table(gguf, Path(location) / "gguf-tensors.json"), on_kernel=on_kernel, int8=int8)
+        weights = gguf_weights(table(gguf, Path(location) / HEADER_FILE), on_kernel=on_kernel, int8=int8)
     elif Path(location).is_dir():
         weights, widened = directory_weights(Path(location), config, dtype)
     else:
