@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import IO
 
 import httpx
 
@@ -26,13 +27,19 @@ def free_port() -> int:
 
 
 @contextmanager
-def serving(env: dict[str, str], ready_timeout: float = 300) -> Iterator[str]:
-    """A server with this process's environment less every ``TTFT_`` variable, plus ``env``; yields its base URL."""
+def serving(env: dict[str, str], ready_timeout: float = 300, log: IO[bytes] | None = None) -> Iterator[str]:
+    """A server with this process's environment less every ``TTFT_`` variable, plus ``env``; yields its base URL.
+    ``log``: a file its output goes to (else this process's)."""
     port = free_port()
     full = {k: v for k, v in os.environ.items() if not k.startswith("TTFT_")}
-    full.update(TTFT_LOG_LEVEL="warning", **env)
+    full.update({"TTFT_LOG_LEVEL": "warning", **env})
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ttft_sse", "serve", "--port", str(port)], cwd=ROOT, env=full, start_new_session=True
+        [sys.executable, "-m", "ttft_sse", "serve", "--port", str(port)],
+        cwd=ROOT,
+        env=full,
+        start_new_session=True,
+        stdout=log,
+        stderr=log,
     )
     base = f"http://127.0.0.1:{port}"
     try:

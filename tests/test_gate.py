@@ -246,6 +246,28 @@ async def test_a_reserved_slot_is_for_the_high_lane_only() -> None:
     assert gate.running == 0
 
 
+async def test_the_high_lane_takes_rows_past_the_others_cap_and_the_others_wait_for_the_cap() -> None:
+    gate = Gate(slots=2, max_queue=4, timeout=5, extra=2)
+    normal = [gate.reserve(Lane.NORMAL, max_tokens=8) for _ in range(2)]
+    assert all(t.admitted for t in normal) and gate.holders == set(normal)
+    vips = [gate.reserve(Lane.HIGH) for _ in range(2)]  # every ordinary slot busy: two more rows, the high lane's
+    assert all(v.admitted for v in vips) and gate.running == 4
+    third = gate.reserve(Lane.HIGH)  # the high lane's own work fills every row it may take: it waits
+    waiting = gate.reserve(Lane.NORMAL)
+    assert not third.admitted and not waiting.admitted
+    assert gate.ahead(Lane.NORMAL) == [third, waiting] and gate.ahead(Lane.HIGH) == [third]
+    normal[0].release()  # 3 running: the high request takes the row; the normal one waits (the cap is 2 running)
+    assert third.admitted and not waiting.admitted and gate.running == 4
+    vips[0].release()  # 3 running, still past the normal lane's cap of 2
+    assert not waiting.admitted and gate.running == 3
+    vips[1].release()
+    third.release()  # 1 running (the other normal one): below the cap, the normal request runs
+    assert waiting.admitted and gate.running == 2 and gate.holders == {normal[1], waiting}
+    for ticket in (normal[1], waiting):
+        ticket.release()
+    assert gate.running == 0 and not gate.holders
+
+
 def test_slot_wait_is_zero_with_a_free_slot_and_else_the_queue_served_at_the_median_hold() -> None:
     gate = Gate(slots=2, max_queue=8, timeout=5, reserved=1)
     assert gate.slot_wait(Lane.NORMAL) == 0.0

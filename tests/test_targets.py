@@ -52,10 +52,15 @@ def test_a_bad_target_is_refused_at_start_naming_it(spec: str, message: str) -> 
         Settings.from_env({"TTFT_SLA_MS": spec})
 
 
-def test_a_high_target_keeps_a_slot_for_the_high_lane() -> None:
-    assert Settings(sla_ms="high:200,normal:1000").reserved_slots == 1
-    assert Settings(sla_ms="normal:1000").reserved_slots == 0
-    assert Settings(sla_ms="high:200", high_reserved_slots=0).reserved_slots == 0
+def test_a_high_target_gives_the_high_lane_rows_past_the_others_cap() -> None:
+    settings = Settings(sla_ms="high:200,normal:1000", max_concurrency=8)
+    assert (settings.extra_slots, settings.reserved_slots, settings.engine_rows) == (4, 0, 12)
+    assert Settings(sla_ms="high:200", max_concurrency=1).extra_slots == 1
+    assert Settings(sla_ms="normal:1000").extra_slots == 0 == Settings().extra_slots
+    assert Settings(sla_ms="high:200", high_extra_slots=0, high_reserved_slots=1).engine_rows == 8
+    assert Settings(sla_ms="high:200", high_reserved_slots=1).reserved_slots == 1
+    with pytest.raises(SettingsError, match="high_extra_slots must be -1 \\(auto\\) or 0 to 8"):
+        Settings.from_env({"TTFT_HIGH_EXTRA_SLOTS": "9"})
 
 
 def test_the_prediction_is_the_slot_wait_plus_admission_to_first_token() -> None:
@@ -187,3 +192,65 @@ def test_a_request_refused_at_its_deadline_counts_as_slower_than_any_first_token
     targets.missed(Lane.HIGH)
     degrader.evaluate()
     assert degrader.degraded  # one refusal in ten puts the p99 past the target
+
+
+def test_a_burst_is_judged_by_the_work_admitted_in_the_same_instant() -> None:
+    """Known costs: admission to first token 0.1 s, a token 0.05 s with one row running (x sqrt(rows) with more),
+    answers of their whole max_tokens. Four slots and two more for the high lane; a burst of normal requests fills
+    the slots, and each newcomer after that is judged by when the generations admitted before it, in the same
+    instant, free a slot: none of them has a history yet."""
+    clock = Clock()
+    gate = Gate(slots=4, max_queue=16, timeout=30, extra=2)
+    targets = Targets({Lane.HIGH: 0.3, Lane.NORMAL: 1.0}, gate, clock=clock)
+    targets.warmed(0.1, tokens=9, max_tokens=9, generating_seconds=0.4)  # 8 gaps of 0.05 s, one row
+    assert targets.pace(1) == pytest.approx(0.05) and targets.pace(4) == pytest.approx(0.1)
+    running = []
+    for _ in range(4):  # a free slot each: admitted, whatever the pace
+        targets.check(Lane.NORMAL, 10)
+        running.append(gate.reserve(Lane.NORMAL, max_tokens=10))
+    # The slots free when the four end: 0.1 s to a first token, then 9 more at 0.1 s (4 rows): 1 s (less the few
+    # microseconds since they were admitted).
+    assert targets.slot_wait(Lane.NORMAL, 10) == pytest.approx(0.1 + 9 * 0.1, abs=0.01)
+    with pytest.raises(Overloaded) as refused:
+        targets.check(Lane.NORMAL, 10)
+    assert refused.value.code == "first_token_target" and "would come in about 1100 ms" in str(refused.value)
+    assert refused.value.retry_after == pytest.approx(1.0, abs=0.01)  # when a slot is free for it
+    # Shorter answers fit: a newcomer asking for 2 tokens is still judged by the others' 10.
+    with pytest.raises(Overloaded):
+        targets.check(Lane.NORMAL, 2)
+    # The running ones get going: one has made 9 of its 10 tokens at 0.02 s each (its own pace, now trusted).
+    clock_now = running[0].created
+    running[0].produced(1, clock_now)
+    for _ in range(8):
+        running[0].produced(1, clock_now + 0.16)
+    wait = targets.slot_wait(Lane.NORMAL, 10)
+    assert wait is not None and wait < 0.9  # its last token soon: that slot frees first
+    # A high request is admitted past the normal cap, into a row of its own: no wait, nothing to predict.
+    assert targets.slot_wait(Lane.HIGH, 10) == 0.0
+    vips = [gate.reserve(Lane.HIGH, max_tokens=10) for _ in range(2)]
+    assert all(v.admitted for v in vips) and gate.running == 6
+    # A third high request waits for the first slot to free (the nearly done one): the high lane is refused only
+    # when its own work fills every row it may take.
+    third = targets.slot_wait(Lane.HIGH, 10)
+    assert third is not None and 0 < third < 0.9
+    for ticket in running + vips:
+        ticket.release()
+
+
+def test_requests_queued_in_the_same_instant_take_the_slots_in_turn() -> None:
+    """Two slots, nothing running yet has a first token; two requests queued ahead: the newcomer is third in line,
+    so it gets the slot the first queued one frees, after that one's own expected time."""
+    clock = Clock()
+    gate = Gate(slots=2, max_queue=16, timeout=30)
+    targets = Targets({Lane.NORMAL: 60.0}, gate, clock=clock)
+    targets.warmed(0.0, tokens=11, max_tokens=11, generating_seconds=1.0)  # 0.1 s a token, one row
+    pace = 0.1 * 2**0.5  # two rows run while it waits
+    held = [gate.reserve(Lane.NORMAL, max_tokens=5) for _ in range(2)]
+    queued = [gate.reserve(Lane.NORMAL, max_tokens=20) for _ in range(2)]
+    assert not any(t.admitted for t in queued)
+    first_free = 4 * pace  # both running end together, 4 tokens after their first
+    # queued[0] and queued[1] take those two slots; the newcomer waits for the first of them to end: 19 more tokens
+    # after its first (the first token's own time is 0 here).
+    assert targets.slot_wait(Lane.NORMAL, 1) == pytest.approx(first_free + 19 * pace, abs=0.01)
+    for ticket in held + queued:
+        ticket.release()

@@ -10,6 +10,14 @@ higher lane moves it back). A request that leaves while queued frees its place a
 refuses every queued request with the error it is given, and every newcomer after it; requests already admitted
 keep their slots until they finish.
 
+The high lane may also take ``extra`` slots past ``slots`` (rows the continuous batch takes beyond the lower lanes'
+cap; ``TTFT_HIGH_EXTRA_SLOTS``): a burst of high requests is admitted while every ordinary slot is busy, and none of
+the lower lanes' work is stopped for it. Lower lanes are admitted only while fewer than ``slots - reserved``
+generations run, whichever lanes hold them.
+
+Each ticket carries what the first-token prediction (ttft_sse/targets.py) needs of the work it stands for: its
+``max_tokens``, and once admitted, its tokens so far and when its first came.
+
 *Patient* tickets (the job runners') wait without a deadline and do not count against ``max_queue``: their number
 is bounded by the number of runners, and a job must never take a place an interactive request could have.
 
@@ -75,6 +83,7 @@ class Ticket:
         patient: bool = False,
         deadline: Callable[[], Unavailable] | None = None,
         wait: float | None = None,
+        max_tokens: int = 0,
     ) -> None:
         self._gate = gate
         self.lane = lane
@@ -83,6 +92,9 @@ class Ticket:
         self.released = False
         self.created = time.perf_counter()
         self.admitted_at = self.created if admitted else None
+        self.max_tokens = max_tokens  # the most tokens its generation makes (0: not said)
+        self.tokens = 0  # generated so far (``produced``)
+        self.first_at: float | None = None  # when its first token came (``perf_counter``)
         self._moved = asyncio.Event()
         # A wait shorter than the gate's, and the error that ends it (a lane's first-token target: ttft_sse/targets.py)
         self._wait = wait
@@ -131,6 +143,12 @@ class Ticket:
                         retry_after=self._gate.retry_after(self.lane),
                     ) from None
 
+    def produced(self, tokens: int, at: float) -> None:
+        """``tokens`` more generated at ``at`` (``perf_counter``): how far the generation is, for the prediction."""
+        if self.first_at is None:
+            self.first_at = at
+        self.tokens += tokens
+
     def release(self) -> None:
         if self.released:
             return
@@ -148,13 +166,17 @@ class Ticket:
 
 class Gate:
     """``slots`` generations at once, ``reserved`` of them only for the high lane (the others use ``slots -
-    reserved``); at most ``max_queue`` requests waiting, each at most ``timeout`` seconds."""
+    reserved``), and ``extra`` more for the high lane alone; at most ``max_queue`` requests waiting, each at most
+    ``timeout`` seconds."""
 
-    def __init__(self, *, slots: int, max_queue: int, timeout: float, reserved: int = 0) -> None:
+    def __init__(self, *, slots: int, max_queue: int, timeout: float, reserved: int = 0, extra: int = 0) -> None:
         if not 0 <= reserved < slots:
             raise ValueError(f"a gate of {slots} slots can reserve 0 to {slots - 1} of them for the high lane")
+        if extra < 0:
+            raise ValueError(f"a gate's extra slots for the high lane are 0 or more, got {extra}")
         self.slots = slots
         self.reserved = reserved
+        self.extra = extra
         self.max_queue = max_queue
         self.timeout = timeout
         self.running = 0
@@ -164,6 +186,7 @@ class Gate:
         self._held: dict[Lane, deque[float]] = {lane: deque(maxlen=SERVICE_WINDOW) for lane in Lane}
         self.refusal: Callable[[], Unavailable] | None = None
         self._changed = asyncio.Event()
+        self.holders: set[Ticket] = set()  # the admitted tickets not yet released: the generations running
 
     @property
     def waiting(self) -> int:
@@ -183,6 +206,7 @@ class Gate:
         patient: bool = False,
         wait: float | None = None,
         late: Callable[[], Unavailable] | None = None,
+        max_tokens: int = 0,
     ) -> Ticket:
         """A ticket in ``lane``: admitted, queued, or ``Overloaded`` at once. A queued one waits at most the gate's
         timeout, or ``wait`` seconds where that is shorter; then ``late()`` is raised (else ``Overloaded``)."""
@@ -192,7 +216,9 @@ class Gate:
         # one frees).
         if self._free_for(lane):
             self.running += 1
-            return Ticket(self, lane, admitted=True, patient=patient)
+            ticket = Ticket(self, lane, admitted=True, patient=patient, max_tokens=max_tokens)
+            self.holders.add(ticket)
+            return ticket
         if not patient and self._bounded >= self.max_queue:
             seconds = self.retry_after(lane)
             raise Overloaded(
@@ -200,7 +226,7 @@ class Gate:
                 f"retry after {_whole(seconds)} s, or POST the same body to /jobs to run it later",
                 retry_after=seconds,
             )
-        ticket = Ticket(self, lane, admitted=False, patient=patient, deadline=late, wait=wait)
+        ticket = Ticket(self, lane, admitted=False, patient=patient, deadline=late, wait=wait, max_tokens=max_tokens)
         self._lanes[lane].append(ticket)
         self._bounded += not patient
         self._notify_behind(lane)  # everyone in a lower lane just moved back one place
@@ -261,6 +287,7 @@ class Gate:
         if ticket.admitted:
             self.record_service(time.perf_counter() - (ticket.admitted_at or ticket.created), ticket.lane)
             self.running -= 1
+            self.holders.discard(ticket)
         else:
             queue = self._lanes[ticket.lane]
             if ticket in queue:
@@ -275,17 +302,23 @@ class Gate:
             admitted = head.popleft()
             self._bounded -= not admitted.patient
             self.running += 1
+            self.holders.add(admitted)
             admitted._admit()
         self._notify_behind(Lane.HIGH)
         self._changed.set()
 
     def _free_for(self, lane: Lane) -> bool:
-        """A slot is free for ``lane``: the high lane may take every slot, the others all but the reserved ones."""
-        return self.running < (self.slots if lane is Lane.HIGH else self.slots - self.reserved)
+        """A slot is free for ``lane``: fewer generations run than it may have running (:meth:`usable`)."""
+        return self.running < self.usable(lane)
 
     def usable(self, lane: Lane) -> int:
-        """The slots ``lane`` may take: all for the high lane, all but the reserved ones for the others."""
-        return self.slots if lane is Lane.HIGH else self.slots - self.reserved
+        """Generations running below which ``lane`` is admitted: every slot and the extra ones for the high lane,
+        all but the reserved ones for the others."""
+        return self.slots + self.extra if lane is Lane.HIGH else self.slots - self.reserved
+
+    def ahead(self, lane: Lane) -> list[Ticket]:
+        """The tickets waiting that a newcomer of ``lane`` would be admitted after, in the order they will be."""
+        return [ticket for other in Lane if other <= lane for ticket in self._lanes[other]]
 
     def slot_wait(self, lane: Lane) -> float | None:
         """Seconds until a newcomer in ``lane`` would have a slot: 0 when one is free for it now; else the requests

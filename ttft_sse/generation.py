@@ -91,6 +91,11 @@ class Generations:
         ``endpoint`` labels the request's metrics; ``record=False`` keeps it out of them (the warm-up).
         """
         try:
+            if self._targets is not None and caller.lane is not Lane.JOBS and record and self._lifecycle.ready:
+                # Refused before the prompt is tokenized, where the prediction already says so: under a burst a
+                # refusal then comes within milliseconds, and costs the requests admitted no CPU. Checked again,
+                # with the prompt's own max_tokens, once it is prepared.
+                self._targets.check(caller.lane, request.max_tokens or self._default_max_tokens, arrival=False)
             prepared = await self.prepare(request, check_ready=check_ready)
             return self.admit(prepared, caller=caller, arrival=arrival, endpoint=endpoint, record=record)
         except Exception as exc:
@@ -131,15 +136,18 @@ class Generations:
         (``Overloaded``), before it takes a slot or a queue place; one queued is refused once it has waited as long as
         its target allows."""
         wait = late = None
+        max_tokens = prepared.params.max_tokens
         if self._targets is not None and caller.lane is not Lane.JOBS and record:
-            self._targets.check(caller.lane)
+            self._targets.check(caller.lane, max_tokens)
             wait, late = self._targets.queue_limit(caller.lane)
-        ticket = self._gate.reserve(caller.lane, patient=caller.lane is Lane.JOBS, wait=wait, late=late)
+        ticket = self._gate.reserve(
+            caller.lane, patient=caller.lane is Lane.JOBS, wait=wait, late=late, max_tokens=max_tokens
+        )
         return Run(
             self._lifecycle,
             self._engine,
             self._metrics,
-            self._targets if record else None,
+            self._targets,
             self._degrader,
             prepared.prompt,
             prepared.params,
@@ -176,10 +184,11 @@ class Run:
         self._degrader = degrader
         self.caller = caller
         self.prompt = prompt
-        self.params = params
+        self.params = replace(params, urgent=caller.lane is Lane.HIGH)
         self._ticket = ticket
         self._arrival = arrival
         self._endpoint = endpoint
+        self._record = record  # False: the warm-up, which the targets learn a pace from but count nothing of
         self._metrics = metrics.request(endpoint, arrival=arrival, record=record)
 
     def close(self) -> None:
@@ -189,21 +198,33 @@ class Run:
 
     def _waited_too_long(self, exc: Overloaded) -> None:
         """A queued request refused at its lane's first-token deadline: a miss, for the targets and the degrader."""
-        if self._targets is not None and exc.code == "first_token_target":
+        if self._targets is not None and exc.code == "first_token_target" and self._record:
             self._targets.missed(self.caller.lane)
             self._metrics.observe_target(self.caller.lane.label, False)
+            self._metrics.observe_late_refusal(self.caller.lane.label)
             if self._degrader is not None:
                 self._degrader.evaluate()
 
     def _first_token(self, at: float) -> None:
         """Record the first token against the lane's target, and let the degrader look at the first tokens."""
-        if self._targets is not None:
+        if self._targets is not None and self._record:
             admitted = self._ticket.admitted_at or self._ticket.created
             met = self._targets.observe(self.caller.lane, at - self._arrival, at - admitted)
             if met is not None:
                 self._metrics.observe_target(self.caller.lane.label, met)
         if self._degrader is not None:
             self._degrader.evaluate()
+
+    def _answered(self, finished: Finished, first_at: float, now: float) -> None:
+        """Tell the targets an answer's pace and length (the warm-up's also its first token's time)."""
+        if self._targets is None:
+            return
+        tokens, generating = finished.usage.completion_tokens, now - first_at
+        if self._record:
+            self._targets.answered(tokens, self.params.max_tokens, generating)
+        else:
+            admitted = self._ticket.admitted_at or self._ticket.created
+            self._targets.warmed(first_at - admitted, tokens, self.params.max_tokens, generating)
 
     async def events(self) -> AsyncGenerator[Event, None]:
         outcome: Outcome = "cancelled"
@@ -235,6 +256,7 @@ class Run:
                         finished = replace(item, timings=timings)
                         if first_at is None:  # no text at all: the end is the first thing the client gets
                             self._first_token(now)
+                        self._answered(finished, first_at or now, now)
                         metrics.observe_finished(finished, now)
                         outcome = "ok"
                         yield finished
@@ -242,6 +264,7 @@ class Run:
                     if first_at is None:
                         first_at = now
                         self._first_token(now)
+                    self._ticket.produced(1, now)
                     metrics.observe_piece(now)
                     yield item
             # The engine ended without a Finished: something cancelled it from outside. The only thing that does

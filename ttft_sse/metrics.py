@@ -191,6 +191,13 @@ class Metrics:
             ["lane", "result"],
             registry=registry,
         )
+        self.late_refusals = Counter(
+            "ttft_sse_late_refusals",
+            "Requests of a lane with a first-token target admitted (a 200 sent), then refused after waiting as long "
+            "as the target allows: the admission's prediction let them in. Clients cannot retry these elsewhere.",
+            ["lane"],
+            registry=registry,
+        )
         self.max_tokens_reached = Counter(
             "ttft_sse_requests_max_tokens_reached",
             "Finished requests that stopped at their max_tokens cap (finish_reason length).",
@@ -236,6 +243,11 @@ class RequestMetrics:
         """A first token of a lane with a target: within it or not (how often the admission's prediction erred)."""
         if self._metrics is not None:
             self._metrics.first_token_targets.labels(lane, "met" if met else "missed").inc()
+
+    def observe_late_refusal(self, lane: str) -> None:
+        """A request of ``lane`` admitted, then refused at its first-token deadline (the safety net)."""
+        if self._metrics is not None:
+            self._metrics.late_refusals.labels(lane).inc()
 
     def observe_admitted(self, queue_seconds: float) -> None:
         if self._metrics is not None:

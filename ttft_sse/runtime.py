@@ -86,6 +86,7 @@ class Runtime:
             max_queue=settings.max_queue,
             timeout=settings.queue_timeout_seconds,
             reserved=settings.reserved_slots,
+            extra=settings.extra_slots,
         )
         self.keyring = Keyring.from_spec(settings.api_keys)
         lanes = parse_targets(settings.sla_ms)

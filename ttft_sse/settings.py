@@ -158,8 +158,13 @@ class Settings:
     api_keys: str | None = field(default=None, repr=False)
     # First-token targets per lane, `high:200,normal:1000,low:5000` (ms; see ttft_sse/targets.py). Unset: none.
     sla_ms: str | None = None
-    # Generation slots only the high lane may take. -1: one where TTFT_SLA_MS sets a high target, else none.
+    # Generation slots of max_concurrency only the high lane may take. -1: none (the extra slots below keep the
+    # high lane's room without taking any from the others).
     high_reserved_slots: int = -1
+    # Rows of the batch past max_concurrency that only the high lane may take, so that a burst of high requests is
+    # admitted while the other lanes fill every slot (ttft_sse/gate.py). -1: max_concurrency / 2 (at least 1) where
+    # TTFT_SLA_MS sets a high target, else none.
+    high_extra_slots: int = -1
     job_runners: int = 1
     max_jobs: int = 1000
     job_ttl_seconds: float = 600.0
@@ -249,6 +254,11 @@ class Settings:
                 f"high_reserved_slots must be -1 (auto) or 0 to {self.max_concurrency - 1} (below max_concurrency), "
                 f"got {self.high_reserved_slots}"
             )
+        if not -1 <= self.high_extra_slots <= self.max_concurrency:
+            raise SettingsError(
+                f"high_extra_slots must be -1 (auto) or 0 to {self.max_concurrency} (max_concurrency), "
+                f"got {self.high_extra_slots}"
+            )
         if self.api_keys:
             from ttft_sse.auth import parse_keys
 
@@ -259,10 +269,21 @@ class Settings:
 
     @property
     def reserved_slots(self) -> int:
-        """The slots kept for the high lane: ``high_reserved_slots``, or for -1 one where a high target is set."""
-        if self.high_reserved_slots >= 0:
-            return self.high_reserved_slots
-        return 1 if Lane.HIGH in parse_targets(self.sla_ms) and self.max_concurrency > 1 else 0
+        """The slots of ``max_concurrency`` kept for the high lane: ``high_reserved_slots``, none for -1."""
+        return max(0, self.high_reserved_slots)
+
+    @property
+    def extra_slots(self) -> int:
+        """Rows past ``max_concurrency`` for the high lane: ``high_extra_slots``, or for -1 half of
+        ``max_concurrency`` (at least 1) where a high target is set."""
+        if self.high_extra_slots >= 0:
+            return self.high_extra_slots
+        return max(1, self.max_concurrency // 2) if Lane.HIGH in parse_targets(self.sla_ms) else 0
+
+    @property
+    def engine_rows(self) -> int:
+        """Generations an engine holds at once: ``max_concurrency`` and the high lane's extra slots."""
+        return self.max_concurrency + self.extra_slots
 
     @functools.cached_property
     def cores(self) -> int:

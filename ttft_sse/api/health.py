@@ -62,12 +62,14 @@ async def readyz(request: Request) -> JSONResponse:
 
 
 def _targets(runtime: Runtime) -> dict[str, object]:
-    """The lanes' first-token targets (TTFT_SLA_MS), the slots kept for the high lane, and the degrader's state."""
+    """The lanes' first-token targets (TTFT_SLA_MS), the slots kept for the high lane and those past
+    the others' cap, and the degrader's state."""
     if runtime.targets is None:
         return {}
     body: dict[str, object] = {
         "first_token_targets_ms": {lane.label: round(s * 1000) for lane, s in sorted(runtime.targets.targets.items())},
         "high_reserved_slots": runtime.gate.reserved,
+        "high_extra_slots": runtime.gate.extra,
     }
     if runtime.degrader is not None:
         body["degraded"] = runtime.degrader.degraded

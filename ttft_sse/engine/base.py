@@ -36,6 +36,9 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    # Computed before the requests waiting beside it that are not (the high lane's: a batched engine prefills an
+    # urgent prompt in a step of its own when others wait with it). Scheduling only: the answer is the same.
+    urgent: bool = False
 
     @property
     def greedy(self) -> bool:

@@ -328,3 +328,26 @@ async def test_no_interludes_where_they_cannot_run_and_the_log_says_why(
         assert [e["reason"] for e in logs if e["event"] == "interludes_off"] == [reason]
     finally:
         await engine.close()
+
+
+async def test_an_urgent_prompt_is_computed_at_the_next_layer_alone_and_the_others_at_the_layer_after(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    side = Interlude(model=None)
+    computed: list[list[tuple[int, ...]]] = []
+
+    def compute(in_place: object, asks: list[tuple[tuple[int, ...], float, float]]) -> list[int | None]:
+        computed.append([ask[0] for ask in asks])
+        return [ask[0][0] for ask in asks]
+
+    monkeypatch.setattr(side, "_compute", compute)
+    first = asyncio.ensure_future(side.first_token((1,), lambda: True))
+    second = asyncio.ensure_future(side.first_token((2,), lambda: True))
+    vip = asyncio.ensure_future(side.first_token((3,), lambda: True, urgent=True))
+    await asyncio.sleep(0)
+    side.serve(object())  # a layer: the urgent prompt alone; the others still wait, in their order
+    assert computed == [[(3,)]] and side.waiting.value == 2
+    assert await asyncio.wait_for(vip, 5) == 3 and not first.done()
+    side.serve(object())  # the next layer: the rest together
+    assert computed == [[(3,)], [(1,), (2,)]] and side.waiting.value == 0
+    assert (await first, await second) == (1, 2)

@@ -109,3 +109,32 @@ def test_a_chunk_shrinks_as_a_long_prompts_attention_grows() -> None:
     assert chunk_rows(64, 2 * CHUNK_CONTEXT) == 32  # twice the keys: half the rows
     assert chunk_rows(64, 5000) == MIN_CHUNK  # 13 by the proportion, but never below the floor
     assert chunk_rows(8, 100_000) == 8  # a chunk set below the floor is kept as set
+
+
+def test_urgent_requests_waiting_beside_others_are_scheduled_first_and_alone() -> None:
+    """The scheduler's choice of waiting requests for a step: where urgent ones (the high lane's) wait, the others
+    are left out of it and put back after, in their order, unless the library scheduled them meanwhile."""
+    from collections import deque
+
+    from transformers.generation.continuous_batching import scheduler as schedulers
+
+    from ttft_sse.engine.batched.scheduler import PrefixCounters, register_scheduler, unregister_scheduler
+
+    counters = PrefixCounters()
+    name = register_scheduler(counters, paged=False)
+    try:
+        cls = schedulers.SCHEDULER_MAPPING[name]
+        scheduler = cls.__new__(cls)  # the choice alone: no cache, no library step
+        scheduler._orders = True
+        scheduler.waiting_requests_order = deque(["a", "b", "vip", "c"])
+        scheduler.waiting_requests = dict.fromkeys(["a", "b", "vip", "c"])
+        assert scheduler._hold_back_all_but_urgent() == []  # nothing urgent: the library's FIFO as it is
+        assert list(scheduler.waiting_requests_order) == ["a", "b", "vip", "c"]
+        counters.urgent.add("vip")
+        later = scheduler._hold_back_all_but_urgent()
+        assert later == ["a", "b", "c"] and list(scheduler.waiting_requests_order) == ["vip"]
+        counters.urgent.add("other")  # urgent, but not waiting
+        scheduler.waiting_requests_order = deque(["a"])
+        assert scheduler._hold_back_all_but_urgent() == []
+    finally:
+        unregister_scheduler(name)

@@ -372,6 +372,8 @@ class BatchedEngine:
         # its first token before the race is open.
         if self._race is not None and self._race.open and self._counters.in_place and self._mailboxes.count > 1:
             self._race.start(request_id, prompt, params)
+        if params.urgent:
+            self._counters.urgent.add(request_id)
         added = self._manager.add_request(
             list(prompt.token_ids),
             request_id=request_id,
@@ -396,6 +398,7 @@ class BatchedEngine:
         next step; results of a step already in flight are dropped by the closed inbox)."""
         self._claims.close(request_id)
         self._modes.close(request_id)
+        self._counters.urgent.discard(request_id)
         if isinstance(self._prefill, Interlude):
             self._prefill.sweep()
         if self.janitor.count():

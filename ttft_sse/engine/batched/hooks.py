@@ -110,7 +110,7 @@ def create_manager(
         page_size=BLOCK_TOKENS,
         num_blocks=blocks,
         max_batch_tokens=settings.batch_tokens,
-        max_requests_per_batch=settings.max_concurrency,
+        max_requests_per_batch=settings.engine_rows,
         allow_block_sharing=settings.prefix_cache,
         scheduler_type=scheduler,
     )

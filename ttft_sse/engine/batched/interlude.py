@@ -63,6 +63,7 @@ class _Waiting:
     loop: asyncio.AbstractEventLoop
     answer: asyncio.Future[int | None]
     computed: Callable[[], None] | None
+    urgent: bool = False
 
 
 @dataclass(frozen=True)
@@ -109,18 +110,20 @@ class Interlude:
         top_p: float = 1.0,
         *,
         computed: Callable[[], None] | None = None,
+        urgent: bool = False,
     ) -> int | None:
         """The first token after ``token_ids``: the argmax at ``temperature`` 0, else drawn at ``temperature`` from
         the ``top_p``, computed at the batch's next layer. None if the interlude declined it, once nobody ``wanted``
         it (:meth:`sweep`), or when the engine stops. ``computed`` is called in the batching thread once the token is
-        computed, before it is given."""
+        computed, before it is given. An ``urgent`` prompt (the high lane's) is computed at the next layer with the
+        other urgent ones only, the rest at the layers after."""
         if self._broken or self._stopping:
             return None
         loop = asyncio.get_running_loop()
         answer: asyncio.Future[int | None] = loop.create_future()
         with self._lock:
             ask = (tuple(token_ids), float(temperature), float(top_p))
-            self._waiting.append(_Waiting(ask, wanted, loop, answer, computed))
+            self._waiting.append(_Waiting(ask, wanted, loop, answer, computed, urgent))
             self.waiting.value = len(self._waiting)
         return await asyncio.shield(answer)
 
@@ -151,6 +154,9 @@ class Interlude:
                 _settle(one.loop, one.answer, None)
             else:
                 (kept if serve is None else computed).append(one)
+        if any(one.urgent for one in computed) and not all(one.urgent for one in computed):
+            kept += [one for one in computed if not one.urgent]  # at the next layer: urgent prompts come first
+            computed = [one for one in computed if one.urgent]
         if kept:
             with self._lock:
                 self._waiting[:0] = kept  # ahead of any that came meanwhile

@@ -62,7 +62,9 @@ class Race:
 
         async def ask() -> None:
             if isinstance(side, Interlude):
-                token = await side.first_token(prompt.token_ids, wanted, temperature, top_p, computed=note)
+                token = await side.first_token(
+                    prompt.token_ids, wanted, temperature, top_p, computed=note, urgent=params.urgent
+                )
             else:
                 token = await side.first_token(prompt.token_ids, wanted, temperature, top_p)
             if token is not None and claims.side(request_id, token):

@@ -4,8 +4,9 @@ mode between two steps (engine/batched/modes.py)."""
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ttft_sse.engine.batched.modes import Modes, keep_apart
@@ -44,6 +45,7 @@ class PrefixCounters:
     before_kernel: Callable[[], None] | None = None  # called as a step's layers go into C (InPlace.before_kernel)
     prefill_chunk: int = 0  # prompt tokens a step computes beside decoding streams (0: the whole token budget)
     modes: Modes | None = None  # where the engine has more than one mode: switched here, between two steps
+    urgent: set[str] = field(default_factory=set)  # ids of requests prefilled before the others waiting (high lane)
 
 
 def register_scheduler(counters: PrefixCounters, *, paged: bool) -> str:
@@ -73,6 +75,9 @@ def register_scheduler(counters: PrefixCounters, *, paged: bool) -> str:
                     self._in_place.before_kernel = counters.before_kernel
             if counters.modes is not None:
                 keep_apart(cache, counters.modes)
+            # The waiting queue's order, an attribute of the instance (not checked with hooks.INTERNALS): without
+            # it urgent requests are scheduled in arrival order like the others.
+            self._orders = isinstance(getattr(self, "waiting_requests_order", None), deque)
 
         def schedule_batch(self, token_budget: int, cache_budget: int) -> Any:
             # The coming step's mode, before anything of it is computed (the interlude below, the prefix matches, the
@@ -89,10 +94,32 @@ def register_scheduler(counters: PrefixCounters, *, paged: bool) -> str:
                 in_place.between(in_place)
             if decoding and counters.prefill_chunk:
                 token_budget = self._chunked(token_budget, decoding)
-            scheduled = super().schedule_batch(token_budget, cache_budget)
+            later = self._hold_back_all_but_urgent()
+            try:
+                scheduled = super().schedule_batch(token_budget, cache_budget)
+            finally:
+                if later:
+                    # The library's step rebuilds the deque without those it scheduled: extend what it holds now.
+                    self.waiting_requests_order.extend(i for i in later if i in self.waiting_requests)
             if modes is not None and mode is not None and scheduled[0]:
                 modes.saw((future.state.request_id for future in scheduled[0]), mode)
             return scheduled
+
+        def _hold_back_all_but_urgent(self) -> list[str]:
+            """Where urgent requests (the high lane's) wait beside others, leave the others out of this step's
+            choice and return their ids, in order, to be put back after it: the urgent prompts are computed in a step
+            of their own (one step sooner than beside a burst of others' prompts), the others in the next."""
+            if not counters.urgent or not self._orders:
+                return []
+            order: deque[str] = self.waiting_requests_order
+            if not any(i in counters.urgent for i in order):
+                return []
+            later = [i for i in order if i not in counters.urgent]
+            if later:
+                urgent = [i for i in order if i in counters.urgent]
+                order.clear()
+                order.extend(urgent)
+            return later
 
         def _chunked(self, token_budget: int, decoding: int) -> int:
             """Chunked prefill: beside streams that decode, a prompt longer than a step's budget (a document to

@@ -140,8 +140,8 @@ class LlamaCppEngine:
         threads = settings.torch_threads
         shape = library.Shape(
             cells=plan.kv_tokens,
-            sequences=settings.max_concurrency,
-            batch_tokens=max(min(settings.batch_tokens, library.ROWS_PER_STEP), settings.max_concurrency),
+            sequences=settings.engine_rows,
+            batch_tokens=max(min(settings.batch_tokens, library.ROWS_PER_STEP), settings.engine_rows),
             threads=threads,
         )
         with clock.stage("model"):
