@@ -20,6 +20,7 @@ from structlog.testing import capture_logs
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import ClientConnection, connect
 
+from tests.support.nginx import nginx
 from tests.support.scrape import parse
 from tests.support.servers import eventually, fake_app, parse_sse, running, serving
 from ttft_sse.auth import key_id
@@ -204,6 +205,15 @@ def test_a_frame_sent_while_an_answer_streams_is_refused_and_the_answer_stops() 
         assert code == 1008
         eventually(lambda: engine.active == 0)
         assert engine.generated == [1]
+
+
+def test_through_the_shipped_nginx_config_the_upgrade_reaches_the_server() -> None:
+    with (
+        fake_server(FakeEngine(PIECES)) as (base, _),
+        nginx(int(base.rsplit(":", 1)[1])) as proxy,
+        connect(ws_url(proxy), origin=proxy) as ws,  # type: ignore[arg-type]  # a page the proxy serves
+    ):
+        assert answer(ws, {"prompt": "hi"}) == ["Hello", ",", " world", "!", "[DONE]"]
 
 
 # -- keys and origins ----------------------------------------------------------------------------------------------
