@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
-from starlette.routing import Mount, Route
+from starlette.routing import Mount, Route, WebSocketRoute
 
+from ttft_sse.api.chat import chat, upgrade_required
 from ttft_sse.api.complete import complete
 from ttft_sse.api.health import healthz, readyz
 from ttft_sse.api.jobs import cancel_job, job_result, submit_job
@@ -41,6 +42,8 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
             Route("/streams", create_stream, methods=["POST"]),
             Route("/streams/{stream_id}", stream_resource, methods=["GET", "DELETE"]),
             Route("/complete", complete, methods=["POST"]),
+            WebSocketRoute("/chat", chat),  # the seed design's WebSocket protocol (compatibility; SSE is primary)
+            Route("/chat", upgrade_required, methods=["GET"]),
             Route("/jobs", submit_job, methods=["POST"]),
             Route("/result/{job_id}", job_result, methods=["GET"]),
             Route("/jobs/{job_id}", cancel_job, methods=["DELETE"]),

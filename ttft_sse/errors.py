@@ -5,6 +5,7 @@
     │   ├── InvalidRequest            400 invalid_request_error (names the offending ``param``)
     │   │   └── PromptTooLong         400, the prompt does not fit the model's context
     │   ├── Unauthorized              401 authentication_error
+    │   ├── Forbidden                 403 permission_error (a page of another origin opening /chat)
     │   ├── NotFound                  404 not_found_error
     │   │   └── Gone                  410, it existed once: an expired or deleted stream, or events dropped
     │   ├── Conflict                  409 conflict_error (e.g. cancelling a job that has already finished)
@@ -118,6 +119,11 @@ class Unauthorized(ClientError):
 
     def headers(self) -> dict[str, str]:
         return {"WWW-Authenticate": 'Bearer realm="ttft-sse"'}
+
+
+class Forbidden(ClientError):
+    status_code = 403
+    error_type = "permission_error"
 
 
 class NotFound(ClientError):

@@ -24,6 +24,9 @@ class Lifecycle:
         self.state: State = "starting"
         self.error: str | None = None
         self.failed = asyncio.Event()
+        # Set once the server stops taking work (the drain, or the lifespan's end): what holds a connection open
+        # between requests (a WebSocket waiting for its next prompt, api/chat.py) closes it instead.
+        self.closing = asyncio.Event()
         self.cutting = False  # the drain grace is over: running generations are being cancelled
         self.clock = StageClock()
         self._drain_seconds = drain_seconds
@@ -36,6 +39,12 @@ class Lifecycle:
         self.state = "failed"
         self.error = error
         self.failed.set()
+
+    def stop_taking_work(self) -> None:
+        """Refuse newcomers from now on: ``stopping`` (a ``failed`` state stays), and ``closing`` set."""
+        if self.state != "failed":
+            self.state = "stopping"
+        self.closing.set()
 
     def not_ready_reason(self) -> str:
         if self.state == "starting":

@@ -55,6 +55,8 @@ class RequestContext:
     """Pure ASGI middleware (it must not buffer streams): request id, arrival time, access log.
 
     The access log has one ``request`` line per request: at info, except for the probes of ``PROBE_PATHS`` (debug).
+    A WebSocket connection is one request: its line comes when it ends, with status 101 once accepted, and its
+    ``duration_ms`` is the connection's life.
     The id comes from the client's ``X-Request-ID`` when it sends a sane one, else a new one; it is echoed in
     the response and bound to every log line of the request. ``scope["state"]["arrival"]`` is the
     ``perf_counter`` at which the request reached the app: TTFT is measured from there.
@@ -65,7 +67,7 @@ class RequestContext:
         self.log = structlog.get_logger("ttft_sse.access")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] not in ("http", "websocket"):
             await self.app(scope, receive, send)
             return
         arrival = time.perf_counter()
@@ -77,9 +79,16 @@ class RequestContext:
 
         async def send_with_id(message: Message) -> None:
             nonlocal status
-            if message["type"] == "http.response.start":
+            kind = message["type"]
+            if kind in ("http.response.start", "websocket.http.response.start"):
                 status = message["status"]
                 MutableHeaders(scope=message)[REQUEST_ID_HEADER] = request_id
+            elif kind == "websocket.accept":
+                status = 101
+                message.setdefault("headers", [])
+                MutableHeaders(scope=message)[REQUEST_ID_HEADER] = request_id
+            elif kind == "websocket.close" and status == 0:
+                status = 403  # closed before the handshake was accepted: the server refuses it with a 403
             await send(message)
 
         structlog.contextvars.bind_contextvars(request_id=request_id)
@@ -90,7 +99,7 @@ class RequestContext:
         finally:
             (self.log.debug if probe else self.log.info)(
                 "request",
-                method=scope["method"],
+                method=scope.get("method", "GET"),  # a WebSocket's scope has none: its handshake is a GET
                 path=scope["path"],
                 status=status,
                 duration_ms=round((time.perf_counter() - arrival) * 1000, 1),

@@ -172,8 +172,7 @@ class Runtime:
         Every request ends with something the client can read: a ``done``, or a ``shutdown_error``.
         """
         lifecycle, gate = self.lifecycle, self.gate
-        if lifecycle.state != "failed":
-            lifecycle.state = "stopping"  # readiness turns 503 at once; Generations.open refuses newcomers
+        lifecycle.stop_taking_work()  # readiness turns 503 at once; Generations.open refuses newcomers
         gate.close(lifecycle.refusal)  # queued requests are refused now, not after the grace
         started = time.perf_counter()
         log.info("draining", running=gate.running, grace_s=grace)
@@ -205,8 +204,7 @@ class Runtime:
         self._hurry.set()
 
     async def stop(self) -> None:
-        if self.lifecycle.state != "failed":
-            self.lifecycle.state = "stopping"
+        self.lifecycle.stop_taking_work()
         if self._watch is not None:
             self._watch.cancel()
         await self.streams.close()

@@ -119,6 +119,9 @@ class Settings:
     # Read any body as JSON whatever its Content-Type (else 415 for all but application/json and +json types):
     # only where no browser can reach the server (see api/body.py: the labels browsers send cross-site unasked).
     allow_any_content_type: bool = False
+    # Origins whose pages may open the /chat WebSocket besides the server's own host, comma-separated
+    # (`https://app.example.com`), or `*` for any; see api/chat.py (browsers apply no CORS check to a WebSocket).
+    chat_origins: str | None = None
     # Transport limits (docs/operations.md, "Limits and timeouts"). A request's head must arrive within
     # header_timeout_seconds of its first byte and be at most max_header_bytes (HTTP/1.1), its body within
     # body_timeout_seconds of the request's arrival (408 after); an idle connection is closed after
@@ -266,6 +269,12 @@ class Settings:
                 parse_keys(self.api_keys)
             except ValueError as exc:
                 raise SettingsError(str(exc)) from None
+
+    @property
+    def chat_origin_set(self) -> frozenset[str]:
+        """``chat_origins`` as the lower-case origins (no trailing slash) it lists."""
+        entries = (entry.strip().lower().rstrip("/") for entry in (self.chat_origins or "").split(","))
+        return frozenset(entry for entry in entries if entry)
 
     @property
     def reserved_slots(self) -> int:

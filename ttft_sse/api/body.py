@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 import anyio
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import ClientDisconnect, HTTPConnection, Request
 
 from ttft_sse import json_input
 from ttft_sse.auth import Caller
@@ -32,7 +32,7 @@ from ttft_sse.runtime import Runtime
 from ttft_sse.schemas import GenerationRequest
 
 
-def runtime_of(request: Request) -> Runtime:
+def runtime_of(request: HTTPConnection) -> Runtime:
     runtime: Runtime = request.app.state.runtime
     return runtime
 
@@ -42,7 +42,7 @@ def arrival_of(request: Request) -> float:
     return arrival
 
 
-def caller_of(request: Request) -> Caller:
+def caller_of(request: HTTPConnection) -> Caller:
     """Who is asking, from ``Authorization: Bearer <key>`` or ``X-API-Key: <key>``; 401 when keys are on and
     neither holds a valid one. Call it first, before reading the body: a stranger learns nothing about it.
     """

@@ -79,6 +79,26 @@ def document(settings: Settings) -> dict[str, Any]:
                     errors=("404",),
                 ),
             },
+            "/chat": {
+                "get": _operation(
+                    "The seed design's WebSocket chat, for clients written against it (Server-Sent Events on /stream "
+                    "are the primary surface)",
+                    {
+                        "101": {
+                            "description": "Switching Protocols. Then, in text frames: the client sends the body of "
+                            "POST /stream as JSON; the server sends each piece of text, then [DONE], or one "
+                            "'[ERROR] <message>' and closes. The key: Authorization, X-API-Key, ?api_key= or the "
+                            "protocol bearer.<key>. See docs/streams.md"
+                        },
+                        "426": {
+                            "description": "not a WebSocket handshake",
+                            "content": {"application/json": {"schema": _ERROR}},
+                        },
+                    },
+                    parameters=[{"name": "api_key", "in": "query", "schema": {"type": "string"}}],
+                    errors=(),
+                )
+            },
             "/jobs": {
                 "post": _generating(
                     "Queue the request as an overflow job; poll its result_url",
