@@ -163,6 +163,20 @@ def test_a_completion_parses_special_strings_unless_told_not_to() -> None:
     assert (told.generation.raw, told.generation.parse_special, told.ignored) == (True, False, ())
 
 
+def test_the_line_that_reports_ignored_fields_is_bounded_however_many_and_long_they_are() -> None:
+    """The probe's: 2,000 unknown fields of 200-character names wrote one 415,050-character warning."""
+    names = [f"{i:04d}" + "f" * 196 for i in range(2000)]
+    app = create_app(Settings(max_tokens_cap=100, default_max_tokens=10), FakeEngine(context_length=20))
+    with TestClient(app) as c, capture_logs() as logs:
+        wait_ready(c)
+        reply = c.post(CHAT, json={"model": "m", "messages": HELLO, **dict.fromkeys(names, 1)})
+    assert reply.status_code == 200
+    (line,) = [e for e in logs if e["event"] == "openai_fields_ignored"]
+    assert line["count"] == 2000
+    assert line["fields"].endswith(" and 1995 more") and line["fields"].startswith("0000ffff")
+    assert len(repr(line)) < 500
+
+
 def test_unknown_fields_are_ignored_and_reported_inert_ones_silently() -> None:
     body = {"messages": HELLO, "store": False, "metadata": {"a": "b"}, "service_tier": "auto", "frobnicate": 1}
     assert parse_chat(body, max_tokens_cap=100).ignored == ("frobnicate",)

@@ -466,7 +466,7 @@ def test_with_api_keys_on_the_page_asks_for_a_key_and_sends_it(page: Page) -> No
         assert page.locator(".turn.user.refused").count() == 2
     assert sent.value.headers["authorization"] == "Bearer sekrit-key-1"
     # The refused questions left the conversation; the stream itself was read without a key (EventSource sends
-    # none): its unguessable url is the credential.
+    # none): its url carries the stream's grant.
     assert sent.value.post_data_json == {"messages": [{"role": "user", "content": "Third?"}]}
     assert engine.generated == [2]
 
