@@ -223,8 +223,8 @@ async def _service_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ServiceError)
     _count_refusal(request, exc)
     if isinstance(exc, ClientGone):
-        # No path: the request's access line (same request_id) has it, bounded and with any stream id hidden.
-        log.info("client_gone", error=exc.message, method=request.method)
+        # Only routes that read a body meet this, and none of their paths holds a stream's id.
+        log.info("client_gone", error=exc.message, method=request.method, path=printable(request.url.path, 200))
     elif not isinstance(exc, ClientError | Unavailable):
         log.error("request_failed", error=exc.message, error_type=type(exc).__name__)
     return error_response(exc)

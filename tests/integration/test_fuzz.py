@@ -422,7 +422,23 @@ FRAMES = {
     ),
     "length too long": (JSON_HEAD + b"Content-Length: 100\r\n\r\n" + GOOD, [408]),
     "length too short": (JSON_HEAD + b"Content-Length: 5\r\nConnection: close\r\n\r\n" + GOOD, [400]),
-    "length and chunked": (JSON_HEAD + b"Content-Length: 16\r\nTransfer-Encoding: chunked\r\n\r\n" + GOOD, None),
+    # The probe's: both framings were accepted and the connection kept (RFC 9112 §6.3; request smuggling).
+    "length and chunked": (
+        JSON_HEAD + b"Content-Length: 16\r\nTransfer-Encoding: chunked\r\n\r\n" + chunked(GOOD, [16]),
+        [400],
+    ),
+    "length and chunked, then a request pipelined behind": (
+        JSON_HEAD
+        + b"Content-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n"
+        + chunked(GOOD, [16])
+        + b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n",
+        [400],
+    ),
+    "chunked and length, lower case and in the other order": (
+        b"POST /stream HTTP/1.1\r\nhost: t\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n"
+        b"content-length: 16\r\n\r\n" + chunked(GOOD, [16]) + b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n",
+        [400],
+    ),
     "two lengths": (JSON_HEAD + b"Content-Length: 16\r\nContent-Length: 17\r\n\r\n" + GOOD, [400]),
     "negative length": (JSON_HEAD + b"Content-Length: -1\r\n\r\n" + GOOD, [400]),
     "length not a number": (JSON_HEAD + b"Content-Length: 1e3\r\n\r\n" + GOOD, [400]),
@@ -452,6 +468,8 @@ def test_framing_oddities_get_a_4xx_or_an_answer_never_a_5xx(served: Served, cli
     assert not LEAKS.search(received), received[:500]
     if expected is not None:
         assert codes == expected, received[:500]
+    if "chunked and length" in name or "length and chunked" in name:
+        assert b"ambiguous_framing" in received and b"connection: close" in received.lower(), received[:500]
     assert_still_serving(client)
 
 
