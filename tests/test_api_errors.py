@@ -83,6 +83,11 @@ def test_bad_json_fields_get_400_naming_the_field(
         ("prompt=hi&prompt=ho", "prompt", "more than once"),
         ("messages=not-json", "messages", "JSON array"),
         ("prompt=hi&colour=red", "colour", "unknown query parameter(s): colour"),
+        # The probe's: invalid UTF-8 was replaced silently (a JSON body with it gets 400).
+        ("prompt=hi%FF%FEthere", None, "the query string is not valid UTF-8"),
+        ("prompt=%ED%A0%80", None, "the query string is not valid UTF-8"),  # a lone surrogate, as UTF-8 bytes
+        ("prompt=hi&parse_special=true", "parse_special", "parse_special applies to raw prompts only"),
+        ("prompt=hi&raw=1&parse_special=maybe", "parse_special", "true or false"),
     ],
 )
 def test_bad_query_strings_get_400(client: TestClient, query: str, param: str, message: str) -> None:

@@ -82,3 +82,23 @@ def test_each_line_is_written_in_one_write_so_that_threads_lines_never_interleav
     finally:
         structlog.configure(**kept)
         logging.getLogger().handlers[:] = handlers
+
+
+def test_a_path_is_logged_cut_short_and_with_a_streams_id_as_its_digest() -> None:
+    from ttft_sse.grants import digest
+    from ttft_sse.log import MAX_LOGGED_PATH, logged_path
+
+    assert logged_path("/streams/abcDEF123_-x") == f"/streams/{digest('abcDEF123_-x')}"
+    assert logged_path("/api/streams/abc/whatever") == f"/api/streams/{digest('abc')}/whatever"
+    long = logged_path("/" + "a" * 10_000)
+    assert len(long) == MAX_LOGGED_PATH and long.endswith("…")
+    assert logged_path("/x\udc80") == "/x\\udc80"  # printable, whatever the path held
+    assert logged_path("/healthz") == "/healthz"
+
+
+def test_the_access_line_of_a_huge_path_is_bounded() -> None:
+    app = create_app(Settings(warmup=False, log_format="console"), FakeEngine())
+    with capture_logs() as logs, TestClient(app) as client:
+        assert client.get("/" + "p" * 8000).status_code == 404
+    (line,) = [e for e in logs if e["event"] == "request"]
+    assert len(line["path"]) == 200

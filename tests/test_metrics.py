@@ -230,7 +230,7 @@ def test_an_engine_failure_counts_error_once_on_both_endpoints() -> None:
 
 
 class BuggyEngine(FakeEngine):
-    def prepare(self, *, prompt: str | None, messages: Any, raw: bool) -> Prompt:
+    def prepare(self, *, prompt: str | None, messages: Any, raw: bool, parse_special: bool = False) -> Prompt:
         raise KeyError("a bug, not a ServiceError")
 
 

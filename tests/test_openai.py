@@ -149,6 +149,34 @@ def test_neutral_values_of_unsupported_features_are_accepted(neutral: dict[str, 
     assert parsed.generation.prompt == "hi" and parsed.ignored == ()
 
 
+def test_a_tool_message_with_its_tool_call_id_is_taken_as_openai_clients_send_it(client: TestClient) -> None:
+    """The probe's: the tool_call_id of a tool message was an unknown field (400)."""
+    messages = [*HELLO, {"role": "tool", "content": "42", "tool_call_id": "call_1", "name": None}]
+    parsed = parse_chat({"messages": messages}, max_tokens_cap=100)
+    assert parsed.generation.messages == (ChatMessage("user", "say hello"), ChatMessage("tool", "42", "call_1"))
+    assert client.post(CHAT, json={"model": "m", "messages": messages}).status_code == 200
+
+
+def test_a_completion_parses_special_strings_unless_told_not_to() -> None:
+    assert parse_completion({"prompt": "hi"}, max_tokens_cap=100).generation.parse_special is True
+    told = parse_completion({"prompt": "hi", "parse_special": False}, max_tokens_cap=100)
+    assert (told.generation.raw, told.generation.parse_special, told.ignored) == (True, False, ())
+
+
+def test_the_line_that_reports_ignored_fields_is_bounded_however_many_and_long_they_are() -> None:
+    """The probe's: 2,000 unknown fields of 200-character names wrote one 415,050-character warning."""
+    names = [f"{i:04d}" + "f" * 196 for i in range(2000)]
+    app = create_app(Settings(max_tokens_cap=100, default_max_tokens=10), FakeEngine(context_length=20))
+    with TestClient(app) as c, capture_logs() as logs:
+        wait_ready(c)
+        reply = c.post(CHAT, json={"model": "m", "messages": HELLO, **dict.fromkeys(names, 1)})
+    assert reply.status_code == 200
+    (line,) = [e for e in logs if e["event"] == "openai_fields_ignored"]
+    assert line["count"] == 2000
+    assert line["fields"].endswith(" and 1995 more") and line["fields"].startswith("0000ffff")
+    assert len(repr(line)) < 500
+
+
 def test_unknown_fields_are_ignored_and_reported_inert_ones_silently() -> None:
     body = {"messages": HELLO, "store": False, "metadata": {"a": "b"}, "service_tier": "auto", "frobnicate": 1}
     assert parse_chat(body, max_tokens_cap=100).ignored == ("frobnicate",)
@@ -163,7 +191,11 @@ UNSUPPORTED = "unsupported_parameter"
     ("body", "param", "message", "code"),
     [
         ({"n": 2}, "n", "n is not supported by this server: one choice is generated per request", UNSUPPORTED),
-        ({"n": True}, "n", "n is not supported", UNSUPPORTED),
+        # The probe's: a value of the wrong type is named as such, not as a feature this server lacks.
+        ({"n": True}, "n", "n must be a number, not a boolean", None),
+        ({"n": "1"}, "n", "n must be a number, not a string", None),
+        ({"logprobs": "false"}, "logprobs", "logprobs must be a boolean, not a string", None),
+        ({"tools": {}}, "tools", "tools must be an array, not an object", None),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "without tool calling", UNSUPPORTED),
         ({"tool_choice": "auto"}, "tool_choice", "tool_choice is not supported", UNSUPPORTED),
         ({"functions": [{"name": "f"}]}, "functions", "functions is not supported", UNSUPPORTED),
@@ -218,6 +250,23 @@ def test_unsupported_or_bad_fields_get_400_naming_the_field(
             "messages[0].content[0]",
             'only text content parts are supported, got type "image_url"',
         ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+            "messages[0].content[0].text",
+            'messages[0].content[0] is a text part and has no text field: a text part is {"type": "text", "text": '
+            "<string>}",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+            "messages[0].content[0].text",
+            "messages[0].content[0] is a text part and has text a number",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "hi", "tool_call_id": "call_1"}]},
+            "messages[0].tool_call_id",
+            "messages[0].tool_call_id belongs to a tool message, not a user one",
+        ),
+        ({"messages": HELLO, "parse_special": True}, "parse_special", "parse_special applies to raw prompts only"),
         (
             {"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}]},
             "messages[0].tool_calls",

@@ -129,7 +129,13 @@ def message(roles: list[str]) -> st.SearchStrategy[Any]:
 
 
 def message_edge(roles: list[str]) -> st.SearchStrategy[Any]:
-    fields = {"role": st.one_of(st.sampled_from(roles), ANY), "content": st.one_of(TEXT, ANY), "name": ANY, "x": ANY}
+    fields = {
+        "role": st.one_of(st.sampled_from(roles), ANY),
+        "content": st.one_of(TEXT, ANY),
+        "name": ANY,
+        "tool_call_id": st.one_of(TEXT, ANY),
+        "x": ANY,
+    }
     return st.one_of(st.fixed_dictionaries({}, optional=fields), ANY)
 
 
@@ -173,6 +179,7 @@ def around(*limits: float) -> st.SearchStrategy[Any]:
 
 GOOD = {
     "raw": st.booleans(),
+    "parse_special": st.booleans(),
     "max_tokens": st.one_of(st.none(), st.integers(1, CAP)),
     "temperature": st.floats(0, MAX_TEMPERATURE),
     "top_p": st.floats(0, 1, exclude_min=True),
@@ -183,6 +190,7 @@ EDGE = {
     "prompt": st.one_of(TEXT, ANY),
     "messages": st.one_of(st.lists(st.one_of(message(list(ROLES)), message_edge(list(ROLES))), max_size=3), ANY),
     "raw": ANY,
+    "parse_special": ANY,
     "max_tokens": around(1, CAP),
     "temperature": around(0, MAX_TEMPERATURE),
     "top_p": around(0, 1),
@@ -220,6 +228,9 @@ SWEEP = [
     [{"role": "user", "content": "hi", "tool_calls": [{"id": "1"}]}], [{"role": "developer", "content": "hi"}],
     [{"role": "user", "content": [{"type": "text", "text": "hi"}]}], [{"role": "user", "content": [{"type": "image"}]}],
     [{"role": "user", "content": []}], [{"role": "user", "content": None}], [{"role": "wizard", "content": "hi"}],
+    [{"role": "tool", "content": "hi", "tool_call_id": "call_1"}],
+    [{"role": "tool", "content": "hi", "tool_call_id": 1}],
+    [{"role": "user", "content": "hi", "tool_call_id": "call_1"}], [{"role": "tool", "content": "hi"}],
     [1, 2], [[1]], {"type": "text"}, ["text"], {"include_usage": True}, {"include_usage": 1}, {"x": True}, "none",
 ]  # fmt: skip
 PROMPTED = {"prompt": "hi"}

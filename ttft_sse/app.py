@@ -20,6 +20,7 @@ from ttft_sse.connection import CloseWhenBodyUnread
 from ttft_sse.engine.base import Engine
 from ttft_sse.engine.choice import create_engine
 from ttft_sse.errors import EXCEPTION_HANDLERS
+from ttft_sse.hosts import HostCheck, parse_hosts
 from ttft_sse.log import RequestContext
 from ttft_sse.runtime import Runtime, lifespan
 from ttft_sse.settings import Settings
@@ -56,7 +57,11 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
             Route("/metrics", metrics, methods=["GET"]),
             Route("/openapi.json", openapi_json, methods=["GET"]),
         ],
-        middleware=[Middleware(RequestContext), Middleware(CloseWhenBodyUnread)],
+        middleware=[
+            Middleware(RequestContext),
+            Middleware(CloseWhenBodyUnread),
+            Middleware(HostCheck, allowed=parse_hosts(settings.allowed_hosts or "*")),
+        ],
         exception_handlers=EXCEPTION_HANDLERS,
         lifespan=lifespan,
     )

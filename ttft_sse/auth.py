@@ -97,6 +97,18 @@ class Keyring:
     def enabled(self) -> bool:
         return bool(self._by_digest)
 
+    @property
+    def key_ids(self) -> tuple[str, ...]:
+        return tuple(caller.key_id for caller in self._by_digest.values() if caller.key_id is not None)
+
+    def secret(self, key_id: str) -> bytes:
+        """The digest of the key ``key_id`` names: a secret only its holder and this server know (grants.py signs
+        with it). ``KeyError`` for a key id this keyring does not hold."""
+        for digest, caller in self._by_digest.items():
+            if caller.key_id == key_id:
+                return digest
+        raise KeyError(key_id)
+
     def identify(self, presented: str | None) -> Caller:
         """The caller for a presented key (None: none was sent). Raises ``Unauthorized`` when keys are on."""
         if not self.enabled:

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import structlog
@@ -64,6 +64,14 @@ def quoted(value: object, limit: int = 60) -> str:
     except (TypeError, ValueError):
         text = repr(value)
     return printable(text, limit)
+
+
+def listed(names: Sequence[str], *, shown: int = 5, each: int = 40) -> str:
+    """Names a client sent (fields, parameters), for a message or a log line: the first ``shown``, each cut to
+    ``each`` characters, then "and N more". However many and however long, the result is bounded."""
+    text = ", ".join(printable(name, each) for name in names[:shown])
+    more = len(names) - shown
+    return f"{text} and {more} more" if more > 0 else text
 
 
 class ServiceError(Exception):
@@ -221,7 +229,8 @@ async def _service_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ServiceError)
     _count_refusal(request, exc)
     if isinstance(exc, ClientGone):
-        log.info("client_gone", error=exc.message, method=request.method, path=request.url.path)
+        # Only routes that read a body meet this, and none of their paths holds a stream's id.
+        log.info("client_gone", error=exc.message, method=request.method, path=printable(request.url.path, 200))
     elif not isinstance(exc, ClientError | Unavailable):
         log.error("request_failed", error=exc.message, error_type=type(exc).__name__)
     return error_response(exc)

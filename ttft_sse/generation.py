@@ -112,7 +112,13 @@ class Generations:
             raise NotReady(lifecycle.not_ready_reason(), retry_after=5)
         engine = self._engine
         prompt = await anyio.to_thread.run_sync(
-            partial(engine.prepare, prompt=request.prompt, messages=request.messages, raw=request.raw)
+            partial(
+                engine.prepare,
+                prompt=request.prompt,
+                messages=request.messages,
+                raw=request.raw,
+                parse_special=request.raw and request.parse_special,
+            )
         )
         cap = self._max_prompt_tokens
         if cap and prompt.n_tokens > cap:

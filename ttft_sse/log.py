@@ -1,8 +1,14 @@
-"""structlog set-up, and the middleware that gives every request an id, an arrival time and an access log line."""
+"""structlog set-up, and the middleware that gives every request an id, an arrival time and an access log line.
+
+Every log line is bounded, whatever a client sends: what it names (fields, parameters) is listed the way error
+messages list them (``errors.listed``: a few, each cut, "and N more"), and a path is cut to ``MAX_LOGGED_PATH``
+characters with a resumable stream's id, which is a credential, replaced by its digest (``grants.digest``).
+"""
 
 from __future__ import annotations
 
 import logging
+import re
 import sys
 import time
 import uuid
@@ -11,12 +17,23 @@ import structlog
 from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from ttft_sse.errors import printable
+from ttft_sse.grants import digest
+
 REQUEST_ID_HEADER = "x-request-id"
 # Probes: orchestrators poll the health endpoints and Prometheus scrapes /metrics every few seconds, whatever their
 # answer. Their access lines are debug, so that info holds what someone asked for: each generation's line, each
 # refused request's access line, and each other request's. A probe that fails on an error still leaves the
 # handler's error line (errors.py).
 PROBE_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
+MAX_LOGGED_PATH = 200
+_STREAM_PATH = re.compile(r"/streams/([^/]+)")
+
+
+def logged_path(path: str) -> str:
+    """``path`` as a log line shows it: a stream's id as its digest, at most ``MAX_LOGGED_PATH`` characters."""
+    path = _STREAM_PATH.sub(lambda match: f"/streams/{digest(match.group(1))}", path)
+    return printable(path, MAX_LOGGED_PATH)
 
 
 def configure(*, level: str = "info", fmt: str = "json") -> None:
@@ -99,8 +116,9 @@ class RequestContext:
         finally:
             (self.log.debug if probe else self.log.info)(
                 "request",
-                method=scope.get("method", "GET"),  # a WebSocket's scope has none: its handshake is a GET
-                path=scope["path"],
+                # A WebSocket's scope has no method: its handshake is a GET.
+                method=printable(scope.get("method", "GET"), 20),
+                path=logged_path(scope["path"]),
                 status=status,
                 duration_ms=round((time.perf_counter() - arrival) * 1000, 1),
             )

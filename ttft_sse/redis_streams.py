@@ -6,7 +6,8 @@ from Redis: ``XREAD`` from the reader's resume point, blocking for what comes ne
 balancer sends elsewhere gets exactly what it missed and then the live rest. The rules are those of
 :mod:`ttft_sse.streams` (ids, grace, bounded buffers, one reader at a time); what differs is who enforces them::
 
-    ttft:stream:{<id>}          hash    owner, state (live | ended | gone), last (newest item's number), position
+    ttft:stream:{<id>}          hash    owner (replica), key (the creator's key id, "" without keys), state (live |
+                                        ended | gone), last (newest item's number), position
                                         (in the owner's admission queue), why (once gone); a tombstone for
                                         TOMBSTONE_SECONDS after the stream has gone, so a late reconnect hears 410
     ttft:stream:{<id>}:events   stream  item n at entry id 0-(n+1); exactly MAXLEN buffer_events entries kept
@@ -50,10 +51,11 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from ttft_sse.engine.base import Finished, Piece, Usage
-from ttft_sse.errors import Cancelled, Gone, NotFound, Overloaded, ServiceError, Unavailable, redis_unavailable
+from ttft_sse.errors import Cancelled, Gone, Overloaded, ServiceError, Unavailable, redis_unavailable
 from ttft_sse.generation import Queued
+from ttft_sse.grants import digest
 from ttft_sse.settings import Settings
-from ttft_sse.streams import Entry, Item, Position, dropped, resume_point
+from ttft_sse.streams import Entry, Item, Position, dropped, resume_point, unknown
 
 if TYPE_CHECKING:
     from ttft_sse.generation import Run
@@ -175,10 +177,6 @@ def decode(kind: str, data: str) -> Item:
     return ServiceError.from_dict(body)
 
 
-def _unknown(stream_id: str) -> NotFound:
-    return NotFound(f"no stream {stream_id!r}; create one with POST /streams", code="stream_not_found")
-
-
 class RedisStreams:
     """The stream store of a server with ``TTFT_REDIS_URL``: streams in Redis, readable on every replica."""
 
@@ -234,7 +232,13 @@ class RedisStreams:
                 async with self._redis.pipeline(transaction=True) as pipe:
                     pipe.hset(
                         keys.meta,
-                        mapping={"owner": self.owner, "state": "live", "last": -1, "position": 0},
+                        mapping={
+                            "owner": self.owner,
+                            "key": run.caller.key_id or "",
+                            "state": "live",
+                            "last": -1,
+                            "position": 0,
+                        },
                     )
                     pipe.expire(keys.meta, self._meta_ttl)
                     pipe.set(keys.alive, "1", px=round(self.grace * 1000))
@@ -242,30 +246,30 @@ class RedisStreams:
         except BaseException:
             run.close()
             raise
-        task = asyncio.create_task(self._pump(stream_id, run), name=f"ttft-stream-{stream_id}")
+        task = asyncio.create_task(self._pump(stream_id, run), name=f"ttft-stream-{digest(stream_id)}")
         self._running[stream_id] = task
         task.add_done_callback(lambda _: self._running.pop(stream_id, None))
         if self._beat is None:
             self._beat = asyncio.create_task(self._beat_loop(), name="ttft-stream-heartbeat")
-        log.info("stream_created", stream_id=stream_id, prompt_tokens=run.prompt.n_tokens, owner=self.owner)
+        log.info("stream_created", stream=digest(stream_id), prompt_tokens=run.prompt.n_tokens, owner=self.owner)
         return stream_id
 
-    async def locate(self, stream_id: str, last_event_id: str | None) -> Position:
+    async def locate(self, stream_id: str, last_event_id: str | None, owner: str | None) -> Position:
         if not STREAM_ID.fullmatch(stream_id):
-            raise _unknown(stream_id)
+            raise unknown(stream_id)
         keys = Keys(stream_id)
         with redis_unavailable("the stream store"):
             async with self._redis.pipeline(transaction=False) as pipe:
-                pipe.hmget(keys.meta, ["state", "last", "why"])
+                pipe.hmget(keys.meta, ["state", "last", "why", "key"])
                 pipe.exists(keys.alive, keys.reader)
                 pipe.xrange(keys.events, "-", "+", count=1)
-                (state, last_text, why), alive, oldest = await pipe.execute()
-            if state is None:
-                raise _unknown(stream_id)
+                (state, last_text, why, key), alive, oldest = await pipe.execute()
+            if state is None or (key or None) != owner:
+                raise unknown(stream_id)
             if state != "gone" and not alive:
                 state, why = await self._expire_now(stream_id)
         if state == "missing":
-            raise _unknown(stream_id)
+            raise unknown(stream_id)
         if state == "gone":
             raise Gone(f"stream {stream_id} is gone: {why}", code="stream_expired")
         last = int(last_text)
@@ -288,7 +292,7 @@ class RedisStreams:
                 pipe.pexpire(keys.alive, grace_ms)
                 pipe.hget(keys.meta, "owner")
                 replaced, _, owner = await pipe.execute()
-        log.info("stream_attached", stream_id=stream_id, start=cursor, replaced=replaced is not None)
+        log.info("stream_attached", stream=digest(stream_id), start=cursor, replaced=replaced is not None)
         told, sent = 0, 0
         got = True  # the last read brought entries (none made yet counts as "go on reading")
         try:
@@ -304,7 +308,7 @@ class RedisStreams:
                     if reader is None:  # this reader's key lapsed (a slow client held the loop): take it back
                         await self._redis.set(keys.reader, token, px=lease_ms, nx=True)
                     elif reader != token:
-                        log.info("stream_replaced", stream_id=stream_id, sent=sent)
+                        log.info("stream_replaced", stream=digest(stream_id), sent=sent)
                         return
                     else:
                         await self._redis.pexpire(keys.reader, lease_ms)
@@ -336,24 +340,27 @@ class RedisStreams:
                 # The grace runs from now; the lapse of the reader key would start it within a lease anyway.
                 await self._detach(keys=[keys.reader], args=[token])
                 await self._redis.pexpire(keys.alive, grace_ms)
-            log.info("stream_detached", stream_id=stream_id, sent=sent)
+            log.info("stream_detached", stream=digest(stream_id), sent=sent)
 
-    async def delete(self, stream_id: str) -> None:
+    async def delete(self, stream_id: str, owner: str | None) -> None:
         """Append the final ``cancelled`` event and mark the stream gone; its owner stops at its next append or
-        heartbeat."""
+        heartbeat. Only ``owner``'s streams (the creator's key id is never changed, so checking it first is enough)."""
         if not STREAM_ID.fullmatch(stream_id):
-            raise _unknown(stream_id)
+            raise unknown(stream_id)
         final = Cancelled(f"stream {stream_id} was deleted; its generation was cancelled", code="cancelled")
         with redis_unavailable("the stream store"):
+            key = await self._redis.hget(Keys(stream_id).meta, "key")
+            if key is None or (key or None) != owner:
+                raise unknown(stream_id)
             was, why = await self._end_stream(stream_id, final, state="gone", why="it was deleted")
         if was == "missing":
-            raise _unknown(stream_id)
+            raise unknown(stream_id)
         if was == "gone":
             raise Gone(f"stream {stream_id} is gone: {why}", code="stream_expired")
         task = self._running.get(stream_id)
         if task is not None:
             task.cancel()  # this replica owns it: stop now rather than at the next append
-        log.info("stream_deleted", stream_id=stream_id, was_running=was == "live")
+        log.info("stream_deleted", stream=digest(stream_id), was_running=was == "live")
 
     async def close(self) -> None:
         """Stop being an owner: let stream tasks write what their drained generations made, cancel the rest, and
@@ -375,7 +382,7 @@ class RedisStreams:
     # -- the owner's side ------------------------------------------------------------------------------------------
 
     async def _pump(self, stream_id: str, run: Run) -> None:
-        structlog.contextvars.bind_contextvars(stream_id=stream_id)  # this task's context only
+        structlog.contextvars.bind_contextvars(stream=digest(stream_id))  # this task's context only
         keys = Keys(stream_id)
         seq = 0
 
@@ -454,7 +461,7 @@ class RedisStreams:
             args=[ended, live, TOMBSTONE_SECONDS, GONE_EVENTS_SECONDS],
         )
         if outcome == "expired":
-            log.info("stream_expired", stream_id=stream_id, ended=before == "ended")
+            log.info("stream_expired", stream=digest(stream_id), ended=before == "ended")
         if outcome in ("expired", "gone"):
             return "gone", why
         return before, ""
@@ -475,7 +482,7 @@ class RedisStreams:
         with redis_unavailable("the stream store"):
             was, _ = await self._end_stream(stream_id, final, state="ended", why="")
         if was == "live":
-            log.warning("stream_owner_lost", stream_id=stream_id, owner=owner)
+            log.warning("stream_owner_lost", stream=digest(stream_id), owner=owner)
 
 
 def _seq(entry_id: str) -> int:

@@ -15,15 +15,14 @@ from starlette.datastructures import QueryParams
 
 from ttft_sse import json_input
 from ttft_sse.engine.base import ROLES, ChatMessage, Role, SamplingParams
-from ttft_sse.errors import InvalidRequest, PromptTooLong, quoted
+from ttft_sse.errors import InvalidRequest, PromptTooLong, listed, quoted
 
 MAX_STOP_SEQUENCES = 4
-FIELDS = ("prompt", "messages", "raw", "max_tokens", "temperature", "top_p", "stop", "seed")
+FIELDS = ("prompt", "messages", "raw", "parse_special", "max_tokens", "temperature", "top_p", "stop", "seed")
 MAX_TEMPERATURE = 2.0  # temperature: 0 to this, both included
 # top_p: more than 0, at most 1
 SEED_LIMIT = 2**63  # seed: 0 up to this, not included (torch's generator takes a signed 64-bit seed)
-MESSAGE_FIELDS = ("role", "content", "name")  # name is accepted and not used
-_SHOWN_NAMES = 5  # unknown field names quoted in an error, at most
+MESSAGE_FIELDS = ("role", "content", "name", "tool_call_id")  # name is accepted and not used
 
 
 @dataclass(frozen=True)
@@ -31,6 +30,9 @@ class GenerationRequest:
     prompt: str | None
     messages: tuple[ChatMessage, ...] | None
     raw: bool = False
+    # With raw: special-token strings in the prompt are the model's special tokens (True) or text (False). Messages
+    # and templated prompts are always text (engine/prompts.py).
+    parse_special: bool = True
     max_tokens: int | None = None
     temperature: float = 0.0
     top_p: float = 1.0
@@ -40,11 +42,11 @@ class GenerationRequest:
     @classmethod
     def from_json(cls, body: Any, *, max_tokens_cap: int) -> GenerationRequest:
         if not isinstance(body, dict):
-            raise InvalidRequest(f"the request body must be a JSON object, not {_json_type(body)}")
+            raise InvalidRequest(f"the request body must be a JSON object, not {json_type(body)}")
         unknown = sorted(set(body) - set(FIELDS))
         if unknown:
             raise InvalidRequest(
-                f"unknown field(s): {_names(unknown)}; accepted: {', '.join(FIELDS)}", param=unknown[0]
+                f"unknown field(s): {listed(unknown)}; accepted: {', '.join(FIELDS)}", param=unknown[0]
             )
         return cls._build(body, max_tokens_cap)
 
@@ -54,7 +56,7 @@ class GenerationRequest:
         unknown = sorted(set(query.keys()) - set(FIELDS))
         if unknown:
             raise InvalidRequest(
-                f"unknown query parameter(s): {_names(unknown)}; accepted: {', '.join(FIELDS)}", param=unknown[0]
+                f"unknown query parameter(s): {listed(unknown)}; accepted: {', '.join(FIELDS)}", param=unknown[0]
             )
         values: dict[str, Any] = {}
         for key in query:
@@ -76,7 +78,7 @@ class GenerationRequest:
                 values[key] = _parse_number(key, text, int)
             elif key in ("temperature", "top_p"):
                 values[key] = _parse_number(key, text, float)
-            elif key == "raw":
+            elif key in ("raw", "parse_special"):
                 values[key] = _parse_bool(key, text)
             else:
                 values[key] = text
@@ -92,16 +94,26 @@ class GenerationRequest:
             raise InvalidRequest("prompt or messages is required", param="prompt")
         if prompt is not None:
             if not isinstance(prompt, str):
-                raise InvalidRequest(f"prompt must be a string, not {_json_type(prompt)}", param="prompt")
+                raise InvalidRequest(f"prompt must be a string, not {json_type(prompt)}", param="prompt")
             if not prompt.strip():
                 raise InvalidRequest("prompt is empty", param="prompt")
         parsed_messages = _messages(messages) if messages is not None else None
         raw = body.get("raw", False)
         if not isinstance(raw, bool):
-            raise InvalidRequest(f"raw must be true or false, not {_json_type(raw)}", param="raw")
+            raise InvalidRequest(f"raw must be true or false, not {json_type(raw)}", param="raw")
         if raw and parsed_messages is not None:
             raise InvalidRequest(
                 "raw applies to prompt only; messages always go through the chat template", param="raw"
+            )
+        parse_special = body.get("parse_special", True)
+        if not isinstance(parse_special, bool):
+            raise InvalidRequest(
+                f"parse_special must be true or false, not {json_type(parse_special)}", param="parse_special"
+            )
+        if "parse_special" in body and parse_special and not raw:
+            raise InvalidRequest(
+                "parse_special applies to raw prompts only; messages and templated prompts are always read as text",
+                param="parse_special",
             )
         max_tokens = body.get("max_tokens")
         if max_tokens is not None:
@@ -125,6 +137,7 @@ class GenerationRequest:
             prompt=prompt,
             messages=parsed_messages,
             raw=raw,
+            parse_special=parse_special,
             max_tokens=max_tokens,
             temperature=temperature,
             top_p=top_p,
@@ -150,9 +163,18 @@ class GenerationRequest:
                 {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
                 {"required": ["messages"], "properties": {"messages": {"type": "array"}}},
             ],
-            # raw applies to prompt only
-            "if": {"required": ["raw"], "properties": {"raw": {"const": True}}},
-            "then": {"properties": {"messages": {"type": "null"}}},
+            "allOf": [
+                # raw applies to prompt only
+                {
+                    "if": {"required": ["raw"], "properties": {"raw": {"const": True}}},
+                    "then": {"properties": {"messages": {"type": "null"}}},
+                },
+                # parse_special (true) applies to raw prompts only
+                {
+                    "if": {"required": ["parse_special"], "properties": {"parse_special": {"const": True}}},
+                    "then": {"required": ["raw"], "properties": {"raw": {"const": True}}},
+                },
+            ],
         }
 
     def as_body(self) -> dict[str, Any]:
@@ -163,10 +185,12 @@ class GenerationRequest:
             "top_p": self.top_p,
             "stop": list(self.stop),
         }
+        if not self.parse_special:
+            body["parse_special"] = False
         if self.prompt is not None:
             body["prompt"] = self.prompt
         if self.messages is not None:
-            body["messages"] = [{"role": m.role, "content": m.content} for m in self.messages]
+            body["messages"] = [_message_body(m) for m in self.messages]
         if self.max_tokens is not None:
             body["max_tokens"] = self.max_tokens
         if self.seed is not None:
@@ -196,6 +220,13 @@ class GenerationRequest:
         )
 
 
+def _message_body(message: ChatMessage) -> dict[str, str]:
+    body = {"role": message.role, "content": message.content}
+    if message.tool_call_id is not None:
+        body["tool_call_id"] = message.tool_call_id
+    return body
+
+
 NOT_BLANK = r"\S"  # a pattern: some character other than whitespace (str.strip's whitespace)
 
 
@@ -207,9 +238,13 @@ def message_schema() -> dict[str, Any]:
             "role": {"enum": list(ROLES)},
             "content": {"type": "string"},
             "name": {"description": "accepted and not used"},
+            "tool_call_id": {"type": "string", "description": "a tool message's: the tool call it answers"},
         },
         "required": ["role", "content"],
         "additionalProperties": False,
+        # tool_call_id belongs to tool messages
+        "if": {"properties": {"role": {"const": "tool"}}},
+        "else": {"not": {"required": ["tool_call_id"]}},
     }
 
 
@@ -230,6 +265,12 @@ def field_schemas(*, max_tokens_cap: int) -> dict[str, dict[str, Any]]:
             "description": "A conversation, through the model's chat template; at least one message not empty.",
         },
         "raw": {"type": "boolean", "default": False, "description": "prompt as is, without the chat template"},
+        "parse_special": {
+            "type": "boolean",
+            "default": True,
+            "description": "with raw: special-token strings in the prompt are read as the model's special tokens "
+            "(true) or as text (false); messages and templated prompts are always text",
+        },
         "max_tokens": {
             "type": ["integer", "null"],
             "minimum": 1,
@@ -248,7 +289,7 @@ def field_schemas(*, max_tokens_cap: int) -> dict[str, dict[str, Any]]:
 
 def _messages(value: Any) -> tuple[ChatMessage, ...]:
     if not isinstance(value, list):
-        raise InvalidRequest(f"messages must be a list, not {_json_type(value)}", param="messages")
+        raise InvalidRequest(f"messages must be a list, not {json_type(value)}", param="messages")
     if not value:
         raise InvalidRequest("messages is empty", param="messages")
     out = []
@@ -265,8 +306,19 @@ def _messages(value: Any) -> tuple[ChatMessage, ...]:
             raise InvalidRequest(f"{where}.content must be a string", param=f"{where}.content")
         extra = sorted(set(item) - set(MESSAGE_FIELDS))
         if extra:
-            raise InvalidRequest(f"{where} has unknown field(s): {_names(extra)}", param=f"{where}.{extra[0]}")
-        out.append(ChatMessage(role=cast(Role, role), content=content))
+            raise InvalidRequest(f"{where} has unknown field(s): {listed(extra)}", param=f"{where}.{extra[0]}")
+        tool_call_id = item.get("tool_call_id")
+        if "tool_call_id" in item:
+            if role != "tool":
+                raise InvalidRequest(
+                    f"{where}.tool_call_id belongs to a tool message, not a {role} one", param=f"{where}.tool_call_id"
+                )
+            if not isinstance(tool_call_id, str):
+                raise InvalidRequest(
+                    f"{where}.tool_call_id must be a string, not {json_type(tool_call_id)}",
+                    param=f"{where}.tool_call_id",
+                )
+        out.append(ChatMessage(role=cast(Role, role), content=content, tool_call_id=tool_call_id))
     if not any(m.content.strip() for m in out):
         raise InvalidRequest("every message is empty", param="messages")
     return tuple(out)
@@ -288,7 +340,7 @@ def _stops(value: Any) -> tuple[str, ...]:
 def _integer(name: str, value: Any) -> int:
     """An integer (an integral float such as ``5.0`` too, as JSON does not tell them apart); never inf or NaN."""
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise InvalidRequest(f"{name} must be an integer, not {_json_type(value)}", param=name)
+        raise InvalidRequest(f"{name} must be an integer, not {json_type(value)}", param=name)
     if isinstance(value, float) and not (math.isfinite(value) and value.is_integer()):
         raise InvalidRequest(f"{name} must be an integer, not {value!r}", param=name)
     return int(value)
@@ -296,7 +348,7 @@ def _integer(name: str, value: Any) -> int:
 
 def _number(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise InvalidRequest(f"{name} must be a number, not {_json_type(value)}", param=name)
+        raise InvalidRequest(f"{name} must be a number, not {json_type(value)}", param=name)
     try:
         number = float(value)
     except OverflowError:  # an int past a double
@@ -317,13 +369,6 @@ def _parse_number(name: str, text: str, kind: type[int] | type[float]) -> int | 
     return value
 
 
-def _names(names: list[str]) -> str:
-    """Field names for an error message: the first few, each cut short."""
-    shown = ", ".join(n if len(n) <= 40 else f"{n[:39]}…" for n in names[:_SHOWN_NAMES])
-    more = len(names) - _SHOWN_NAMES
-    return f"{shown} and {more} more" if more > 0 else shown
-
-
 def _parse_bool(name: str, text: str) -> bool:
     lowered = text.lower()
     if lowered in ("1", "true", "yes"):
@@ -333,7 +378,7 @@ def _parse_bool(name: str, text: str) -> bool:
     raise InvalidRequest(f"{name} must be true or false, got {text!r}", param=name)
 
 
-def _json_type(value: Any) -> str:
+def json_type(value: Any) -> str:
     if value is None:
         return "null"
     if isinstance(value, bool):

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, get_type_hints
 
 from ttft_sse.gate import Lane
+from ttft_sse.hosts import default_allowed_hosts, parse_hosts
 from ttft_sse.targets import parse_targets
 
 ENV_PREFIX = "TTFT_"
@@ -157,6 +158,9 @@ class Settings:
     # On CUDA, hand the caching allocator's unused blocks back to the driver after every Nth generation
     # (0 = never), so that one long prompt's peak does not stay reserved for good.
     cuda_empty_cache_every: int = 1000
+    # The names this server answers to (Host header), `name,*.domain,[::1]` or `*` (ttft_sse/hosts.py). None: any;
+    # from_env (what `ttft-sse serve` reads) fills it from host: the loopback names on a loopback address, else `*`.
+    allowed_hosts: str | None = None
     # `key[:lane],…` or `@file`; see ttft_sse/auth.py. Out of repr so that a logged Settings shows no key.
     api_keys: str | None = field(default=None, repr=False)
     # First-token targets per lane, `high:200,normal:1000,low:5000` (ms; see ttft_sse/targets.py). Unset: none.
@@ -262,6 +266,11 @@ class Settings:
                 f"high_extra_slots must be -1 (auto) or 0 to {self.max_concurrency} (max_concurrency), "
                 f"got {self.high_extra_slots}"
             )
+        if self.allowed_hosts is not None:
+            try:
+                parse_hosts(self.allowed_hosts)
+            except ValueError as exc:
+                raise SettingsError(str(exc)) from None
         if self.api_keys:
             from ttft_sse.auth import parse_keys
 
@@ -326,6 +335,8 @@ class Settings:
         if unknown:
             raise SettingsError(f"unknown setting(s) {', '.join(unknown)}; see docs/settings.md")
         values.update({k: v for k, v in overrides.items() if v is not None})
+        if values.get("allowed_hosts") is None:  # where it listens is known here: the default follows it
+            values["allowed_hosts"] = default_allowed_hosts(values.get("host", cls.host))
         return cls(**values)
 
     def replace(self, **changes: Any) -> Settings:

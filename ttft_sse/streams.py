@@ -18,6 +18,11 @@ so), and at most ``max_streams`` streams exist at once (finished ones nobody rea
 Event ids are ``<stream id>.<n>``: an id names its stream, so one from another stream is refused instead of
 being misread as a position in this one.
 
+A stream belongs to the key that created it (its ``owner``, a key id; None on a server without keys): asked for by
+another, it is not there (the 404 of an unknown id, and of an expired one too: nothing tells another key that it
+existed). Who the asker is, is the HTTP layer's to say (``ttft_sse/grants.py``). An id is a credential, so logs
+carry its digest (``grants.digest``), never the id.
+
 Where the streams live is one small interface, :class:`StreamStore`: this module's :class:`Streams` keeps them in
 this process (the default), ``ttft_sse.redis_streams.RedisStreams`` keeps them in Redis, where every replica that
 shares the Redis URL reads and deletes them. ``runtime.py`` picks one, as it picks the job store. Both keep the
@@ -41,6 +46,7 @@ import structlog
 from ttft_sse.engine.base import Finished, Piece
 from ttft_sse.errors import Cancelled, Gone, InvalidRequest, NotFound, Overloaded, ServiceError
 from ttft_sse.generation import Queued
+from ttft_sse.grants import digest
 
 if TYPE_CHECKING:
     from ttft_sse.generation import Run
@@ -75,9 +81,10 @@ class StreamStore(Protocol):
     """Where resumable streams live: in this process (:class:`Streams`) or in Redis (``RedisStreams``).
 
     ``reserve`` / ``unreserve`` bracket the admission of a stream's generation; ``start`` runs it and returns the
-    new stream's id; ``locate`` checks a reader's ``Last-Event-ID`` (404, 410 or 400 before any response starts);
-    ``follow`` yields from there to the final item; ``delete`` cancels the generation wherever it runs; ``close``
-    ends this process's part at shutdown.
+    new stream's id (owned by the run's caller's key); ``locate`` checks that the stream is ``owner``'s and a reader's
+    ``Last-Event-ID`` (404, 410 or 400 before any response starts); ``follow`` yields from there to the final item;
+    ``delete`` cancels the generation wherever it runs (``owner``'s streams only); ``close`` ends this process's part
+    at shutdown.
     """
 
     def reserve(self) -> None: ...
@@ -86,17 +93,22 @@ class StreamStore(Protocol):
 
     async def start(self, run: Run) -> str: ...
 
-    async def locate(self, stream_id: str, last_event_id: str | None) -> Position: ...
+    async def locate(self, stream_id: str, last_event_id: str | None, owner: str | None) -> Position: ...
 
     def follow(self, position: Position) -> AsyncGenerator[Entry | Queued, None]: ...
 
-    async def delete(self, stream_id: str) -> None: ...
+    async def delete(self, stream_id: str, owner: str | None) -> None: ...
 
     async def close(self) -> None: ...
 
 
 def event_id(stream_id: str, seq: int) -> str:
     return f"{stream_id}.{seq}"
+
+
+def unknown(stream_id: str) -> NotFound:
+    """What an id that names no stream of the asker's gets: unknown, or another key's."""
+    return NotFound(f"no stream {stream_id!r}; create one with POST /streams", code="stream_not_found")
 
 
 def resume_point(stream_id: str, last_event_id: str | None, *, last: int, first: int, kept: int) -> int:
@@ -146,8 +158,9 @@ def dropped(stream_id: str, start: int, *, first: int, kept: int) -> Gone:
 class Stream:
     """One generation and its buffer. Made by :meth:`Streams.start`; read with :meth:`resume_point` + :meth:`follow`."""
 
-    def __init__(self, registry: Streams, stream_id: str, *, buffer_events: int) -> None:
+    def __init__(self, registry: Streams, stream_id: str, *, buffer_events: int, owner: str | None = None) -> None:
         self.id = stream_id
+        self.owner = owner  # the key id of the key that created it; None without keys
         self._registry = registry
         self.kept = buffer_events
         self._entries: deque[Entry] = deque(maxlen=buffer_events)
@@ -262,7 +275,7 @@ class Streams:
         self.max_streams = max_streams
         self.buffer_events = buffer_events
         self._live: dict[str, Stream] = {}
-        self._gone: OrderedDict[str, str] = OrderedDict()  # id → why it is gone
+        self._gone: OrderedDict[str, tuple[str, str | None]] = OrderedDict()  # id → why it is gone, its owner
         self._tasks: set[asyncio.Task[None]] = set()
         self._reserved = 0  # places held for streams whose generation is being admitted
 
@@ -297,46 +310,52 @@ class Streams:
     def open(self, run: Run) -> Stream:
         """:meth:`start`, returning the stream itself."""
         self._reserved -= 1
-        stream = Stream(self, secrets.token_urlsafe(12), buffer_events=self.buffer_events)
+        stream = Stream(self, secrets.token_urlsafe(12), buffer_events=self.buffer_events, owner=run.caller.key_id)
         self._live[stream.id] = stream
-        task = asyncio.create_task(self._pump(stream, run), name=f"ttft-stream-{stream.id}")
+        task = asyncio.create_task(self._pump(stream, run), name=f"ttft-stream-{digest(stream.id)}")
         stream.task = task
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         self._arm(stream)  # nobody reads it yet: a client that never attaches does not keep it alive
-        log.info("stream_created", stream_id=stream.id, prompt_tokens=run.prompt.n_tokens)
+        log.info("stream_created", stream=digest(stream.id), prompt_tokens=run.prompt.n_tokens)
         return stream
 
-    def get(self, stream_id: str) -> Stream:
+    def get(self, stream_id: str, owner: str | None = None) -> Stream:
+        """The live stream ``stream_id`` of ``owner`` (a key id; None without keys); ``Gone`` once it has gone,
+        ``NotFound`` for an unknown id or another key's stream."""
         stream = self._live.get(stream_id)
-        if stream is not None:
+        if stream is not None and stream.owner == owner:
             return stream
-        why = self._gone.get(stream_id)
-        if why is not None:
-            raise Gone(f"stream {stream_id} is gone: {why}", code="stream_expired")
-        raise NotFound(f"no stream {stream_id!r}; create one with POST /streams", code="stream_not_found")
+        gone = self._gone.get(stream_id)
+        if stream is None and gone is not None and gone[1] == owner:
+            raise Gone(f"stream {stream_id} is gone: {gone[0]}", code="stream_expired")
+        raise unknown(stream_id)
 
-    async def locate(self, stream_id: str, last_event_id: str | None) -> Position:
-        stream = self.get(stream_id)
+    async def locate(self, stream_id: str, last_event_id: str | None, owner: str | None) -> Position:
+        stream = self.get(stream_id, owner)
         start = stream.resume_point(last_event_id)
         return Position(stream.id, start, finished=stream.ended and start > stream.last)
 
     async def follow(self, position: Position) -> AsyncGenerator[Entry | Queued, None]:
-        # get() again: the stream may have gone since locate(); follow() then says so (Gone).
-        async with aclosing(self.get(position.stream_id).follow(position.start)) as entries:
+        # Again: the stream may have gone since locate(); follow() then says so (Gone).
+        stream = self._live.get(position.stream_id)
+        if stream is None:
+            gone = self._gone.get(position.stream_id, ("it has gone", None))[0]
+            raise Gone(f"stream {position.stream_id} is gone: {gone}", code="stream_expired")
+        async with aclosing(stream.follow(position.start)) as entries:
             async for entry in entries:
                 yield entry
 
-    async def delete(self, stream_id: str) -> None:
-        self.drop(stream_id)
+    async def delete(self, stream_id: str, owner: str | None) -> None:
+        self.drop(stream_id, owner)
 
-    def drop(self, stream_id: str) -> None:
+    def drop(self, stream_id: str, owner: str | None = None) -> None:
         """Stop the stream's generation (if running) and drop it. A reader still attached gets a final error."""
-        stream = self.get(stream_id)
+        stream = self.get(stream_id, owner)
         running = not stream.ended
         stream._publish(Cancelled(f"stream {stream.id} was deleted; its generation was cancelled", code="cancelled"))
         self._remove(stream, "it was deleted")
-        log.info("stream_deleted", stream_id=stream.id, was_running=running)
+        log.info("stream_deleted", stream=digest(stream.id), was_running=running)
 
     async def close(self) -> None:
         """Cancel every stream's generation and wait (bounded) for their tasks: the server is stopping."""
@@ -348,7 +367,7 @@ class Streams:
                 await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _pump(self, stream: Stream, run: Run) -> None:
-        structlog.contextvars.bind_contextvars(stream_id=stream.id)  # this task's context only
+        structlog.contextvars.bind_contextvars(stream=digest(stream.id))  # this task's context only
         try:
             async with aclosing(run.events()) as events:
                 async for item in events:
@@ -377,7 +396,7 @@ class Streams:
             stream._expiry = None
         log.info(
             "stream_attached",
-            stream_id=stream.id,
+            stream=digest(stream.id),
             start=start,
             replay=max(0, stream.last + 1 - start),
             replaced=replaced,
@@ -385,7 +404,7 @@ class Streams:
         )
 
     def _detached(self, stream: Stream, *, sent: int) -> None:
-        log.info("stream_detached", stream_id=stream.id, sent=sent, ended=stream.ended)
+        log.info("stream_detached", stream=digest(stream.id), sent=sent, ended=stream.ended)
         if not stream.closed:
             self._arm(stream)
 
@@ -398,14 +417,14 @@ class Streams:
             why = (
                 f"no client was attached for {self.grace:g} s (TTFT_RESUME_GRACE_SECONDS); its generation was cancelled"
             )
-        log.info("stream_expired", stream_id=stream.id, ended=stream.ended, events=stream.last + 1)
+        log.info("stream_expired", stream=digest(stream.id), ended=stream.ended, events=stream.last + 1)
         self._remove(stream, why)
 
     def _evict(self) -> bool:
         """Make room by dropping the oldest stream that has ended and has no reader; False if there is none."""
         for stream in self._live.values():  # insertion order: oldest first
             if stream.ended and not stream.attached:
-                log.info("stream_evicted", stream_id=stream.id)
+                log.info("stream_evicted", stream=digest(stream.id))
                 self._remove(stream, f"it ended and was evicted to make room (TTFT_MAX_STREAMS={self.max_streams})")
                 return True
         return False
@@ -416,7 +435,7 @@ class Streams:
             stream._expiry.cancel()
             stream._expiry = None
         self._live.pop(stream.id, None)
-        self._gone[stream.id] = why
+        self._gone[stream.id] = (why, stream.owner)
         while len(self._gone) > self.max_streams * TOMBSTONES_PER_STREAM:
             self._gone.popitem(last=False)
         if stream.task is not None and not stream.task.done():

@@ -22,7 +22,7 @@ import socket
 import time
 from collections.abc import Iterator
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import parse_qsl, quote
 
 import httpx
 import pytest
@@ -30,7 +30,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
-from tests.support.servers import Served, fake_app, serving
+from tests.support.servers import ALICE, BOB, TWO_KEYS, Served, fake_app, serving
 from ttft_sse.api.openapi import document
 from ttft_sse.engine.fake import FakeEngine
 from ttft_sse.settings import Settings
@@ -44,6 +44,8 @@ FUZZ = settings(
     suppress_health_check=list(HealthCheck),
 )
 BODY_TIMEOUT_S = 1.0
+# No log line may be longer than this, whatever a client sent (the probe found one of 415,050 characters).
+MAX_LOG_LINE = 4000
 LEAKS = re.compile(rb"Traceback \(most recent call last\)|File \"[^\"]+\", line \d+|site-packages|(?:/[\w.-]+)+\.py\b")
 
 
@@ -76,6 +78,8 @@ def served() -> Iterator[Served]:
             yield server
         errors = [e for e in logs if e["log_level"] in ("error", "critical") or "exc_info" in e]
         assert not errors, errors[:3]
+        long = [repr(e)[:300] for e in logs if len(repr(e)) > MAX_LOG_LINE]
+        assert not long, long[:3]
         assert not faults.records, [r.getMessage() for r in faults.records[:3]]
     finally:
         logging.getLogger().removeHandler(faults)
@@ -212,7 +216,11 @@ BASES = {
     "CompletionRequest": st.builds(lambda prompt: {"prompt": prompt}, WORDS),
     "ChatCompletionRequest": st.builds(lambda text: {"messages": [{"role": "user", "content": text}]}, WORDS),
 }
-UNKNOWN = st.dictionaries(st.one_of(TEXT, st.just("\ud800")), HOSTILE, min_size=1, max_size=2)
+UNKNOWN = st.one_of(
+    st.dictionaries(st.one_of(TEXT, st.just("\ud800")), HOSTILE, min_size=1, max_size=2),
+    # The probe's: thousands of unknown fields with long names (each reported in a log line, which must stay short).
+    st.integers(1, 2000).map(lambda n: {f"{i:05d}" + "u" * 195: i for i in range(n)}),
+)
 
 
 @st.composite
@@ -340,10 +348,15 @@ def test_hostile_query_strings_never_get_a_5xx(client: httpx.Client, query_strin
     with client.stream("GET", url) as response:
         body = b"".join(response.iter_bytes())
     assert_sound(response.status_code, body, query_string.encode())
+    try:
+        parse_qsl(query_string, keep_blank_values=True, encoding="utf-8", errors="strict")
+    except UnicodeDecodeError:  # the probe's: replaced silently, where a JSON body gets 400
+        assert response.status_code in (400, 431), body[:300]
 
 
+REPEATED = "/streams/{}?lastEventId=x.1&lastEventId=x.2"  # the probe's: the last one was taken silently
 PATHS = st.sampled_from(
-    ["/streams/{}", "/result/{}", "/jobs/{}", "/v1/models/{}", "/streams/{}?lastEventId=x.1", "/{}"]
+    ["/streams/{}", "/result/{}", "/jobs/{}", "/v1/models/{}", "/streams/{}?lastEventId=x.1", REPEATED, "/{}"]
 ).flatmap(lambda template: st.tuples(st.just(template), st.one_of(TEXT, st.text(max_size=3000))))
 
 
@@ -356,6 +369,8 @@ def test_hostile_paths_and_methods_never_get_a_5xx(client: httpx.Client, path: t
     with client.stream(method, target, headers={"last-event-id": header}) as response:
         body = b"".join(response.iter_bytes())
     assert_sound(response.status_code, body, target.encode() + value.encode("utf-8", "surrogatepass"))
+    if template == REPEATED and method == "GET" and value and "/" not in value and len(target) < 3000:
+        assert response.status_code == 400, body[:300]
 
 
 def test_the_server_serves_normally_after_the_fuzzing(client: httpx.Client) -> None:
@@ -422,7 +437,23 @@ FRAMES = {
     ),
     "length too long": (JSON_HEAD + b"Content-Length: 100\r\n\r\n" + GOOD, [408]),
     "length too short": (JSON_HEAD + b"Content-Length: 5\r\nConnection: close\r\n\r\n" + GOOD, [400]),
-    "length and chunked": (JSON_HEAD + b"Content-Length: 16\r\nTransfer-Encoding: chunked\r\n\r\n" + GOOD, None),
+    # The probe's: both framings were accepted and the connection kept (RFC 9112 §6.3; request smuggling).
+    "length and chunked": (
+        JSON_HEAD + b"Content-Length: 16\r\nTransfer-Encoding: chunked\r\n\r\n" + chunked(GOOD, [16]),
+        [400],
+    ),
+    "length and chunked, then a request pipelined behind": (
+        JSON_HEAD
+        + b"Content-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n"
+        + chunked(GOOD, [16])
+        + b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n",
+        [400],
+    ),
+    "chunked and length, lower case and in the other order": (
+        b"POST /stream HTTP/1.1\r\nhost: t\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n"
+        b"content-length: 16\r\n\r\n" + chunked(GOOD, [16]) + b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n",
+        [400],
+    ),
     "two lengths": (JSON_HEAD + b"Content-Length: 16\r\nContent-Length: 17\r\n\r\n" + GOOD, [400]),
     "negative length": (JSON_HEAD + b"Content-Length: -1\r\n\r\n" + GOOD, [400]),
     "length not a number": (JSON_HEAD + b"Content-Length: 1e3\r\n\r\n" + GOOD, [400]),
@@ -452,6 +483,8 @@ def test_framing_oddities_get_a_4xx_or_an_answer_never_a_5xx(served: Served, cli
     assert not LEAKS.search(received), received[:500]
     if expected is not None:
         assert codes == expected, received[:500]
+    if "chunked and length" in name or "length and chunked" in name:
+        assert b"ambiguous_framing" in received and b"connection: close" in received.lower(), received[:500]
     assert_still_serving(client)
 
 
@@ -559,3 +592,98 @@ def test_drawn_texts_with_and_without_lone_surrogates_through_the_real_tokenizer
     # What the server reads: JSON joins an escaped high-low pair into one character; what is left alone is lone.
     if any(0xD800 <= ord(c) <= 0xDFFF for c in json.loads(body)["prompt"]):
         assert response.status_code == 400 and response.json()["error"]["code"] == "invalid_unicode", response.text
+
+
+# -- special-token strings in content, through the real tokenizer ---------------------------------------------------
+
+SPECIALS = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<filename>", "<|im_start|>system\n", "<|im", "|>"]
+CONTENT = st.lists(st.one_of(st.sampled_from(SPECIALS), st.text(max_size=6).filter(lambda t: t.isprintable())),
+                   min_size=1, max_size=8).map("".join)  # fmt: skip
+
+
+@settings(
+    max_examples=min(EXAMPLES, 60),
+    derandomize=True,
+    database=None,
+    deadline=None,
+    suppress_health_check=list(HealthCheck),
+)
+@given(st.lists(st.tuples(st.sampled_from(["system", "user", "assistant", "tool"]), CONTENT), min_size=1, max_size=4))
+def test_drawn_contents_holding_special_strings_never_give_a_special_token(hf_app: Any, turns: list[Any]) -> None:
+    """The probe's: a message whose content was "<|im_end|>" closed its turn. The prompt's special tokens are those
+    the template writes for the same conversation with harmless content, whatever the content holds."""
+    from dataclasses import replace
+
+    from ttft_sse.engine.base import ChatMessage
+
+    engine = hf_app.state.runtime.engine
+    tokenizer = engine.tokenizer
+    special = {i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
+    messages = [ChatMessage(role, content) for role, content in turns]
+    if not any(m.content.strip() for m in messages):
+        return
+    prompt = engine.prepare(prompt=None, messages=messages, raw=False)
+    harmless = engine.prepare(prompt=None, messages=[replace(m, content="x") for m in messages], raw=False)
+    assert [i for i in prompt.token_ids if i in special] == [i for i in harmless.token_ids if i in special]
+
+
+# -- a guarded server: a Host allow-list and two API keys -----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def guarded() -> Iterator[Served]:
+    app = fake_app(FakeEngine(), allowed_hosts="localhost,127.0.0.1,[::1]", api_keys=TWO_KEYS, max_streams=10_000)
+    with serving(app) as server:
+        yield server
+
+
+HOSTS = st.one_of(
+    st.sampled_from(["127.0.0.1", "localhost", "[::1]", "LOCALHOST", "evil.example", "127.0.0.1.evil.example"]),
+    st.sampled_from(["10.0.0.1", "[fd00::1]", "", ":", "[", "[::1", "a:b:c", "localhost:99999", "*"]),
+    st.text(st.characters(codec="ascii", exclude_categories=("Cc",)), max_size=40),
+).flatmap(lambda host: st.sampled_from([host, f"{host}:8000"]))
+
+
+@FUZZ
+@given(HOSTS, st.sampled_from(["/healthz", "/readyz", "/stream?prompt=hi", "/", "/v1/models", "/streams/x"]))
+def test_drawn_host_headers_are_answered_only_for_allowed_names(guarded: Served, host: str, path: str) -> None:
+    """The probe's: any Host was answered (DNS rebinding). Only the loopback names, and for the probes addresses."""
+    import ipaddress
+
+    received = exchange(guarded, f"GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode(), wait=5)
+    codes = statuses(received)
+    assert codes and all(code < 500 for code in codes), received[:300]
+    name = host.rsplit(":", 1)[0] if not host.startswith("[") else host.partition("]")[0] + "]"
+    allowed = name.lower() in ("127.0.0.1", "localhost", "[::1]")
+    try:
+        address = bool(ipaddress.ip_address(name.strip("[]")))
+    except ValueError:
+        address = False
+    if not allowed and not (address and path in ("/healthz", "/readyz")):
+        assert codes == [400], (host, received[:300])
+
+
+@FUZZ
+@given(
+    st.sampled_from([{}, {"X-API-Key": BOB}, {"Authorization": f"Bearer {ALICE}"}, {"X-API-Key": "x" * 40}]),
+    st.one_of(st.none(), st.text(max_size=60), st.sampled_from(["1.x", "99999999999.AAAA", "", "."])),
+    st.sampled_from(["GET", "DELETE"]),
+)
+def test_drawn_credentials_never_open_another_keys_stream(
+    guarded: Served, headers: dict[str, str], grant: str | None, method: str
+) -> None:
+    """The probe's: with two keys, either could read and delete the other's streams, and so could a caller with no
+    key. Only the creator's key (or the stream's own grant, drawn never) opens one."""
+    with httpx.Client(base_url=guarded.base, timeout=30) as client:
+        created = client.post("/streams", json={"prompt": "hi"}, headers={"X-API-Key": ALICE})
+        assert created.status_code == 201
+        params = {} if grant is None else {"grant": grant}
+        response = client.request(method, f"/streams/{created.json()['id']}", params=params, headers=headers)
+        client.delete(created.json()["url"])
+    owner = headers.get("Authorization") == f"Bearer {ALICE}"
+    if owner:
+        assert response.status_code in (200, 204), response.text
+    elif headers.get("X-API-Key") == BOB:
+        assert response.status_code == 404, response.text
+    else:
+        assert response.status_code == 401, response.text

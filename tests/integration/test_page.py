@@ -32,6 +32,7 @@ from tests.support.tcpproxy import tcp_proxy
 from ttft_sse.api.page import STATIC
 from ttft_sse.app import create_app
 from ttft_sse.engine.fake import FakeEngine
+from ttft_sse.grants import digest as stream_digest
 from ttft_sse.settings import Settings
 
 if TYPE_CHECKING:
@@ -132,7 +133,7 @@ def test_a_question_streams_in_shows_its_ttft_and_stop_ends_the_generation_on_th
         eventually(lambda: hf_app.state.runtime.gate.running == 0)  # given back as the handler unwinds, just after
     generation = [e for e in logs if e["event"] == "generation"]
     assert [(e["endpoint"], e["outcome"]) for e in generation] == [("streams", "cancelled")]
-    assert [e["stream_id"] for e in logs if e["event"] == "stream_deleted"] == [stream_id]
+    assert [e["stream"] for e in logs if e["event"] == "stream_deleted"] == [stream_digest(stream_id)]
     gone = httpx.get(f"{hf_server}/streams/{stream_id}")
     assert gone.status_code == 410 and gone.json()["error"]["message"].endswith("it was deleted")
     expect(page.locator("#send")).to_be_enabled()
@@ -334,8 +335,8 @@ def test_an_answer_streaming_when_the_page_reloads_resumes_from_its_stream(page:
         assert latest(page).locator(".ttft").text_content() == ttft  # the same answer, resumed, not a new one
         assert latest(page).locator(".rate").text_content().startswith("12 tokens · ")  # type: ignore[union-attr]
     # The reloaded page resumed from <id>.4 (it had the first five tokens), and leaving the page stopped nothing.
-    attached = [(e["stream_id"], e["start"]) for e in logs if e["event"] == "stream_attached"]
-    assert attached == [(stream_id, 0), (stream_id, 5)]
+    attached = [(e["stream"], e["start"]) for e in logs if e["event"] == "stream_attached"]
+    assert attached == [(stream_digest(stream_id), 0), (stream_digest(stream_id), 5)]
     assert not [e for e in logs if e["event"] == "stream_deleted"]
     assert engine.generated == [12]
     assert [e["outcome"] for e in logs if e["event"] == "generation"] == ["ok"]
@@ -466,7 +467,7 @@ def test_with_api_keys_on_the_page_asks_for_a_key_and_sends_it(page: Page) -> No
         assert page.locator(".turn.user.refused").count() == 2
     assert sent.value.headers["authorization"] == "Bearer sekrit-key-1"
     # The refused questions left the conversation; the stream itself was read without a key (EventSource sends
-    # none): its unguessable url is the credential.
+    # none): its url carries the stream's grant.
     assert sent.value.post_data_json == {"messages": [{"role": "user", "content": "Third?"}]}
     assert engine.generated == [2]
 

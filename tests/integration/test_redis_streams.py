@@ -18,7 +18,17 @@ import redis
 from tests.integration.test_page import LATEST, ask, expect_state, latest, shown
 from tests.support.browser import chromium
 from tests.support.nginx import nginx
-from tests.support.servers import SSEEvent, StreamReader, eventually, fake_app, free_port, parse_sse, running
+from tests.support.servers import (
+    TWO_KEYS,
+    SSEEvent,
+    StreamReader,
+    check_streams_belong_to_their_key,
+    eventually,
+    fake_app,
+    free_port,
+    parse_sse,
+    running,
+)
 from tests.support.tcpproxy import tcp_proxy
 from ttft_sse.engine.base import Piece
 from ttft_sse.engine.fake import FakeEngine
@@ -131,6 +141,12 @@ def test_unknown_and_malformed_ids_are_refused_alike_on_every_server(pair: Pair)
             "malformed": (400, "invalid_event_id"),
         }, base
         assert f"has sent events up to {done[-1].id}" in cases["never-sent"].json()["error"]["message"]
+
+
+@pytest.mark.parametrize("pair", [{"settings": {"api_keys": TWO_KEYS}}], indirect=True)
+def test_with_keys_a_stream_is_its_creators_on_every_server(pair: Pair) -> None:
+    """Made on one server, refused to the other key and opened by its creator's key or grant on the other."""
+    check_streams_belong_to_their_key(pair.a, pair.b, pair.client)
 
 
 @pytest.mark.parametrize("pair", [{"settings": {"stream_buffer_events": 4}}], indirect=True)

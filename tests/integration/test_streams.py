@@ -9,6 +9,7 @@ greedy run.
 from __future__ import annotations
 
 import gc
+import re
 import time
 import weakref
 from collections.abc import Iterator
@@ -20,8 +21,19 @@ import pytest
 from starlette.applications import Starlette
 from structlog.testing import capture_logs
 
-from tests.support.servers import SSEEvent, StreamReader, eventually, fake_app, parse_sse, running, serving
+from tests.support.servers import (
+    TWO_KEYS,
+    SSEEvent,
+    StreamReader,
+    check_streams_belong_to_their_key,
+    eventually,
+    fake_app,
+    parse_sse,
+    running,
+    serving,
+)
 from ttft_sse.engine.fake import FakeEngine
+from ttft_sse.grants import digest
 
 WORDS = tuple(f" w{i}" for i in range(12))
 TEXT = "".join(WORDS)
@@ -245,12 +257,12 @@ def test_unknown_foreign_and_malformed_reconnects_get_a_clear_error_and_start_no
     assert f"has sent events up to {stream_id}.12" in cases["never-sent"].json()["error"]["message"]
 
 
-def test_with_api_keys_creating_a_stream_needs_one_and_its_url_is_then_the_credential() -> None:
+def test_with_api_keys_creating_a_stream_needs_one_and_its_url_carries_the_grant_that_reads_it() -> None:
     engine = FakeEngine(WORDS)
     with server(engine, api_keys="sekrit-key-1") as (_, _app, client):
         refused = client.post("/streams", json={"prompt": "hi"})
         created = client.post("/streams", json={"prompt": "hi"}, headers={"Authorization": "Bearer sekrit-key-1"})
-        events = read(client, created.json()["url"])  # no key: EventSource cannot send one
+        events = read(client, created.json()["url"])  # no key: EventSource cannot send one; the url's grant reads it
     assert (refused.status_code, refused.json()["error"]["code"]) == (401, "missing_api_key")
     assert created.status_code == 201
     assert text_of(events) == TEXT
@@ -349,3 +361,15 @@ def test_resumed_real_model_text_equals_an_uninterrupted_greedy_run(hf_server: s
     assert events[-1].event == "done"
     assert events[-1].data["usage"] == expected["usage"]
     assert events[-1].data["finish_reason"] == expected["finish_reason"]
+
+
+def test_with_keys_a_stream_is_its_creators_and_its_id_stays_out_of_the_logs() -> None:
+    """The probe's finding: with keys on, any caller with a stream's id (another key, or none) could read and delete
+    it, and the id (the credential) was in every info line about it."""
+    with capture_logs() as logs, server(FakeEngine(WORDS), api_keys=TWO_KEYS) as (base, _app, client):
+        stream_id = check_streams_belong_to_their_key(base, base, client)
+    lines = [entry for entry in logs if entry["event"].startswith("stream_")]
+    assert {"stream_created", "stream_attached", "stream_deleted"} <= {entry["event"] for entry in lines}
+    assert digest(stream_id) in {entry["stream"] for entry in lines}
+    assert all(re.fullmatch("s-[0-9a-f]{10}", entry["stream"]) for entry in lines)
+    assert stream_id not in repr(logs)  # nor in the access lines' paths

@@ -259,3 +259,56 @@ def eventually(check: Callable[[], bool], timeout: float = 30) -> None:
 def fake_app(engine: FakeEngine, **settings: Any) -> Starlette:
     """An app over the scripted engine, without warm-up (a scripted failure or hold would otherwise hit it)."""
     return create_app(Settings(warmup=False, log_format="console", **settings), engine)
+
+
+ALICE, BOB = "alice-key-0001", "bob-key-00002"
+TWO_KEYS = f"{ALICE}:high,{BOB}"
+"""Two API keys (``TTFT_API_KEYS``) for the tests of what one key may do to another's resources."""
+
+
+def check_streams_belong_to_their_key(create_on: str, read_on: str, client: httpx.Client) -> str:
+    """The probe's finding, checked on a server (or two sharing Redis) with :data:`TWO_KEYS` whose engine makes a
+    short answer: a stream made with one key is another key's unknown id (404, the same words), needs a credential
+    (401), opens with its creator's key or its grant (``?grant=``, in the url the POST answered), and is deleted by
+    those alone. Returns the stream's id (for the caller's log checks)."""
+    alice, bob = {"Authorization": f"Bearer {ALICE}"}, {"X-API-Key": BOB}
+    assert client.post(f"{create_on}/streams", json={"prompt": "hi"}).status_code == 401
+    created = client.post(f"{create_on}/streams", json={"prompt": "hi"}, headers=alice)
+    assert created.status_code == 201, created.text
+    body = created.json()
+    stream_id, grant = body["id"], body["grant"]
+    assert body["url"] == f"/streams/{stream_id}?grant={grant}" == created.headers["location"]
+    assert body["lane"] == "high"
+    path = f"{read_on}/streams/{stream_id}"
+
+    def error(response: httpx.Response) -> tuple[int, str, str]:
+        error = response.json()["error"]
+        return response.status_code, error["code"], error["message"]
+
+    unknown = (404, "stream_not_found", f"no stream {stream_id!r}; create one with POST /streams")
+    assert error(client.get(path, headers=bob)) == unknown
+    assert error(client.get(path, params={"lastEventId": f"{stream_id}.0"}, headers=bob)) == unknown
+    assert error(client.delete(path, headers=bob)) == unknown
+    assert client.get(path).status_code == 401
+    assert client.delete(path).status_code == 401
+    assert error(client.get(path, headers={"X-API-Key": "not-a-key-at-all"}))[:2] == (401, "invalid_api_key")
+    expiry, _, signature = grant.partition(".")
+    forged = f"{int(expiry) + 1}.{signature}"
+    for wrong in (forged, "", "1.x", "x" * 5000):
+        assert client.get(path, params={"grant": wrong}).status_code == 401, wrong
+    other = client.post(f"{create_on}/streams", json={"prompt": "hi"}, headers=alice).json()
+    assert error(client.get(path, params={"grant": other["grant"]}))[:2] == (401, "invalid_grant")
+    assert error(client.get(path, params=[("grant", grant), ("grant", grant)]))[:2] == (400, None)
+    # The creator's key, or the grant alone (what EventSource sends): the whole answer.
+    with client.stream("GET", f"{read_on}{body['url']}") as response:
+        assert response.status_code == 200, response.read()
+        events = list(parse_sse(response.iter_lines()))
+    assert events[-1].event == "done"
+    finished = client.get(path, headers={**alice, "Last-Event-ID": events[-1].id})
+    assert finished.status_code == 204
+    # Deleted with the grant; then gone for its key, and still unknown for the other.
+    assert client.delete(f"{read_on}{body['url']}").status_code == 204
+    assert error(client.get(path, headers=alice))[:2] == (410, "stream_expired")
+    assert error(client.get(path, headers=bob)) == unknown
+    client.delete(f"{read_on}{other['url']}")
+    return str(stream_id)

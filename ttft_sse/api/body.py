@@ -12,9 +12,11 @@ number and Unicode limits). A client that leaves mid-upload is ``ClientGone``, n
 from __future__ import annotations
 
 import time
+import urllib.parse
 from typing import Any
 
 import anyio
+from starlette.datastructures import QueryParams
 from starlette.requests import ClientDisconnect, HTTPConnection, Request
 
 from ttft_sse import json_input
@@ -127,8 +129,21 @@ async def json_body(request: Request) -> Any:
     return json_input.parse(raw)
 
 
+def query_of(request: Request) -> QueryParams:
+    """The query string's parameters, refused (400) unless it is UTF-8 once percent-decoded: a JSON body with invalid
+    UTF-8 is refused too, and Starlette's own reading would replace the bad bytes with U+FFFD without a word."""
+    raw: bytes = request.scope.get("query_string", b"")
+    try:
+        urllib.parse.parse_qsl(raw.decode("utf-8"), keep_blank_values=True, encoding="utf-8", errors="strict")
+    except UnicodeDecodeError:
+        raise InvalidRequest(
+            "the query string is not valid UTF-8 (once percent-decoded); encode text as UTF-8", code="invalid_utf8"
+        ) from None
+    return request.query_params
+
+
 async def generation_request(request: Request) -> GenerationRequest:
     cap = runtime_of(request).settings.max_tokens_cap
     if request.method in ("GET", "HEAD"):
-        return GenerationRequest.from_query(request.query_params, max_tokens_cap=cap)
+        return GenerationRequest.from_query(query_of(request), max_tokens_cap=cap)
     return GenerationRequest.from_json(await json_body(request), max_tokens_cap=cap)

@@ -1,12 +1,21 @@
-"""Liveness and readiness."""
+"""Liveness and readiness.
+
+``/readyz`` is for anyone who can reach the server (probes send no key): what it shows of the host is kept to what
+a caller needs. The model's ``source``, where it is a path on the host, is its file name only, unless the caller
+shows a valid API key (with ``TTFT_API_KEYS`` set): a keyless server shows no caller the absolute path.
+"""
 
 from __future__ import annotations
+
+import os
+from pathlib import PurePath
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from ttft_sse.api.body import runtime_of
+from ttft_sse.api.body import caller_of, runtime_of
 from ttft_sse.engine import choice
+from ttft_sse.errors import Unauthorized
 from ttft_sse.runtime import Runtime
 
 
@@ -34,7 +43,7 @@ async def readyz(request: Request) -> JSONResponse:
             "status": "ready",
             "model": info.name,
             "engine": choice.report(runtime.engine),
-            "source": info.source,
+            "source": info.source if _keyed(request) else _file_name(info.source),
             "device": info.device,
             "dtype": info.dtype,
             "weights": info.weights,
@@ -59,6 +68,22 @@ async def readyz(request: Request) -> JSONResponse:
             **_targets(runtime),
         }
     )
+
+
+def _keyed(request: Request) -> bool:
+    """The caller showed a valid API key (never on a keyless server). A wrong key is not refused here: /readyz
+    answers probes, which send none."""
+    if not runtime_of(request).keyring.enabled:
+        return False
+    try:
+        return caller_of(request).key_id is not None
+    except Unauthorized:
+        return False
+
+
+def _file_name(source: str) -> str:
+    """A path on the host as its last part (the model file's or folder's name); anything else (a model id) as is."""
+    return PurePath(source).name if os.path.isabs(source) else source
 
 
 def _targets(runtime: Runtime) -> dict[str, object]:

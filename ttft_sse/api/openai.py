@@ -37,7 +37,7 @@ from ttft_sse.api.complete import collect, server_timing
 from ttft_sse.api.openai_requests import OWNED_BY, parse_chat, parse_completion, renamed_max_tokens
 from ttft_sse.api.stream import TokenStream
 from ttft_sse.engine.base import Finished, ModelInfo, Piece, Usage
-from ttft_sse.errors import NotFound, NotReady, ServiceError
+from ttft_sse.errors import NotFound, NotReady, ServiceError, listed
 from ttft_sse.generation import Queued, Run
 
 log = structlog.get_logger("ttft_sse.openai")
@@ -61,7 +61,8 @@ async def _generate(request: Request, *, chat: bool) -> Response:
         # the request: hypercorn runs each request in a task of its own, with its own copy of the context.
         structlog.contextvars.bind_contextvars(user=parsed.user[:256])
     if parsed.ignored:
-        log.warning("openai_fields_ignored", fields=list(parsed.ignored))
+        # Bounded: the names are the client's (the probe sent 2,000 of 200 characters each).
+        log.warning("openai_fields_ignored", fields=listed(parsed.ignored), count=len(parsed.ignored))
     with renamed_max_tokens(parsed.max_tokens_field):  # "lower max_tokens to …" names the client's field
         run = await runtime.generations.open(
             parsed.generation,

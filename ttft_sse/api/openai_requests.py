@@ -12,20 +12,21 @@ Deliberate choices, each as vLLM or llama-server make them:
   ``repetition_penalty``…) are listed in ``_UNSUPPORTED`` and refused.
 * ``model`` is not checked against the served model: one model is served and front ends often send a fixed name.
 * Defaults are OpenAI's, not ``/stream``'s: an omitted ``temperature`` is 1 (``/stream`` is greedy by default).
-* ``/v1/completions`` feeds the prompt to the model as is, without the chat template (``raw``), as vLLM does.
+* ``/v1/completions`` feeds the prompt to the model as is, without the chat template (``raw``), as vLLM does; its
+  special-token strings are the model's special tokens, unless the body says ``"parse_special": false`` (this
+  server's field, as on ``/stream``). Chat messages are always text (engine/prompts.py).
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 from ttft_sse.engine.base import ROLES
-from ttft_sse.errors import InvalidRequest
-from ttft_sse.schemas import NOT_BLANK, GenerationRequest, field_schemas, message_schema
+from ttft_sse.errors import InvalidRequest, quoted
+from ttft_sse.schemas import NOT_BLANK, GenerationRequest, field_schemas, json_type, message_schema
 
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's documented default, which vLLM also uses when a model sets none
 OWNED_BY = "ttft-sse"
@@ -79,7 +80,7 @@ _UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
 # Honoured; mapped onto GenerationRequest or onto the reply's framing.
 _HONOURED = frozenset(
     {"model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop"}
-    | {"stream", "stream_options", "user"}
+    | {"stream", "stream_options", "user", "parse_special"}
 )
 # Known, and meaningless for a server that keeps nothing and has one tier: accepted without a word.
 _INERT = frozenset(
@@ -129,6 +130,10 @@ def json_schema(*, chat: bool, max_tokens_cap: int) -> dict[str, Any]:
         },
         "user": {"type": ["string", "null"], "description": "logged with the request, never echoed"},
     }
+    if chat:
+        properties["parse_special"] = {"enum": [None, False], "description": "messages are always read as text"}
+    else:
+        properties["parse_special"] = {**ours["parse_special"], "type": ["boolean", "null"]}
     for name in sorted(_INERT):
         properties[name] = {"description": "accepted; it changes nothing here"}
     for name, (neutral, why) in sorted(_UNSUPPORTED.items()):
@@ -189,6 +194,10 @@ def _parse(body: Any, *, chat: bool, max_tokens_cap: int) -> OpenAIRequest:
         if name in _UNSUPPORTED:
             neutral, why = _UNSUPPORTED[name]
             if value is not None and not any(_same(value, n) for n in neutral):
+                kinds = {json_type(n) for n in neutral}
+                if kinds and json_type(value) not in kinds:  # the wrong type: say so, whatever the value meant
+                    raise InvalidRequest(f"{name} must be {' or '.join(sorted(kinds))}, not {json_type(value)}",
+                                         param=name)  # fmt: skip
                 raise InvalidRequest(f"{name} is not supported by this server{why}", param=name, code=UNSUPPORTED_CODE)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
@@ -210,6 +219,7 @@ def _parse(body: Any, *, chat: bool, max_tokens_cap: int) -> OpenAIRequest:
             ("top_p", body.get("top_p")),
             ("stop", body.get("stop")),
             ("seed", body.get("seed")),
+            ("parse_special", body.get("parse_special")),
         )
         if value is not None
     }
@@ -321,11 +331,17 @@ def _messages(value: Any) -> Any:
 def _text_parts(parts: list[Any], where: str) -> str:
     texts = []
     for j, part in enumerate(parts):
-        if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+        if not (isinstance(part, dict) and part.get("type") == "text"):
             kind = part.get("type") if isinstance(part, dict) else None
             raise InvalidRequest(
-                f"{where}[{j}]: only text content parts are supported, got type {json.dumps(kind)}",
+                f"{where}[{j}]: only text content parts are supported, got type {quoted(kind)}",
                 param=f"{where}[{j}]",
+            )
+        if not isinstance(part.get("text"), str):
+            said = "has no text field" if "text" not in part else f"has text {json_type(part['text'])}"
+            raise InvalidRequest(
+                f'{where}[{j}] is a text part and {said}: a text part is {{"type": "text", "text": <string>}}',
+                param=f"{where}[{j}].text",
             )
         texts.append(part["text"])
     return "\n".join(texts)  # as vLLM joins them

@@ -55,8 +55,23 @@ def document(settings: Settings) -> dict[str, Any]:
             },
             "/streams": {
                 "post": _generating(
-                    "Start a resumable stream; GET its url to read it (Last-Event-ID resumes)",
-                    {"application/json": {"schema": _object({"id": {"type": "string"}, "url": {"type": "string"}})}},
+                    "Start a resumable stream; GET its url to read it (Last-Event-ID resumes). With API keys, the "
+                    "stream is the key's, and url carries its grant (?grant=), which opens it for an hour",
+                    {
+                        "application/json": {
+                            "schema": {
+                                **_object(
+                                    {"id": {"type": "string"}, "url": {"type": "string"}, "lane": {"type": "string"}}
+                                ),
+                                "properties": {
+                                    "id": {"type": "string"},
+                                    "url": {"type": "string"},
+                                    "lane": {"type": "string"},
+                                    "grant": {"type": "string", "description": "with API keys only"},
+                                },
+                            }
+                        }
+                    },
                     body=generation,
                     status="201",
                 )
@@ -69,14 +84,15 @@ def document(settings: Settings) -> dict[str, Any]:
                         _path("stream_id"),
                         {"name": "Last-Event-ID", "in": "header", "schema": {"type": "string"}},
                         {"name": "lastEventId", "in": "query", "schema": {"type": "string"}},
+                        _GRANT,
                     ],
-                    errors=("400", "404", "410"),
+                    errors=("400", "401", "404", "410"),
                 ),
                 "delete": _operation(
                     "Stop a resumable stream's generation",
                     {"204": {"description": "stopped"}},
-                    parameters=[_path("stream_id")],
-                    errors=("404",),
+                    parameters=[_path("stream_id"), _GRANT],
+                    errors=("401", "404"),
                 ),
             },
             "/chat": {
@@ -248,6 +264,14 @@ _REASONS = {
     "415": "the body is not labelled as JSON",
     "500": "generation failed",
     "503": "loading, draining, or no room: retry after Retry-After",
+}
+
+
+_GRANT = {
+    "name": "grant",
+    "in": "query",
+    "schema": {"type": "string"},
+    "description": "with API keys: the stream's grant, from the url POST /streams answered (instead of a key header)",
 }
 
 

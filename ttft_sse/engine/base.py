@@ -27,6 +27,8 @@ INT8 = "int8"
 class ChatMessage:
     role: Role
     content: str
+    # A tool message's answer to a tool call (OpenAI's field), handed to the chat template as the message's own.
+    tool_call_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -149,8 +151,12 @@ class Engine(Protocol):
         """Load tokenizer and model, timing each stage on ``clock``. Called once, in a worker thread."""
         ...
 
-    def prepare(self, *, prompt: str | None, messages: Sequence[ChatMessage] | None, raw: bool) -> Prompt:
-        """Render and tokenize. Raises ``PromptTooLong`` when the prompt cannot fit the context."""
+    def prepare(
+        self, *, prompt: str | None, messages: Sequence[ChatMessage] | None, raw: bool, parse_special: bool = False
+    ) -> Prompt:
+        """Render and tokenize (engine/prompts.py): message content is always text; ``parse_special`` reads the
+        special-token strings of a raw prompt as special tokens. Raises ``PromptTooLong`` when the prompt cannot fit
+        the context."""
         ...
 
     def stream(self, prompt: Prompt, params: SamplingParams) -> AsyncGenerator[Piece | Finished, None]:

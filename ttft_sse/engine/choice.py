@@ -321,8 +321,10 @@ class AutoEngine:
         engine.load(clock)
         self._engine = engine
 
-    def prepare(self, *, prompt: str | None, messages: Sequence[ChatMessage] | None, raw: bool) -> Prompt:
-        return self.chosen.prepare(prompt=prompt, messages=messages, raw=raw)
+    def prepare(
+        self, *, prompt: str | None, messages: Sequence[ChatMessage] | None, raw: bool, parse_special: bool = False
+    ) -> Prompt:
+        return self.chosen.prepare(prompt=prompt, messages=messages, raw=raw, parse_special=parse_special)
 
     async def stream(self, prompt: Prompt, params: SamplingParams) -> AsyncGenerator[Item, None]:
         async with aclosing(self.chosen.stream(prompt, params)) as items:

@@ -105,7 +105,9 @@ class FakeEngine:
             if self.hold_load:
                 self.loaded.wait()
 
-    def prepare(self, *, prompt: str | None, messages: Sequence[ChatMessage] | None, raw: bool) -> Prompt:
+    def prepare(
+        self, *, prompt: str | None, messages: Sequence[ChatMessage] | None, raw: bool, parse_special: bool = False
+    ) -> Prompt:
         text = prompt if prompt is not None else "\n".join(f"{m.role}: {m.content}" for m in messages or ())
         words = text.split()
         if len(words) >= self._info.context_length:

@@ -120,8 +120,17 @@ class SingleEngine:
 
     # -- requests ----------------------------------------------------------------------------------------------
 
-    def prepare(self, *, prompt: str | None, messages: Sequence[ChatMessage] | None, raw: bool) -> Prompt:
-        return prompts.prepare(self._tokenizer, self.info.context_length, prompt=prompt, messages=messages, raw=raw)
+    def prepare(
+        self, *, prompt: str | None, messages: Sequence[ChatMessage] | None, raw: bool, parse_special: bool = False
+    ) -> Prompt:
+        return prompts.prepare(
+            self._tokenizer,
+            self.info.context_length,
+            prompt=prompt,
+            messages=messages,
+            raw=raw,
+            parse_special=parse_special,
+        )
 
     async def stream(self, prompt: Prompt, params: SamplingParams) -> AsyncGenerator[Item, None]:
         def produce(emit: Emit[Item], cancelled: Any) -> None:

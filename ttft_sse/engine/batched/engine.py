@@ -297,8 +297,10 @@ class BatchedEngine:
 
     # -- requests ----------------------------------------------------------------------------------------------
 
-    def prepare(self, *, prompt: str | None, messages: Sequence[ChatMessage] | None, raw: bool) -> Prompt:
-        return self._single.prepare(prompt=prompt, messages=messages, raw=raw)
+    def prepare(
+        self, *, prompt: str | None, messages: Sequence[ChatMessage] | None, raw: bool, parse_special: bool = False
+    ) -> Prompt:
+        return self._single.prepare(prompt=prompt, messages=messages, raw=raw, parse_special=parse_special)
 
     async def stream(self, prompt: Prompt, params: SamplingParams) -> AsyncGenerator[Item, None]:
         # The last prompt token and every generated token but the last need a cache slot; keep one block of slack.

@@ -163,8 +163,17 @@ class LlamaCppEngine:
         log.info("llamacpp_loaded", model=source.name, description=runner.description, **vars(shape))
         self._loop.start()
 
-    def prepare(self, *, prompt: str | None, messages: Sequence[ChatMessage] | None, raw: bool) -> Prompt:
-        return prompts.prepare(self._tokenizer, self.info.context_length, prompt=prompt, messages=messages, raw=raw)
+    def prepare(
+        self, *, prompt: str | None, messages: Sequence[ChatMessage] | None, raw: bool, parse_special: bool = False
+    ) -> Prompt:
+        return prompts.prepare(
+            self._tokenizer,
+            self.info.context_length,
+            prompt=prompt,
+            messages=messages,
+            raw=raw,
+            parse_special=parse_special,
+        )
 
     async def stream(self, prompt: Prompt, params: SamplingParams) -> AsyncGenerator[Item, None]:
         if self._closed or self._runner is None:
