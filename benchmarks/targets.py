@@ -174,11 +174,15 @@ def main() -> None:
     parser.add_argument("--bursts", type=int, default=3, help="how many bursts (default 3)")
     parser.add_argument("--burst-targets", default="high:200,normal:600", help="TTFT_SLA_MS of the burst arm")
     parser.add_argument("--slots", type=int, default=8, help="TTFT_MAX_CONCURRENCY of the burst arm (default 8)")
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="TTFT_NAME=VALUE", help="another setting of the burst arm"
+    )
     args = parser.parse_args()
     questions = [q for q in (ROOT / "benchmarks" / "chat-questions.txt").read_text().splitlines() if q.strip()]
     if args.burst:
-        print(f"CPU: {_cpu()}; bursts of {args.burst} (normal,high) on {args.slots} slots, x{args.bursts}")
+        print(f"CPU: {_cpu()}; bursts of {args.burst} (normal,high) on {args.slots} slots, x{args.bursts} {args.set}")
         env = {"TTFT_SLA_MS": args.burst_targets, "TTFT_DEGRADE": "int8", "TTFT_MAX_CONCURRENCY": str(args.slots)}
+        env.update(item.split("=", 1) for item in args.set)
         env["TTFT_LOG_LEVEL"] = "info"  # the access log: how long each refusal took in the server
         with tempfile.TemporaryFile() as log, _server(env, log) as base:
             results, seconds = asyncio.run(_burst(base, args, questions))
