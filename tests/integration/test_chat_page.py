@@ -18,14 +18,12 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import pytest
 
-from tests.support.browser import chromium
 from tests.support.servers import fake_app, running
 from ttft_sse.engine.fake import FakeEngine
 
 if TYPE_CHECKING:
-    from playwright.sync_api import Browser, Page
+    from playwright.sync_api import Page
 
-WAIT_MS = 60_000
 KEY = "browser-key-1234"
 # The reference client's shape: every frame that is not [DONE] is appended to the page. ``ask`` takes the URL's query
 # and the protocols ``new WebSocket`` is given, so that the tests can pass a key the ways a browser can.
@@ -46,23 +44,6 @@ function ask(prompt, maxTokens, query, protocols) {
 }
 </script>
 </body></html>"""
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Browser]:
-    with chromium() as launched:
-        yield launched
-
-
-@pytest.fixture
-def page(browser: Browser) -> Iterator[Page]:
-    context = browser.new_context()
-    opened = context.new_page()
-    opened.set_default_timeout(WAIT_MS)
-    try:
-        yield opened
-    finally:
-        context.close()
 
 
 @pytest.fixture(scope="module")

@@ -22,11 +22,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import httpx
-import pytest
 from starlette.applications import Starlette
 from structlog.testing import capture_logs
 
-from tests.support.browser import chromium
+from tests.support.browser import WAIT_MS
 from tests.support.servers import StreamReader, eventually, running
 from tests.support.tcpproxy import tcp_proxy
 from ttft_sse.api.page import STATIC
@@ -38,7 +37,6 @@ from ttft_sse.settings import Settings
 if TYPE_CHECKING:
     from playwright.sync_api import Browser, Locator, Page
 
-WAIT_MS = 60_000
 # The newest answer's text length and state, read in one go so that both belong to the same instant. The text is
 # the rendered Markdown's (a paragraph drops the answer's leading space; block elements end with a newline).
 LATEST = """() => {
@@ -49,23 +47,6 @@ GREW = (
     "n => [...document.querySelectorAll('.turn.assistant')].pop().querySelector('.text').textContent.trim().length > n"
 )
 PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Browser]:
-    with chromium() as launched:
-        yield launched
-
-
-@pytest.fixture
-def page(browser: Browser) -> Iterator[Page]:
-    context = browser.new_context()
-    opened = context.new_page()
-    opened.set_default_timeout(WAIT_MS)
-    try:
-        yield opened
-    finally:
-        context.close()
 
 
 @contextmanager

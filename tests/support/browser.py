@@ -15,6 +15,8 @@ from tests.support.processes import missing, system_binary
 if TYPE_CHECKING:
     from playwright.sync_api import Browser
 
+WAIT_MS = 60_000  # the longest a page test waits for what it expects: a shared 2-core machine answers slowly
+
 ARGS = [
     "--headless",
     "--no-sandbox",  # the suite may run as root in a container, where Chromium's sandbox cannot start
