@@ -77,28 +77,25 @@ UNAUTHORIZED, FORBIDDEN, TIMEOUT = 3000, 3003, 3008  # IANA-registered 3xxx code
 
 
 def close_code(exc: BaseException) -> int:
-    """The close code after the ``[ERROR]`` frame of ``exc``."""
-    if isinstance(exc, Unauthorized):
-        return UNAUTHORIZED
-    if isinstance(exc, Forbidden):
-        return FORBIDDEN
-    if isinstance(exc, RequestTimeout):
-        return TIMEOUT
-    if isinstance(exc, PayloadTooLarge):
-        return TOO_BIG
-    if isinstance(exc, Binary):
-        return UNSUPPORTED_DATA
-    if isinstance(exc, ClientError):
-        return POLICY_VIOLATION
-    if isinstance(exc, ShuttingDown):
-        return GOING_AWAY
-    if isinstance(exc, Unavailable):
-        return TRY_AGAIN_LATER
-    return INTERNAL_ERROR
+    """The close code after the ``[ERROR]`` frame of ``exc``: the first of :data:`CLOSE_CODES` whose error it is."""
+    return next((code for kind, code in CLOSE_CODES if isinstance(exc, kind)), INTERNAL_ERROR)
 
 
 class Binary(InvalidRequest):
     """A binary frame: the protocol's frames are text."""
+
+
+CLOSE_CODES: tuple[tuple[type[BaseException], int], ...] = (
+    (Unauthorized, UNAUTHORIZED),
+    (Forbidden, FORBIDDEN),
+    (RequestTimeout, TIMEOUT),
+    (PayloadTooLarge, TOO_BIG),
+    (Binary, UNSUPPORTED_DATA),
+    (ClientError, POLICY_VIOLATION),  # after its subclasses above
+    (ShuttingDown, GOING_AWAY),
+    (Unavailable, TRY_AGAIN_LATER),  # after ShuttingDown, one of its kinds
+)
+"""Each error's close code, the more particular kind first; anything else ends with 1011 (an internal error)."""
 
 
 def error_frame(exc: BaseException) -> str:
