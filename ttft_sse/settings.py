@@ -300,7 +300,7 @@ class Settings:
 
     @property
     def engine_rows(self) -> int:
-        """Generations an engine holds at once: ``max_concurrency`` and the high lane's extra slots."""
+        """Generations the batched engine holds at once: ``max_concurrency`` and the high lane's extra slots."""
         return self.max_concurrency + self.extra_slots
 
     @functools.cached_property

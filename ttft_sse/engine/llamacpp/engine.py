@@ -140,8 +140,10 @@ class LlamaCppEngine:
         threads = settings.torch_threads
         shape = library.Shape(
             cells=plan.kv_tokens,
-            sequences=settings.engine_rows,
-            batch_tokens=max(min(settings.batch_tokens, library.ROWS_PER_STEP), settings.engine_rows),
+            # Not the high lane's extra rows: llama.cpp splits its KV cells evenly between sequences, so each more
+            # would shorten every request's context; a high request past them waits here for a sequence.
+            sequences=settings.max_concurrency,
+            batch_tokens=max(min(settings.batch_tokens, library.ROWS_PER_STEP), settings.max_concurrency),
             threads=threads,
         )
         with clock.stage("model"):
