@@ -132,7 +132,7 @@ def test_complete_returns_text_usage_timings_and_server_timing(client: TestClien
     body = response.json()
     assert body["text"] == "Hello, world!"
     assert body["finish_reason"] == "stop"
-    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 4, "total_tokens": 6}
+    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 4, "total_tokens": 6, "cached_tokens": 0}
     assert {"queue_ms", "prefill_ms", "decode_ms", "ttft_ms", "total_ms"} <= set(body["timings"])
     assert response.headers["server-timing"].startswith("queue;dur=")
     assert response.headers["x-request-id"]

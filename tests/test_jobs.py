@@ -57,7 +57,7 @@ def test_a_job_is_accepted_at_once_and_its_result_has_text_usage_and_timings(cli
     done = poll(client, queued["id"], "done")
     assert set(done) == VIEW_KEYS | {"text", "finish_reason", "usage", "timings", "degraded"}
     assert (done["text"], done["finish_reason"]) == ("Hello, world!", "stop")
-    assert done["usage"] == {"prompt_tokens": 2, "completion_tokens": 4, "total_tokens": 6}
+    assert done["usage"] == {"prompt_tokens": 2, "completion_tokens": 4, "total_tokens": 6, "cached_tokens": 0}
     assert (done["attempts"], done["tokens"]) == (1, 4)
     assert {"wait_ms", "queue_ms", "prefill_ms", "decode_ms", "ttft_ms", "total_ms"} <= set(done["timings"])
     assert done["created"] <= done["started"] <= done["finished"]

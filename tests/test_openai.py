@@ -351,7 +351,12 @@ def test_chat_reply_has_openais_shape_usage_and_our_timings(client: TestClient) 
                 "finish_reason": "stop",
             }
         ],
-        "usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7},
+        "usage": {
+            "prompt_tokens": 3,
+            "completion_tokens": 4,
+            "total_tokens": 7,
+            "prompt_tokens_details": {"cached_tokens": 0},
+        },
     }
     assert response.headers["server-timing"].startswith("queue;dur=")
 
@@ -362,7 +367,12 @@ def test_completion_reply_with_stop_and_length(client: TestClient) -> None:
     assert stopped["choices"] == [{"index": 0, "text": "Hello,", "logprobs": None, "finish_reason": "stop"}]
     cut = client.post(TEXT, json={"prompt": "hi", "max_tokens": 2}).json()
     assert (cut["choices"][0]["text"], cut["choices"][0]["finish_reason"]) == ("Hello,", "length")
-    assert cut["usage"] == {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3}
+    assert cut["usage"] == {
+        "prompt_tokens": 1,
+        "completion_tokens": 2,
+        "total_tokens": 3,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
 
 
 def test_chat_stream_framing(client: TestClient) -> None:
@@ -393,7 +403,10 @@ def test_stream_usage_chunk_only_when_asked(client: TestClient) -> None:
     assert chunks[-1] == "[DONE]"
     usage_chunk = chunks[-2]
     assert usage_chunk["choices"] == []
-    assert usage_chunk["usage"] == {"prompt_tokens": 2, "completion_tokens": 4, "total_tokens": 6}
+    usage = dict(usage_chunk["usage"])
+    # The scripted engine's cache may hold this prompt from an earlier test's request: at most all but its last token.
+    assert usage.pop("prompt_tokens_details")["cached_tokens"] in (0, 1)
+    assert usage == {"prompt_tokens": 2, "completion_tokens": 4, "total_tokens": 6}
     assert [c["choices"][0]["text"] for c in chunks[:-2]] == ["Hello", ",", " world", "!", ""]
     assert [c["choices"][0]["finish_reason"] for c in chunks[:-2]] == [None] * 4 + ["stop"]
     assert all(c["usage"] is None for c in chunks[:-2])  # as OpenAI: null on every other chunk

@@ -13,6 +13,7 @@ from ttft_sse.api.jobs import cancel_job, job_result, submit_job
 from ttft_sse.api.metrics import metrics
 from ttft_sse.api.openai import chat_completions, completions, list_models, retrieve_model
 from ttft_sse.api.page import page, static_files
+from ttft_sse.api.prefill import prefill
 from ttft_sse.api.spec import openapi_json
 from ttft_sse.api.stream import stream
 from ttft_sse.api.streams import create_stream, stream_resource
@@ -43,6 +44,7 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
             Route("/streams", create_stream, methods=["POST"]),
             Route("/streams/{stream_id}", stream_resource, methods=["GET", "DELETE"]),
             Route("/complete", complete, methods=["POST"]),
+            Route("/prefill", prefill, methods=["POST"]),
             WebSocketRoute("/chat", chat),  # the seed design's WebSocket protocol (compatibility; SSE is primary)
             Route("/chat", upgrade_required, methods=["GET"]),
             Route("/jobs", submit_job, methods=["POST"]),

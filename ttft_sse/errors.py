@@ -11,6 +11,7 @@
     │   ├── Conflict                  409 conflict_error (e.g. cancelling a job that has already finished)
     │   ├── RequestTimeout            408 invalid_request_error: the body did not arrive in time (code ``body_timeout``)
     │   ├── PayloadTooLarge           413 invalid_request_error
+    │   ├── TooManyRequests           429 rate_limit_error with Retry-After (a key's prefills over its bound)
     │   └── UnsupportedMediaType      415 invalid_request_error
     ├── ClientGone                    the client left before its request was read (mid-upload): nobody is there to
     │                                 answer; logged at info, counted as ``client_gone``, never as a server error
@@ -158,6 +159,18 @@ class PayloadTooLarge(ClientError):
 
 class UnsupportedMediaType(ClientError):
     status_code = 415
+
+
+class TooManyRequests(ClientError):
+    status_code = 429
+    error_type = "rate_limit_error"
+
+    def __init__(self, message: str, *, retry_after: float = 1.0, param: str | None = None, code: str | None = None):
+        super().__init__(message, param=param, code=code)
+        self.retry_after = retry_after
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(max(1, int(-(-self.retry_after // 1))))}
 
 
 class Unavailable(ServiceError):

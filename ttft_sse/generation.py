@@ -6,7 +6,9 @@ ticket in the caller's lane). Overflow jobs call the two apart: prepared at subm
 at once, and admitted in the jobs lane when a runner takes them.
 
 ``Run.events`` then yields ``Queued`` (while waiting for a slot), ``Piece`` items and one ``Finished`` whose
-timings hold the request's whole story: queue wait, prefill, time to first token, total. On shutdown it raises
+timings hold the request's whole story: queue wait, prefill, time to first token, total. ``Run.progress_events``
+yields the same and, between ``Queued`` and the first ``Piece``, ``Progress`` while a long prompt is computed (at most
+one every :data:`PROGRESS_SECONDS`), for a surface that shows it (``/stream``). On shutdown it raises
 ``ShuttingDown`` instead: at once for a request still queued, and at the end of the drain grace for one still
 generating (see ``ttft_sse.runtime.Runtime.drain``).
 """
@@ -22,8 +24,9 @@ from functools import partial
 import anyio
 import structlog
 
+from ttft_sse import isolation
 from ttft_sse.auth import Caller
-from ttft_sse.engine.base import Engine, Finished, Piece, Prompt, SamplingParams
+from ttft_sse.engine.base import Engine, Finished, Piece, Progress, Prompt, SamplingParams
 from ttft_sse.errors import EngineError, NotReady, Overloaded, PromptTooLong
 from ttft_sse.gate import Gate, Lane, Ticket
 from ttft_sse.lifecycle import Lifecycle
@@ -32,6 +35,9 @@ from ttft_sse.schemas import GenerationRequest
 from ttft_sse.targets import Degrader, Targets
 
 log = structlog.get_logger("ttft_sse.generation")
+
+PROGRESS_SECONDS = 0.25
+"""The least time between two ``Progress`` events of one run: a page shows progress, a few updates a second."""
 
 
 @dataclass(frozen=True)
@@ -65,8 +71,10 @@ class Generations:
         max_prompt_tokens: int = 0,
         targets: Targets | None = None,
         degrader: Degrader | None = None,
+        prefix_isolation: str = isolation.SHARED,
     ) -> None:
         self._lifecycle = lifecycle
+        self._isolation = prefix_isolation  # TTFT_PREFIX_ISOLATION: whose requests share prefix-cache blocks
         self._engine = engine
         self._gate = gate
         self._metrics = metrics
@@ -149,6 +157,7 @@ class Generations:
         ticket = self._gate.reserve(
             caller.lane, patient=caller.lane is Lane.JOBS, wait=wait, late=late, max_tokens=max_tokens
         )
+        salt = isolation.cache_salt(self._isolation, caller.key_id, prepared.params.cache_salt)
         return Run(
             self._lifecycle,
             self._engine,
@@ -156,7 +165,7 @@ class Generations:
             self._targets,
             self._degrader,
             prepared.prompt,
-            prepared.params,
+            replace(prepared.params, cache_salt=salt),
             ticket,
             caller=caller,
             arrival=arrival,
@@ -233,11 +242,23 @@ class Run:
             self._targets.warmed(first_at - admitted, tokens, self.params.max_tokens, generating)
 
     async def events(self) -> AsyncGenerator[Event, None]:
+        async with aclosing(self._events(progress=False)) as events:
+            async for event in events:
+                assert not isinstance(event, Progress)
+                yield event
+
+    async def progress_events(self) -> AsyncGenerator[Event | Progress, None]:
+        async with aclosing(self._events(progress=True)) as events:
+            async for event in events:
+                yield event
+
+    async def _events(self, *, progress: bool) -> AsyncGenerator[Event | Progress, None]:
         outcome: Outcome = "cancelled"
         failure: BaseException | None = None
         first_at: float | None = None
         finished: Finished | None = None
         metrics = self._metrics
+        told = 0.0  # when the last Progress was yielded
         try:
             try:
                 async for position in self._ticket.wait():
@@ -252,6 +273,11 @@ class Run:
             async with aclosing(self._engine.stream(self.prompt, self.params)) as items:
                 async for item in items:
                     now = time.perf_counter()
+                    if isinstance(item, Progress):
+                        if progress and first_at is None and now - told >= PROGRESS_SECONDS:
+                            told = now
+                            yield item
+                        continue
                     if isinstance(item, Finished):
                         timings = {
                             "queue_ms": round(queue_s * 1000, 1),
@@ -296,6 +322,7 @@ class Run:
                 fields.update(
                     finish_reason=finished.finish_reason,
                     completion_tokens=finished.usage.completion_tokens,
+                    cached_tokens=finished.usage.cached_tokens,
                     **finished.timings,
                 )
             elif first_at is not None:

@@ -172,7 +172,11 @@ def decode(kind: str, data: str) -> Item:
     if kind == "piece":
         return Piece(body["index"], body["text"])
     if kind == "finished":
-        usage = Usage(body["usage"]["prompt_tokens"], body["usage"]["completion_tokens"])
+        usage = Usage(
+            body["usage"]["prompt_tokens"],
+            body["usage"]["completion_tokens"],
+            body["usage"].get("cached_tokens", 0),
+        )
         return Finished(body["finish_reason"], usage, body["timings"], degraded=body.get("degraded", False))
     return ServiceError.from_dict(body)
 

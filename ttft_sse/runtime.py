@@ -8,6 +8,7 @@ Built once per app by :func:`ttft_sse.app.create_app` (and once per worker proce
              ├─ Targets      first-token targets by lane; Degrader: the faster mode         (targets.py)
              ├─ Metrics      reads the gate, the clock and the engine on each scrape      (metrics.py)
              ├─ Generations  lifecycle + engine + gate + metrics                          (generation.py)
+             ├─ Prefills     prompts computed while their user types (POST /prefill)      (prefills.py)
              ├─ StreamStore  resumable streams: in-process, or in Redis (every replica)
              │                                                       (streams.py, redis_streams.py)
              └─ JobStore     in-process, or Celery on Redis                  (jobs.py, redis_jobs.py)
@@ -52,6 +53,7 @@ from ttft_sse.generation import Generations
 from ttft_sse.jobs import EmbeddedJobs, JobStore
 from ttft_sse.lifecycle import Lifecycle
 from ttft_sse.metrics import Metrics
+from ttft_sse.prefills import Prefills
 from ttft_sse.schemas import GenerationRequest
 from ttft_sse.settings import Settings
 from ttft_sse.streams import Streams, StreamStore
@@ -110,6 +112,15 @@ class Runtime:
             max_prompt_tokens=settings.max_prompt_tokens,
             targets=self.targets,
             degrader=self.degrader,
+            prefix_isolation=settings.prefix_isolation,
+        )
+        self.prefills = Prefills(
+            self.lifecycle,
+            engine,
+            self.gate,
+            per_key=settings.prefill_per_key,
+            prefix_isolation=settings.prefix_isolation,
+            max_prompt_tokens=settings.max_prompt_tokens,
         )
         self.streams: StreamStore = _stream_store(settings)
         self.jobs: JobStore | None = _job_store(settings, self.generations) if jobs else None
@@ -174,6 +185,7 @@ class Runtime:
         lifecycle, gate = self.lifecycle, self.gate
         lifecycle.stop_taking_work()  # readiness turns 503 at once; Generations.open refuses newcomers
         gate.close(lifecycle.refusal)  # queued requests are refused now, not after the grace
+        await self.prefills.close()  # background work: none of it is worth the grace
         started = time.perf_counter()
         log.info("draining", running=gate.running, grace_s=grace)
         with anyio.move_on_after(grace):

@@ -18,7 +18,19 @@ from ttft_sse.engine.base import ROLES, ChatMessage, Role, SamplingParams
 from ttft_sse.errors import InvalidRequest, PromptTooLong, listed, quoted
 
 MAX_STOP_SEQUENCES = 4
-FIELDS = ("prompt", "messages", "raw", "parse_special", "max_tokens", "temperature", "top_p", "stop", "seed")
+FIELDS = (
+    "prompt",
+    "messages",
+    "raw",
+    "parse_special",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "stop",
+    "seed",
+    "cache_salt",
+)
+MAX_CACHE_SALT = 256  # cache_salt: 1 to this many characters
 MAX_TEMPERATURE = 2.0  # temperature: 0 to this, both included
 # top_p: more than 0, at most 1
 SEED_LIMIT = 2**63  # seed: 0 up to this, not included (torch's generator takes a signed 64-bit seed)
@@ -38,6 +50,7 @@ class GenerationRequest:
     top_p: float = 1.0
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    cache_salt: str | None = None  # keeps the request's prefix-cache blocks apart (ttft_sse/isolation.py)
 
     @classmethod
     def from_json(cls, body: Any, *, max_tokens_cap: int) -> GenerationRequest:
@@ -133,6 +146,12 @@ class GenerationRequest:
             seed = _integer("seed", seed)
             if not 0 <= seed < SEED_LIMIT:
                 raise InvalidRequest("seed must be between 0 and 2**63-1", param="seed")
+        cache_salt = body.get("cache_salt")
+        if cache_salt is not None and not (isinstance(cache_salt, str) and 1 <= len(cache_salt) <= MAX_CACHE_SALT):
+            raise InvalidRequest(
+                f"cache_salt must be a string of 1 to {MAX_CACHE_SALT} characters, got {quoted(cache_salt)}",
+                param="cache_salt",
+            )
         return cls(
             prompt=prompt,
             messages=parsed_messages,
@@ -143,6 +162,7 @@ class GenerationRequest:
             top_p=top_p,
             stop=_stops(body.get("stop")),
             seed=seed,
+            cache_salt=cache_salt,
         )
 
     @staticmethod
@@ -195,6 +215,8 @@ class GenerationRequest:
             body["max_tokens"] = self.max_tokens
         if self.seed is not None:
             body["seed"] = self.seed
+        if self.cache_salt is not None:
+            body["cache_salt"] = self.cache_salt
         return body
 
     def sampling(self, *, prompt_tokens: int, context_length: int, default_max_tokens: int) -> SamplingParams:
@@ -217,6 +239,7 @@ class GenerationRequest:
             top_p=self.top_p,
             seed=self.seed,
             stop=self.stop,
+            cache_salt=self.cache_salt or "",
         )
 
 
@@ -284,6 +307,13 @@ def field_schemas(*, max_tokens_cap: int) -> dict[str, dict[str, Any]]:
             "description": "generation stops before the first of these; it is not part of the text",
         },
         "seed": {"type": ["integer", "null"], "minimum": 0, "maximum": SEED_LIMIT - 1},
+        "cache_salt": {
+            "type": ["string", "null"],
+            "minLength": 1,
+            "maxLength": MAX_CACHE_SALT,
+            "description": "keeps this request's prefix-cache blocks apart from those of requests with another salt "
+            "(or none): no timing tells another caller whether this prompt was sent",
+        },
     }
 
 

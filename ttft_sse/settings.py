@@ -146,6 +146,14 @@ class Settings:
     # a KV cache that does not fit is made smaller, a model that does not fit is refused at start.
     memory_limit_mb: int = 0
     prefix_cache: bool = True
+    # POST /prefill (docs/streams.md, "Prefill while the user types"): how long a prefill's KV is pinned in the
+    # cache for the request that follows it (0: not pinned, only cached like any prefix), and how many prefills one
+    # API key may have computing at once (past it, 429).
+    prefill_keep_seconds: float = 60.0
+    prefill_per_key: int = 4
+    # Whose requests share prefix-cache blocks: "shared" (everyone's) or "key" (each API key's apart): the timing
+    # trade-off is in docs/settings.md, "Isolation".
+    prefix_isolation: str = "shared"
     queue_timeout_seconds: float = 30.0
     ping_seconds: float = 15.0
     drain_seconds: float = 10.0
@@ -193,6 +201,7 @@ class Settings:
             "job_attempts",
             "batch_tokens",
             "kv_cache_tokens",
+            "prefill_per_key",
         )
         for name in positive:
             if getattr(self, name) < 1:
@@ -204,6 +213,7 @@ class Settings:
             "prefill_chunk_tokens",
             "max_prompt_tokens",
             "memory_limit_mb",
+            "prefill_keep_seconds",
         )
         for name in zero_or_more:
             if getattr(self, name) < 0:
@@ -234,6 +244,8 @@ class Settings:
             raise SettingsError(f"engine must be {', '.join(ENGINES[:-1])} or {ENGINES[-1]}, got {self.engine!r}")
         if self.gguf_activations not in ("auto", "int8", "fp32"):
             raise SettingsError(f"gguf_activations must be auto, int8 or fp32, got {self.gguf_activations!r}")
+        if self.prefix_isolation not in ("shared", "key"):
+            raise SettingsError(f"prefix_isolation must be shared or key, got {self.prefix_isolation!r}")
         if self.degrade not in ("off", "int8"):
             raise SettingsError(f"degrade must be off or int8, got {self.degrade!r}")
         if self.degrade == "int8" and self.gguf_activations == "int8":

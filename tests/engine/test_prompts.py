@@ -247,3 +247,25 @@ def test_a_tool_message_reaches_the_template_with_its_tool_call_id(templated: An
     tool = ChatMessage("tool", "paris", tool_call_id="one")
     prompt = prepare(tools, CONTEXT, prompt=None, messages=[tool], raw=False)
     assert prompt.text == "tool one : paris\n"
+
+
+TYPED = "Explain how a lighthouse lens focuses light, and why older ones used whale oil"
+GOES_ON = ("s", " lamps", "!", "'s", "1850", ",", "\n\nthanks", "é", " 中文")
+
+
+def test_the_prefix_of_a_message_being_typed_starts_every_request_that_completes_it(reference: Any) -> None:
+    # The bundled model's BPE tokenizer and chat template: the prefix is the prompt up to the text typed so far, less
+    # the tokens a continuation may re-split; every way the message can go on keeps it.
+    system = ChatMessage("system", "You answer in one sentence.")
+    head = reference.prepare_prefix(prompt=None, messages=[system, ChatMessage("user", TYPED)], raw=False)
+    whole = reference.prepare(prompt=None, messages=[system, ChatMessage("user", TYPED)], raw=False)
+    assert 0 < whole.n_tokens - head.n_tokens <= 10  # the end of the message and the template's tail
+    for more in GOES_ON:
+        final = reference.prepare(prompt=None, messages=[system, ChatMessage("user", TYPED + more)], raw=False)
+        assert final.token_ids[: head.n_tokens] == head.token_ids, more
+    # A plain prompt, through the template as a user message, and a raw one, likewise.
+    for raw in (False, True):
+        head = reference.prepare_prefix(prompt=TYPED, messages=None, raw=raw)
+        for more in GOES_ON:
+            final = reference.prepare(prompt=TYPED + more, messages=None, raw=raw)
+            assert final.token_ids[: head.n_tokens] == head.token_ids, (raw, more)

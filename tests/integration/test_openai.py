@@ -66,7 +66,13 @@ def test_chat_streamed_text_equals_non_streamed_text_and_usage_adds_up(client: o
     assert last.choices[0].delta.content is None
     assert set(last.to_dict()["timings"]) >= TIMINGS
     assert usage_chunk.choices == []
-    assert usage_chunk.usage == story.usage
+    assert usage_chunk.usage is not None and story.usage is not None
+    # The same prompt again: its whole blocks come from the prefix cache this time.
+    assert usage_chunk.usage.model_copy(update={"prompt_tokens_details": None}) == story.usage.model_copy(
+        update={"prompt_tokens_details": None}
+    )
+    details = usage_chunk.usage.prompt_tokens_details
+    assert details is not None and details.cached_tokens == (story.usage.prompt_tokens - 1) // 4 * 4
     assert all(c.usage is None for c in chunks)
     assert len({c.id for c in [*chunks, usage_chunk]}) == 1
 

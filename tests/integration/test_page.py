@@ -547,3 +547,25 @@ def test_the_vendored_libraries_are_the_pinned_files_with_their_licences_and_shi
     patterns = tomllib.loads(PYPROJECT.read_text(encoding="utf-8"))["tool"]["setuptools"]["package-data"]["ttft_sse"]
     packaged = {path for pattern in patterns for path in STATIC.parent.glob(pattern) if path.is_file()}
     assert {path for path in STATIC.rglob("*") if path.is_file()} <= packaged
+
+
+def test_the_page_prefills_the_conversation_while_the_user_types(page: Page) -> None:
+    engine = FakeEngine(("Hi",))
+    with fake_server(engine) as (base, _):
+        page.goto(f"{base}/")
+
+        def prefill(request: Any) -> bool:
+            return bool(request.url.endswith("/prefill") and request.method == "POST")
+
+        with page.expect_request(prefill) as typed:
+            page.locator("#prompt").press_sequentially("Why is the sky", delay=20)
+        request = typed.value
+        assert request.post_data_json == {"messages": [{"role": "user", "content": "Why is the sky"}]}
+        session = request.headers["x-prefill-session"]
+        assert session
+        assert request.response() is not None and request.response().status == 202
+        # A pause after more typing sends the newer draft, from the same tab's session.
+        with page.expect_request(prefill) as more:
+            page.locator("#prompt").press_sequentially(" blue?", delay=20)
+        assert more.value.post_data_json == {"messages": [{"role": "user", "content": "Why is the sky blue?"}]}
+        assert more.value.headers["x-prefill-session"] == session

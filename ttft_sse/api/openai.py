@@ -118,7 +118,7 @@ class Reply:
         return {**self._frame(self._chunk_kind, choice, finish_reason), **extra}
 
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:
-        return {**self._frame(self._chunk_kind, None), "usage": usage.as_dict()}
+        return {**self._frame(self._chunk_kind, None), "usage": usage.openai_dict()}
 
     def whole(self, text: str, finished: Finished) -> dict[str, Any]:
         if self.chat:
@@ -127,7 +127,12 @@ class Reply:
             )
         else:
             frame = self._frame("text_completion", {"text": text}, finished.finish_reason)
-        return {**frame, "usage": finished.usage.as_dict(), "timings": finished.timings, "degraded": finished.degraded}
+        return {
+            **frame,
+            "usage": finished.usage.openai_dict(),
+            "timings": finished.timings,
+            "degraded": finished.degraded,
+        }
 
 
 def _event(data: Any) -> ServerSentEvent:

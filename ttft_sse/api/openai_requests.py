@@ -80,7 +80,7 @@ _UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
 # Honoured; mapped onto GenerationRequest or onto the reply's framing.
 _HONOURED = frozenset(
     {"model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop"}
-    | {"stream", "stream_options", "user", "parse_special"}
+    | {"stream", "stream_options", "user", "parse_special", "cache_salt"}
 )
 # Known, and meaningless for a server that keeps nothing and has one tier: accepted without a word.
 _INERT = frozenset(
@@ -122,6 +122,7 @@ def json_schema(*, chat: bool, max_tokens_cap: int) -> dict[str, Any]:
         "top_p": {**ours["top_p"], "type": ["number", "null"]},
         "stop": ours["stop"],
         "seed": ours["seed"],
+        "cache_salt": ours["cache_salt"],
         "stream": flag,
         "stream_options": {
             "type": ["object", "null"],
@@ -220,6 +221,7 @@ def _parse(body: Any, *, chat: bool, max_tokens_cap: int) -> OpenAIRequest:
             ("stop", body.get("stop")),
             ("seed", body.get("seed")),
             ("parse_special", body.get("parse_special")),
+            ("cache_salt", body.get("cache_salt")),
         )
         if value is not None
     }

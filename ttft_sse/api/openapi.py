@@ -53,6 +53,20 @@ def document(settings: Settings) -> dict[str, Any]:
                     body=generation,
                 )
             },
+            "/prefill": {
+                "post": _generating(
+                    "Start computing the prompt typed so far into the prefix cache (background work); answers at once",
+                    {
+                        "application/json": {
+                            "schema": _object(
+                                {"prompt_tokens": {"type": "integer"}, "cached_tokens": {"type": "integer"}}
+                            )
+                        }
+                    },
+                    body=generation,
+                    status="202",
+                )
+            },
             "/streams": {
                 "post": _generating(
                     "Start a resumable stream; GET its url to read it (Last-Event-ID resumes). With API keys, the "

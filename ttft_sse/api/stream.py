@@ -13,7 +13,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from ttft_sse.api.body import arrival_of, caller_of, generation_request, runtime_of
-from ttft_sse.engine.base import Finished, Piece
+from ttft_sse.engine.base import Finished, Piece, Progress
 from ttft_sse.errors import ServiceError
 from ttft_sse.generation import Queued, Run
 
@@ -52,7 +52,10 @@ async def stream(request: Request) -> Response:
     runtime = runtime_of(request)
     caller = caller_of(request)
     run = await runtime.generations.open(
-        await generation_request(request), caller=caller, arrival=arrival_of(request), endpoint="stream"
+        await generation_request(request),
+        caller=caller,
+        arrival=arrival_of(request),
+        endpoint="stream",
     )
     settings = runtime.settings
     return TokenStream(
@@ -66,18 +69,22 @@ async def stream(request: Request) -> Response:
 
 async def _events(run: Run) -> AsyncIterator[ServerSentEvent]:
     try:
-        async for item in run.events():
+        async for item in run.progress_events():
             yield sse_event(item, id=str(item.index) if isinstance(item, Piece) else None)
     except Exception as exc:
         yield sse_event(exc)
 
 
-def sse_event(item: Queued | Piece | Finished | Exception, *, id: str | None = None) -> ServerSentEvent:
+def sse_event(item: Queued | Progress | Piece | Finished | Exception, *, id: str | None = None) -> ServerSentEvent:
     """One event of the wire format every SSE surface of ours shares (``/stream``, ``/streams/{id}``)."""
     if isinstance(item, Piece):
         return ServerSentEvent(_json({"text": item.text}), event="token", id=id)
     if isinstance(item, Queued):
         return ServerSentEvent(_json({"position": item.position}), event="queued", id=id)
+    if isinstance(item, Progress):
+        return ServerSentEvent(
+            _json({"prompt_tokens": item.prompt_tokens, "computed": item.computed}), event="progress"
+        )
     if isinstance(item, Finished):
         done = {
             "finish_reason": item.finish_reason,

@@ -7,9 +7,9 @@ generation; the engine must not leave a thread or a slot behind when it does.
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 from ttft_sse.stages import StageClock
 
@@ -41,6 +41,10 @@ class SamplingParams:
     # Computed before the requests waiting beside it that are not (the high lane's: a batched engine prefills an
     # urgent prompt in a step of its own when others wait with it). Scheduling only: the answer is the same.
     urgent: bool = False
+    # Keeps the request's prefix-cache blocks apart from those of requests with another salt (empty: the shared
+    # cache). The caller's key and the request's own ``cache_salt`` make it (ttft_sse/isolation.py). Scheduling only:
+    # the answer is the same, only what the cache may reuse for it differs.
+    cache_salt: str = ""
 
     @property
     def greedy(self) -> bool:
@@ -68,9 +72,21 @@ class Piece:
 
 
 @dataclass(frozen=True)
+class Progress:
+    """How far a prompt's pass is, for a prompt computed over several steps: ``computed`` of its ``prompt_tokens``
+    are in the KV cache (cached ones included). Emitted before the first :class:`Piece`, at most a few a second."""
+
+    prompt_tokens: int
+    computed: int
+
+
+@dataclass(frozen=True)
 class Usage:
     prompt_tokens: int
     completion_tokens: int
+    # Prompt tokens whose KV came from the prefix cache (an earlier request's, or a prefill's) instead of being
+    # computed for this request: OpenAI's ``usage.prompt_tokens_details.cached_tokens``.
+    cached_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:
@@ -81,6 +97,16 @@ class Usage:
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.total_tokens,
+            "cached_tokens": self.cached_tokens,
+        }
+
+    def openai_dict(self) -> dict[str, Any]:
+        """The OpenAI API's shape: the cached tokens under ``prompt_tokens_details``."""
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.total_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
 
 
@@ -136,6 +162,10 @@ class ModelInfo:
     load_peak_rss_bytes: int = 0
 
 
+Hold = Callable[[], bool] | None
+"""What a prefill asks between its steps: while it answers True (a request waits for a slot), the prefill waits."""
+
+
 class Engine(Protocol):
     """What the HTTP layer needs from a model. ``load`` and ``prepare`` block; call them off the event loop."""
 
@@ -159,8 +189,26 @@ class Engine(Protocol):
         the context."""
         ...
 
-    def stream(self, prompt: Prompt, params: SamplingParams) -> AsyncGenerator[Piece | Finished, None]:
-        """Generate. Pieces as they are decoded, then one ``Finished``. Raises ``EngineError`` on failure."""
+    def stream(self, prompt: Prompt, params: SamplingParams) -> AsyncGenerator[Progress | Piece | Finished, None]:
+        """Generate. ``Progress`` while a long prompt is computed, pieces as they are decoded, then one
+        ``Finished``. Raises ``EngineError`` on failure."""
+        ...
+
+    def prepare_prefix(self, *, prompt: str | None, messages: Sequence[ChatMessage] | None, raw: bool) -> Prompt:
+        """The tokens that every request completing this one's last message will start with: its prompt up to the
+        end of that message's text so far, less the tokens whose split may still change as text is added
+        (engine/prompts.py's :func:`~ttft_sse.engine.prompts.stable_prefix`). Blocks, as :meth:`prepare`."""
+        ...
+
+    def cached(self, prompt: Prompt, cache_salt: str = "") -> int:
+        """Leading tokens of ``prompt`` whose KV the prefix cache holds now for requests of ``cache_salt``."""
+        ...
+
+    async def prefill(self, prompt: Prompt, *, cache_salt: str = "", owner: str = "", hold: Hold = None) -> int:
+        """Compute the KV of ``prompt`` into the prefix cache as background work, and keep it there a while
+        (``TTFT_PREFILL_KEEP_SECONDS``, then evicted like any prefix; the keep of an earlier prefill of the same
+        ``owner`` ends when this one's starts). It waits, between steps, while ``hold()`` is true (a request waits
+        for a slot). Returns the tokens it computed. Cancelling it stops the computation at its next step."""
         ...
 
     @property

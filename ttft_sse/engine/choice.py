@@ -31,7 +31,17 @@ from typing import Any
 
 import structlog
 
-from ttft_sse.engine.base import ChatMessage, Engine, Finished, ModelInfo, Piece, Prompt, SamplingParams
+from ttft_sse.engine.base import (
+    ChatMessage,
+    Engine,
+    Finished,
+    Hold,
+    ModelInfo,
+    Piece,
+    Progress,
+    Prompt,
+    SamplingParams,
+)
 from ttft_sse.engine.cache_files import write_whole
 from ttft_sse.engine.cpu import compiler, kernel
 from ttft_sse.engine.loading import budget, sources
@@ -40,7 +50,7 @@ from ttft_sse.stages import StageClock
 
 log = structlog.get_logger("ttft_sse.engine")
 
-Item = Piece | Finished
+Item = Progress | Piece | Finished
 
 CANDIDATES = ("batched", "llamacpp")
 VERDICT_STEM = "engine-choice"
@@ -330,6 +340,15 @@ class AutoEngine:
         async with aclosing(self.chosen.stream(prompt, params)) as items:
             async for item in items:
                 yield item
+
+    def prepare_prefix(self, *, prompt: str | None, messages: Sequence[ChatMessage] | None, raw: bool) -> Prompt:
+        return self.chosen.prepare_prefix(prompt=prompt, messages=messages, raw=raw)
+
+    def cached(self, prompt: Prompt, cache_salt: str = "") -> int:
+        return self.chosen.cached(prompt, cache_salt)
+
+    async def prefill(self, prompt: Prompt, *, cache_salt: str = "", owner: str = "", hold: Hold = None) -> int:
+        return await self.chosen.prefill(prompt, cache_salt=cache_salt, owner=owner, hold=hold)
 
     async def close(self) -> None:
         if self._engine is not None:

@@ -1,13 +1,20 @@
 """A scripted engine that ships beside the real one, for transport, framing and failure tests.
 
 It goes through the same thread bridge and the same text framing (stop sequences) as the transformers engine,
-so only the model is fake. Tokens are whitespace-separated words.
+so only the model is fake. Tokens are whitespace-separated words, each word's id a checksum of it.
+
+Its prefix cache is scripted too: every prompt it has computed (streamed or prefilled) is kept, apart by cache salt,
+and a prompt's cached tokens are the most it shares with one of them (short of its last token). With
+``prompt_delay``, a prompt's uncached tokens take that many seconds each, computed :data:`STEP_TOKENS` a step: a
+known cost a step, with ``Progress`` after each step of a prompt that takes more than one.
 """
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
+import zlib
 from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
 
@@ -18,8 +25,10 @@ from ttft_sse.engine.base import (
     ChatMessage,
     Finished,
     FinishReason,
+    Hold,
     ModelInfo,
     Piece,
+    Progress,
     Prompt,
     SamplingParams,
     Usage,
@@ -29,7 +38,10 @@ from ttft_sse.engine.text import StopMatcher
 from ttft_sse.errors import EngineError, PromptTooLong
 from ttft_sse.stages import StageClock
 
-Item = Piece | Finished
+Item = Progress | Piece | Finished
+
+STEP_TOKENS = 8
+"""Prompt tokens a scripted step computes (with ``prompt_delay``)."""
 
 
 class FakeEngine:
@@ -42,7 +54,11 @@ class FakeEngine:
     * ``modes``: what :meth:`set_mode` takes (``("normal", "int8")`` scripts the CPU engine's degraded mode). A
       generation reads the mode at its start (its prompt's pass) and before each piece (a step), so a switch takes
       effect at its next piece; its ``Finished.degraded`` is True where any of those reads was not ``"normal"``;
-    * ``int8_delay``: seconds between pieces computed in ``"int8"`` (default ``delay``): the faster mode.
+    * ``int8_delay``: seconds between pieces computed in ``"int8"`` (default ``delay``): the faster mode;
+    * ``prompt_delay``: seconds a prompt token not in its prefix cache takes to compute (streams and prefills).
+
+    ``prefills`` lists each prefill's end: ``("done" | "cancelled", tokens computed)``; ``prefill_steps`` counts the
+    steps prefills computed.
     """
 
     def __init__(
@@ -57,6 +73,7 @@ class FakeEngine:
         hold_load: bool = False,
         modes: Sequence[str] = (NORMAL,),
         int8_delay: float | None = None,
+        prompt_delay: float = 0.0,
     ) -> None:
         if not modes or modes[0] != NORMAL:
             raise ValueError(f"modes must start with {NORMAL!r}, got {tuple(modes)!r}")
@@ -70,6 +87,10 @@ class FakeEngine:
         self.loaded = threading.Event()  # with ``hold_load``: the load ends when this is set
         self.generated: list[int] = []  # completion tokens of every generation, cancelled ones included
         self.int8_delay = delay if int8_delay is None else int8_delay
+        self.prompt_delay = prompt_delay
+        self.prefills: list[tuple[str, int]] = []
+        self.prefill_steps = 0
+        self._kept: set[tuple[str, tuple[int, ...]]] = set()  # (cache salt, token ids) of every prompt computed
         self._mode = NORMAL
         self._workers: Workers[Item] = Workers(name="ttft-fake")
         self._info = ModelInfo(
@@ -116,7 +137,38 @@ class FakeEngine:
                 param="prompt" if prompt is not None else "messages",
                 code="context_length_exceeded",
             )
-        return Prompt(text=text, token_ids=tuple(range(len(words))))
+        return Prompt(text=text, token_ids=tuple(zlib.crc32(word.encode()) & 0xFFFF for word in words))
+
+    def prepare_prefix(self, *, prompt: str | None, messages: Sequence[ChatMessage] | None, raw: bool) -> Prompt:
+        whole = self.prepare(prompt=prompt, messages=messages, raw=raw)
+        # The last word may still grow (and the prompt's last token is the request's own).
+        return Prompt(text=whole.text, token_ids=whole.token_ids[:-1])
+
+    def cached(self, prompt: Prompt, cache_salt: str = "") -> int:
+        ids = prompt.token_ids
+        best = 0
+        for salt, kept in list(self._kept):
+            if salt == cache_salt:
+                best = max(best, _shared(ids, kept))
+        return min(best, max(len(ids) - 1, 0))
+
+    async def prefill(self, prompt: Prompt, *, cache_salt: str = "", owner: str = "", hold: Hold = None) -> int:
+        computed = self.cached(prompt, cache_salt)
+        done = computed
+        try:
+            while computed < prompt.n_tokens:
+                while hold is not None and hold():
+                    await asyncio.sleep(0.005)
+                step = min(STEP_TOKENS, prompt.n_tokens - computed)
+                await asyncio.sleep(self.prompt_delay * step)
+                computed += step
+                self.prefill_steps += 1
+        except asyncio.CancelledError:
+            self.prefills.append(("cancelled", computed - done))
+            raise
+        self._kept.add((cache_salt, prompt.token_ids))
+        self.prefills.append(("done", computed - done))
+        return computed - done
 
     async def stream(self, prompt: Prompt, params: SamplingParams) -> AsyncGenerator[Item, None]:
         def produce(emit: Emit[Item], cancelled: threading.Event) -> None:
@@ -124,7 +176,18 @@ class FakeEngine:
             count, index = 0, 0
             reason: FinishReason = "stop"
             degraded = self._mode != NORMAL  # the prompt's pass
+            cached = self.cached(prompt, params.cache_salt)
             try:
+                computed = cached
+                while self.prompt_delay and computed < prompt.n_tokens:
+                    if cancelled.is_set():
+                        return
+                    step = min(STEP_TOKENS, prompt.n_tokens - computed)
+                    time.sleep(self.prompt_delay * step)
+                    computed += step
+                    if prompt.n_tokens - cached > STEP_TOKENS:  # more than one step
+                        emit(Progress(prompt.n_tokens, computed))
+                self._kept.add((params.cache_salt, prompt.token_ids))
                 for piece in self.pieces:
                     if cancelled.is_set():
                         return
@@ -152,7 +215,7 @@ class FakeEngine:
                         break
                 if not stops.matched and (tail := stops.flush()):
                     emit(Piece(index, tail))
-                usage = Usage(prompt_tokens=prompt.n_tokens, completion_tokens=count)
+                usage = Usage(prompt_tokens=prompt.n_tokens, completion_tokens=count, cached_tokens=cached)
                 emit(Finished(reason, usage, {"prefill_ms": 0.0, "decode_ms": 0.0}, degraded=degraded))
             finally:
                 self.generated.append(count)
@@ -166,3 +229,8 @@ class FakeEngine:
 
     async def close(self) -> None:
         await self._workers.cancel_all()
+
+
+def _shared(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))

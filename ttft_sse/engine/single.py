@@ -24,6 +24,7 @@ from ttft_sse.engine.base import (
     NORMAL,
     ChatMessage,
     Finished,
+    Hold,
     ModelInfo,
     Piece,
     Prompt,
@@ -131,6 +132,19 @@ class SingleEngine:
             raw=raw,
             parse_special=parse_special,
         )
+
+    def prepare_prefix(self, *, prompt: str | None, messages: Sequence[ChatMessage] | None, raw: bool) -> Prompt:
+        return prompts.prepare_prefix(
+            self._tokenizer, self.info.context_length, prompt=prompt, messages=messages, raw=raw
+        )
+
+    def cached(self, prompt: Prompt, cache_salt: str = "") -> int:
+        """None: each ``generate`` computes its whole prompt (this engine keeps no prefix cache)."""
+        return 0
+
+    async def prefill(self, prompt: Prompt, *, cache_salt: str = "", owner: str = "", hold: Hold = None) -> int:
+        """Nothing: there is no prefix cache to compute into."""
+        return 0
 
     async def stream(self, prompt: Prompt, params: SamplingParams) -> AsyncGenerator[Item, None]:
         def produce(emit: Emit[Item], cancelled: Any) -> None:

@@ -134,14 +134,21 @@ class TokenText:
         return "stop"
 
     def finished(
-        self, max_tokens: int, prompt_tokens: int, started: float, first_at: float | None, ended: float, degraded: bool
+        self,
+        max_tokens: int,
+        prompt_tokens: int,
+        started: float,
+        first_at: float | None,
+        ended: float,
+        degraded: bool,
+        cached_tokens: int = 0,
     ) -> Finished:
         """The generation's last event: its reason, usage and timings (prefill: from ``started`` to the first token,
         ``first_at``, or to ``ended`` where none came; decode: from there to ``ended``; perf_counter seconds)."""
         first = first_at or ended
         return Finished(
             finish_reason=self.finish_reason(max_tokens),
-            usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=self.count),
+            usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=self.count, cached_tokens=cached_tokens),
             timings={"prefill_ms": round((first - started) * 1000, 1), "decode_ms": round((ended - first) * 1000, 1)},
             degraded=degraded,
         )

@@ -10,6 +10,7 @@ the prefix hits from ``stats()``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import sys
 from collections.abc import AsyncIterator, Iterator
 from contextlib import aclosing, asynccontextmanager, contextmanager, nullcontext
@@ -43,7 +44,8 @@ def engine(settings: Settings) -> Iterator[BatchedEngine]:
 
 def answer(result: tuple[str, Finished]) -> tuple[str, str, Usage]:
     text, finished = result
-    return text, finished.finish_reason, finished.usage
+    # Cached tokens are the engine's own (the single engine keeps no prefix cache): the answer is the rest.
+    return text, finished.finish_reason, dataclasses.replace(finished.usage, cached_tokens=0)
 
 
 def served(engine: BatchedEngine) -> int:
@@ -336,7 +338,9 @@ async def test_an_urgent_prompt_is_computed_at_the_next_layer_alone_and_the_othe
     side = Interlude(model=None)
     computed: list[list[tuple[int, ...]]] = []
 
-    def compute(in_place: object, asks: list[tuple[tuple[int, ...], float, float]]) -> list[int | None]:
+    def compute(
+        in_place: object, asks: list[tuple[tuple[int, ...], float, float]], *salted: object
+    ) -> list[int | None]:
         computed.append([ask[0] for ask in asks])
         return [ask[0][0] for ask in asks]
 

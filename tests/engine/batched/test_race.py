@@ -24,7 +24,7 @@ async def _given(
     """A request raced with an interlude that computes its first token (7) in ``computed_in`` mode, in a thread of
     its own as the batching thread would; with ``batch_first`` the batch's step has picked one before it came."""
     interlude, claims, modes = Interlude(model=None), Claims(), Modes(("normal", "int8"))
-    monkeypatch.setattr(interlude, "_compute", lambda in_place, asks: [7] * len(asks))
+    monkeypatch.setattr(interlude, "_compute", lambda in_place, asks, *salted: [7] * len(asks))
     given: list[tuple[str, FirstToken]] = []
     race = Race(interlude, claims, modes, given.extend)
     modes.open("r1")

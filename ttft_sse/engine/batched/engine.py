@@ -20,7 +20,14 @@ The library does the batching, the paged cache and the prefix sharing. Written h
 * **a loop that died**: the library fails the requests it knows about when its loop crashes, but a request added in
   the same instant can wait for ever (the manager's own ``get_result`` loops only while the thread lives). Every
   waiting request also checks that the loop is alive (``Mailboxes``); the next request restarts a dead loop;
-* **prefix-hit counting** (engine/batched/scheduler.py): tokens served from shared blocks (:meth:`BatchedEngine.stats`);
+* **prefix-hit counting** (engine/batched/scheduler.py): tokens served from shared blocks, in all
+  (:meth:`BatchedEngine.stats`) and per request (its ``Usage.cached_tokens``);
+* **prefills** (:meth:`BatchedEngine.prefill`, ``POST /prefill``): a prompt's KV computed as background work (a
+  request of two tokens that the scheduler runs only in what real requests leave), then its blocks pinned for
+  ``TTFT_PREFILL_KEEP_SECONDS`` (:meth:`BatchedEngine._pin`), so that the request that follows finds them;
+* **isolation** (engine/batched/salts.py): a request with a cache salt shares blocks only with requests of the same
+  salt;
+* **progress**: a prompt computed over several steps tells its request how far it is (``Progress``);
 * **attention request by request, in place** (engine/cpu/attention.py, on CPU in fp32): the library gathers a step's
   keys and values out of its paged cache in every layer and attends every query row to every key of the step under a
   mask; the engine's cache only writes, and each request's rows attend to its own keys, read in place;
@@ -59,8 +66,18 @@ from typing import Any
 import structlog
 
 from ttft_sse.bridge import Idle, Mailboxes, Resident
-from ttft_sse.engine.base import NORMAL, ChatMessage, Finished, ModelInfo, Piece, Prompt, SamplingParams
-from ttft_sse.engine.batched import hooks, memory
+from ttft_sse.engine.base import (
+    NORMAL,
+    ChatMessage,
+    Finished,
+    Hold,
+    ModelInfo,
+    Piece,
+    Progress,
+    Prompt,
+    SamplingParams,
+)
+from ttft_sse.engine.batched import hooks, memory, salts
 from ttft_sse.engine.batched.claims import Arrivals, Claims, FirstToken
 from ttft_sse.engine.batched.held import Held
 from ttft_sse.engine.batched.hooks import BLOCK_TOKENS, missing_internals
@@ -78,7 +95,11 @@ from ttft_sse.stages import StageClock
 
 log = structlog.get_logger("ttft_sse.engine")
 
-Item = Piece | Finished
+Item = Progress | Piece | Finished
+
+PINNED_SHARE = 4
+"""Prefills pin at most 1/PINNED_SHARE of the KV cache's tokens: a newer pin past it releases the oldest ones (their
+blocks stay cached, evicted like any prefix when the cache runs short)."""
 
 # How many recent steps ``batch_log`` keeps.
 BATCH_LOG_STEPS = 512
@@ -133,6 +154,10 @@ class BatchedEngine:
         self._modes = Modes((NORMAL,))  # the model's modes, once loaded
         self._held = Held(self._post)  # a step's outputs, posted as the next step's layers go into C
         self._counters.before_kernel = self._held.release
+        self._counters.progress = self._progress
+        self._interlude_held: dict[str, int] = {}  # request id → the tokens the cache held when an interlude ran it
+        self._pins: dict[str, tuple[str, int]] = {}  # owner → (pin name, tokens) of its prefill's kept blocks
+        self._pinned = 0  # tokens pinned
 
     @property
     def info(self) -> ModelInfo:
@@ -216,7 +241,7 @@ class BatchedEngine:
         if self._settings.prefill_between_layers:
             reason = self._no_interludes()
             if reason is None:
-                self._prefill = Interlude(self.model)
+                self._prefill = Interlude(self.model, self._counters.seeds)
                 self._counters.between = self._prefill.serve
                 self._counters.waiting = self._prefill.waiting
                 log.info("interludes_on")
@@ -302,6 +327,112 @@ class BatchedEngine:
     ) -> Prompt:
         return self._single.prepare(prompt=prompt, messages=messages, raw=raw, parse_special=parse_special)
 
+    def prepare_prefix(self, *, prompt: str | None, messages: Sequence[ChatMessage] | None, raw: bool) -> Prompt:
+        return self._single.prepare_prefix(prompt=prompt, messages=messages, raw=raw)
+
+    def cached(self, prompt: Prompt, cache_salt: str = "") -> int:
+        processor = getattr(self._manager, "batch_processor", None) if self._manager is not None else None
+        cache = getattr(processor, "cache", None)
+        if cache is None or not getattr(cache, "use_prefix_sharing", False):
+            return 0
+        return salts.cached(cache, prompt.token_ids, salts.seed_of(cache_salt))
+
+    async def prefill(self, prompt: Prompt, *, cache_salt: str = "", owner: str = "", hold: Hold = None) -> int:
+        """A request of the library that computes ``prompt`` and one token, run by the scheduler only in what real
+        requests leave (engine/batched/scheduler.py), cancelled once its prompt is in the cache; then its blocks are
+        pinned (:meth:`_pin`). Nothing where prompts are not shared (no prefix cache, batching off, too long)."""
+        fits = prompt.n_tokens + 2 <= self._capacity - BLOCK_TOKENS
+        if self._batching_off is not None or not self._settings.prefix_cache or not fits or self._manager is None:
+            return 0
+        await self._running()
+        before = self.cached(prompt, cache_salt)
+        seed = salts.seed_of(cache_salt)
+        if before >= (prompt.n_tokens - 1) // BLOCK_TOKENS * BLOCK_TOKENS:
+            self._pin(owner, prompt, seed)  # every whole block is there already
+            return 0
+        request_id = f"ttft-prefill-{next(self._ids)}"
+        inbox = self._mailboxes.open(request_id)
+        counters = self._counters
+        if seed is not None:
+            counters.seeds[request_id] = seed
+        counters.prefills[request_id] = hold or _never
+        in_library = False
+        try:
+            added = self._manager.add_request(
+                list(prompt.token_ids),
+                request_id=request_id,
+                max_new_tokens=2,  # a request that ends in its first step leaves its last blocks unregistered
+                streaming=True,
+                eos_token_id=-1,
+                temperature=0.0,
+                top_p=1.0,
+            )
+            if added is None:
+                raise EngineError("prefill failed: the batching loop is not accepting requests")
+            in_library = True
+            async for output in inbox:
+                if isinstance(output, Progress):
+                    continue
+                if output.error is not None:
+                    in_library = False
+                    raise EngineError(f"prefill failed: {output.error}")
+                break  # its first token: the whole prompt is in the cache, its whole blocks registered
+            else:
+                return 0  # close() is ending everything
+        finally:
+            inbox.close()
+            counters.prefills.pop(request_id, None)
+            counters.hit_by_request.pop(request_id, None)
+            counters.seeds.pop(request_id, None)
+            if in_library:
+                self._manager.cancel_request(request_id)
+        self._pin(owner, prompt, seed)
+        return prompt.n_tokens - before
+
+    def _pin(self, owner: str, prompt: Prompt, seed: int | None) -> None:
+        """Hold ``prompt``'s whole blocks in the cache for ``TTFT_PREFILL_KEEP_SECONDS`` (under a name of its own,
+        as a request holds its blocks), in place of ``owner``'s earlier pin; then they are cached like any prefix.
+        Pins are made and released between two steps, in the batching thread (``PrefixCounters.chores``)."""
+        keep = self._settings.prefill_keep_seconds
+        earlier = self._pins.pop(owner, None) if owner else None
+        if earlier is not None:
+            self._unpin(earlier)
+        cap = self._capacity // PINNED_SHARE
+        if keep <= 0 or prompt.n_tokens > cap:
+            return
+        while self._pins and self._pinned + prompt.n_tokens > cap:  # the oldest pins make room for the newest
+            oldest = next(iter(self._pins))
+            self._unpin(self._pins.pop(oldest))
+        name = f"ttft-pin-{next(self._ids)}"
+        pin = (name, prompt.n_tokens)
+        self._pins[owner or name] = pin
+        self._pinned += prompt.n_tokens
+        seeds, ids = self._counters.seeds, list(prompt.token_ids)
+
+        def hold(cache: Any) -> None:
+            if seed is not None:
+                seeds[name] = seed
+            cache.search_prefix_match(name, ids)
+
+        self._counters.chores.append(hold)
+        asyncio.get_running_loop().call_later(keep, self._expire, owner or name, pin)
+
+    def _expire(self, owner: str, pin: tuple[str, int]) -> None:
+        if self._pins.get(owner) == pin:
+            del self._pins[owner]
+            self._unpin(pin)
+
+    def _unpin(self, pin: tuple[str, int]) -> None:
+        name, tokens = pin
+        self._pinned -= tokens
+        seeds = self._counters.seeds
+
+        def release(cache: Any) -> None:
+            cache.free_blocks(name)
+            seeds.pop(name, None)
+
+        self._counters.chores.append(release)
+
     async def stream(self, prompt: Prompt, params: SamplingParams) -> AsyncGenerator[Item, None]:
         # The last prompt token and every generated token but the last need a cache slot; keep one block of slack.
         fits = prompt.n_tokens + params.max_tokens <= self._capacity - BLOCK_TOKENS
@@ -327,6 +458,10 @@ class BatchedEngine:
             self._submit(request_id, prompt, params)
             in_library = True
             async for output in inbox:
+                if isinstance(output, Progress):
+                    if first_at is None:
+                        yield output
+                    continue
                 if isinstance(output, FirstToken):
                     self._count_first_beside()
                 elif output.error is not None or output.is_finished():
@@ -352,7 +487,10 @@ class BatchedEngine:
                 yield Piece(index=index, text=tail)
             ended = time.perf_counter()
             degraded = self._modes.degraded(request_id)
-            yield text.finished(params.max_tokens, prompt.n_tokens, started, first_at, ended, degraded)
+            cached = self._counters.hit_by_request.get(request_id, 0)
+            if request_id in self._interlude_held:  # the batch's hit holds the blocks the interlude computed too
+                cached = min(cached, self._interlude_held[request_id])
+            yield text.finished(params.max_tokens, prompt.n_tokens, started, first_at, ended, degraded, cached)
         finally:
             inbox.close()
             self._ended(request_id, in_library=in_library)
@@ -372,8 +510,18 @@ class BatchedEngine:
         # Only where the batch's steps attend request by request (a cache that reads in place): there its greedy
         # first token is the side's, bit for bit. Raced before the library has the request, so that no step picks
         # its first token before the race is open.
-        if self._race is not None and self._race.open and self._counters.in_place and self._mailboxes.count > 1:
-            self._race.start(request_id, prompt, params)
+        seed = salts.seed_of(params.cache_salt)
+        if seed is not None:
+            self._counters.seeds[request_id] = seed
+        # A salted request is not raced in the prefill process, whose prompts' KV is shared by everyone's.
+        race = self._race is not None and self._race.open and self._counters.in_place and self._mailboxes.count > 1
+        if race and self._race is not None and (seed is None or isinstance(self._prefill, Interlude)):
+            held = self._interlude_held
+
+            def shared(tokens: int) -> None:
+                held[request_id] = tokens
+
+            self._race.start(request_id, prompt, params, seed=seed, shared=shared)
         if params.urgent:
             self._counters.urgent.add(request_id)
         added = self._manager.add_request(
@@ -401,6 +549,10 @@ class BatchedEngine:
         self._claims.close(request_id)
         self._modes.close(request_id)
         self._counters.urgent.discard(request_id)
+        self._counters.hit_by_request.pop(request_id, None)
+        self._counters.seeds.pop(request_id, None)
+        self._counters._told.pop(request_id, None)
+        self._interlude_held.pop(request_id, None)
         if isinstance(self._prefill, Interlude):
             self._prefill.sweep()
         if self.janitor.count():
@@ -473,6 +625,9 @@ class BatchedEngine:
         self.batch_log.append(tuple(output.request_id for output in outputs))
         self._held.deliver(outputs)
 
+    def _progress(self, request_id: str, progress: Progress) -> None:
+        self._mailboxes.deliver([(request_id, progress)])
+
     def _post(self, outputs: Sequence[Any]) -> None:
         self._mailboxes.deliver((output.request_id, output) for output in outputs)
 
@@ -481,6 +636,10 @@ class BatchedEngine:
 
     def _dead(self) -> BaseException:
         return EngineError("generation failed: the batching loop stopped")
+
+
+def _never() -> bool:
+    return False
 
 
 def _log_failure(future: asyncio.Future[None]) -> None:

@@ -53,11 +53,15 @@ INTERNALS: dict[str, tuple[str, ...]] = {
     CACHE_MODULE: (
         "PagedAttentionCache.update",
         "PagedAttentionCache.mark_complete_blocks",
+        "PagedAttentionCache.search_prefix_match",
+        "PagedAttentionCache.free_blocks",
         "torch",  # the name its __init__ allocates the cache through (zero_cache_lazily)
     ),
     "transformers.generation.continuous_batching.cache_allocators.cache_allocator": (
         "CacheAllocator.match_prefix_blocks",
         "CacheAllocator.mark_complete_blocks",
+        "BlockLedger.register_new_hash",
+        "compute_block_hash",  # engine/batched/salts.py chains it from a request's salt
     ),
     "transformers.generation.continuous_batching.cache_allocators.full_attention": ("FullAttentionCacheAllocator",),
     "transformers": ("ContinuousBatchingConfig", "GenerationConfig"),

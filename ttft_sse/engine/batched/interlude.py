@@ -64,6 +64,8 @@ class _Waiting:
     answer: asyncio.Future[int | None]
     computed: Callable[[], None] | None
     urgent: bool = False
+    seed: int | None = None  # the request's cache salt's (engine/batched/salts.py)
+    shared: Callable[[int], None] | None = None  # told the prompt tokens the cache held for it
 
 
 @dataclass(frozen=True)
@@ -81,8 +83,9 @@ class Interlude:
     """First tokens computed in the batching thread between two layers of a step. :meth:`first_token` and
     :meth:`sweep` are for the event loop, :meth:`serve` for the batching thread, :meth:`stop` for any."""
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, seeds: dict[str, int] | None = None) -> None:
         self._model = model
+        self._seeds = seeds if seeds is not None else {}  # the cache's salts by request name (salts.install)
         self._lock = threading.Lock()
         self._waiting: list[_Waiting] = []
         self._generator: Any = None  # made in the batching thread, at its first draw
@@ -111,19 +114,23 @@ class Interlude:
         *,
         computed: Callable[[], None] | None = None,
         urgent: bool = False,
+        seed: int | None = None,
+        shared: Callable[[int], None] | None = None,
     ) -> int | None:
         """The first token after ``token_ids``: the argmax at ``temperature`` 0, else drawn at ``temperature`` from
         the ``top_p``, computed at the batch's next layer. None if the interlude declined it, once nobody ``wanted``
         it (:meth:`sweep`), or when the engine stops. ``computed`` is called in the batching thread once the token is
         computed, before it is given. An ``urgent`` prompt (the high lane's) is computed at the next layer with the
-        other urgent ones only, the rest at the layers after."""
+        other urgent ones only, the rest at the layers after. ``seed`` is the request's cache salt's: its prompt
+        shares and registers blocks of that salt only. ``shared`` is told, in the batching thread, how many of its
+        tokens the cache held (the request's cached tokens: the batch later finds the blocks computed here too)."""
         if self._broken or self._stopping:
             return None
         loop = asyncio.get_running_loop()
         answer: asyncio.Future[int | None] = loop.create_future()
         with self._lock:
             ask = (tuple(token_ids), float(temperature), float(top_p))
-            self._waiting.append(_Waiting(ask, wanted, loop, answer, computed, urgent))
+            self._waiting.append(_Waiting(ask, wanted, loop, answer, computed, urgent, seed, shared))
             self.waiting.value = len(self._waiting)
         return await asyncio.shield(answer)
 
@@ -163,38 +170,54 @@ class Interlude:
                 self.waiting.value = len(self._waiting)
         if not computed:
             return
-        tokens = self._compute(serve, [one.ask for one in computed])
-        for one, token in zip(computed, tokens, strict=True):
+        held = [0] * len(computed)
+        tokens = self._compute(serve, [one.ask for one in computed], [one.seed for one in computed], held)
+        for one, token, cached in zip(computed, tokens, held, strict=True):
             if token is not None and one.computed is not None:
                 one.computed()
+            if token is not None and one.shared is not None:
+                one.shared(cached)
             _settle(one.loop, one.answer, token)
 
-    def _compute(self, in_place: Any, asks: list[Ask]) -> list[int | None]:
+    def _compute(self, in_place: Any, asks: list[Ask], seeds: list[int | None], held: list[int]) -> list[int | None]:
         import torch
 
         if self._generator is None:
             self._generator = torch.Generator()
             self._generator.seed()  # not torch's default seed
         names = [f"ttft-interlude-{next(self._names)}" for _ in asks]
+        for name, seed in zip(names, seeds, strict=True):
+            if seed is not None:
+                self._seeds[name] = seed
         try:
-            tokens = first_tokens(self._model, torch, in_place, asks, self._generator, names)
+            tokens = first_tokens(self._model, torch, in_place, asks, self._generator, names, held)
         except Exception as exc:  # the batch goes on without interludes: its own steps give every first token
             self._broken = True
             log.error("interlude_failed", error=f"{type(exc).__name__}: {exc}")
             return [None] * len(asks)
+        finally:
+            for name in names:
+                self._seeds.pop(name, None)
         self.served += sum(token is not None for token in tokens)
         self.declined += sum(token is None for token in tokens)
         return tokens
 
 
 def first_tokens(
-    model: Any, torch: Any, in_place: Any, asks: Sequence[Ask], generator: Any, names: Sequence[str]
+    model: Any,
+    torch: Any,
+    in_place: Any,
+    asks: Sequence[Ask],
+    generator: Any,
+    names: Sequence[str],
+    held: list[int] | None = None,
 ) -> list[int | None]:
     """The first token of each of ``asks``' prompts, computed together in one pass over the decoder layers in C
     (a step of their own, over the paged cache of ``in_place``), each behind the longest prefix that cache shares
     with it; the KV of their new rows is written into the cache, and their whole blocks are registered for prefix
     sharing, under the request names ``names`` (released before it returns). None for a prompt of more than
-    :data:`NEW_TOKENS` new tokens, or where the cache has no room for them: nothing of it is written."""
+    :data:`NEW_TOKENS` new tokens, or where the cache has no room for them: nothing of it is written. ``held``, if
+    given, gets each prompt's tokens the cache held before."""
     cache = in_place.cache
     planned: list[tuple[int, list[int], int]] = []  # (which ask, its tokens, how many of them the cache shares)
     tokens: list[int | None] = [None] * len(asks)
@@ -202,6 +225,8 @@ def first_tokens(
         for i, ((token_ids, _, _), name) in enumerate(zip(asks, names, strict=True)):
             ids = list(token_ids)
             shared = cache.search_prefix_match(name, ids)  # the blocks it shares are held under name too
+            if held is not None:
+                held[i] = shared
             new = len(ids) - shared
             if new <= NEW_TOKENS and cache.can_store_request_tokens(_Pseudo(name, shared), new):
                 planned.append((i, ids, shared))

@@ -46,9 +46,19 @@ class Race:
         process while the engine's mode is ``normal``."""
         return isinstance(self._side, Interlude) or self._modes.wanted == NORMAL
 
-    def start(self, request_id: str, prompt: Prompt, params: SamplingParams) -> None:
+    def start(
+        self,
+        request_id: str,
+        prompt: Prompt,
+        params: SamplingParams,
+        *,
+        seed: int | None = None,
+        shared: Callable[[int], None] | None = None,
+    ) -> None:
         """Ask ``side`` for the request's first token too; it goes to the request's inbox if it comes before the
-        batch's step has picked one (:class:`Claims`)."""
+        batch's step has picked one (:class:`Claims`). ``seed`` (the request's cache salt's) and ``shared`` (told
+        the tokens the cache held for it) are the interludes'; the prefill process, which keeps its own KV, takes no
+        salted request (the engine does not race one there)."""
         side, claims, modes = self._side, self._claims, self._modes
         claims.open(request_id)
         temperature = 0.0 if params.greedy else float(params.temperature)
@@ -63,7 +73,14 @@ class Race:
         async def ask() -> None:
             if isinstance(side, Interlude):
                 token = await side.first_token(
-                    prompt.token_ids, wanted, temperature, top_p, computed=note, urgent=params.urgent
+                    prompt.token_ids,
+                    wanted,
+                    temperature,
+                    top_p,
+                    computed=note,
+                    urgent=params.urgent,
+                    seed=seed,
+                    shared=shared,
                 )
             else:
                 token = await side.first_token(prompt.token_ids, wanted, temperature, top_p)

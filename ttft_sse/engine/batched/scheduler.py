@@ -1,14 +1,25 @@
-"""The batching loop's scheduler: the library's FIFO scheduler, counting what prefix sharing saves, handing the
-cache read in place (engine/cpu/attention.py) the interludes (engine/batched/interlude.py), and switching the engine's
-mode between two steps (engine/batched/modes.py)."""
+"""The batching loop's scheduler: the library's FIFO scheduler, counting what prefix sharing saves (in all and per
+request), handing the cache read in place (engine/cpu/attention.py) the interludes (engine/batched/interlude.py),
+switching the engine's mode between two steps (engine/batched/modes.py), keeping requests' prefix blocks apart by
+salt (engine/batched/salts.py), running prefills as background work, and telling a long prompt's progress.
+
+**Prefills** (``POST /prefill``, :meth:`BatchedEngine.prefill`) are requests of the library like any, marked in
+:attr:`PrefixCounters.prefills`, which only ever get what real requests leave: a step holds them back (out of the
+library's view for its choice, their blocks kept) while a real request waits in the library's queue, while their
+``hold`` says a request waits for a slot at the gate, and where the rows a step takes are all the real requests'. A
+step computes at most :data:`PREFILL_STEP_TOKENS` of their prompts (beside decoding streams, the chunked-prefill
+bound), so that a request that comes while a prefill computes waits for one short step at most."""
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ttft_sse.engine.base import Progress
+from ttft_sse.engine.batched import salts
 from ttft_sse.engine.batched.modes import Modes, keep_apart
 from ttft_sse.engine.cpu import attention
 
@@ -21,6 +32,11 @@ CHUNK_CONTEXT = 1024
 chunk shrinks in proportion, since each of its rows attends to every earlier key (see :func:`chunk_rows`)."""
 MIN_CHUNK = 16
 """The fewest prompt rows a chunk computes: below it, a step's fixed cost would make a long prompt's prefill crawl."""
+PREFILL_STEP_TOKENS = 128
+"""The most prompt tokens of prefills a step computes while no stream decodes: a request that arrives meanwhile waits
+for at most such a step (a few tens of ms on a small model), where a prompt's whole budget would be a second."""
+PROGRESS_SECONDS = 0.25
+"""The least time between two ``Progress`` of one request (the event loop sends at most a few a second)."""
 
 
 def chunk_rows(chunk: int, position: int) -> int:
@@ -46,6 +62,12 @@ class PrefixCounters:
     prefill_chunk: int = 0  # prompt tokens a step computes beside decoding streams (0: the whole token budget)
     modes: Modes | None = None  # where the engine has more than one mode: switched here, between two steps
     urgent: set[str] = field(default_factory=set)  # ids of requests prefilled before the others waiting (high lane)
+    hit_by_request: dict[str, int] = field(default_factory=dict)  # request id → its prompt tokens served from blocks
+    seeds: dict[str, int] = field(default_factory=dict)  # request id → its cache salt's seed (engine/batched/salts.py)
+    prefills: dict[str, Callable[[], bool]] = field(default_factory=dict)  # prefill request id → its hold()
+    chores: deque[Callable[[Any], None]] = field(default_factory=deque)  # run on the cache between two steps
+    progress: Callable[[str, Progress], None] | None = None  # a long prompt's progress, to its request's inbox
+    _told: dict[str, float] = field(default_factory=dict)  # request id → when its progress was last told
 
 
 def register_scheduler(counters: PrefixCounters, *, paged: bool) -> str:
@@ -73,6 +95,7 @@ def register_scheduler(counters: PrefixCounters, *, paged: bool) -> str:
                 self._in_place.waiting = counters.waiting
                 if counters.before_kernel is not None:
                     self._in_place.before_kernel = counters.before_kernel
+            salts.install(cache, counters.seeds)
             if counters.modes is not None:
                 keep_apart(cache, counters.modes)
             # The waiting queue's order, an attribute of the instance (not checked with hooks.INTERNALS): without
@@ -84,6 +107,8 @@ def register_scheduler(counters: PrefixCounters, *, paged: bool) -> str:
             # forward pass): the step in flight has ended, and the next is not begun.
             modes = counters.modes
             mode = modes.step() if modes is not None else None
+            while counters.chores:  # pins and unpins of prefills' blocks (BatchedEngine.prefill)
+                counters.chores.popleft()(self.cache)
             decoding = sum(state.status == RequestStatus.DECODING for state in self.active_requests.values())
             # A newcomer that came after the last layer of the step just done (its output layer, sampling, this
             # preparation: the interludes' checks come before each layer) gets its first token from an interlude
@@ -94,6 +119,9 @@ def register_scheduler(counters: PrefixCounters, *, paged: bool) -> str:
                 in_place.between(in_place)
             if decoding and counters.prefill_chunk:
                 token_budget = self._chunked(token_budget, decoding)
+            aside = self._set_prefills_aside()
+            if aside is not None and self._prefills_only():
+                token_budget = min(token_budget, PREFILL_STEP_TOKENS)
             later = self._hold_back_all_but_urgent()
             try:
                 scheduled = super().schedule_batch(token_budget, cache_budget)
@@ -101,9 +129,70 @@ def register_scheduler(counters: PrefixCounters, *, paged: bool) -> str:
                 if later:
                     # The library's step rebuilds the deque without those it scheduled: extend what it holds now.
                     self.waiting_requests_order.extend(i for i in later if i in self.waiting_requests)
+                if aside:
+                    self._put_prefills_back(aside)
             if modes is not None and mode is not None and scheduled[0]:
                 modes.saw((future.state.request_id for future in scheduled[0]), mode)
+            if scheduled[0] and counters.progress is not None:
+                self._tell_progress(scheduled[0])
             return scheduled
+
+        def _set_prefills_aside(self) -> tuple[dict[str, Any], dict[str, Any], list[str]] | None:
+            """Take the prefills out of the library's view for this step where a real request should have the step
+            instead (module docstring); return them, to be put back after it, or None where no prefill is held.
+            A prefill held keeps its blocks; the step's choice just does not see it."""
+            prefills = counters.prefills
+            if not prefills:
+                return None
+            real_waiting = any(i not in prefills for i in self.waiting_requests)
+            real_active = sum(i not in prefills for i in self.active_requests)
+            held = (
+                real_waiting
+                or real_active >= self.max_requests_per_batch
+                or any(hold() for hold in list(prefills.values()))
+            )
+            if not held:
+                return {}, {}, []
+            active = {i: s for i, s in self.active_requests.items() if i in prefills}
+            waiting = {i: s for i, s in self.waiting_requests.items() if i in prefills}
+            order = [i for i in self.waiting_requests_order if i in prefills]
+            for i in active:
+                del self.active_requests[i]
+            for i in waiting:
+                del self.waiting_requests[i]
+            if order:
+                kept = [i for i in self.waiting_requests_order if i not in prefills]
+                self.waiting_requests_order.clear()
+                self.waiting_requests_order.extend(kept)
+            return active, waiting, order
+
+        def _prefills_only(self) -> bool:
+            """Every request the step may choose is a prefill (and there is one)."""
+            ids = [*self.active_requests, *self.waiting_requests]
+            return bool(ids) and all(i in counters.prefills for i in ids)
+
+        def _put_prefills_back(self, aside: tuple[dict[str, Any], dict[str, Any], list[str]]) -> None:
+            active, waiting, order = aside
+            self.active_requests.update(active)
+            self.waiting_requests.update(waiting)
+            self.waiting_requests_order.extend(order)
+
+        def _tell_progress(self, futures: Any) -> None:
+            """A ``Progress`` for each real request whose prompt this step computes a part of, short of its end:
+            the tokens in the cache before the step (at most one every :data:`PROGRESS_SECONDS`)."""
+            now = time.monotonic()
+            told = counters._told
+            for future in futures:
+                state = future.state
+                if state.status != RequestStatus.PREFILLING or state.request_id in counters.prefills:
+                    continue
+                if now - told.get(state.request_id, 0.0) < PROGRESS_SECONDS:
+                    continue
+                told[state.request_id] = now
+                total = len(state.initial_tokens)
+                before = total - len(state.remaining_prefill_tokens) - len(state.tokens_to_process)
+                assert counters.progress is not None
+                counters.progress(state.request_id, Progress(total, max(before, 0)))
 
         def _hold_back_all_but_urgent(self) -> list[str]:
             """Where urgent requests (the high lane's) wait beside others, leave the others out of this step's
@@ -142,6 +231,7 @@ def register_scheduler(counters: PrefixCounters, *, paged: bool) -> str:
                 counters.prompt_tokens += len(state.initial_tokens)
                 counters.hits += 1
                 counters.hit_tokens += state.position_offset - before
+                counters.hit_by_request[state.request_id] = state.position_offset - before
             return tokens
 
         def _schedule_request(self, state: Any, tokens: Any, budget: int, removed: set[str]) -> None:

@@ -30,7 +30,7 @@ import structlog
 
 from ttft_sse.bridge import Commands, Loop, Mailboxes
 from ttft_sse.engine import prompts, sampling
-from ttft_sse.engine.base import NORMAL, ChatMessage, Finished, ModelInfo, Piece, Prompt, SamplingParams
+from ttft_sse.engine.base import NORMAL, ChatMessage, Finished, Hold, ModelInfo, Piece, Prompt, SamplingParams
 from ttft_sse.engine.base import check_mode as _check_mode
 from ttft_sse.engine.llamacpp import library
 from ttft_sse.engine.llamacpp.schedule import Schedule
@@ -176,6 +176,19 @@ class LlamaCppEngine:
             raw=raw,
             parse_special=parse_special,
         )
+
+    def prepare_prefix(self, *, prompt: str | None, messages: Sequence[ChatMessage] | None, raw: bool) -> Prompt:
+        return prompts.prepare_prefix(
+            self._tokenizer, self.info.context_length, prompt=prompt, messages=messages, raw=raw
+        )
+
+    def cached(self, prompt: Prompt, cache_salt: str = "") -> int:
+        """None: every prompt is computed in full, in the batch's steps (this engine shares no prefix yet)."""
+        return 0
+
+    async def prefill(self, prompt: Prompt, *, cache_salt: str = "", owner: str = "", hold: Hold = None) -> int:
+        """Nothing: there is no prefix cache to compute into (docs/engine.md, "The llama.cpp engine")."""
+        return 0
 
     async def stream(self, prompt: Prompt, params: SamplingParams) -> AsyncGenerator[Item, None]:
         if self._closed or self._runner is None:
