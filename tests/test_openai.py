@@ -332,7 +332,9 @@ def test_body_errors_come_through_the_same_exception_tree(client: TestClient) ->
 
 
 def test_chat_reply_has_openais_shape_usage_and_our_timings(client: TestClient) -> None:
-    response = client.post(CHAT, json={"model": "whatever", "messages": HELLO}, headers={"x-request-id": "r-1"})
+    # A salt of its own: the module's client has answered HELLO before, and its cache would give cached tokens.
+    body = {"model": "whatever", "messages": HELLO, "cache_salt": "shape"}
+    response = client.post(CHAT, json=body, headers={"x-request-id": "r-1"})
     assert response.status_code == 200
     body = response.json()
     timings = body.pop("timings")
@@ -365,7 +367,7 @@ def test_completion_reply_with_stop_and_length(client: TestClient) -> None:
     stopped = client.post(TEXT, json={"prompt": "hi", "stop": [" wor"]}).json()
     assert stopped["object"] == "text_completion"
     assert stopped["choices"] == [{"index": 0, "text": "Hello,", "logprobs": None, "finish_reason": "stop"}]
-    cut = client.post(TEXT, json={"prompt": "hi", "max_tokens": 2}).json()
+    cut = client.post(TEXT, json={"prompt": "hi", "max_tokens": 2, "cache_salt": "cut"}).json()
     assert (cut["choices"][0]["text"], cut["choices"][0]["finish_reason"]) == ("Hello,", "length")
     assert cut["usage"] == {
         "prompt_tokens": 1,

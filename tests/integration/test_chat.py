@@ -106,7 +106,7 @@ def test_a_greedy_answer_is_the_pieces_of_stream_then_done_and_its_text_is_compl
          "line 1 column 2 (char 1)", 1008),
         ('{"prompt": "hi", "max_tokens": 0}', "[ERROR] max_tokens must be between 1 and 2048, got 0", 1008),
         ('{"prompt": "hi", "maxtokens": 3}', "[ERROR] unknown field(s): maxtokens; accepted: prompt, messages, raw, "
-         "parse_special, max_tokens, temperature, top_p, stop, seed", 1008),
+         "parse_special, max_tokens, temperature, top_p, stop, seed, cache_salt", 1008),
         ('{"max_tokens": 3}', "[ERROR] prompt or messages is required", 1008),
         ("[1, 2]", "[ERROR] the request body must be a JSON object, not an array", 1008),
         (b'{"prompt": "hi"}', '[ERROR] frames must be text: send the prompt as one JSON text frame such as '

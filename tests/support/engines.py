@@ -6,17 +6,21 @@ import asyncio
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 
-from ttft_sse.engine.base import ChatMessage, Finished, Piece, Prompt
+from ttft_sse.engine.base import ChatMessage, Finished, Piece, Progress, Prompt
 from ttft_sse.engine.batched.engine import BatchedEngine
 from ttft_sse.engine.single import SingleEngine
 
 
-async def collect(items: AsyncGenerator[Piece | Finished, None]) -> tuple[str, Finished]:
+async def collect(items: AsyncGenerator[Progress | Piece | Finished, None]) -> tuple[str, Finished]:
+    """A generation's text and its one ``Finished``; ``Progress`` items (a long prompt's) are passed over."""
     pieces: list[Piece] = []
     finished: list[Finished] = []
     async with aclosing(items) as stream:
         async for item in stream:
-            (pieces if isinstance(item, Piece) else finished).append(item)  # type: ignore[arg-type]
+            if isinstance(item, Piece):
+                pieces.append(item)
+            elif isinstance(item, Finished):
+                finished.append(item)
     assert [p.index for p in pieces] == list(range(len(pieces)))
     assert all(p.text for p in pieces)
     assert len(finished) == 1
