@@ -234,3 +234,39 @@ async def test_interludes_and_prefix_sharing_over_the_f16_cache_give_the_single_
     assert got == want
     assert batched_f16.interludes.served > served
     assert batched_f16.stats().prefix_hit_tokens > hits
+
+
+async def test_the_prefill_process_keeps_the_batchs_f16_cache_and_its_first_tokens_are_the_batchs(
+    f16_settings: Settings, single_f16: SingleEngine
+) -> None:
+    """The prefill process, started by an engine whose KV cache ``auto`` made f16 (the fp32 one does not fit in 1,550
+    MiB beside the bundled model's weights and working memory), is told f16 (``auto`` could choose otherwise in the
+    child, by the memory left to it) and computes with an f16 cache too: the first tokens it wins are the batch's (no
+    mismatch logged), and each text is the f16 single engine's."""
+    from structlog.testing import capture_logs
+
+    from tests.engine.batched.test_prefill import prompts, until_the_process_wins
+    from tests.support.servers import eventually
+
+    auto = f16_settings.replace(kv_dtype="auto", memory_limit_mb=1550)
+    engine = BatchedEngine(auto.replace(prefill_process=True, prefill_between_layers=False, kernel_helpers=0))
+    engine.load(StageClock())
+    try:
+        assert (engine.info.kv_cache_dtype, engine.info.kv_cache_tokens) == ("float16", 8192)
+        assert engine._prefill is not None
+        assert engine._prefill._settings.kv_dtype == "f16"  # what the child loads with
+        eventually(lambda: engine.stats().prefill != "loading", timeout=180)
+        assert engine.stats().prefill == "ready"
+        params = SamplingParams(max_tokens=12)
+
+        async def burst(n: int) -> None:
+            label = f"({n}) "
+            want = [outcome(await collect(single_f16.stream(p, params))) for p in prompts(single_f16, label)]
+            with capture_logs() as logs:
+                got = await asyncio.gather(*(collect(engine.stream(p, params)) for p in prompts(engine, label)))
+            assert [outcome(g) for g in got] == want
+            assert not [e for e in logs if e["event"] == "first_token_mismatch"]
+
+        await until_the_process_wins(engine, burst)
+    finally:
+        await engine.close()
