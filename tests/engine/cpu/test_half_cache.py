@@ -270,3 +270,43 @@ async def test_the_prefill_process_keeps_the_batchs_f16_cache_and_its_first_toke
         await until_the_process_wins(engine, burst)
     finally:
         await engine.close()
+
+
+async def test_sliding_window_layers_over_an_f16_cache_read_in_place_or_through_the_library_alike(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Gemma 3's sliding-window layers (a tiny model's window of 8) over the f16 paged cache: decode steps read the
+    ring in place, prompts that wrap it take the library's reading (the f16 class's update widens what it reads) and
+    its attention. Each answer is the same alone and together, and a prompt within the window the f16 single
+    engine's, whose dense cache holds the sliding layers' rows in f16 too."""
+    from tests.support import tinymodels
+
+    settings = Settings(
+        model=str(tinymodels.build_gguf("gemma3", tmp_path)), cache_dir=tmp_path / "cache", threads=1,
+        prefill_process=False, kv_dtype="f16",
+    )  # fmt: skip
+    windows: list[bool] = []
+    window_index = attention.window_index
+
+    def seen(*arguments: Any) -> Any:
+        found = window_index(*arguments)
+        windows.append(found is not None)  # read in place, or by the library
+        return found
+
+    monkeypatch.setattr(attention, "window_index", seen)
+    single = SingleEngine(settings)
+    single.load(StageClock())
+    engine = BatchedEngine(settings)
+    engine.load(StageClock())
+    try:
+        assert engine.info.kv_cache_dtype == "float16"
+        params = SamplingParams(max_tokens=20)
+        asks = ["tell me a story about a dragon who could fly", "what is the capital of france? paris is."]
+        alone = [outcome(await collect(engine.stream(prompt_of(engine, a), params))) for a in asks]
+        together = await asyncio.gather(*(collect(engine.stream(prompt_of(engine, a), params)) for a in asks))
+        assert [outcome(t) for t in together] == alone
+        got = outcome(await collect(engine.stream(prompt_of(engine, "hi"), params)))
+        assert got == outcome(await collect(single.stream(prompt_of(single, "hi"), params)))
+        assert (True in windows, False in windows) == (True, True)
+    finally:
+        await engine.close()
