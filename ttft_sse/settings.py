@@ -141,6 +141,10 @@ class Settings:
     # stays a few decode steps. 0: no limit.
     prefill_chunk_tokens: int = 16
     kv_cache_tokens: int = 8192
+    # The transformers engines' KV cache on CPU in fp32 (engine/cpu/half_cache.py): "fp32", the fp32 model's answers;
+    # "f16", half the memory, keys and values rounded to fp16 as they are stored (answers may differ); "auto", f16 for
+    # a GGUF file of 2 GiB or more or where the fp32 cache would not fit the memory plan, fp32 otherwise.
+    kv_dtype: str = "auto"
     # Memory the server may use, in MiB (0: what the machine has available, or its cgroup's limit where lower). The
     # model's weights, KV cache and working memory are planned against it before loading (engine/loading/budget.py):
     # a KV cache that does not fit is made smaller, a model that does not fit is refused at start.
@@ -246,6 +250,8 @@ class Settings:
             raise SettingsError(f"gguf_activations must be auto, int8 or fp32, got {self.gguf_activations!r}")
         if self.prefix_isolation not in ("shared", "key"):
             raise SettingsError(f"prefix_isolation must be shared or key, got {self.prefix_isolation!r}")
+        if self.kv_dtype not in ("auto", "fp32", "f16"):
+            raise SettingsError(f"kv_dtype must be auto, fp32 or f16, got {self.kv_dtype!r}")
         if self.degrade not in ("off", "int8"):
             raise SettingsError(f"degrade must be off or int8, got {self.degrade!r}")
         if self.degrade == "int8" and self.gguf_activations == "int8":

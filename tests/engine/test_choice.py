@@ -119,15 +119,18 @@ def test_auto_engine_is_the_chosen_engine_once_loaded() -> None:
 
 def test_auto_takes_the_engine_whose_kv_cache_fits_where_only_one_does(tmp_path: Path) -> None:
     """The bundled model in 1,550 MiB: beside its weights and working memory the batched engine's fp32 KV cache
-    (8,192 tokens: 377 MB) does not fit whole, llama.cpp's f16 one (189 MB) does; nothing is measured."""
+    (``TTFT_KV_DTYPE=fp32``; 8,192 tokens: 377 MB) does not fit whole, llama.cpp's f16 one (189 MB) does; nothing is
+    measured. With ``auto`` the batched engine's cache goes f16 where fp32 does not fit: both fit, and are measured."""
     llama_cpp_or_skip()
 
     def measure(settings: Settings, name: str) -> choice.Rates:
         raise AssertionError("nothing to measure")
 
-    settings = Settings(engine="auto", cache_dir=tmp_path, memory_limit_mb=1550)
+    settings = Settings(engine="auto", cache_dir=tmp_path, memory_limit_mb=1550, kv_dtype="fp32")
     made = choice.choose(settings, measure=measure)
     assert (made.name, made.chosen_by) == ("llamacpp", "memory")
     assert made.reason.startswith("memory: batched would hold ") and "of its 8192 KV tokens in 1.5 GiB" in made.reason
     roomy = choice.choose(settings.replace(memory_limit_mb=4096), measure=lambda s, n: {"c1": 1.0, "c8": 1.0})
     assert roomy.chosen_by == "measured"  # both fit: measured as before
+    narrow = choice.choose(settings.replace(kv_dtype="auto"), measure=measure)
+    assert narrow.chosen_by == "measured before"  # both fit: the verdict just measured

@@ -59,6 +59,7 @@ async def readyz(request: Request) -> JSONResponse:
                 "weights_bytes": info.weights_bytes,
                 "kv_cache_tokens": info.kv_cache_tokens,
                 "kv_cache_bytes": info.kv_cache_bytes,
+                "kv_cache_dtype": info.kv_cache_dtype,
                 "load_peak_rss_bytes": info.load_peak_rss_bytes,
             },
             "startup": lifecycle.startup_report(),

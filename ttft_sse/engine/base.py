@@ -154,11 +154,12 @@ class ModelInfo:
     # Which engine runs the model (/readyz's "engine"): "batched", "single", "llamacpp", "fake".
     engine: str = ""
     # Memory (/readyz's "memory"): the bytes of weights held, the KV cache's tokens (TTFT_KV_CACHE_TOKENS, or fewer
-    # where the memory plan made it smaller: engine/loading/budget.py) and bytes, and the most the process held
-    # resident while it loaded.
+    # where the memory plan made it smaller: engine/loading/budget.py), bytes and values' dtype ("float32",
+    # "float16": TTFT_KV_DTYPE), and the most the process held resident while it loaded.
     weights_bytes: int = 0
     kv_cache_tokens: int = 0
     kv_cache_bytes: int = 0
+    kv_cache_dtype: str = ""
     load_peak_rss_bytes: int = 0
 
 

@@ -11,9 +11,9 @@ nothing; ``ttft-sse prepare`` with ``TTFT_ENGINE=auto`` measures ahead of the fi
 
 ``auto`` needs no measurement where only one engine can run: a model that is not a GGUF, or llama-cpp-python not
 installed, gives the batched engine (``chosen_by`` says why); and where the machine's memory holds the KV cache asked
-for beside one engine's weights and not the other's (engine/loading/budget.py: fp32 keys and values on the batched
-engine, f16 on llama.cpp's), that one runs (``chosen_by`` "memory"). An explicit ``TTFT_ENGINE`` always wins.
-``/readyz`` and the start-up log say which engine runs and why (:func:`report`).
+for beside one engine's weights and not the other's (engine/loading/budget.py: the batched engine's keys and values
+in the dtype ``TTFT_KV_DTYPE`` gives them, f16 on llama.cpp's), that one runs (``chosen_by`` "memory"). An explicit
+``TTFT_ENGINE`` always wins. ``/readyz`` and the start-up log say which engine runs and why (:func:`report`).
 """
 
 from __future__ import annotations
@@ -147,8 +147,8 @@ def choose(settings: Settings, *, measure: Measure | None = None) -> Choice:
 
 def _fitting(settings: Settings, source: sources.ModelSource) -> list[Choice]:
     """Where the memory plans (engine/loading/budget.py) let one candidate hold the KV cache asked for and the other
-    not (the transformers engines hold it in fp32, llama.cpp in f16; a plan that cannot fit at all is refused), that
-    one alone, with the reason; else both candidates (an empty reason each)."""
+    not (the transformers engines hold it in TTFT_KV_DTYPE's dtype, llama.cpp in f16; a plan that cannot fit at all
+    is refused), that one alone, with the reason; else both candidates (an empty reason each)."""
     import transformers
 
     location = sources.materialize(source, settings.cache_dir, StageClock())

@@ -31,7 +31,7 @@ from ttft_sse.engine.base import (
     SamplingParams,
     check_mode,
 )
-from ttft_sse.engine.cpu import kernel
+from ttft_sse.engine.cpu import half_cache, kernel
 from ttft_sse.engine.loading.model import load_model
 from ttft_sse.engine.text import TokenText
 from ttft_sse.errors import EngineError
@@ -190,8 +190,11 @@ class SingleEngine:
         started = time.perf_counter()
         streamer.started = started
         mode = self._mode  # the whole generation's, its prompt's pass included
+        # A KV cache in f16 where the model's are (TTFT_KV_DTYPE): the keys and values the batched engine's hold.
+        cache = {"cache": half_cache.dense(self._model)} if half_cache.in_f16(self._model) else {}
         with torch.inference_mode(), kernel.int8_rows(mode == INT8):
             self._model.generate(
+                **cache,
                 input_ids=input_ids,
                 attention_mask=torch.ones_like(input_ids),
                 generation_config=config,

@@ -229,22 +229,29 @@ def test_q_k_v_and_gate_up_joined_give_the_same_bits_as_the_layers_one_by_one(
     assert all(bool(t.abs().sum() > 0) for t in joined)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_a_batched_steps_layer_in_one_call_is_its_head_cache_write_attention_and_tail_in_turn(
-    loaded: tuple[SingleEngine, list[dict[str, Any]]],
+    loaded: tuple[SingleEngine, list[dict[str, Any]]], dtype: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """decoder.c's ttft_decoder_layer against the calls it replaces, on a layer of the bundled model: the head, the
-    new keys and values copied into the cache's rows (the library's update), attention.c's function through
-    engine/cpu/attention.py, the tail. The same bits, in the output and in the cache."""
+    new keys and values copied into the cache's rows (the library's update; in an f16 cache, rounded by torch),
+    attention.c's function through engine/cpu/attention.py, the tail. The same bits, in the output and in the
+    cache."""
     engine, _ = loaded
     layer = engine.model.model.layers[3]
     module, numbers = layer.self_attn, layer.arithmetic
     assert getattr(module, attention.PAGED, None) is not None
+    library = attention.build(DIRECTORY)
+    for name, arguments in ((attention.PAGED_HALF, attention._ARGUMENTS), (attention.PAGED_PART_HALF, ())):
+        monkeypatch.setattr(module, name, compiler.load(library, name, arguments), raising=False)
+    half = dtype == "float16"
     requests = [(1, 6), (4, 4), (2, 9)]  # (new rows, keys): a decode, a new prompt, a prompt behind its past
     rows, keys = sum(r for r, _ in requests), sum(k for _, k in requests)
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(rows, numbers.hidden, generator=generator)
     cos, sin = (torch.rand(rows, numbers.dim, generator=generator) for _ in range(2))
-    cache = [torch.randn(40, numbers.kv_heads, numbers.dim, generator=generator) for _ in range(2)]
+    cache = [torch.randn(40, numbers.kv_heads, numbers.dim, generator=generator) for _ in "kv"]
+    cache = [rows.to(getattr(torch, dtype)) for rows in cache]
     index = torch.randperm(40, generator=generator)[:keys]
     # Each request's keys are its past, then its new rows: the new rows' keys and values are written last.
     cu_q, cu_k = attention.starts(torch, requests)
@@ -256,7 +263,7 @@ def test_a_batched_steps_layer_in_one_call_is_its_head_cache_write_attention_and
     assert layer.head(layer.address, pointers[0], rows, *pointers[1:]) == 0
     want_cache = [t.clone() for t in cache]
     for rows_of, new in zip(want_cache, (k, v), strict=True):
-        rows_of.index_copy_(0, write, new.view(rows, numbers.kv_heads, numbers.dim))
+        rows_of.index_copy_(0, write, new.view(rows, numbers.kv_heads, numbers.dim).to(rows_of.dtype))
     query = q.view(1, rows, numbers.heads, numbers.dim).transpose(1, 2)
     longest = max(n for n, _ in requests)
     a = attention.paged_attention(module, query, (*want_cache, index), cu_q, cu_k, longest, module.scaling)
@@ -264,7 +271,7 @@ def test_a_batched_steps_layer_in_one_call_is_its_head_cache_write_attention_and
     assert layer.tail(layer.address, pointers[0], a.reshape(rows, -1).data_ptr(), rows, want.data_ptr()) == 0
 
     got_cache = [t.clone() for t in cache]
-    shared = attention.Step(write, index, cu_q, cu_k, len(requests), cache[0].stride(0), cache[0].stride(1), 40)
+    shared = attention.Step(write, index, cu_q, cu_k, len(requests), cache[0].stride(0), cache[0].stride(1), 40, half)
     step = stack.c_step(shared, module)
     got = torch.empty(rows, numbers.hidden)
     status = layer.whole(
@@ -296,7 +303,8 @@ def test_a_steps_layers_in_one_call_are_each_layers_call_in_turn_and_stop_where_
     index = torch.randperm(40, generator=generator)[:keys]
     cu_q, cu_k = attention.starts(torch, requests)
     write = torch.cat([index[int(cu_k[s + 1]) - n : int(cu_k[s + 1])] for s, (n, _) in enumerate(requests)])
-    shared = attention.Step(write, index, cu_q, cu_k, len(requests), caches[0][0].stride(0), caches[0][0].stride(1), 40)
+    strides = caches[0][0].stride()[:2]
+    shared = attention.Step(write, index, cu_q, cu_k, len(requests), *strides, 40, False)
     step = stack.c_step(shared, module)
 
     def one_by_one(count: int) -> tuple[Any, list[list[Any]]]:

@@ -551,21 +551,26 @@ def attention_library(tmp_path_factory: pytest.TempPathFactory) -> Path:
 class AttentionStep:
     """A batched step's attention for the bundled model's heads (9 query heads on 3 KV heads of 64): ``requests``
     of (new rows, keys) over a KV cache whose rows the step's index reads scattered; computed alone by attention.c
-    or shared with the helper threads of the kernel's library ``shared``."""
+    or shared with the helper threads of the kernel's library ``shared``; with ``half``, a cache of fp16 values
+    (TTFT_KV_DTYPE=f16), by attention.c's functions for them."""
 
-    def __init__(self, requests: list[tuple[int, int]], library: Path, shared: Path, seed: int) -> None:
+    def __init__(
+        self, requests: list[tuple[int, int]], library: Path, shared: Path, seed: int, half: bool = False
+    ) -> None:
         rng = np.random.default_rng(seed)
         self.heads, self.kv_heads, self.dim = 9, 3, 64
         rows, keys = sum(n for n, _ in requests), sum(k for _, k in requests)
         slots = 2 * keys
         self.q = rng.standard_normal((rows, self.heads * self.dim)).astype(np.float32)
-        self.k, self.v = (rng.standard_normal((slots, self.kv_heads * self.dim)).astype(np.float32) for _ in "kv")
+        kv_type = np.float16 if half else np.float32
+        self.k, self.v = (rng.standard_normal((slots, self.kv_heads * self.dim)).astype(kv_type) for _ in "kv")
         self.index = rng.permutation(slots)[:keys].astype(np.int64)
         self.cu_q = np.cumsum([0, *(n for n, _ in requests)]).astype(np.int32)
         self.cu_k = np.cumsum([0, *(k for _, k in requests)]).astype(np.int32)
         self.requests = len(requests)
-        self.alone = attention._function(library)
-        self.part = ctypes.cast(compiler.load(library, "ttft_attention_part", ()), _PTR).value
+        alone, part = (attention.PAGED_HALF, attention.PAGED_PART_HALF) if half else (None, "ttft_attention_part")
+        self.alone = compiler.load(library, alone, attention._ARGUMENTS) if alone else attention._function(library)
+        self.part = ctypes.cast(compiler.load(library, part, ()), _PTR).value
         # ttft_share_attention (helpers.c): attention.c's part function, then ttft_paged_attention's arguments.
         self.share = compiler.load(shared, "ttft_share_attention", (_PTR, *attention._ARGUMENTS))
 
@@ -599,12 +604,13 @@ STEPS = {
 }
 
 
+@pytest.mark.parametrize("half", [False, True], ids=["fp32-cache", "f16-cache"])
 @pytest.mark.parametrize("step", STEPS)
 def test_a_steps_attention_shared_with_a_helper_thread_gives_the_same_bits_as_alone(
-    step: str, alone_and_shared: tuple[Path, Path], attention_library: Path
+    step: str, half: bool, alone_and_shared: tuple[Path, Path], attention_library: Path
 ) -> None:
     shared = alone_and_shared[1]
-    attend = AttentionStep(STEPS[step], attention_library, shared, seed=len(step))
+    attend = AttentionStep(STEPS[step], attention_library, shared, seed=len(step), half=half)
     want = attend.computed_alone()
     assert not np.isnan(want).any()
     before = kernel.helper_counts(shared)

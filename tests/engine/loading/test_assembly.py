@@ -100,8 +100,9 @@ def test_the_server_surfaces_give_the_bundled_model_its_answers(hf_server: str) 
 def test_readyz_reports_the_weights_the_kv_cache_and_the_load_s_peak(hf_server: str) -> None:
     memory = httpx.get(f"{hf_server}/readyz", timeout=30).json()["memory"]
     assert memory["kv_cache_tokens"] == 8192
-    # SmolLM2's KV cache: 30 layers, 3 KV heads of 64, keys and values in fp32
+    # SmolLM2's KV cache: 30 layers, 3 KV heads of 64, keys and values in fp32 (TTFT_KV_DTYPE=auto, a small file)
     assert memory["kv_cache_bytes"] == 8192 * 30 * 2 * 3 * 64 * 4
+    assert memory["kv_cache_dtype"] == "float32"
     # the kernel's arrays (105 MB, the tied LM head's own codes of the Q8_0 table among them) and the embedding's
     # rows read from the file (that table: 30 MB): the file's 98 MB, and its table twice
     size = sources.bundled_gguf().stat().st_size

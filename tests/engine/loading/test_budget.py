@@ -37,13 +37,72 @@ def test_a_kv_cache_that_does_not_fit_is_made_smaller_and_a_model_that_does_not_
     )
     assert (smaller.kv_tokens, smaller.refusal) == (6144, None)  # 3 GiB left, in whole 256-token steps
     refused = budget.plan(
-        weights=4 * GIB, kv_bytes_per_token=per_token, asked_tokens=8192, working=GIB, limit_mb=5 * 1024, what="m"
-    )
+        weights=4 * GIB, kv_bytes_per_token=per_token, asked_tokens=8192, working=GIB, limit_mb=5 * 1024, what="m",
+        kv_dtype="float16",
+    )  # fmt: skip
     assert refused.refusal == (
-        "m needs about 5.5 GiB (weights 4.0 GiB, working memory 1.0 GiB, a KV cache of 1024 tokens 0.5 GiB) and "
-        "5.0 GiB is available (TTFT_MEMORY_LIMIT_MB); use a smaller model or quantisation, or give the server more "
-        "memory (TTFT_MEMORY_LIMIT_MB, the container's limit)"
+        "m needs about 5.5 GiB (weights 4.0 GiB, working memory 1.0 GiB, a KV cache of 1024 tokens in f16 0.5 GiB) "
+        "and 5.0 GiB is available (TTFT_MEMORY_LIMIT_MB); use a smaller model or quantisation, or give the server "
+        "more memory (TTFT_MEMORY_LIMIT_MB, the container's limit)"
     )
+    # A cache in fp32 (TTFT_KV_DTYPE=fp32): the refusal names the narrower one.
+    wide = budget.plan(
+        weights=4 * GIB, kv_bytes_per_token=2 * per_token, asked_tokens=8192, working=GIB, limit_mb=5 * 1024,
+        what="m", kv_dtype="float32",
+    )  # fmt: skip
+    assert wide.refusal is not None and "a KV cache of 1024 tokens in fp32 1.0 GiB" in wide.refusal
+    assert "use a smaller model or quantisation, the KV cache in f16 (TTFT_KV_DTYPE=f16), or give" in wide.refusal
+
+
+REST = "beside the rest (TTFT_KV_DTYPE=auto)"
+LLAMA2_7B = {
+    "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32,
+    "num_key_value_heads": 32, "vocab_size": 32000,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("setting", "limit_gib", "want", "reason"),
+    [
+        ("auto", 16, "float32", "the fp32 cache fits (TTFT_KV_DTYPE=auto)"),
+        ("auto", 8, "float16", f"fp32 keys and values of 8192 tokens (8.0 GiB) do not fit in 8.0 GiB {REST}"),
+        ("fp32", 8, "float32", "TTFT_KV_DTYPE=fp32"),
+        ("f16", 16, "float16", "TTFT_KV_DTYPE=f16"),
+    ],
+    ids=["auto-fits", "auto-short", "fp32", "f16"],
+)
+def test_the_kv_cache_is_planned_in_the_dtype_the_setting_or_the_memory_gives(
+    tmp_path: Path, setting: str, limit_gib: int, want: str, reason: str
+) -> None:
+    import transformers
+
+    from ttft_sse.settings import Settings
+
+    config = transformers.LlamaConfig(**LLAMA2_7B)  # 1 MiB a token in fp32, 0.5 MiB in f16
+    settings = Settings(kv_dtype=setting, memory_limit_mb=limit_gib * 1024)
+    plan, _ = budget.for_transformers(settings, "dir", str(tmp_path), None, config, "float32", on_kernel=False)
+    assert (plan.kv_dtype, plan.kv_reason) == (want, reason)
+    assert plan.kv_bytes_per_token == 32 * 2 * 4096 * (4 if want == "float32" else 2)
+    # In f16 the whole cache asked for fits in 8 GiB beside the working memory (1.2 GiB); in fp32, 6912 tokens do.
+    assert plan.kv_tokens == (6912 if setting == "fp32" else 8192)
+    assert plan.as_log()["kv_dtype"] == want
+
+
+def test_auto_keeps_a_large_files_kv_cache_in_f16_and_a_model_not_in_fp32_keeps_its_own(tmp_path: Path) -> None:
+    from ttft_sse.errors import StartupError
+    from ttft_sse.settings import Settings
+
+    large, small = tmp_path / "large.gguf", tmp_path / "small.gguf"
+    with large.open("wb") as f:
+        f.truncate(budget.LARGE_FILE_BYTES)  # sparse: its size is what counts
+    small.write_bytes(b"GGUF")
+    auto = Settings()
+    assert budget.kv_dtype(auto, str(large), "float32") == ("float16", "a 2.0 GiB file (TTFT_KV_DTYPE=auto)")
+    assert budget.kv_dtype(auto, str(small), "float32") == (None, "")  # memory decides
+    assert budget.kv_dtype(Settings(kv_dtype="fp32"), str(large), "float32") == ("float32", "TTFT_KV_DTYPE=fp32")
+    assert budget.kv_dtype(auto, None, "bfloat16") == ("bfloat16", "the model's dtype (bfloat16)")
+    with pytest.raises(StartupError, match="TTFT_KV_DTYPE=f16 is for the transformers engines on CPU in fp32"):
+        budget.kv_dtype(Settings(kv_dtype="f16"), None, "bfloat16")
 
 
 def test_a_cgroup_limit_below_what_the_machine_has_is_the_one_planned_for(tmp_path: Path) -> None:

@@ -86,7 +86,7 @@ from ttft_sse.engine.batched.modes import Modes
 from ttft_sse.engine.batched.prefill import PrefillProcess
 from ttft_sse.engine.batched.race import Race
 from ttft_sse.engine.batched.scheduler import PrefixCounters, register_scheduler, unregister_scheduler
-from ttft_sse.engine.cpu import attention, families, kernel
+from ttft_sse.engine.cpu import attention, families, half_cache, kernel
 from ttft_sse.engine.single import CacheJanitor, SingleEngine
 from ttft_sse.engine.text import TokenText
 from ttft_sse.errors import EngineError
@@ -257,7 +257,9 @@ class BatchedEngine:
             # Both want the second core, and the batch does better with it at c=8 (figures: docs/engine.md).
             reason = "the block kernel's helper threads use the other cores (TTFT_KERNEL_HELPERS=0 gives them to it)"
         else:
-            self._prefill = PrefillProcess(self._settings)
+            # Its KV cache in the batch's dtype, as chosen here (auto's choice by memory could differ in the child).
+            kv = "f16" if half_cache.in_f16(self.model) else "fp32"
+            self._prefill = PrefillProcess(self._settings.replace(kv_dtype=kv))
             self._prefill.start()
             return
         log.info("prefill_process_off", reason=reason)

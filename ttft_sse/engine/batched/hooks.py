@@ -3,10 +3,10 @@
 The engine builds on private parts of transformers' continuous batching: the manager's batch-processor factory and
 output router, the runner's sampler, the per-request logits processors, the scheduler table and the FIFO scheduler's
 hooks, the paged cache's allocators and the token ids they hash (engine/batched/modes.py), and the cache's own
-allocation (:func:`zero_cache_lazily`). ``pyproject.toml`` pins the transformers versions the engine is tested
-with; :func:`missing_internals` checks at load that every name the engine uses is there, so that another version
-makes the engine fall back to one ``model.generate`` per request (the library's public path) with one log line,
-rather than crash mid-request or compute wrongly.
+allocation (:func:`zero_cache_lazily`) and class (:func:`keep_cache_in_f16`). ``pyproject.toml`` pins the
+transformers versions the engine is tested with; :func:`missing_internals` checks at load that every name the engine
+uses is there, so that another version makes the engine fall back to one ``model.generate`` per request (the
+library's public path) with one log line, rather than crash mid-request or compute wrongly.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 
 from ttft_sse.engine.batched import memory
 from ttft_sse.engine.batched.claims import Claims
-from ttft_sse.engine.cpu import argmax
+from ttft_sse.engine.cpu import argmax, half_cache
 from ttft_sse.engine.loading.model import KERNEL_DIR
 from ttft_sse.settings import Settings
 
@@ -34,6 +34,7 @@ INTERNALS: dict[str, tuple[str, ...]] = {
         "ContinuousBatchingManager.add_request",
         "ContinuousBatchingManager.cancel_request",
         "ContinuousBatchingManager.is_running",
+        "PagedAttentionCache",  # the name the manager builds its cache by (keep_cache_in_f16)
         "OutputRouter.deliver",
         "OutputRouter.deliver_batch",
     ),
@@ -101,7 +102,8 @@ def create_manager(
     """The library's continuous-batching manager for ``single``'s model (engine/single.py's engine, loaded): a paged
     cache of ``blocks`` blocks of :data:`BLOCK_TOKENS`, the registered ``scheduler``, each step's outputs to
     ``deliver`` (:func:`router`), tokens picked per request (engine/batched/selection.py, with ``claims``), and on
-    CPU the cache zeroed lazily (its tensor to ``populate``) and the greedy pick in C where it builds."""
+    CPU the cache zeroed lazily (its tensor to ``populate``), in f16 where the model's KV caches are
+    (engine/cpu/half_cache.py), and the greedy pick in C where it builds."""
     import transformers
 
     eos = sorted(single.eos)
@@ -125,6 +127,8 @@ def create_manager(
     manager.logit_processor = selection(claims)  # before the loop builds its batch processor from it
     if single.model.device.type == "cpu":
         zero_cache_lazily(manager, populate)
+        if half_cache.in_f16(single.model):
+            keep_cache_in_f16(manager)
         picker = argmax.build(settings.cache_dir / KERNEL_DIR)
         if picker is not None:
             pick_greedy_with(manager, picker)
@@ -185,6 +189,28 @@ def zero_cache_lazily(manager: Any, made: Callable[[Any], None]) -> None:
         if tensor is not None:
             made(tensor)
         return processor
+
+    manager._create_batch_processor = created
+
+
+def keep_cache_in_f16(manager: Any) -> None:
+    """Have the paged cache each batch processor ``manager`` builds keep its keys and values in f16
+    (engine/cpu/half_cache.py's ``paged_class``) while the model computes in fp32.
+
+    The manager builds its cache as ``PagedAttentionCache(..., dtype=model.dtype)``, by the name in its module; while
+    the processor is built that name is the f16 class (a subclass: the library's checks still see its own), then the
+    library's again. The scheduler, built after the cache, is handed the f16 one."""
+    module: Any = importlib.import_module("transformers.generation.continuous_batching.continuous_api")
+    library = module.PagedAttentionCache
+    narrow = half_cache.paged_class(library)
+    create = manager._create_batch_processor
+
+    def created() -> Any:
+        module.PagedAttentionCache = narrow
+        try:
+            return create()
+        finally:
+            module.PagedAttentionCache = library
 
     manager._create_batch_processor = created
 

@@ -271,7 +271,7 @@ def _step(model: Any, torch: Any, in_place: Any, prompts: Sequence[tuple[str, li
             raise RuntimeError("an interlude's cache index reaches past the cache")
         steps[allocator.index] = attention.Step(
             torch.tensor(write, dtype=torch.int64), torch.tensor(read, dtype=torch.int64), cu_q, cu_k, len(prompts),
-            keys.stride(0), keys.stride(1), int(keys.shape[0]),
+            keys.stride(0), keys.stride(1), int(keys.shape[0]), keys.dtype == torch.float16,
         )  # fmt: skip
     with torch.inference_mode():
         x = base.embed_tokens(torch.tensor([[t for r in rows for t in r]]))

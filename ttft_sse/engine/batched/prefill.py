@@ -287,10 +287,10 @@ def last_logits(model: Any, torch: Any, prefixes: Prefixes, prompts: Sequence[tu
     """The logits after each of ``prompts`` (a row each), computed together: behind the longest prefix ``prefixes``
     knows that they all share, their new tokens side by side (the shorter ones padded at the end, which no real row
     sees: attention is causal), in chunks of at most :data:`CHUNK_ROWS` rows. Each prompt is kept in ``prefixes``."""
-    import transformers
+    from ttft_sse.engine.cpu import half_cache
 
     def fresh() -> Any:
-        return transformers.DynamicCache(config=model.config)
+        return half_cache.dense(model)  # in f16 where the batch's cache is (TTFT_KV_DTYPE): the same keys and values
 
     shortest = min(map(len, prompts))
     together = min((_common(prompts[0], other) for other in prompts[1:]), default=shortest)
@@ -320,9 +320,9 @@ def last_logits(model: Any, torch: Any, prefixes: Prefixes, prompts: Sequence[tu
 def learn(model: Any, torch: Any, prefixes: Prefixes, token_ids: tuple[int, ...], rows: int = LEARN_ROWS) -> bool:
     """Compute the KV of up to ``rows`` more of ``token_ids`` (behind the longest prefix ``prefixes`` knows) and keep
     it there; True once ``prefixes`` knows all but its last token."""
-    import transformers
+    from ttft_sse.engine.cpu import half_cache
 
-    cache, start = prefixes.take(token_ids, lambda: transformers.DynamicCache(config=model.config))
+    cache, start = prefixes.take(token_ids, lambda: half_cache.dense(model))
     end = min(start + rows, len(token_ids) - 1)
     if end > start:
         with torch.inference_mode():

@@ -17,14 +17,21 @@
    Per row and head: scores s_j = q.k_j * scale, m = max s_j, p_j = exp(s_j - m) (a polynomial, as Cephes' expf),
    out = sum p_j v_j / sum p_j, in fp32, 16 floats at a time: one AVX-512 register, or two AVX2 ones (with FMA).
    Without either it returns -2 (the caller keeps the library's path). dim must be a multiple of 16, up to 256
-   (else -1). The two builds sum in other orders (each is the same for every row, whatever else the step holds). */
+   (else -1). The two builds sum in other orders (each is the same for every row, whatever else the step holds).
+
+   A KV cache in f16 (TTFT_KV_DTYPE) holds fp16 values, read by the functions named _f16: each key and value is
+   widened to fp32 as it is loaded (exactly: every fp16 value is an fp32 one; AVX-512's vcvtph2ps, F16C's on AVX2,
+   half.h's plain C on an AVX2 build without F16C), then the same arithmetic as over fp32 values. So the attention
+   over an f16 cache gives the bits the fp32 functions give over the same values rounded to fp16 and held in fp32:
+   what the single engine's dense cache holds (engine/cpu/half_cache.py). */
 
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 
-#include "kernel.h" /* the pointer types decoder.c and kernel.c call this file's two functions through */
+#include "half.h"   /* fp16 widened in plain C, for an AVX2 build without F16C */
+#include "kernel.h" /* the pointer types decoder.c and kernel.c call this file's functions through */
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #define MAX_DIM 256
@@ -34,6 +41,8 @@ typedef __m512 v16; /* 16 floats */
 static inline v16 v_zero(void) { return _mm512_setzero_ps(); }
 static inline v16 v_set1(float x) { return _mm512_set1_ps(x); }
 static inline v16 v_load(const float *p) { return _mm512_loadu_ps(p); }
+/* 16 fp16 values widened to fp32, exactly. */
+static inline v16 v_load_half(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
 static inline void v_store(float *p, v16 x) { _mm512_storeu_ps(p, x); }
 static inline v16 v_add(v16 a, v16 b) { return _mm512_add_ps(a, b); }
 static inline v16 v_sub(v16 a, v16 b) { return _mm512_sub_ps(a, b); }
@@ -76,6 +85,17 @@ typedef struct {
 static inline v16 v_zero(void) { return (v16){_mm256_setzero_ps(), _mm256_setzero_ps()}; }
 static inline v16 v_set1(float x) { return (v16){_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
 static inline v16 v_load(const float *p) { return (v16){_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+/* 16 fp16 values widened to fp32, exactly: by F16C, else in plain C. */
+static inline v16 v_load_half(const uint16_t *p) {
+#if defined(__F16C__)
+    return (v16){_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)),
+                 _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 8)))};
+#else
+    float widened[16];
+    for (int i = 0; i < 16; i++) widened[i] = half_float(p[i]);
+    return v_load(widened);
+#endif
+}
 static inline void v_store(float *p, v16 x) {
     _mm256_storeu_ps(p, x.lo);
     _mm256_storeu_ps(p + 8, x.hi);
@@ -167,12 +187,25 @@ static inline v16 v_exp(v16 x) {
 
 #define GROUP 4 /* query heads that share a KV head, attended together: each key and value row is read once */
 
+/* 16 values of a KV row from value `at` on, as fp32: fp16 ones (half) widened, or fp32 ones as they are. */
+static inline __attribute__((always_inline)) v16 kv_load(const void *row, int64_t at, int half) {
+    return half ? v_load_half((const uint16_t *)row + at) : v_load((const float *)row + at);
+}
+
+/* KV row `i` of rows `stride` values apart from `base`, values of 2 bytes (half) or 4. */
+static inline __attribute__((always_inline)) const void *kv_row(const void *base, int64_t i, int64_t stride,
+                                                                int half) {
+    return (const char *)base + i * stride * (half ? 2 : 4);
+}
+
 /* One query row, for query heads q[0..heads-1] (rows of dim = 16 * parts floats, dim apart) that share one KV
-   head, against keys key[0..count-1] (row numbers into k and v); p: GROUP x (count rounded up to 16) floats of
-   room. Inlined with constant heads and parts (see attend), so that the accumulators stay in registers. */
-static inline __attribute__((always_inline)) void attend_n(int heads, int64_t parts, const float *q, const float *k,
-                                                           const float *v, const int64_t *key, int64_t count,
-                                                           int64_t stride, float scale, float *p, float *out) {
+   head, against keys key[0..count-1] (row numbers into k and v, which hold fp16 values where half, else fp32); p:
+   GROUP x (count rounded up to 16) floats of room. Inlined with constant heads, parts and half (see attend), so that
+   the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void attend_n(int heads, int64_t parts, int half, const float *q,
+                                                           const void *k, const void *v, const int64_t *key,
+                                                           int64_t count, int64_t stride, float scale, float *p,
+                                                           float *out) {
     int64_t dim = 16 * parts, room = (count + 15) / 16 * 16;
     if (count <= 0) { /* no key to see (not in a step continuous batching builds) */
         for (int64_t d = 0; d < heads * dim; d++) out[d] = 0.0f;
@@ -185,11 +218,11 @@ static inline __attribute__((always_inline)) void attend_n(int heads, int64_t pa
                 for (int h = 0; h < heads; h++) part[h][l] = v_zero();
                 continue;
             }
-            const float *kr = k + key[j0 + l] * stride;
+            const void *kr = kv_row(k, key[j0 + l], stride, half);
             for (int h = 0; h < heads; h++) {
                 const float *qh = q + h * dim;
-                v16 acc = v_mul(v_load(qh), v_load(kr));
-                for (int64_t d = 16; d < dim; d += 16) acc = v_fma(v_load(qh + d), v_load(kr + d), acc);
+                v16 acc = v_mul(v_load(qh), kv_load(kr, 0, half));
+                for (int64_t d = 16; d < dim; d += 16) acc = v_fma(v_load(qh + d), kv_load(kr, d, half), acc);
                 part[h][l] = acc;
             }
         }
@@ -214,9 +247,9 @@ static inline __attribute__((always_inline)) void attend_n(int heads, int64_t pa
         for (int h = 0; h < heads; h++)
             for (int64_t d = d0; d < d1; d++) acc[h][d - d0] = v_zero();
         for (int64_t j = 0; j < count; j++) {
-            const float *vr = v + key[j] * stride;
+            const void *vr = kv_row(v, key[j], stride, half);
             for (int64_t d = d0; d < d1; d++) {
-                v16 x = v_load(vr + 16 * d);
+                v16 x = kv_load(vr, 16 * d, half);
                 for (int h = 0; h < heads; h++) acc[h][d - d0] = v_fma(v_set1(p[h * room + j]), x, acc[h][d - d0]);
             }
         }
@@ -227,22 +260,25 @@ static inline __attribute__((always_inline)) void attend_n(int heads, int64_t pa
     }
 }
 
-static void attend(int heads, int64_t dim, const float *q, const float *k, const float *v, const int64_t *key,
-                   int64_t count, int64_t stride, float scale, float *p, float *out) {
-#define ATTEND(h, parts) attend_n(h, parts, q, k, v, key, count, stride, scale, p, out)
-    switch (heads * 100 + dim / 16) {
-    case 104: ATTEND(1, 4); break;
-    case 204: ATTEND(2, 4); break;
-    case 304: ATTEND(3, 4); break;
-    case 404: ATTEND(4, 4); break;
-    case 108: ATTEND(1, 8); break;
-    case 208: ATTEND(2, 8); break;
-    case 308: ATTEND(3, 8); break;
-    case 408: ATTEND(4, 8); break;
-    default: ATTEND(heads, dim / 16);
+/* attend_n for one element type of the cache: its common shapes inlined with constant heads and parts. */
+#define ATTEND_TYPED(name, half)                                                                                    \
+    static void name(int heads, int64_t dim, const float *q, const void *k, const void *v, const int64_t *key,    \
+                     int64_t count, int64_t stride, float scale, float *p, float *out) {                          \
+        switch (heads * 100 + dim / 16) {                                                                          \
+        case 104: attend_n(1, 4, half, q, k, v, key, count, stride, scale, p, out); break;                         \
+        case 204: attend_n(2, 4, half, q, k, v, key, count, stride, scale, p, out); break;                         \
+        case 304: attend_n(3, 4, half, q, k, v, key, count, stride, scale, p, out); break;                         \
+        case 404: attend_n(4, 4, half, q, k, v, key, count, stride, scale, p, out); break;                         \
+        case 108: attend_n(1, 8, half, q, k, v, key, count, stride, scale, p, out); break;                         \
+        case 208: attend_n(2, 8, half, q, k, v, key, count, stride, scale, p, out); break;                         \
+        case 308: attend_n(3, 8, half, q, k, v, key, count, stride, scale, p, out); break;                         \
+        case 408: attend_n(4, 8, half, q, k, v, key, count, stride, scale, p, out); break;                         \
+        default: attend_n(heads, dim / 16, half, q, k, v, key, count, stride, scale, p, out);                     \
+        }                                                                                                          \
     }
-#undef ATTEND
-}
+ATTEND_TYPED(attend_full, 0)
+ATTEND_TYPED(attend_half, 1)
+#undef ATTEND_TYPED
 
 /* `floats` of room, kept by each thread (the caller's, the kernel's helpers): no allocation a call, and none that
    could wait on another thread's. */
@@ -261,11 +297,13 @@ static float *scratch(int64_t floats) {
    of all its requests, in order) for the query heads of KV head u % kv_heads: heads / kv_heads x dim floats,
    contiguous in out, part after part. Parts of requests of more than max_rows rows are left alone. Each head of
    each row is computed from its own inputs alone: any split of the parts gives the same bits (the kernel's helper
-   threads share a step's attention this way: helpers.c). */
-int ttft_attention_part(const float *q, int64_t heads, int64_t kv_heads, int64_t dim, const float *k, const float *v,
-                        int64_t key_stride, int64_t head_stride, const int64_t *index, const int32_t *cu_q,
-                        const int32_t *cu_k, int64_t requests, int64_t max_rows, float scale, int64_t first,
-                        int64_t last, float *out) {
+   threads share a step's attention this way: helpers.c). k and v hold fp16 values where half, else fp32. */
+static inline __attribute__((always_inline)) int part_of(const float *q, int64_t heads, int64_t kv_heads, int64_t dim,
+                                                         const void *k, const void *v, int64_t key_stride,
+                                                         int64_t head_stride, const int64_t *index,
+                                                         const int32_t *cu_q, const int32_t *cu_k, int64_t requests,
+                                                         int64_t max_rows, float scale, int64_t first, int64_t last,
+                                                         float *out, int half) {
     if (dim % 16 || dim > MAX_DIM || kv_heads <= 0 || heads % kv_heads) return -1;
     int64_t groups = heads / kv_heads, longest = 0;
     for (int64_t s = 0; s < requests; s++)
@@ -283,38 +321,69 @@ int ttft_attention_part(const float *q, int64_t heads, int64_t kv_heads, int64_t
             for (int64_t h = g * groups; h < (g + 1) * groups;) {
                 int64_t left = (g + 1) * groups - h; /* query heads of this KV head from h on */
                 int n = (int)(left < GROUP ? left : GROUP);
-                int64_t at = ((q0 + i) * heads + h) * dim, kv = g * head_stride;
-                attend(n, dim, q + at, k + kv, v + kv, key, count, key_stride, scale, p, out + at);
+                int64_t at = ((q0 + i) * heads + h) * dim;
+                const void *kh = kv_row(k, g, head_stride, half), *vh = kv_row(v, g, head_stride, half);
+                if (half)
+                    attend_half(n, dim, q + at, kh, vh, key, count, key_stride, scale, p, out + at);
+                else
+                    attend_full(n, dim, q + at, kh, vh, key, count, key_stride, scale, p, out + at);
                 h += n;
             }
         }
     }
     return 0;
 }
+#define PART_BODY(half)                                                                                             \
+    part_of(q, heads, kv_heads, dim, k, v, key_stride, head_stride, index, cu_q, cu_k, requests, max_rows, scale,   \
+            first, last, out, half)
 #else
-int ttft_attention_part(const float *q, int64_t heads, int64_t kv_heads, int64_t dim, const float *k, const float *v,
+#define PART_BODY(half) ((void)q, (void)heads, (void)kv_heads, (void)dim, (void)k, (void)v, (void)key_stride,        \
+                         (void)head_stride, (void)index, (void)cu_q, (void)cu_k, (void)requests, (void)max_rows,     \
+                         (void)scale, (void)first, (void)last, (void)out, -2) /* built without AVX-512 or AVX2+FMA */
+#endif
+
+/* The parts first .. last-1 of a step's attention (part_of) over a KV cache of fp32 values. */
+int ttft_attention_part(const float *q, int64_t heads, int64_t kv_heads, int64_t dim, const void *k, const void *v,
                         int64_t key_stride, int64_t head_stride, const int64_t *index, const int32_t *cu_q,
                         const int32_t *cu_k, int64_t requests, int64_t max_rows, float scale, int64_t first,
                         int64_t last, float *out) {
-    (void)q, (void)heads, (void)kv_heads, (void)dim, (void)k, (void)v, (void)key_stride, (void)head_stride;
-    (void)index, (void)cu_q, (void)cu_k, (void)requests, (void)max_rows, (void)scale, (void)first, (void)last;
-    (void)out;
-    return -2; /* built without AVX-512 or AVX2 with FMA */
+    return PART_BODY(0);
 }
-#endif
+
+/* The same over a KV cache of fp16 values (TTFT_KV_DTYPE=f16), strides counted in values. */
+int ttft_attention_part_f16(const float *q, int64_t heads, int64_t kv_heads, int64_t dim, const void *k,
+                            const void *v, int64_t key_stride, int64_t head_stride, const int64_t *index,
+                            const int32_t *cu_q, const int32_t *cu_k, int64_t requests, int64_t max_rows, float scale,
+                            int64_t first, int64_t last, float *out) {
+    return PART_BODY(1);
+}
+#undef PART_BODY
 
 /* The whole step's attention: every part of out (but those of requests of more than max_rows rows). */
-int ttft_paged_attention(const float *q, int64_t heads, int64_t kv_heads, int64_t dim, const float *k,
-                         const float *v, int64_t key_stride, int64_t head_stride, const int64_t *index,
-                         const int32_t *cu_q, const int32_t *cu_k, int64_t requests, int64_t max_rows, float scale,
-                         float *out) {
+int ttft_paged_attention(const float *q, int64_t heads, int64_t kv_heads, int64_t dim, const void *k, const void *v,
+                         int64_t key_stride, int64_t head_stride, const int64_t *index, const int32_t *cu_q,
+                         const int32_t *cu_k, int64_t requests, int64_t max_rows, float scale, float *out) {
     int64_t parts = requests > 0 ? cu_q[requests] * kv_heads : 0;
     return ttft_attention_part(q, heads, kv_heads, dim, k, v, key_stride, head_stride, index, cu_q, cu_k, requests,
                                max_rows, scale, 0, parts, out);
 }
 
-/* The kernel's library calls both functions through kernel.h's pointer types: they must agree. */
+/* The same over a KV cache of fp16 values. */
+int ttft_paged_attention_f16(const float *q, int64_t heads, int64_t kv_heads, int64_t dim, const void *k,
+                             const void *v, int64_t key_stride, int64_t head_stride, const int64_t *index,
+                             const int32_t *cu_q, const int32_t *cu_k, int64_t requests, int64_t max_rows, float scale,
+                             float *out) {
+    int64_t parts = requests > 0 ? cu_q[requests] * kv_heads : 0;
+    return ttft_attention_part_f16(q, heads, kv_heads, dim, k, v, key_stride, head_stride, index, cu_q, cu_k,
+                                   requests, max_rows, scale, 0, parts, out);
+}
+
+/* The kernel's library calls these functions through kernel.h's pointer types: they must agree. */
 _Static_assert(__builtin_types_compatible_p(__typeof__(&ttft_paged_attention), ttft_attention_fn),
                "ttft_paged_attention is not what kernel.h's ttft_attention_fn points to");
+_Static_assert(__builtin_types_compatible_p(__typeof__(&ttft_paged_attention_f16), ttft_attention_fn),
+               "ttft_paged_attention_f16 is not what kernel.h's ttft_attention_fn points to");
 _Static_assert(__builtin_types_compatible_p(__typeof__(&ttft_attention_part), ttft_attention_part_fn),
                "ttft_attention_part is not what kernel.h's ttft_attention_part_fn points to");
+_Static_assert(__builtin_types_compatible_p(__typeof__(&ttft_attention_part_f16), ttft_attention_part_fn),
+               "ttft_attention_part_f16 is not what kernel.h's ttft_attention_part_fn points to");

@@ -6,7 +6,9 @@ them with a mask that keeps the requests apart, so each query row is multiplied 
 request's or not. Here the cache only writes the new keys and values (:func:`read_in_place`) and hands over the
 layer's cache rows and the step's key index; ``attention.c`` then attends each request's rows to its own keys, read
 through the index, in fp32, with AVX-512 or AVX2 and FMA. Requests of more than :data:`LONG_ROWS` rows take SDPA over
-their own gathered keys.
+their own gathered keys. A cache in f16 (``TTFT_KV_DTYPE``: engine/cpu/half_cache.py) is read by the same library's
+functions for fp16 values, which widen each key and value as they load it: the bits the fp32 functions give over the
+same values held in fp32.
 
 A sliding-window layer's cache (Gemma 3's) is a ring of its window's rows, which the library reads before it writes
 (a new row takes the place of the one that slid out). A step reads it in place where writing first loses no row the
@@ -36,7 +38,7 @@ from typing import Any, NamedTuple
 
 import structlog
 
-from ttft_sse.engine.cpu import compiler
+from ttft_sse.engine.cpu import compiler, half_cache
 
 log = structlog.get_logger("ttft_sse.engine")
 
@@ -47,6 +49,9 @@ PAGED_PART = "ttft_attention_part"
 """Attribute set with :data:`PAGED`: the same library's function for some parts of a step only (a part: a query
 row's heads of one KV head), by which the block kernel's helper threads share a batched step's attention
 (helpers.c, decoder.c)."""
+PAGED_HALF = "ttft_paged_attention_f16"
+PAGED_PART_HALF = "ttft_attention_part_f16"
+"""The same two functions for a KV cache of fp16 values (set with :data:`PAGED` where the model's caches are in f16)."""
 KV = "ttft_kv"
 """The keyword argument by which a cache that reads in place (:func:`read_in_place`) hands a layer's KV rows and
 the step's key index to the attention function."""
@@ -112,9 +117,11 @@ def page(model: Any, torch: Any, directory: Path) -> int:
         log.warning("attention_not_paged", reason=f"the model's attention is {implementation!r}, not 'sdpa'")
         return 0
     probe = modules[0]
+    half = half_cache.in_f16(model)
     try:
         library = build(directory)
         function = _function(library)
+        halves = compiler.load(library, PAGED_HALF, _ARGUMENTS)
         heads, dim = probe.config.num_attention_heads, probe.head_dim
         kv_heads = probe.config.num_key_value_heads
         # Past and new rows; the last two, longer than the probe's long_rows, take SDPA (with a past, then without).
@@ -129,13 +136,27 @@ def page(model: Any, torch: Any, directory: Path) -> int:
         got = paged_attention(probe, query, kv, *starts(torch, requests), longest, probe.scaling, long_rows=PROBE_LONG)
         agree = bool(torch.allclose(got, want, rtol=1e-4, atol=1e-5))
         reason = "request-by-request attention disagrees with SDPA over the gathered keys"
+        if agree and half:  # over fp16 values: the bits of the fp32 function over the same values widened
+            setattr(probe, PAGED_HALF, halves)
+            rounded = tuple(x.to(torch.float16) for x in kv[:2])
+            widened = tuple(x.to(torch.float32) for x in rounded)
+            got = paged_attention(probe, query, (*rounded, kv[2]), *starts(torch, requests), longest, probe.scaling)
+            want = paged_attention(probe, query, (*widened, kv[2]), *starts(torch, requests), longest, probe.scaling)
+            agree = bool(torch.equal(got, want))
+            reason = "request-by-request attention over an f16 cache disagrees with it over the same values in fp32"
     except (OSError, RuntimeError, AttributeError, TypeError) as exc:
         agree, reason = False, str(exc)
+    if not agree and hasattr(probe, PAGED_HALF):
+        delattr(probe, PAGED_HALF)
     marked = settle(modules, PAGED, function if agree else None, "paged", None if agree else reason)
     if marked:
         part = compiler.load(library, "ttft_attention_part", _PART_ARGUMENTS)
+        half_part = compiler.load(library, PAGED_PART_HALF, _PART_ARGUMENTS)
         for module in modules:
             setattr(module, PAGED_PART, part)
+            if half:
+                setattr(module, PAGED_HALF, halves)
+                setattr(module, PAGED_PART_HALF, half_part)
     return marked
 
 
@@ -183,22 +204,25 @@ def paged_attention(
     long_rows: int = LONG_ROWS,
 ) -> Any:
     """A batched step's attention, request by request: ``query`` is ``[1, heads, rows, dim]``; ``kv`` the layer's
-    key and value rows (``[slots, kv_heads, dim]``, a view with any strides but a last one of 1, the same for both)
-    and the step's key index into them; ``cu_q``, ``cu_k`` where each request's rows and keys start; ``longest``
-    the most query rows of a request. Returns ``[1, rows, heads, dim]``. Requests of more than ``long_rows`` rows
-    take SDPA over their gathered keys."""
+    key and value rows (``[slots, kv_heads, dim]``, a view with any strides but a last one of 1, the same for both;
+    fp32, or fp16 for a module marked for an f16 cache) and the step's key index into them; ``cu_q``, ``cu_k`` where
+    each request's rows and keys start; ``longest`` the most query rows of a request. Returns ``[1, rows, heads,
+    dim]``. Requests of more than ``long_rows`` rows take SDPA over their gathered keys (widened to fp32)."""
     import torch
 
     keys, values, index = kv
-    if keys.stride() != values.stride() or keys.stride(2) != 1:
+    if keys.stride() != values.stride() or keys.stride(2) != 1 or keys.dtype != values.dtype:
         raise RuntimeError("paged attention needs keys and values laid out alike, each vector contiguous")
+    function = module.ttft_paged_attention if keys.dtype == torch.float32 else getattr(module, PAGED_HALF, None)
+    if function is None or keys.dtype not in (torch.float32, torch.float16):
+        raise RuntimeError(f"paged attention has no function for a {keys.dtype} cache here")
     q = query[0].transpose(0, 1).contiguous()
     _, heads, dim = q.shape
     out = torch.empty_like(q)
     cu_q, cu_k = cu_q.to(torch.int32), cu_k.to(torch.int32)
     index = index.to(torch.int64)
     requests = cu_q.numel() - 1
-    done = module.ttft_paged_attention(
+    done = function(
         q.data_ptr(), heads, keys.shape[1], dim, keys.data_ptr(), values.data_ptr(), keys.stride(0), keys.stride(1),
         index.data_ptr(), cu_q.data_ptr(), cu_k.data_ptr(), requests, long_rows, scaling, out.data_ptr(),
     )  # fmt: skip
@@ -210,7 +234,7 @@ def paged_attention(
             q0, q1, k0, k1 = starts_q[s], starts_q[s + 1], starts_k[s], starts_k[s + 1]
             if q1 - q0 <= long_rows:
                 continue
-            k, v = (x.index_select(0, index[k0:k1]).transpose(0, 1)[None] for x in (keys, values))
+            k, v = (x.index_select(0, index[k0:k1]).transpose(0, 1)[None].to(q.dtype) for x in (keys, values))
             # A prompt without a past is causal as SDPA aligns it (no mask: it skips the blocks above the diagonal);
             # one behind a shared prefix sees the prefix too.
             past = (k1 - k0) - (q1 - q0)
@@ -314,7 +338,8 @@ class Step(NamedTuple):
     """What every layer of one group of a batched step shares when it writes its keys and values and attends in one
     call (:meth:`InPlace.step`): the cache rows the new keys and values go to, one a new row (int64); the key index
     the attention reads through (int64); where each request's rows and keys start (int32, with the total last);
-    how many requests; the cache rows' strides, in floats (a key row, a head); how many rows they hold."""
+    how many requests; the cache rows' strides, in values (a key row, a head); how many rows they hold; whether they
+    hold fp16 values (an f16 cache: engine/cpu/half_cache.py), else fp32."""
 
     write: Any
     index: Any
@@ -324,6 +349,7 @@ class Step(NamedTuple):
     key_stride: int
     head_stride: int
     slots: int
+    half: bool
 
 
 def _nothing() -> None:
@@ -422,7 +448,8 @@ class InPlace:
             raise RuntimeError("a step's cache index reaches past the cache")
         cu_q = starts_q.to(torch.int32).contiguous()
         cu_k = kwargs["cu_seq_lens_k"][allocator.layer_type].to(torch.int32).contiguous()
-        found = Step(write, index, cu_q, cu_k, cu_q.numel() - 1, keys.stride(0), keys.stride(1), slots)
+        half = keys.dtype == torch.float16
+        found = Step(write, index, cu_q, cu_k, cu_q.numel() - 1, keys.stride(0), keys.stride(1), slots, half)
         steps[group] = found
         return found
 

@@ -24,11 +24,12 @@ import structlog
 log = structlog.get_logger("ttft_sse.engine")
 
 HEADERS = tuple(
-    Path(__file__).with_name(name) for name in ("kernel.h", "blocks.h", "vectors.h", "five.h", "six.h", "dense.h")
+    Path(__file__).with_name(name)
+    for name in ("kernel.h", "blocks.h", "vectors.h", "five.h", "six.h", "dense.h", "half.h")
 )
-"""kernel.h, which the kernel's files, decoder.c and attention.c include, blocks.h, which the kernel's files share, and
+"""kernel.h, which the kernel's files, decoder.c and attention.c include, blocks.h, which the kernel's files share,
 kernel.c's own (vectors.h its vectors, five.h the Q5 types' 5-bit codes, six.h Q6_K's short panels, dense.h the dense
-layers): part of every library's hash."""
+layers), and half.h (fp16 in plain C: vectors.h, attention.c and decoder.c): part of every library's hash."""
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-std=c11", "-shared", "-fPIC")
 BUILD_SECONDS = 120
 

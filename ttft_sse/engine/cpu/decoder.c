@@ -25,11 +25,12 @@
    int8 rows a rounding can move a value across a step, by 1/127 of its block's largest). Built with
    -ffp-contract=off: only written fused multiply-adds fuse, and this file writes none. */
 
+#include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <xmmintrin.h>
 
+#include "half.h" /* fp32 rounded to fp16 in plain C, for a build without F16C */
 #include "kernel.h"
 
 #if defined(__AVX512F__)
@@ -248,14 +249,38 @@ int ttft_decoder_tail(const struct layer *L, const float *x, const float *a, int
 }
 
 struct step { /* decoder.py's Step: what the layers of a batched step share (attention.py's Step) */
-    ttft_attention_fn attend;
+    ttft_attention_fn attend; /* attention.c's function for the cache's values (fp32, or fp16: its _f16 one) */
     ttft_attention_part_fn attend_part; /* NULL: never shared */
     const int64_t *write; /* the cache row of each new row's key and value */
     const int64_t *index; /* the keys the attention reads, request after request */
     const int32_t *cu_q, *cu_k;
-    int64_t requests, key_stride, head_stride, max_rows; /* strides in floats: a cache row, a KV head */
+    int64_t requests, key_stride, head_stride, max_rows; /* strides in values: a cache row, a KV head */
+    int64_t half;                                       /* the cache holds fp16 values (TTFT_KV_DTYPE=f16), else fp32 */
     float scale;
 };
+
+/* n fp32 values into the cache: as they are, or rounded to the nearest fp16 (ties to even, as torch's
+   .to(torch.float16) and F16C's conversion round; half.h's plain C on a build without F16C). Returns 0. Exported for
+   decoder.py's tests of each build's rounding. */
+int ttft_kv_write(void *to, const float *from, int64_t n, int64_t half) {
+    if (!half) {
+        memcpy(to, from, sizeof(float) * (size_t)n);
+        return 0;
+    }
+    uint16_t *h = to;
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= n; i += 16)
+        _mm256_storeu_si256((__m256i *)(h + i),
+                            _mm512_cvtps_ph(_mm512_loadu_ps(from + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#elif defined(__F16C__)
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(h + i),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(from + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
+    for (; i < n; i++) h[i] = float_half(from[i]);
+    return 0;
+}
 
 /* One buffer a thread for the rows' q, k, v and attention, kept. */
 static float *rows_scratch(int64_t floats) {
@@ -264,23 +289,24 @@ static float *rows_scratch(int64_t floats) {
 }
 
 /* out = the layer's output for rows x in a batched step: the head; each row's key and value into the cache rows
-   keys and values (the layer's: [slots, kv_heads, dim] with S's strides) at S->write; the attention over the keys
-   S->index names; the tail. The same arithmetic as the head, the library's update (a copy) and attention.c's
-   function called one after the other. Returns 0, the head's or the tail's error, or -3 if the attention fails. */
+   keys and values (the layer's: [slots, kv_heads, dim] with S's strides, fp32 values or fp16 ones) at S->write;
+   the attention over the keys S->index names; the tail. The same arithmetic as the head, the library's update (a
+   copy, or a conversion to fp16) and attention.c's function called one after the other. Returns 0, the head's or
+   the tail's error, or -3 if the attention fails. */
 int ttft_decoder_layer(const struct layer *L, const struct step *S, const float *x, int64_t M, const float *cos,
-                       const float *sin, float *keys, float *values, float *out) {
+                       const float *sin, void *keys, void *values, float *out) {
     int64_t Q = L->heads * L->dim, KV = L->kv_heads * L->dim;
     float *q = rows_scratch(M * (2 * Q + 2 * KV));
     if (q == NULL) return -1;
     float *k = q + M * Q, *v = k + M * KV, *a = v + M * KV;
     int status = ttft_decoder_head(L, x, M, cos, sin, q, k, v);
     if (status != 0) return status;
-    size_t bytes = sizeof(float) * (size_t)L->dim;
+    size_t size = S->half ? 2 : 4; /* a value's bytes in the cache */
     for (int64_t r = 0; r < M; r++)
         for (int64_t g = 0; g < L->kv_heads; g++) {
-            int64_t at = S->write[r] * S->key_stride + g * S->head_stride;
-            memcpy(keys + at, k + r * KV + g * L->dim, bytes);
-            memcpy(values + at, v + r * KV + g * L->dim, bytes);
+            size_t at = (size_t)(S->write[r] * S->key_stride + g * S->head_stride) * size;
+            ttft_kv_write((char *)keys + at, k + r * KV + g * L->dim, L->dim, S->half);
+            ttft_kv_write((char *)values + at, v + r * KV + g * L->dim, L->dim, S->half);
         }
     status = ttft_share_attention(S->attend_part, q, L->heads, L->kv_heads, L->dim, keys, values, S->key_stride,
                                   S->head_stride, S->index, S->cu_q, S->cu_k, S->requests, S->max_rows, S->scale, a);
@@ -295,7 +321,7 @@ struct stack { /* decoder.py's Stack: a batched step's layers, in order */
     int64_t count;
     const struct layer *const *layers;
     const struct step *const *steps; /* each layer's */
-    float *const *keys, *const *values; /* each layer's cache rows */
+    void *const *keys, *const *values;  /* each layer's cache rows (fp32 or fp16 values: its step's half) */
     const volatile int32_t *waiting;    /* nonzero: a newcomer waits (the interludes' flag); NULL: never */
     const float *const *cos, *const *sin; /* each layer's rotary embedding (Gemma 3's two kinds); NULL: the call's */
 };

@@ -60,7 +60,7 @@ from ttft_sse.engine.cpu.structs import JOINED, Layer, Linear
 log = structlog.get_logger("ttft_sse.engine")
 
 HEAD, TAIL, LAYER, SILU_MUL = "ttft_decoder_head", "ttft_decoder_tail", "ttft_decoder_layer", "ttft_silu_mul"
-STACK, GELU_MUL = "ttft_decoder_stack", "ttft_gelu_mul"
+STACK, GELU_MUL, KV_WRITE = "ttft_decoder_stack", "ttft_gelu_mul", "ttft_kv_write"
 """decoder.c's functions."""
 PROBE_ROWS = 5
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
@@ -71,6 +71,7 @@ _ARGUMENTS = {
     SILU_MUL: (_PTR, _PTR, _I64),  # g, u, n
     GELU_MUL: (_PTR, _PTR, _I64),  # g, u, n
     STACK: (_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR),  # stack, from, x, rows, cos, sin, out
+    KV_WRITE: (_PTR, _PTR, _I64, _I64),  # to, from, n, half (an f16 cache's values)
 }
 
 

@@ -83,7 +83,7 @@ def grouped_sdpa(
         # A module not marked (the tests unmark them), or a call with more than the C function computes (a
         # softcap, sinks): the keys and values the library would have gathered.
         rows, index = kv[:2], kv[2]
-        key, value = (x.index_select(0, index).transpose(0, 1)[None] for x in rows)
+        key, value = (x.index_select(0, index).transpose(0, 1)[None].to(query.dtype) for x in rows)  # f16: widened
     elif paged and _dense(query, key, value, attention_mask, dropout, is_causal):
         # The single-request engine's calls, and the prefill process's: a dense cache, [sequences, kv_heads, keys,
         # dim]. The same C function as the batched engine's, so that a request's rows come out the same in every

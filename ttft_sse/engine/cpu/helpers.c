@@ -52,7 +52,7 @@ enum { FREE, CALLERS, HELD, READY, TAKEN }; /* a chunk's state: the low 3 bits, 
 
 struct attention {
     ttft_attention_part_fn part;
-    const float *k, *v;       /* the layer's KV cache rows */
+    const void *k, *v;        /* the layer's KV cache rows (fp32 or fp16 values: part's) */
     const int64_t *index;     /* the share's copy of the step's key index */
     const int32_t *cu_q, *cu_k; /* the share's copies */
     int64_t heads, kv_heads, dim, key_stride, head_stride, requests, max_rows;
@@ -366,7 +366,7 @@ static int share_call(struct job j, const float *x, float *y) {
    single row is shared too). Returns 1 if it is not shared (no helper, too small, a request of more than max_rows
    rows, a shape `part` refuses: the caller computes it alone), else 0, or -1 (share_run). */
 int ttft_share_attention(ttft_attention_part_fn part, const float *q, int64_t heads, int64_t kv_heads, int64_t dim,
-                         const float *k, const float *v, int64_t key_stride, int64_t head_stride,
+                         const void *k, const void *v, int64_t key_stride, int64_t head_stride,
                          const int64_t *index, const int32_t *cu_q, const int32_t *cu_k, int64_t requests,
                          int64_t max_rows, float scale, float *out) {
     if (part == NULL || atomic_load(&share.helpers) == 0 || requests <= 0) return 1;

@@ -140,8 +140,8 @@ def _rotary_tables(chain: Chain, x: Any, cos: Any, sin: Any, positions: Any) -> 
 def _c_step(shared: attention.Step, module: Any) -> Step:
     """``shared`` as decoder.c reads it, for the layers of ``module``'s kind (marked by :func:`attention.page`); the
     arrays stay ``shared``'s (the caller holds both while C reads them)."""
-    function = getattr(module, attention.PAGED)
-    part = getattr(module, attention.PAGED_PART, None)
+    function = getattr(module, attention.PAGED_HALF if shared.half else attention.PAGED)
+    part = getattr(module, attention.PAGED_PART_HALF if shared.half else attention.PAGED_PART, None)
     arrays = (shared.write, shared.index, shared.cu_q, shared.cu_k)
     return Step(
         ctypes.cast(function, _PTR).value,
@@ -151,6 +151,7 @@ def _c_step(shared: attention.Step, module: Any) -> Step:
         shared.key_stride,
         shared.head_stride,
         attention.LONG_ROWS,
+        int(shared.half),
         module.scaling,
     )
 

@@ -50,6 +50,7 @@ class Step(ctypes.Structure):
         ("attend_part", _PTR),  # None: the step's attention is not shared with the kernel's helper threads
         *((name, _PTR) for name in ("write", "index", "cu_q", "cu_k")),
         *((name, _I64) for name in ("requests", "key_stride", "head_stride", "max_rows")),
+        ("half", _I64),  # the cache holds fp16 values (TTFT_KV_DTYPE=f16), and ``attend`` is the function for them
         ("scale", ctypes.c_float),
     ]
 

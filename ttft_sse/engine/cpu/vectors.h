@@ -9,6 +9,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "half.h" /* half_float: fp16 widened in plain C, for an AVX2 build without F16C */
+
 #define HALF 16 /* dense layouts (F16, BF16 and F32 files): the weights themselves, no scale or zero: fp16, */
 #define BRAIN 17 /* bf16 */
 #define FULL 32  /* and fp32 values */
@@ -82,26 +84,6 @@ static inline pv pv_q(__m128i q) {
 #error "this kernel needs AVX2 and FMA (or AVX-512)"
 #endif
 
-#if !defined(__AVX512F__) && !defined(__F16C__)
-/* An fp16 value in fp32, exactly (subnormals, infinities and NaNs included): for an AVX2 build without F16C. */
-static inline float half_float(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF, bits;
-    if (exponent == 0x1F) {
-        bits = sign | 0x7F800000 | (mantissa << 13);
-    } else if (exponent != 0) {
-        bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
-    } else if (mantissa == 0) {
-        bits = sign;
-    } else { /* subnormal: mantissa * 2^-24, normalised */
-        uint32_t e = 113;
-        while (!(mantissa & 0x400)) mantissa <<= 1, e--;
-        bits = sign | (e << 23) | ((mantissa & 0x3FF) << 13);
-    }
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-#endif
 
 /* CV weights of a dense panel from element `at` (fp16 and bf16 widened exactly; fp32 as they are). */
 static inline cv cv_dense(const uint8_t *w, int64_t at, int bits) {

@@ -160,6 +160,7 @@ class LlamaCppEngine:
             weights_bytes=plan.weights,
             kv_cache_tokens=plan.kv_tokens,
             kv_cache_bytes=plan.kv_cache,
+            kv_cache_dtype=plan.kv_dtype,
             load_peak_rss_bytes=budget.peak_resident_bytes(),
         )
         log.info("llamacpp_loaded", model=source.name, description=runner.description, **vars(shape))

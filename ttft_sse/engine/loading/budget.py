@@ -7,8 +7,8 @@ but headers):
 - the weights as the engine will hold them: on CPU in fp32 a GGUF's matrices in the block kernel's layouts (about
   their size in the file: :data:`LAYOUT_FACTOR`), the token embedding's rows read from the file, anything else in
   fp32; llama.cpp maps the file as it is; a model directory's files widened to the dtype it runs in;
-- the KV cache for ``kv_cache_tokens`` (every layer's keys and values: fp32 on the transformers engines, f16 on
-  llama.cpp's, as it keeps them by default);
+- the KV cache for ``kv_cache_tokens`` (every layer's keys and values: on the transformers engines in fp32 or f16 as
+  ``TTFT_KV_DTYPE`` says, :func:`kv_dtype`; f16 on llama.cpp's, as it keeps them by default);
 - the working memory: the runtime (torch, transformers, the server: :data:`RUNTIME_BYTES`) and a step's activations
   and logits for ``batch_tokens`` tokens;
 
@@ -51,6 +51,11 @@ file of 3.9 GiB is 5.3 GiB of records)."""
 CGROUP = Path("/sys/fs/cgroup")
 """cgroup v2's files of this process's group (a container's memory limit)."""
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+LARGE_FILE_BYTES = 2 * GIB
+"""From this size of GGUF file up, ``TTFT_GGUF_ACTIVATIONS=auto`` gives the block kernel int8 rows
+(engine/loading/model.py) and ``TTFT_KV_DTYPE=auto`` keeps the KV cache in f16 (:func:`kv_dtype`)."""
+KV_DTYPES = {"fp32": "float32", "f16": "float16"}
+"""``TTFT_KV_DTYPE``'s values and the torch dtypes they name."""
 
 
 @dataclass(frozen=True)
@@ -65,6 +70,8 @@ class Plan:
     available: int
     limit_from: str  # where ``available`` comes from
     refusal: str | None = None  # the sentence a refused start prints
+    kv_dtype: str = "float32"  # the KV cache's values (``float32``, ``float16``, or the model's dtype)
+    kv_reason: str = ""  # why that dtype (TTFT_KV_DTYPE's value, or auto's reason)
 
     @property
     def kv_cache(self) -> int:
@@ -75,6 +82,8 @@ class Plan:
             "weights_mib": round(self.weights / MIB),
             "kv_cache_mib": round(self.kv_cache / MIB),
             "kv_tokens": self.kv_tokens,
+            "kv_dtype": self.kv_dtype,
+            "kv_dtype_reason": self.kv_reason,
             "working_mib": round(self.working / MIB),
             "available_mib": round(self.available / MIB),
             "limit_from": self.limit_from,
@@ -212,9 +221,11 @@ def plan(
     limit_mb: int,
     what: str,
     cgroup: Path = CGROUP,
+    kv_dtype: str = "float32",
+    kv_reason: str = "",
 ) -> Plan:
-    """The plan for ``what`` (the model and engine, as the refusal names them): the KV cache made smaller where it
-    does not fit, or a refusal (the module docstring)."""
+    """The plan for ``what`` (the model and engine, as the refusal names them): the KV cache (of ``kv_dtype``
+    values, for ``kv_reason``) made smaller where it does not fit, or a refusal (the module docstring)."""
     have, source = available(limit_mb, cgroup)
     room = have - weights - working
     tokens = asked_tokens
@@ -224,14 +235,36 @@ def plan(
     if tokens < min(LEAST_KV_TOKENS, asked_tokens):
         least = min(LEAST_KV_TOKENS, asked_tokens)
         need = weights + working + kv_bytes_per_token * least
+        named = {"float32": "fp32", "float16": "f16"}.get(kv_dtype, kv_dtype)
+        narrower = ", the KV cache in f16 (TTFT_KV_DTYPE=f16)" if kv_dtype == "float32" else ""
         refusal = (
             f"{what} needs about {_gib(need)} (weights {_gib(weights)}, working memory {_gib(working)}, a KV cache "
-            f"of {least} tokens {_gib(kv_bytes_per_token * least)}) and {_gib(have)} is available ({source}); "
-            "use a smaller model or quantisation, or give the server more memory (TTFT_MEMORY_LIMIT_MB, the "
-            "container's limit)"
+            f"of {least} tokens in {named} {_gib(kv_bytes_per_token * least)}) and {_gib(have)} is available "
+            f"({source}); use a smaller model or quantisation{narrower}, or give the server more memory "
+            "(TTFT_MEMORY_LIMIT_MB, the container's limit)"
         )
         tokens = least
-    return Plan(weights, kv_bytes_per_token, tokens, asked_tokens, working, have, source, refusal)
+    return Plan(weights, kv_bytes_per_token, tokens, asked_tokens, working, have, source, refusal, kv_dtype, kv_reason)
+
+
+def kv_dtype(settings: Any, gguf: str | None, dtype: str) -> tuple[str | None, str]:
+    """The transformers engines' KV cache dtype for a model that computes in ``dtype`` on CPU (``gguf``: its file,
+    None for a directory or id), and why: ``TTFT_KV_DTYPE`` where set (``fp32`` or ``f16``); for ``auto`` f16 for a
+    GGUF file of :data:`LARGE_FILE_BYTES` or more, and None where memory decides (:func:`for_transformers`: f16
+    where the fp32 cache would not fit whole). A model that does not compute in fp32 keeps its KV cache in its own
+    dtype; a setting other than ``auto`` for it is refused (:class:`StartupError`)."""
+    if dtype != "float32":
+        if settings.kv_dtype != "auto":
+            raise StartupError(
+                f"TTFT_KV_DTYPE={settings.kv_dtype} is for the transformers engines on CPU in fp32; this model runs "
+                f"in {dtype}, and its KV cache is in {dtype}: unset TTFT_KV_DTYPE (or set it to auto)"
+            )
+        return dtype, f"the model's dtype ({dtype})"
+    if settings.kv_dtype != "auto":
+        return KV_DTYPES[settings.kv_dtype], f"TTFT_KV_DTYPE={settings.kv_dtype}"
+    if gguf is not None and (size := Path(gguf).stat().st_size) >= LARGE_FILE_BYTES:
+        return "float16", f"a {_gib(size)} file (TTFT_KV_DTYPE=auto)"
+    return None, ""
 
 
 def for_transformers(
@@ -249,6 +282,7 @@ def for_transformers(
     where a directory's weights are widened."""
     from ttft_sse.engine.cpu.stored import HEADER_FILE, table
 
+    chosen, reason = kv_dtype(settings, gguf, dtype)
     widened = None
     if kind == "gguf" and gguf is not None:
         weights = gguf_weights(table(gguf, Path(location) / HEADER_FILE), on_kernel=on_kernel, int8=int8)
@@ -256,15 +290,29 @@ def for_transformers(
         weights, widened = directory_weights(Path(location), config, dtype)
     else:
         weights = 0  # a model id: what the hub's files hold is not known before they are read
-    result = plan(
-        weights=weights,
-        kv_bytes_per_token=kv_bytes_per_token(config, DTYPE_BYTES.get(dtype, 4)),
-        asked_tokens=settings.kv_cache_tokens,
-        working=working_bytes(config, settings.batch_tokens),
-        limit_mb=settings.memory_limit_mb,
-        what=f"the model {Path(gguf or location).name}",
+
+    def planned(kv: str, why: str) -> Plan:
+        return plan(
+            weights=weights,
+            kv_bytes_per_token=kv_bytes_per_token(config, DTYPE_BYTES.get(kv, 4)),
+            asked_tokens=settings.kv_cache_tokens,
+            working=working_bytes(config, settings.batch_tokens),
+            limit_mb=settings.memory_limit_mb,
+            what=f"the model {Path(gguf or location).name}",
+            kv_dtype=kv,
+            kv_reason=why,
+        )
+
+    if chosen is not None:
+        return planned(chosen, reason), widened
+    whole = planned("float32", "the fp32 cache fits (TTFT_KV_DTYPE=auto)")
+    if whole.kv_tokens >= whole.asked_tokens and whole.refusal is None:
+        return whole, widened
+    short = (
+        f"fp32 keys and values of {whole.asked_tokens} tokens ({_gib(whole.kv_bytes_per_token * whole.asked_tokens)})"
+        f" do not fit in {_gib(whole.available)} beside the rest (TTFT_KV_DTYPE=auto)"
     )
-    return result, widened
+    return planned("float16", short), widened
 
 
 def for_llama_cpp(settings: Any, gguf: str, config: Any) -> Plan:
@@ -276,6 +324,8 @@ def for_llama_cpp(settings: Any, gguf: str, config: Any) -> Plan:
         working=working_bytes(config, min(settings.batch_tokens, 512)),
         limit_mb=settings.memory_limit_mb,
         what=f"the model {Path(gguf).name} on llama.cpp",
+        kv_dtype="float16",
+        kv_reason="llama.cpp's own (TTFT_KV_DTYPE is the transformers engines')",
     )
 
 

@@ -19,7 +19,7 @@ from typing import Any
 import structlog
 
 from ttft_sse.engine.base import INT8, NORMAL, ModelInfo
-from ttft_sse.engine.cpu import attention, decoder, families, grouped, kernel, weights
+from ttft_sse.engine.cpu import attention, decoder, families, grouped, half_cache, kernel, weights
 from ttft_sse.engine.loading import assembly, budget, imports, sources
 from ttft_sse.errors import StartupError
 from ttft_sse.settings import Settings
@@ -81,6 +81,8 @@ def load_model(settings: Settings, clock: StageClock) -> Loaded:
             else:
                 model, applied = _from_pretrained(settings, torch, transformers, location, device, dtype), None
             model.eval()
+            kv_dtype = plan.kv_dtype if plan is not None else str(dtype).removeprefix("torch.")
+            half_cache.mark(model, kv_dtype)  # before attention.page, which probes the f16 functions where it is f16
             arranged = _arrange(settings, model, torch, applied, on_cpu_in_fp32)
             layout, library, helpers, by_type, layers = arranged
             if device == "cpu" and settings.grouped_attention:
@@ -116,6 +118,7 @@ def load_model(settings: Settings, clock: StageClock) -> Loaded:
         weights_bytes=held_bytes(model),
         kv_cache_tokens=settings.kv_cache_tokens if plan is None else plan.kv_tokens,
         kv_cache_bytes=0 if plan is None else plan.kv_cache,
+        kv_cache_dtype=kv_dtype,
         load_peak_rss_bytes=budget.peak_resident_bytes(),
     )
     return Loaded(
@@ -138,8 +141,14 @@ def _planned(
     on_cpu_in_fp32: bool,
 ) -> budget.Plan | None:
     """The memory plan of this load on CPU (engine/loading/budget.py), logged; raises :class:`StartupError` with the
-    plan's sentence where the model does not fit. None on a GPU, whose memory accelerate places."""
+    plan's sentence where the model does not fit, or where ``TTFT_KV_DTYPE`` is set for a model it does not apply to.
+    None on a GPU, whose memory accelerate places (its KV cache in the model's dtype)."""
     if device != "cpu":
+        if settings.kv_dtype != "auto":
+            raise StartupError(
+                f"TTFT_KV_DTYPE={settings.kv_dtype} is for the transformers engines on CPU in fp32; this model runs on "
+                f"{device}, and its KV cache is in its dtype: unset TTFT_KV_DTYPE (or set it to auto)"
+            )
         log.info("memory_not_planned", reason=f"the model runs on {device}")
         return None
     config = transformers.AutoConfig.from_pretrained(location)
@@ -296,8 +305,9 @@ def _from_gguf(
     return model.to(device), applied
 
 
-LARGE_FILE_BYTES = 2 * 2**30
-"""From this size of GGUF file up, ``TTFT_GGUF_ACTIVATIONS=auto`` gives the block kernel int8 rows."""
+LARGE_FILE_BYTES = budget.LARGE_FILE_BYTES
+"""From this size of GGUF file up, ``TTFT_GGUF_ACTIVATIONS=auto`` gives the block kernel int8 rows (and
+``TTFT_KV_DTYPE=auto`` an f16 KV cache: engine/loading/budget.py)."""
 
 
 def activations_for(settings: Settings, gguf: Path) -> str:
