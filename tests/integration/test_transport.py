@@ -36,7 +36,7 @@ def test_first_token_is_flushed_while_the_engine_is_still_generating(held: tuple
         rest = list(events)
     assert [(e.event, e.id) for e in rest] == [("token", "1"), ("token", "2"), ("done", None)]
     assert rest[-1].data["finish_reason"] == "stop"
-    assert rest[-1].data["usage"] == {"prompt_tokens": 1, "completion_tokens": 3, "total_tokens": 4}
+    assert rest[-1].data["usage"] == {"prompt_tokens": 1, "completion_tokens": 3, "total_tokens": 4, "cached_tokens": 0}
 
 
 def test_the_event_loop_keeps_answering_while_a_generation_runs(held: tuple[str, FakeEngine]) -> None:
