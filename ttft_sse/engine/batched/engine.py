@@ -273,6 +273,14 @@ class BatchedEngine:
         await self._running()
         return await self._pins.prefill(prompt, cache_salt=cache_salt, owner=owner, hold=hold)
 
+    async def warm(self, prompt: Prompt) -> int:
+        """Compute ``prompt`` into the prefix cache and keep its blocks for good (``TTFT_WARM_PROMPTS``), within
+        the warm prompts' share of the cache (engine/batched/pins.py); the tokens kept (0: not kept)."""
+        if self._batching_off is not None or not self._settings.prefix_cache or not self._pins.fits(prompt):
+            return 0
+        await self._running()
+        return prompt.n_tokens if await self._pins.warm(prompt) else 0
+
     async def stream(self, prompt: Prompt, params: SamplingParams) -> AsyncGenerator[Item, None]:
         # The last prompt token and every generated token but the last need a cache slot; keep one block of slack.
         fits = prompt.n_tokens + params.max_tokens <= self._capacity - BLOCK_TOKENS

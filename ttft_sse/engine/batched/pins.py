@@ -5,8 +5,9 @@ A prefill (``POST /prefill``, :meth:`Pins.prefill`) is a request of the library 
 ``PrefixCounters.prefills`` so that the scheduler runs it only in what real requests leave
 (engine/batched/scheduler.py), and cancelled once its prompt is in the cache. Its whole blocks are then held under a
 name of their own, as a request holds its blocks (:meth:`Pins.pin`), for ``TTFT_PREFILL_KEEP_SECONDS``; then they
-are cached like any prefix. Pins are made and released between two steps, in the batching thread
-(``PrefixCounters.chores``); their bookkeeping is the event loop's.
+are cached like any prefix. A warm prompt's (:meth:`Pins.warm`, computed before the server is ready) are held for
+good. Pins are made and released between two steps, in the batching thread (``PrefixCounters.chores``); their
+bookkeeping is the event loop's.
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ from ttft_sse.errors import EngineError
 PINNED_SHARE = 4
 """Prefills pin at most 1/PINNED_SHARE of the KV cache's tokens: a newer pin past it releases the oldest ones (their
 blocks stay cached, evicted like any prefix when the cache runs short)."""
+WARM_SHARE = 4
+"""Warm prompts (``TTFT_WARM_PROMPTS``) keep at most 1/WARM_SHARE of the KV cache's tokens, apart from the prefills'
+share: a warm prompt past it is not kept (its blocks are cached like any prefix)."""
 
 Pin = tuple[str, int]
 """(the name the blocks are held under in the cache, their tokens)."""
@@ -46,6 +50,8 @@ class Pins:
         self._pins: dict[str, Pin] = {}  # owner → its prefill's kept blocks, oldest first
         self.pinned = 0
         """Tokens prefills pin now."""
+        self.kept = 0
+        """Tokens warm prompts keep (for good)."""
 
     def attach(self, manager: Any, capacity: int) -> None:
         self._manager = manager
@@ -64,12 +70,28 @@ class Pins:
         return salts.cached(cache, prompt.token_ids, salts.seed_of(cache_salt))
 
     async def prefill(self, prompt: Prompt, *, cache_salt: str = "", owner: str = "", hold: Hold = None) -> int:
-        """Compute ``prompt`` into the cache (a request of the library that computes it and one token, cancelled
-        once its prompt is in), then pin its blocks; the tokens it computed. The caller checks :meth:`fits`."""
+        """Compute ``prompt`` into the cache, then pin its blocks for a while; the tokens it computed. The caller
+        checks :meth:`fits`."""
+        computed = await self._compute(prompt, cache_salt, hold)
+        self.pin(owner, prompt, salts.seed_of(cache_salt))
+        return computed
+
+    async def warm(self, prompt: Prompt) -> bool:
+        """Compute ``prompt`` into the cache and keep its blocks for good, where warm prompts keep less than
+        1/:data:`WARM_SHARE` of the cache with it; whether it is kept. The caller checks :meth:`fits`."""
+        if self.kept + prompt.n_tokens > self.capacity // WARM_SHARE:
+            return False
+        await self._compute(prompt, "", None)
+        self._hold(prompt, None)
+        self.kept += prompt.n_tokens
+        return True
+
+    async def _compute(self, prompt: Prompt, cache_salt: str, hold: Hold) -> int:
+        """A request of the library that computes ``prompt`` and one token, cancelled once its prompt is in the
+        cache; the tokens it computed (0 where every whole block is there already)."""
         before = self.cached(prompt, cache_salt)
         seed = salts.seed_of(cache_salt)
         if before >= (prompt.n_tokens - 1) // BLOCK_TOKENS * BLOCK_TOKENS:
-            self.pin(owner, prompt, seed)  # every whole block is there already
             return 0
         request_id = f"ttft-prefill-{next(self._ids)}"
         inbox = self._mailboxes.open(request_id)
@@ -107,7 +129,6 @@ class Pins:
             counters.seeds.pop(request_id, None)
             if in_library:
                 self._manager.cancel_request(request_id)
-        self.pin(owner, prompt, seed)
         return prompt.n_tokens - before
 
     def pin(self, owner: str, prompt: Prompt, seed: int | None) -> None:
