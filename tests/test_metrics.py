@@ -21,7 +21,8 @@ from tests.support.scrape import Scrape, parse, scrape
 from tests.support.servers import StreamReader, parse_sse, running, serving
 from ttft_sse.app import create_app
 from ttft_sse.engine.base import Prompt
-from ttft_sse.engine.batched.engine import BatchedEngine, BatchStats
+from ttft_sse.engine.batched.engine import BatchedEngine
+from ttft_sse.engine.batched.stats import BatchStats
 from ttft_sse.engine.cpu import kernel
 from ttft_sse.engine.fake import FakeEngine
 from ttft_sse.gauges import BATCH_METRICS, CUDA_METRICS, KERNEL_METRICS, GpuProbe

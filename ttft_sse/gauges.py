@@ -20,7 +20,7 @@ from ttft_sse.stages import StageClock
 from ttft_sse.targets import Degrader, Targets
 
 if TYPE_CHECKING:
-    from ttft_sse.engine.batched.engine import BatchStats
+    from ttft_sse.engine.batched.stats import BatchStats
 
 log = structlog.get_logger("ttft_sse.metrics")
 

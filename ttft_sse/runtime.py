@@ -40,14 +40,16 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing, asynccontextmanager
+from functools import partial
 
 import anyio
 import structlog
 from starlette.applications import Starlette
 
+from ttft_sse import warm_prompts
 from ttft_sse.auth import ANONYMOUS, Keyring
-from ttft_sse.engine.base import Engine
-from ttft_sse.errors import ShuttingDown
+from ttft_sse.engine.base import Engine, keep_warm
+from ttft_sse.errors import PromptTooLong, ShuttingDown
 from ttft_sse.gate import Gate
 from ttft_sse.generation import Generations
 from ttft_sse.jobs import EmbeddedJobs, JobStore
@@ -67,6 +69,12 @@ WARMUP_TOKENS = 8
 CUT_SECONDS = 5.0
 # After the drain: how long hypercorn waits for the last responses (final events) to be written.
 FLUSH_SECONDS = 5.0
+
+
+NOT_KEPT = (
+    "the warm prompts keep a quarter of the KV cache at most (engine/batched/pins.py), and this one is past it, or "
+    "the engine keeps no prefix for good: it is cached like any prefix, evicted when the cache runs short"
+)
 
 
 def shutdown_budget(drain_seconds: float) -> float:
@@ -134,6 +142,9 @@ class Runtime:
             if self.settings.warmup:
                 with lifecycle.clock.stage("warmup"):
                     await self._warm_up()
+            if self.settings.warm_prompts:
+                with lifecycle.clock.stage("warm_prompts"):
+                    await self._warm_prompts(self.settings.warm_prompts)
         except ShuttingDown:
             log.info("startup_abandoned", reason="shutting down", **lifecycle.startup_report())
             return
@@ -175,6 +186,25 @@ class Runtime:
         async with aclosing(run.events()) as events:
             async for _ in events:
                 pass
+
+    async def _warm_prompts(self, path: str) -> None:
+        """``TTFT_WARM_PROMPTS``: each prompt's stable prefix (as ``POST /prefill`` computes it) computed into the
+        prefix cache and kept for good, before the server is ready; one log line each, saying what was kept."""
+        engine = self.engine
+        for number, request in enumerate(warm_prompts.read(path), start=1):
+            try:
+                prompt = await anyio.to_thread.run_sync(
+                    partial(engine.prepare_prefix, prompt=request.prompt, messages=request.messages, raw=request.raw)
+                )
+            except PromptTooLong as exc:
+                log.warning("warm_prompt", line=number, outcome="too_long", error=exc.message)
+                continue
+            kept = await keep_warm(engine, prompt)
+            fields = {"line": number, "prompt_tokens": prompt.n_tokens, "cached_tokens": engine.cached(prompt)}
+            if kept:
+                log.info("warm_prompt", outcome="kept", **fields)
+            else:  # past the warm prompts' share of the cache, or an engine that keeps nothing for good
+                log.warning("warm_prompt", outcome="not_kept", reason=NOT_KEPT, **fields)
 
     async def drain(self, grace: float) -> None:
         """Stop taking work, let running generations finish for up to ``grace`` seconds, then cut the rest.

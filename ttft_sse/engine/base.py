@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, runtime_checkable
 
 from ttft_sse.stages import StageClock
 
@@ -228,8 +228,28 @@ class Engine(Protocol):
         ...
 
 
+@runtime_checkable
+class KeepsWarm(Protocol):
+    """An engine that keeps a prompt's KV in its prefix cache for good (``TTFT_WARM_PROMPTS``). One without it
+    computes warm prompts as prefills (:meth:`Engine.prefill`: kept a while, then cached like any prefix)."""
+
+    async def warm(self, prompt: Prompt) -> int:
+        """Compute ``prompt`` into the prefix cache and keep it there for good, within a bound of tokens; the tokens
+        kept (0: not kept, for the bound or where the engine shares no prefixes)."""
+        ...
+
+
 def check_mode(mode: str, modes: Sequence[str]) -> None:
     """Raise ``ValueError`` unless ``mode`` is one of ``modes`` (an engine's ``info.modes``)."""
     if mode not in modes:
         hint = "" if len(modes) > 1 else " (TTFT_DEGRADE=int8 gives the CPU engine an int8 mode)"
         raise ValueError(f"mode must be one of {', '.join(modes)}, got {mode!r}{hint}")
+
+
+async def keep_warm(engine: Engine, prompt: Prompt) -> int:
+    """``prompt`` computed into ``engine``'s prefix cache: kept for good where it :class:`KeepsWarm` (the tokens
+    kept), else as a prefill (0)."""
+    if isinstance(engine, KeepsWarm):
+        return await engine.warm(prompt)
+    await engine.prefill(prompt)
+    return 0

@@ -41,6 +41,7 @@ from ttft_sse.engine.base import (
     Progress,
     Prompt,
     SamplingParams,
+    keep_warm,
 )
 from ttft_sse.engine.cache_files import write_whole
 from ttft_sse.engine.cpu import compiler, kernel
@@ -349,6 +350,9 @@ class AutoEngine:
 
     async def prefill(self, prompt: Prompt, *, cache_salt: str = "", owner: str = "", hold: Hold = None) -> int:
         return await self.chosen.prefill(prompt, cache_salt=cache_salt, owner=owner, hold=hold)
+
+    async def warm(self, prompt: Prompt) -> int:
+        return await keep_warm(self.chosen, prompt)
 
     async def close(self) -> None:
         if self._engine is not None:

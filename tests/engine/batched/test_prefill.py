@@ -391,9 +391,11 @@ async def test_the_batch_goes_on_from_the_first_token_the_process_gave(
     the prompt and that token. Without the step picking it, the batch would go on from its own."""
     import torch
 
+    from ttft_sse.engine.batched import beside
     from ttft_sse.engine.batched import engine as batched
 
-    monkeypatch.setattr(batched, "PrefillProcess", ScriptedProcess)
+    monkeypatch.setattr(beside, "PrefillProcess", ScriptedProcess)  # started
+    monkeypatch.setattr(batched, "PrefillProcess", ScriptedProcess)  # told apart from interludes
     forced = reference.tokenizer.encode(" Banana", add_special_tokens=False)[0]
     monkeypatch.setattr(ScriptedProcess, "token", forced)
     own = BatchedEngine(settings.replace(prefill_process=True, prefill_between_layers=False, kernel_helpers=0))

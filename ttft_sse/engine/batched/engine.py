@@ -22,9 +22,9 @@ The library does the batching, the paged cache and the prefix sharing. Written h
   waiting request also checks that the loop is alive (``Mailboxes``); the next request restarts a dead loop;
 * **prefix-hit counting** (engine/batched/scheduler.py): tokens served from shared blocks, in all
   (:meth:`BatchedEngine.stats`) and per request (its ``Usage.cached_tokens``);
-* **prefills** (:meth:`BatchedEngine.prefill`, ``POST /prefill``): a prompt's KV computed as background work (a
-  request of two tokens that the scheduler runs only in what real requests leave), then its blocks pinned for
-  ``TTFT_PREFILL_KEEP_SECONDS`` (:meth:`BatchedEngine._pin`), so that the request that follows finds them;
+* **prefills** (:meth:`BatchedEngine.prefill`, ``POST /prefill``, engine/batched/pins.py): a prompt's KV computed as
+  background work (a request of two tokens that the scheduler runs only in what real requests leave), then its blocks
+  pinned for ``TTFT_PREFILL_KEEP_SECONDS``, so that the request that follows finds them;
 * **isolation** (engine/batched/salts.py): a request with a cache salt shares blocks only with requests of the same
   salt;
 * **progress**: a prompt computed over several steps tells its request how far it is (``Progress``);
@@ -60,7 +60,6 @@ import time
 from collections import deque
 from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
-from dataclasses import dataclass
 from typing import Any
 
 import structlog
@@ -78,15 +77,18 @@ from ttft_sse.engine.base import (
     SamplingParams,
 )
 from ttft_sse.engine.batched import hooks, memory, salts
+from ttft_sse.engine.batched.beside import start_beside
 from ttft_sse.engine.batched.claims import Arrivals, Claims, FirstToken
 from ttft_sse.engine.batched.held import Held
 from ttft_sse.engine.batched.hooks import BLOCK_TOKENS, missing_internals
 from ttft_sse.engine.batched.interlude import Interlude
 from ttft_sse.engine.batched.modes import Modes
+from ttft_sse.engine.batched.pins import Pins
 from ttft_sse.engine.batched.prefill import PrefillProcess
 from ttft_sse.engine.batched.race import Race
 from ttft_sse.engine.batched.scheduler import PrefixCounters, register_scheduler, unregister_scheduler
-from ttft_sse.engine.cpu import attention, families, half_cache, kernel
+from ttft_sse.engine.batched.stats import BatchStats
+from ttft_sse.engine.cpu import attention
 from ttft_sse.engine.single import CacheJanitor, SingleEngine
 from ttft_sse.engine.text import TokenText
 from ttft_sse.errors import EngineError
@@ -97,33 +99,8 @@ log = structlog.get_logger("ttft_sse.engine")
 
 Item = Progress | Piece | Finished
 
-PINNED_SHARE = 4
-"""Prefills pin at most 1/PINNED_SHARE of the KV cache's tokens: a newer pin past it releases the oldest ones (their
-blocks stay cached, evicted like any prefix when the cache runs short)."""
-
 # How many recent steps ``batch_log`` keeps.
 BATCH_LOG_STEPS = 512
-
-
-@dataclass(frozen=True)
-class BatchStats:
-    """A snapshot of the batching loop, for tests, the benchmark and metrics. Counters only grow."""
-
-    running: bool  # the loop's thread is alive
-    requests: int  # requests the library holds now (prefilling, decoding, or waiting to be scheduled)
-    streams: int  # requests whose client is still reading
-    steps: int  # forward passes that produced at least one token
-    prompt_tokens: int  # prompt tokens scheduled, shared or computed
-    prefix_hits: int  # prompts that reused shared blocks
-    prefix_hit_tokens: int  # prompt tokens served from shared blocks instead of computed
-    kv_tokens_in_use: int  # KV capacity held by live requests
-    kv_tokens_cached: int  # KV capacity held only for reuse (evicted when the cache runs short)
-    kv_tokens_capacity: int
-    prefill: str = "off"  # the prefill process (engine/batched/prefill.py): off, loading, ready, failed or stopped
-    interludes: str = "off"  # interludes (engine/batched/interlude.py): off, ready, failed or stopped
-    side_first_tokens: int = 0  # first tokens the prefill process gave before the batch did
-    interlude_first_tokens: int = 0  # first tokens interludes gave (engine/batched/interlude.py)
-    kernel: kernel.HelperCounts | None = None  # the block kernel's helper threads (None without them)
 
 
 class BatchedEngine:
@@ -156,8 +133,7 @@ class BatchedEngine:
         self._counters.before_kernel = self._held.release
         self._counters.progress = self._progress
         self._interlude_held: dict[str, int] = {}  # request id → the tokens the cache held when an interlude ran it
-        self._pins: dict[str, tuple[str, int]] = {}  # owner → (pin name, tokens) of its prefill's kept blocks
-        self._pinned = 0  # tokens pinned
+        self._pins = Pins(self._counters, self._mailboxes, self._ids, settings.prefill_keep_seconds)
 
     @property
     def info(self) -> ModelInfo:
@@ -222,7 +198,7 @@ class BatchedEngine:
             log.warning("batching_off", reason=self._batching_off, missing=missing)
             return
         hooks.keep_config_causal(self.model)
-        self._start_prefill()  # before the loop: its scheduler hands its cache the interludes
+        self._prefill = start_beside(self._settings, self.model, self.info, self._counters)  # before the loop
         if self._prefill is not None:
             self._race = Race(self._prefill, self._claims, self._modes, self._mailboxes.deliver)
         with clock.stage("batching"):
@@ -235,61 +211,13 @@ class BatchedEngine:
             )
             self._loop.start()
 
-    def _start_prefill(self) -> None:
-        """Interludes (engine/batched/interlude.py) where asked and possible; else the prefill process
-        (engine/batched/prefill.py), where it can help: on CPU, with a core of its own."""
-        if self._settings.prefill_between_layers:
-            reason = self._no_interludes()
-            if reason is None:
-                self._prefill = Interlude(self.model, self._counters.seeds)
-                self._counters.between = self._prefill.serve
-                self._counters.waiting = self._prefill.waiting
-                log.info("interludes_on")
-                return
-            log.info("interludes_off", reason=reason)
-        if not self._settings.prefill_process:
-            return
-        if self._settings.cores < 2:
-            reason = "one core only (affinity and CPU quota)"
-        elif not self._rows_alone():
-            reason = "it needs the block kernel and the C attention (a GGUF model, on CPU, in fp32)"
-        elif self.info.kernel_helpers > 0:
-            # Both want the second core, and the batch does better with it at c=8 (figures: docs/engine.md).
-            reason = "the block kernel's helper threads use the other cores (TTFT_KERNEL_HELPERS=0 gives them to it)"
-        else:
-            # Its KV cache in the batch's dtype, as chosen here (auto's choice by memory could differ in the child).
-            kv = "f16" if half_cache.in_f16(self.model) else "fp32"
-            self._prefill = PrefillProcess(self._settings.replace(kv_dtype=kv))
-            self._prefill.start()
-            return
-        log.info("prefill_process_off", reason=reason)
-
-    def _rows_alone(self) -> bool:
-        """Each row of a forward pass is computed from its own inputs alone (the block kernel's linear layers, the C
-        attention): a first token computed beside the batch is then the batch's, bit for bit."""
-        return attention.paged(self.model) and self.info.weights.startswith("gguf-blocks")
-
-    def _no_interludes(self) -> str | None:
-        """Why interludes cannot run here, or None. They compute a step of their own through the decoder layers in
-        C over the paged cache read in place, and hand their KV over by the library's prefix sharing."""
-        layers = getattr(self.model.base_model, "layers", [])
-        if not self._rows_alone():
-            return "they need the block kernel and the C attention (a GGUF model, on CPU, in fp32)"
-        if not layers or not all(isinstance(layer, families.FusedLayer) for layer in layers):
-            return "they need the decoder layers in C (TTFT_FUSED_LAYERS)"
-        if not self._settings.prefix_cache:
-            return "they hand their KV to the batch through the prefix cache (TTFT_PREFIX_CACHE)"
-        if any(getattr(layer.self_attn, "sliding_window", None) for layer in layers):
-            return "they hand their KV over by the prefix cache, which the library's sliding-window layers do not share"
-        return None
-
     def _create_manager(self, *, paged: bool) -> Any:
         import math
 
         blocks = math.ceil((self.info.kv_cache_tokens or self._settings.kv_cache_tokens) / BLOCK_TOKENS)
         self._capacity = blocks * BLOCK_TOKENS
         self._scheduler = register_scheduler(self._counters, paged=paged)
-        return hooks.create_manager(
+        manager = hooks.create_manager(
             self._single,
             self._settings,
             blocks=blocks,
@@ -298,6 +226,8 @@ class BatchedEngine:
             claims=self._claims,
             populate=self._populate,
         )
+        self._pins.attach(manager, self._capacity)
+        return manager
 
     def _populate(self, cache: Any) -> None:
         """The paged cache's pages faulted in at idle priority while no request runs (memory.populate)."""
@@ -333,107 +263,23 @@ class BatchedEngine:
         return self._single.prepare_prefix(prompt=prompt, messages=messages, raw=raw)
 
     def cached(self, prompt: Prompt, cache_salt: str = "") -> int:
-        processor = getattr(self._manager, "batch_processor", None) if self._manager is not None else None
-        cache = getattr(processor, "cache", None)
-        if cache is None or not getattr(cache, "use_prefix_sharing", False):
-            return 0
-        return salts.cached(cache, prompt.token_ids, salts.seed_of(cache_salt))
+        return self._pins.cached(prompt, cache_salt)
 
     async def prefill(self, prompt: Prompt, *, cache_salt: str = "", owner: str = "", hold: Hold = None) -> int:
-        """A request of the library that computes ``prompt`` and one token, run by the scheduler only in what real
-        requests leave (engine/batched/scheduler.py), cancelled once its prompt is in the cache; then its blocks are
-        pinned (:meth:`_pin`). Nothing where prompts are not shared (no prefix cache, batching off, too long)."""
-        fits = prompt.n_tokens + 2 <= self._capacity - BLOCK_TOKENS
-        if self._batching_off is not None or not self._settings.prefix_cache or not fits or self._manager is None:
+        """Compute ``prompt`` into the prefix cache as background work and pin its blocks (engine/batched/pins.py).
+        Nothing where prompts are not shared (no prefix cache, batching off, too long)."""
+        if self._batching_off is not None or not self._settings.prefix_cache or not self._pins.fits(prompt):
             return 0
         await self._running()
-        before = self.cached(prompt, cache_salt)
-        seed = salts.seed_of(cache_salt)
-        if before >= (prompt.n_tokens - 1) // BLOCK_TOKENS * BLOCK_TOKENS:
-            self._pin(owner, prompt, seed)  # every whole block is there already
+        return await self._pins.prefill(prompt, cache_salt=cache_salt, owner=owner, hold=hold)
+
+    async def warm(self, prompt: Prompt) -> int:
+        """Compute ``prompt`` into the prefix cache and keep its blocks for good (``TTFT_WARM_PROMPTS``), within
+        the warm prompts' share of the cache (engine/batched/pins.py); the tokens kept (0: not kept)."""
+        if self._batching_off is not None or not self._settings.prefix_cache or not self._pins.fits(prompt):
             return 0
-        request_id = f"ttft-prefill-{next(self._ids)}"
-        inbox = self._mailboxes.open(request_id)
-        counters = self._counters
-        if seed is not None:
-            counters.seeds[request_id] = seed
-        counters.prefills[request_id] = hold or _never
-        in_library = False
-        try:
-            added = self._manager.add_request(
-                list(prompt.token_ids),
-                request_id=request_id,
-                max_new_tokens=2,  # a request that ends in its first step leaves its last blocks unregistered
-                streaming=True,
-                eos_token_id=-1,
-                temperature=0.0,
-                top_p=1.0,
-            )
-            if added is None:
-                raise EngineError("prefill failed: the batching loop is not accepting requests")
-            in_library = True
-            async for output in inbox:
-                if isinstance(output, Progress):
-                    continue
-                if output.error is not None:
-                    in_library = False
-                    raise EngineError(f"prefill failed: {output.error}")
-                break  # its first token: the whole prompt is in the cache, its whole blocks registered
-            else:
-                return 0  # close() is ending everything
-        finally:
-            inbox.close()
-            counters.prefills.pop(request_id, None)
-            counters.hit_by_request.pop(request_id, None)
-            counters.seeds.pop(request_id, None)
-            if in_library:
-                self._manager.cancel_request(request_id)
-        self._pin(owner, prompt, seed)
-        return prompt.n_tokens - before
-
-    def _pin(self, owner: str, prompt: Prompt, seed: int | None) -> None:
-        """Hold ``prompt``'s whole blocks in the cache for ``TTFT_PREFILL_KEEP_SECONDS`` (under a name of its own,
-        as a request holds its blocks), in place of ``owner``'s earlier pin; then they are cached like any prefix.
-        Pins are made and released between two steps, in the batching thread (``PrefixCounters.chores``)."""
-        keep = self._settings.prefill_keep_seconds
-        earlier = self._pins.pop(owner, None) if owner else None
-        if earlier is not None:
-            self._unpin(earlier)
-        cap = self._capacity // PINNED_SHARE
-        if keep <= 0 or prompt.n_tokens > cap:
-            return
-        while self._pins and self._pinned + prompt.n_tokens > cap:  # the oldest pins make room for the newest
-            oldest = next(iter(self._pins))
-            self._unpin(self._pins.pop(oldest))
-        name = f"ttft-pin-{next(self._ids)}"
-        pin = (name, prompt.n_tokens)
-        self._pins[owner or name] = pin
-        self._pinned += prompt.n_tokens
-        seeds, ids = self._counters.seeds, list(prompt.token_ids)
-
-        def hold(cache: Any) -> None:
-            if seed is not None:
-                seeds[name] = seed
-            cache.search_prefix_match(name, ids)
-
-        self._counters.chores.append(hold)
-        asyncio.get_running_loop().call_later(keep, self._expire, owner or name, pin)
-
-    def _expire(self, owner: str, pin: tuple[str, int]) -> None:
-        if self._pins.get(owner) == pin:
-            del self._pins[owner]
-            self._unpin(pin)
-
-    def _unpin(self, pin: tuple[str, int]) -> None:
-        name, tokens = pin
-        self._pinned -= tokens
-        seeds = self._counters.seeds
-
-        def release(cache: Any) -> None:
-            cache.free_blocks(name)
-            seeds.pop(name, None)
-
-        self._counters.chores.append(release)
+        await self._running()
+        return prompt.n_tokens if await self._pins.warm(prompt) else 0
 
     async def stream(self, prompt: Prompt, params: SamplingParams) -> AsyncGenerator[Item, None]:
         # The last prompt token and every generated token but the last need a cache slot; keep one block of slack.
@@ -638,10 +484,6 @@ class BatchedEngine:
 
     def _dead(self) -> BaseException:
         return EngineError("generation failed: the batching loop stopped")
-
-
-def _never() -> bool:
-    return False
 
 
 def _log_failure(future: asyncio.Future[None]) -> None:
