@@ -1,12 +1,15 @@
-"""The llama.cpp engine's step plans: admission by ids and KV cells, a row per decoding stream, prompts chunked."""
+"""The llama.cpp engine's step plans: admission by ids and KV cells, a row per decoding stream, prompts chunked, and
+the kept tokens of free ids reused by a prompt that starts with them."""
 
 from __future__ import annotations
 
-from ttft_sse.engine.llamacpp.schedule import Schedule, Sequence
+from ttft_sse.engine.llamacpp.schedule import Kept, Schedule, Sequence
 
 
-def schedule(*, sequences: int = 4, cells: int = 1000, batch_tokens: int = 32, chunk: int = 4) -> Schedule:
-    return Schedule(sequences=sequences, cells=cells, batch_tokens=batch_tokens, chunk=chunk)
+def schedule(
+    *, sequences: int = 4, cells: int = 1000, batch_tokens: int = 32, chunk: int = 4, reuse: bool = False
+) -> Schedule:
+    return Schedule(sequences=sequences, cells=cells, batch_tokens=batch_tokens, chunk=chunk, reuse=reuse)
 
 
 def test_a_prompt_alone_is_computed_in_one_step_with_logits_at_its_last_row() -> None:
@@ -81,3 +84,84 @@ def test_a_sequence_too_big_for_the_cache_never_fits() -> None:
     plan_of = schedule(cells=64)  # a sequence's cells
     assert plan_of.fits(Sequence("a", tuple(range(32)), max_tokens=32))
     assert not plan_of.fits(Sequence("b", tuple(range(32)), max_tokens=33))
+
+
+def run_to_end(plan_of: Schedule, sequence: Sequence, generated: tuple[int, ...]) -> None:
+    """Admit ``sequence``, compute its prompt, give it ``generated`` and take it out."""
+    plan_of.add(sequence)
+    plan_of.admit()
+    while sequence.computed < len(sequence.prompt):
+        plan_of.plan()
+    sequence.generated.extend(generated)
+    plan_of.remove(sequence.key)
+
+
+def test_a_free_id_keeps_its_prompt_and_fed_back_tokens_and_a_request_sharing_them_computes_only_the_rest() -> None:
+    plan_of = schedule(reuse=True)
+    run_to_end(plan_of, Sequence("a", (1, 2, 3, 4, 5), max_tokens=8), generated=(6, 7, 8))
+    assert plan_of.kept[0] == Kept("", (1, 2, 3, 4, 5, 6, 7))  # the last generated token is never fed back
+    plan_of.add(Sequence("b", (9, 9), max_tokens=4))  # shares nothing: the id left longest ago (an unused one)
+    plan_of.add(Sequence("c", (1, 2, 3, 4, 5, 6, 7, 20, 21), max_tokens=4))
+    b, c = plan_of.admit()
+    assert (b.seq, b.cached) == (1, 0)
+    assert (c.seq, c.cached, c.computed) == (0, 7, 7)
+    assert plan_of.kept[0] == Kept()  # a running id's cells are its request's
+    rows = plan_of.plan().rows
+    assert [(r.seq, r.token, r.position, r.logits) for r in rows if r.seq == 0] == [
+        (0, 20, 7, False),
+        (0, 21, 8, True),
+    ]
+
+
+def test_the_same_prompt_again_computes_only_its_last_token_for_its_logits() -> None:
+    plan_of = schedule(reuse=True)
+    run_to_end(plan_of, Sequence("a", (1, 2, 3), max_tokens=4), generated=(4,))
+    again = Sequence("b", (1, 2, 3), max_tokens=4)
+    plan_of.add(again)
+    plan_of.admit()
+    assert again.cached == 2
+    assert [(r.token, r.position, r.logits) for r in plan_of.plan().rows] == [(3, 2, True)]
+
+
+def test_kept_tokens_are_reused_only_under_the_same_salt() -> None:
+    plan_of = schedule(sequences=1, reuse=True)
+    run_to_end(plan_of, Sequence("a", (1, 2, 3, 4), max_tokens=4, salt="key:1"), generated=(5,))
+    assert plan_of.cached((1, 2, 3, 4, 9), "key:1") == 4
+    assert plan_of.cached((1, 2, 3, 4, 9), "key:2") == 0
+    assert plan_of.cached((1, 2, 3, 4, 9), "") == 0
+    other = Sequence("b", (1, 2, 3, 4, 9), max_tokens=4, salt="key:2")
+    plan_of.add(other)
+    plan_of.admit()
+    assert (other.seq, other.cached, other.computed) == (0, 0, 0)
+
+
+def test_a_cancelled_prompt_keeps_only_what_was_computed_of_it() -> None:
+    plan_of = schedule(batch_tokens=4, reuse=True)
+    sequence = Sequence("a", tuple(range(10)), max_tokens=4)
+    plan_of.add(sequence)
+    plan_of.admit()
+    plan_of.plan()  # 4 of its 10 tokens
+    plan_of.remove("a")
+    assert plan_of.kept[0].tokens == (0, 1, 2, 3)
+
+
+def test_without_reuse_nothing_is_kept_and_every_prompt_is_computed_whole() -> None:
+    plan_of = schedule(sequences=1)
+    run_to_end(plan_of, Sequence("a", (1, 2, 3), max_tokens=4), generated=(4, 5))
+    assert plan_of.kept == [Kept()]
+    again = Sequence("b", (1, 2, 3), max_tokens=4)
+    plan_of.add(again)
+    plan_of.admit()
+    assert again.cached == again.computed == 0
+
+
+def test_when_reuse_ends_the_admitted_compute_their_whole_prompts_and_nothing_is_kept() -> None:
+    plan_of = schedule(reuse=True)
+    run_to_end(plan_of, Sequence("a", (1, 2, 3), max_tokens=4), generated=(4, 5))
+    again = Sequence("b", (1, 2, 3, 4), max_tokens=4)
+    plan_of.add(again)
+    admitted = plan_of.admit()
+    assert again.cached == 3
+    plan_of.end_reuse(admitted)
+    assert again.cached == again.computed == 0
+    assert not plan_of.reuse and all(kept == Kept() for kept in plan_of.kept)

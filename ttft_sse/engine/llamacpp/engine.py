@@ -5,8 +5,14 @@ since the last (new requests, cancellations), admits what fits (engine/llamacpp/
 ``llama_decode`` over a row for every decoding stream and the next rows of the prompts being computed; then it picks
 one token for every row that asked for logits and hands the step's tokens to the event loop in one crossing
 (:class:`~ttft_sse.bridge.Mailboxes`). A sequence ends in the loop, at an end-of-sequence token or at its
-``max_tokens``, and its KV cells are freed there; a stream closed early (client gone, stop sequence) posts a
-cancellation, which the loop applies before its next step: it gets no further token.
+``max_tokens``; a stream closed early (client gone, stop sequence) posts a cancellation, which the loop applies
+before its next step: it gets no further token.
+
+Prefix reuse (``TTFT_PREFIX_CACHE``, as llama-server's ``cache_prompt``): a sequence's KV cells outlive its request,
+and a request takes the free sequence whose cells hold the longest prefix of its prompt for its cache salt
+(engine/llamacpp/schedule.py); the loop frees that sequence's cells past the prefix, and only the rest is computed.
+The prefix is the request's ``cached_tokens``. Off, or where llama.cpp cannot free part of a sequence's cells, a
+request's cells are freed when it ends.
 
 Shared with the other engines, so that a request means the same on each: the prompt (engine/prompts.py, with the
 tokenizer transformers builds from the file's metadata, so the same token ids), the text and stop sequences
@@ -44,7 +50,7 @@ from ttft_sse.stages import StageClock
 log = structlog.get_logger("ttft_sse.engine")
 
 Item = Piece | Finished
-Delivery = tuple[int, bool] | EngineError  # (token, last) or why the request failed
+Delivery = tuple[int, bool, int] | EngineError  # (token, last, cached prompt tokens) or why the request failed
 
 
 @dataclass
@@ -85,6 +91,7 @@ class LlamaCppEngine:
         self._closed = False
         self._schedule: Schedule | None = None
         self._steps = 0
+        self._reuse = settings.prefix_cache  # off for good once llama.cpp cannot free part of a sequence
         self.batch_log: list[tuple[str, ...]] = []
         """The request ids that received a token, step by step (the most recent 512 steps)."""
 
@@ -184,8 +191,12 @@ class LlamaCppEngine:
         )
 
     def cached(self, prompt: Prompt, cache_salt: str = "") -> int:
-        """None: every prompt is computed in full, in the batch's steps (this engine shares no prefix yet)."""
-        return 0
+        """The longest prefix of ``prompt`` a free sequence's cells hold for ``cache_salt`` (a request would compute
+        all but that, less its last token)."""
+        schedule = self._schedule
+        if schedule is None or not schedule.reuse:
+            return 0
+        return schedule.cached(prompt.token_ids, cache_salt)
 
     async def prefill(self, prompt: Prompt, *, cache_salt: str = "", owner: str = "", hold: Hold = None) -> int:
         """Nothing: there is no prefix cache to compute into (docs/engine.md, "The llama.cpp engine")."""
@@ -204,6 +215,7 @@ class LlamaCppEngine:
         started = time.perf_counter()
         first_at: float | None = None
         index = 0
+        cached = 0
         ended = False
         try:
             self._loop.post(_Submit(key, prompt.token_ids, params))
@@ -211,7 +223,7 @@ class LlamaCppEngine:
                 if isinstance(delivery, EngineError):
                     ended = True
                     raise delivery
-                token, ended = delivery
+                token, ended, cached = delivery
                 if first_at is None:
                     first_at = time.perf_counter()
                 piece = text.push(token)
@@ -225,7 +237,9 @@ class LlamaCppEngine:
             tail = text.finish()
             if tail:
                 yield Piece(index=index, text=tail)
-            yield text.finished(params.max_tokens, prompt.n_tokens, started, first_at, time.perf_counter(), False)
+            yield text.finished(
+                params.max_tokens, prompt.n_tokens, started, first_at, time.perf_counter(), False, cached
+            )
         finally:
             inbox.close()
             if not ended:
@@ -260,6 +274,7 @@ class LlamaCppEngine:
             cells=runner.cells_per_sequence,
             batch_tokens=runner.shape.batch_tokens,
             chunk=settings.prefill_chunk_tokens,
+            reuse=self._reuse,
         )
         draws: dict[str, tuple[SamplingParams, Any]] = {}  # key → (params, torch generator or None)
         while not commands.stopping:
@@ -267,7 +282,7 @@ class LlamaCppEngine:
                 if isinstance(command, _Cancel):
                     self._leave(schedule, command.key, draws)
                     continue
-                sequence = Running(command.key, command.prompt, command.params.max_tokens)
+                sequence = Running(command.key, command.prompt, command.params.max_tokens, command.params.cache_salt)
                 if not schedule.fits(sequence):
                     self._mailboxes.deliver(
                         [(command.key, EngineError("the request does not fit a sequence's KV cells"))]
@@ -275,7 +290,7 @@ class LlamaCppEngine:
                     continue
                 draws[command.key] = (command.params, _generator(command.params))
                 schedule.add(sequence)
-            schedule.admit()
+            self._take(schedule, schedule.admit())
             plan = schedule.plan()
             if not plan:
                 continue
@@ -289,15 +304,32 @@ class LlamaCppEngine:
                 last = token in self._eos or len(sequence.generated) >= sequence.max_tokens
                 if last:
                     self._leave(schedule, sequence.key, draws)
-                deliveries.append((sequence.key, (token, last)))
+                deliveries.append((sequence.key, (token, last, sequence.cached)))
             self.batch_log.append(tuple(key for key, _ in deliveries))
             del self.batch_log[:-512]
             self._mailboxes.deliver(deliveries)
 
+    def _take(self, schedule: Schedule, admitted: list[Running]) -> None:
+        """Free the cells of each admitted sequence's id past the prefix it reuses (all of them where it reuses
+        none). Where llama.cpp cannot, reuse ends for good: the admitted compute their whole prompts, and every free
+        id's cells are freed."""
+        if not schedule.reuse or all(self.runner.keep(s.seq, s.cached) for s in admitted):
+            return
+        log.warning(
+            "llamacpp_prefix_reuse_off",
+            reason="llama.cpp cannot free part of a sequence's KV cells for this model: every prompt is computed whole",
+        )
+        self._reuse = False
+        held = {s.seq for s in schedule.running.values()} - {s.seq for s in admitted}
+        for seq in range(len(schedule.kept)):
+            if seq not in held:
+                self.runner.forget(seq)
+        schedule.end_reuse(admitted)
+
     def _leave(self, schedule: Schedule, key: str, draws: dict[str, tuple[SamplingParams, Any]]) -> None:
         draws.pop(key, None)
         sequence = schedule.remove(key)
-        if sequence is not None:
+        if sequence is not None and not schedule.reuse:
             self.runner.forget(sequence.seq)
 
     def _failed(self, exc: BaseException) -> None:

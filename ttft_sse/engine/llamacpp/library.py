@@ -113,6 +113,11 @@ class Runner:
         """Free every KV cell of sequence ``seq``."""
         self._lib.llama_memory_seq_rm(self._memory, seq, -1, -1)
 
+    def keep(self, seq: int, tokens: int) -> bool:
+        """Free the KV cells of sequence ``seq`` past its first ``tokens`` positions. False where the model's memory
+        cannot drop part of a sequence (llama.cpp's recurrent state): nothing is freed then."""
+        return bool(self._lib.llama_memory_seq_rm(self._memory, seq, tokens, -1))
+
     def last_position(self, seq: int) -> int:
         """The last position sequence ``seq`` holds in the KV cache, -1 when it holds none."""
         return int(self._lib.llama_memory_seq_pos_max(self._memory, seq))
