@@ -5,6 +5,7 @@
     protocol.py   what to send and how to read replies: native (/stream, /complete) and openai (/v1/chat/completions)
     client.py     one measured request (httpx): times, tokens and its outcome
     load.py       the load phase: every target, mode and concurrency level, alternating between arms
+    typist.py     --typing-cps: the last message typed, with /prefill called as the chat page calls it
     coldstart.py  starting the server N times: time to ready, its stage breakdown, first vs steady TTFT
     soak.py       sequential requests with the server's RSS read at intervals
     stats.py      percentiles and summaries (pure)

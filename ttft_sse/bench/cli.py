@@ -80,6 +80,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="send ignore_eos: true with every request (llama-server, vLLM: every answer is max_tokens long; this "
         "server refuses it)",
     )
+    add(
+        "--typing-cps",
+        type=float,
+        default=0.0,
+        metavar="N",
+        help="type each request's last message at N characters a second first, calling /prefill as the chat page "
+        "does, and time the request from the end of typing (native protocol only; default 0: off)",
+    )
     add("--mode", default="stream", metavar="stream,batch", help="stream, batch (/complete or stream: false), or both")
     add("--out", type=Path, metavar="DIR", help="where results.json and the charts go (default ./ttft-bench-<time>)")
     add("--timeout", type=float, default=300.0, metavar="S", help="per request (default 300)")
@@ -190,12 +198,16 @@ def _check_counts(args: argparse.Namespace) -> None:
         raise UsageError("--timeout must be more than 0")
     if not 0 <= args.temperature <= 2:
         raise UsageError("--temperature must be between 0 and 2")
+    if args.typing_cps < 0:
+        raise UsageError("--typing-cps must be 0 (off) or more")
 
 
 def main(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
     try:
         _check_counts(args)
         pairs = _targets(args.url, args.protocol)
+        if args.typing_cps and any(proto != "native" for _, proto in pairs):
+            raise UsageError("--typing-cps calls this server's /prefill: give it with --protocol native only")
         keys = _per_url("--api-key", args.api_key, args.url, "")
         levels, modes = _levels(args.concurrency), _modes(args.mode)
         lengths = _lengths(args.max_tokens)
@@ -385,6 +397,7 @@ def _plan(context: _Context, targets: list[Target], levels: tuple[int, ...], mod
         duration_s=args.duration,
         timeout_s=args.timeout,
         prompt_tag=context.prompt_tag,
+        typing_cps=args.typing_cps,
     )
 
 

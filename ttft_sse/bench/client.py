@@ -72,6 +72,8 @@ class Record:
     status: int | None = None
     error: str | None = None
     phase: str = "load"
+    prefills: int = 0  # --typing-cps: /prefill calls answered 202 while the last message was typed
+    prefills_failed: int = 0  # ... and those answered otherwise, or not at all
 
     @property
     def ok(self) -> bool:

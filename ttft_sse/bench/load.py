@@ -15,6 +15,9 @@ What each request sends: request *i* of a level takes prompt *i* modulo the prom
 of one URL), so that no request repeats one a server has seen: not at another level, not in another arm on the same
 server. Arms on different URLs get the very same prompts, so that their figures compare.
 
+With ``typing_cps`` (``--typing-cps``), each request's last message is typed first, with ``/prefill`` called as the
+chat page calls it (:mod:`ttft_sse.bench.typist`); the request goes when typing ends, and its times count from then.
+
 Every loop is bounded: by ``--requests`` per arm and level, or by ``--duration`` of active time per arm and level
 (requests in flight at the deadline finish and are counted); each request by its timeout.
 """
@@ -22,6 +25,7 @@ Every loop is bounded: by ``--requests`` per arm and level, or by ``--duration``
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,6 +35,7 @@ import httpx
 from ttft_sse.bench.client import Record, Target, send
 from ttft_sse.bench.prompts import Prompt
 from ttft_sse.bench.protocol import Lengths, Mode
+from ttft_sse.bench.typist import type_out
 
 
 @dataclass(frozen=True)
@@ -44,6 +49,7 @@ class Plan:
     duration_s: float | None = None
     timeout_s: float = 300.0
     prompt_tag: str | None = None  # None: send the prompts as written
+    typing_cps: float = 0.0  # above 0: type each request's last message at this speed first (native targets only)
 
     def prompt(self, target: Target, mode: Mode, concurrency: int, index: int) -> Prompt:
         """What request ``index`` of an arm sends at a level (the module's docstring says how it is chosen)."""
@@ -59,6 +65,10 @@ class Plan:
             raise ValueError("give either requests or duration_s")
         if not (self.targets and self.modes and self.concurrency and self.prompts):
             raise ValueError("a plan needs targets, modes, concurrency levels and prompts")
+        if self.typing_cps < 0:
+            raise ValueError("typing_cps must be 0 (no typing) or more")
+        if self.typing_cps and any(t.protocol != "native" for t in self.targets):
+            raise ValueError("typing calls /prefill, which only native targets have")
 
     @property
     def arms(self) -> list[tuple[Target, Mode]]:
@@ -87,7 +97,7 @@ Progress = Callable[[Record], None]
 
 
 def client_for(plan: Plan) -> httpx.AsyncClient:
-    most = max(plan.concurrency)
+    most = max(plan.concurrency) * (2 if plan.typing_cps else 1)  # a typist's prefills may overlap its request
     return httpx.AsyncClient(
         timeout=httpx.Timeout(plan.timeout_s, connect=min(10.0, plan.timeout_s)),
         limits=httpx.Limits(max_connections=most + 1, max_keepalive_connections=most + 1),
@@ -124,8 +134,16 @@ class _Sender:
         target = arm.target
         prompt = self.plan.prompt(target, arm.mode, arm.concurrency, index)
         record = Record(target.label, target.protocol, arm.mode, arm.concurrency, index, prompt.name)
+        client = self.clients[target.label]
+        typed = None
+        if self.plan.typing_cps:
+            session = f"bench-{arm.concurrency}-{index}-{secrets.token_hex(3)}"  # one tab per typist
+            messages = prompt.as_messages()
+            typed = await type_out(
+                client, target.url, messages, self.plan.typing_cps, session=session, headers=target.headers
+            )
         await send(
-            self.clients[target.label],
+            client,
             target,
             arm.mode,
             prompt,
@@ -133,6 +151,9 @@ class _Sender:
             record=record,
             epoch=self.epoch,
         )
+        if typed is not None:
+            await typed.settled()
+            record.prefills, record.prefills_failed = typed.accepted, typed.failed
         arm.records.append(record)
         if self.progress is not None:
             self.progress(record)

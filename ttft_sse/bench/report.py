@@ -87,6 +87,7 @@ def _config(plan: Plan, *, temperature: float, prompt_file: Path | None) -> dict
         "max_tokens": lengths.low if lengths.low == lengths.high else [lengths.low, lengths.high],
         "temperature": temperature,
         "timeout_s": plan.timeout_s,
+        "typing_cps": plan.typing_cps,  # 0: no typing; else the last message typed first (ttft_sse/bench/typist.py)
         "prompts": {
             "source": str(prompt_file) if prompt_file else "default",
             "count": len(plan.prompts),
