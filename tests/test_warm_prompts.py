@@ -37,11 +37,24 @@ def test_a_bad_file_is_refused_at_start_with_the_line_that_is_wrong(tmp_path: Pa
     path = tmp_path / "warm.jsonl"
     path.write_text(text)
     with pytest.raises(SettingsError) as caught:
-        Settings(warm_prompts=str(path))
+        warm_prompts.check(str(path))
     assert said in str(caught.value)
     assert str(caught.value).startswith(f"the warm prompt file {str(path)!r} (TTFT_WARM_PROMPTS)")
 
 
 def test_a_missing_file_is_refused_with_the_reason(tmp_path: Path) -> None:
     with pytest.raises(SettingsError, match=r"cannot read the warm prompt file .*: No such file or directory"):
-        Settings(warm_prompts=str(tmp_path / "absent.jsonl"))
+        warm_prompts.check(str(tmp_path / "absent.jsonl"))
+
+
+def test_serve_refuses_a_bad_file_before_it_starts_with_exit_status_2(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from ttft_sse.__main__ import main
+
+    path = tmp_path / "warm.jsonl"
+    path.write_text('{"prompt": "ok"}\n["a"]\n')
+    monkeypatch.setenv("TTFT_WARM_PROMPTS", str(path))
+    assert main(["serve", "--port", "1"]) == 2
+    said = capsys.readouterr().err
+    assert said.startswith(f"ttft-sse: the warm prompt file {str(path)!r} (TTFT_WARM_PROMPTS), line 2 must be")

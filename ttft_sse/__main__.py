@@ -73,6 +73,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     overrides = {k: v for k, v in vars(args).items() if k != "command"}
     try:
         settings = Settings.from_env(**overrides)
+        if args.command == "serve" and settings.warm_prompts:
+            from ttft_sse import warm_prompts
+
+            warm_prompts.check(settings.warm_prompts)  # a bad file is refused now, with the line that is wrong
     except SettingsError as exc:
         print(f"ttft-sse: {exc}", file=sys.stderr)
         return 2

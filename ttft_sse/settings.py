@@ -156,7 +156,9 @@ class Settings:
     prefill_keep_seconds: float = 60.0
     prefill_per_key: int = 4
     # A JSON Lines file of prompts (``prompt`` or ``messages``) computed before /readyz turns 200 and kept in the
-    # prefix cache for good, within a quarter of it (ttft_sse/warm_prompts.py; docs/settings.md, "Warm prompts").
+    # prefix cache for good, within a quarter of it (ttft_sse/warm_prompts.py; docs/settings.md, "Warm prompts"). The
+    # file's lines are checked where the server starts (__main__.py), not here: they are requests, which settings
+    # know nothing of.
     warm_prompts: str | None = None
     # Whose requests share prefix-cache blocks: "shared" (everyone's) or "key" (each API key's apart): the timing
     # trade-off is in docs/settings.md, "Isolation".
@@ -290,13 +292,6 @@ class Settings:
         if self.allowed_hosts is not None:
             try:
                 parse_hosts(self.allowed_hosts)
-            except ValueError as exc:
-                raise SettingsError(str(exc)) from None
-        if self.warm_prompts:
-            from ttft_sse import warm_prompts
-
-            try:
-                warm_prompts.read(self.warm_prompts)
             except ValueError as exc:
                 raise SettingsError(str(exc)) from None
         if self.api_keys:

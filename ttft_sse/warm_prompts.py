@@ -13,9 +13,18 @@ from pathlib import Path
 
 from ttft_sse.errors import ServiceError
 from ttft_sse.schemas import GenerationRequest
+from ttft_sse.settings import SettingsError
 
 FIELDS = ("prompt", "messages", "raw")
 """What a line may hold."""
+
+
+def check(path: str) -> None:
+    """Refuse a bad file with ``SettingsError`` (the server's start: exit status 2 and the sentence)."""
+    try:
+        read(path)
+    except ValueError as exc:
+        raise SettingsError(str(exc)) from None
 
 
 def read(path: str) -> tuple[GenerationRequest, ...]:
