@@ -280,9 +280,11 @@ async def test_sliding_window_layers_over_an_f16_cache_read_in_place_or_through_
     its attention. Each answer is the same alone and together, and a prompt within the window the f16 single
     engine's, whose dense cache holds the sliding layers' rows in f16 too."""
     from tests.support import tinymodels
+    from tests.support.paths import CACHE_DIR
 
+    # The suite's cache directory: its C libraries are built already (a fresh one compiles them all, ~30 s).
     settings = Settings(
-        model=str(tinymodels.build_gguf("gemma3", tmp_path)), cache_dir=tmp_path / "cache", threads=1,
+        model=str(tinymodels.build_gguf("gemma3", tmp_path)), cache_dir=CACHE_DIR, threads=1,
         prefill_process=False, kv_dtype="f16",
     )  # fmt: skip
     windows: list[bool] = []
