@@ -30,7 +30,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from ttft_sse.engine.base import ChatMessage, Prompt
+from ttft_sse.engine.base import ChatMessage, ModelInfo, Prompt
 from ttft_sse.errors import InvalidRequest, PromptTooLong, quoted
 
 # Placeholders: a private-use character (one no content of the request holds), a number, the same character. The
@@ -227,3 +227,29 @@ def _common(a: Sequence[int], b: Sequence[int]) -> int:
             break
         n += 1
     return n
+
+
+class TokenizedPrompts:
+    """``prepare`` and ``prepare_prefix`` of an engine that holds its tokenizer (``_tokenizer``, set by its load)
+    and knows its context (``info``): the functions above, for the single and llama.cpp engines alike."""
+
+    _tokenizer: Any
+
+    @property
+    def info(self) -> ModelInfo:
+        raise NotImplementedError
+
+    def prepare(
+        self, *, prompt: str | None, messages: Sequence[ChatMessage] | None, raw: bool, parse_special: bool = False
+    ) -> Prompt:
+        return prepare(
+            self._tokenizer,
+            self.info.context_length,
+            prompt=prompt,
+            messages=messages,
+            raw=raw,
+            parse_special=parse_special,
+        )
+
+    def prepare_prefix(self, *, prompt: str | None, messages: Sequence[ChatMessage] | None, raw: bool) -> Prompt:
+        return prepare_prefix(self._tokenizer, self.info.context_length, prompt=prompt, messages=messages, raw=raw)

@@ -22,7 +22,6 @@ from ttft_sse.engine import prompts, sampling
 from ttft_sse.engine.base import (
     INT8,
     NORMAL,
-    ChatMessage,
     Finished,
     Hold,
     ModelInfo,
@@ -43,7 +42,7 @@ log = structlog.get_logger("ttft_sse.engine")
 Item = Piece | Finished
 
 
-class SingleEngine:
+class SingleEngine(prompts.TokenizedPrompts):
     """Engine over a transformers causal LM. Torch and transformers are imported in :meth:`load`, not before."""
 
     def __init__(self, settings: Settings) -> None:
@@ -120,23 +119,6 @@ class SingleEngine:
         return kernel.helper_counts(self._library)
 
     # -- requests ----------------------------------------------------------------------------------------------
-
-    def prepare(
-        self, *, prompt: str | None, messages: Sequence[ChatMessage] | None, raw: bool, parse_special: bool = False
-    ) -> Prompt:
-        return prompts.prepare(
-            self._tokenizer,
-            self.info.context_length,
-            prompt=prompt,
-            messages=messages,
-            raw=raw,
-            parse_special=parse_special,
-        )
-
-    def prepare_prefix(self, *, prompt: str | None, messages: Sequence[ChatMessage] | None, raw: bool) -> Prompt:
-        return prompts.prepare_prefix(
-            self._tokenizer, self.info.context_length, prompt=prompt, messages=messages, raw=raw
-        )
 
     def cached(self, prompt: Prompt, cache_salt: str = "") -> int:
         """None: each ``generate`` computes its whole prompt (this engine keeps no prefix cache)."""

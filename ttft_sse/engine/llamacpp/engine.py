@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +36,7 @@ import structlog
 
 from ttft_sse.bridge import Commands, Loop, Mailboxes
 from ttft_sse.engine import prompts, sampling
-from ttft_sse.engine.base import NORMAL, ChatMessage, Finished, Hold, ModelInfo, Piece, Prompt, SamplingParams
+from ttft_sse.engine.base import NORMAL, Finished, Hold, ModelInfo, Piece, Prompt, SamplingParams
 from ttft_sse.engine.base import check_mode as _check_mode
 from ttft_sse.engine.llamacpp import library
 from ttft_sse.engine.llamacpp.schedule import Schedule
@@ -76,7 +76,7 @@ class LlamaStats:
     cells: int  # KV cells of each sequence
 
 
-class LlamaCppEngine:
+class LlamaCppEngine(prompts.TokenizedPrompts):
     """Engine over llama.cpp (llama-cpp-python's low-level API). Serves GGUF models only."""
 
     def __init__(self, settings: Settings) -> None:
@@ -172,23 +172,6 @@ class LlamaCppEngine:
         )
         log.info("llamacpp_loaded", model=source.name, description=runner.description, **vars(shape))
         self._loop.start()
-
-    def prepare(
-        self, *, prompt: str | None, messages: Sequence[ChatMessage] | None, raw: bool, parse_special: bool = False
-    ) -> Prompt:
-        return prompts.prepare(
-            self._tokenizer,
-            self.info.context_length,
-            prompt=prompt,
-            messages=messages,
-            raw=raw,
-            parse_special=parse_special,
-        )
-
-    def prepare_prefix(self, *, prompt: str | None, messages: Sequence[ChatMessage] | None, raw: bool) -> Prompt:
-        return prompts.prepare_prefix(
-            self._tokenizer, self.info.context_length, prompt=prompt, messages=messages, raw=raw
-        )
 
     def cached(self, prompt: Prompt, cache_salt: str = "") -> int:
         """The longest prefix of ``prompt`` a free sequence's cells hold for ``cache_salt`` (a request would compute
