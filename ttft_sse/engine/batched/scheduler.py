@@ -18,9 +18,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ttft_sse.engine.base import Progress
+from ttft_sse.engine.base import NORMAL, Progress
 from ttft_sse.engine.batched import salts
 from ttft_sse.engine.batched.modes import Modes, keep_apart
+from ttft_sse.engine.batched.uses import PrefixUses
 from ttft_sse.engine.cpu import attention
 
 SCHEDULER = "ttft_fifo"
@@ -67,6 +68,7 @@ class PrefixCounters:
     prefills: dict[str, Callable[[], bool]] = field(default_factory=dict)  # prefill request id → its hold()
     chores: deque[Callable[[Any], None]] = field(default_factory=deque)  # run on the cache between two steps
     progress: Callable[[str, Progress], None] | None = None  # a long prompt's progress, to its request's inbox
+    uses: PrefixUses = field(default_factory=PrefixUses)  # prompts seen and prefixes hit (the prefix store's)
     _told: dict[str, float] = field(default_factory=dict)  # request id → when its progress was last told
 
 
@@ -232,13 +234,23 @@ def register_scheduler(counters: PrefixCounters, *, paged: bool) -> str:
                 counters.hits += 1
                 counters.hit_tokens += state.position_offset - before
                 counters.hit_by_request[state.request_id] = state.position_offset - before
+                self._note_use(state, state.position_offset)
             return tokens
 
         def _schedule_request(self, state: Any, tokens: Any, budget: int, removed: set[str]) -> None:
             # A request without a prefix match is still PENDING when it is first scheduled.
             if state.status == RequestStatus.PENDING:
                 counters.prompt_tokens += len(state.initial_tokens)
+                self._note_use(state, 0)
             super()._schedule_request(state, tokens, budget, removed)
+
+        def _note_use(self, state: Any, hit: int) -> None:
+            """The request's prompt, and the prefix of it found cached if any (engine/batched/uses.py)."""
+            seed, modes = counters.seeds.get(state.request_id), counters.modes
+            mode = modes.current if modes is not None else NORMAL
+            counters.uses.seen(state.initial_tokens, seed, mode)
+            if hit:
+                counters.uses.hit(state.initial_tokens[:hit], seed, mode)
 
     name = f"{SCHEDULER}_{id(counters):x}"
     schedulers.SCHEDULER_MAPPING[name] = CountingScheduler
