@@ -3,7 +3,8 @@ library's paged cache so that the request that follows finds it.
 
 A prefill (``POST /prefill``, :meth:`Pins.prefill`) is a request of the library of two tokens, marked in
 ``PrefixCounters.prefills`` so that the scheduler runs it only in what real requests leave
-(engine/batched/scheduler.py), and cancelled once its prompt is in the cache. Its whole blocks are then held under a
+(engine/batched/scheduler.py), and cancelled once its prompt is in the cache, or ended by the scheduler where a real
+request starting with its prompt takes it over (:class:`TakenOver`). Its whole blocks are then held under a
 name of their own, as a request holds its blocks (:meth:`Pins.pin`), for ``TTFT_PREFILL_KEEP_SECONDS``; then they
 are cached like any prefix. A warm prompt's (:meth:`Pins.warm`, computed before the server is ready) are held for
 good. Prefixes read back from the prefix store at start (engine/batched/prefix_store.py, held as the restore made
@@ -21,6 +22,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import structlog
+
 from ttft_sse.bridge import Mailboxes
 from ttft_sse.engine.base import Hold, Progress, Prompt
 from ttft_sse.engine.batched import salts
@@ -28,12 +31,22 @@ from ttft_sse.engine.batched.hooks import BLOCK_TOKENS
 from ttft_sse.engine.batched.scheduler import PrefixCounters
 from ttft_sse.errors import EngineError
 
+log = structlog.get_logger("ttft_sse.engine")
+
 PINNED_SHARE = 4
 """Prefills pin at most 1/PINNED_SHARE of the KV cache's tokens: a newer pin past it releases the oldest ones (their
 blocks stay cached, evicted like any prefix when the cache runs short)."""
 WARM_SHARE = 4
 """Warm prompts (``TTFT_WARM_PROMPTS``) keep at most 1/WARM_SHARE of the KV cache's tokens, apart from the prefills'
 share: a warm prompt past it is not kept (its blocks are cached like any prefix)."""
+
+
+@dataclass(frozen=True)
+class TakenOver:
+    """To a prefill's inbox: a real request starting with its prompt took it over, with ``cached`` of its prompt
+    tokens in the cache (engine/batched/scheduler.py)."""
+
+    cached: int
 
 
 @dataclass
@@ -68,6 +81,7 @@ class Pins:
         """Tokens prefills pin now."""
         self.kept = 0
         """Tokens warm prompts and restored prefixes keep (for good)."""
+        counters.taken_over = self._taken_over
 
     def attach(self, manager: Any, capacity: int) -> None:
         self._manager = manager
@@ -174,6 +188,10 @@ class Pins:
             async for output in inbox:
                 if isinstance(output, Progress):
                     continue
+                if isinstance(output, TakenOver):
+                    in_library = False  # the scheduler ended it
+                    log.info("prefill_taken_over", prompt_tokens=prompt.n_tokens, cached=output.cached)
+                    return max(0, output.cached - before)
                 if output.error is not None:
                     in_library = False
                     raise EngineError(f"prefill failed: {output.error}")
@@ -188,6 +206,10 @@ class Pins:
             if in_library:
                 self._manager.cancel_request(request_id)
         return prompt.n_tokens - before
+
+    def _taken_over(self, request_id: str, cached: int) -> None:
+        """The batching thread: a request took the prefill ``request_id`` over (engine/batched/scheduler.py)."""
+        self._mailboxes.deliver([(request_id, TakenOver(cached))])
 
     def pin(self, owner: str, prompt: Prompt, seed: int | None) -> None:
         """Hold ``prompt``'s whole blocks in the cache for ``TTFT_PREFILL_KEEP_SECONDS``, in place of ``owner``'s
