@@ -145,7 +145,7 @@ class Runtime:
                     await self._warm_up()
             if self.settings.prefix_store_mb and isinstance(self.engine, StoresPrefixes):
                 with lifecycle.clock.stage("prefix_store"):  # before the warm prompts: it holds their KV, if kept
-                    await self.engine.restore_prefixes()
+                    await self._restore_prefixes(self.engine)
             if self.settings.warm_prompts:
                 with lifecycle.clock.stage("warm_prompts"):
                     await self._warm_prompts(self.settings.warm_prompts)
@@ -245,6 +245,14 @@ class Runtime:
             left_running=gate.running,
             drain_ms=round((time.perf_counter() - started) * 1000, 1),
         )
+
+    async def _restore_prefixes(self, engine: StoresPrefixes) -> None:
+        """``TTFT_PREFIX_STORE_MB``: the prefixes of the last drain back into the engine's cache. A failure is
+        logged, never raised: the server starts cold."""
+        try:
+            await engine.restore_prefixes()
+        except Exception as exc:
+            log.warning("prefix_store", outcome="failed", error=f"{type(exc).__name__}: {exc}")
 
     async def _store_prefixes(self) -> None:
         """``TTFT_PREFIX_STORE_MB``: the engine's pinned and most used prefixes to the cache directory. A failure
