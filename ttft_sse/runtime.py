@@ -24,7 +24,8 @@ exits non-zero with the reason instead of sitting there unready.
 Shutting down is :meth:`Runtime.drain`, which the CLI's shutdown trigger awaits before hypercorn closes anything:
 
 1. readiness turns 503 at once, new generations get 503 + Retry-After, queued ones end with a ``shutdown_error``;
-2. generations already running may finish, for up to the drain grace (``TTFT_DRAIN_SECONDS``);
+2. generations already running may finish, for up to the drain grace (``TTFT_DRAIN_SECONDS``); then, with
+   ``TTFT_PREFIX_STORE_MB``, the engine writes its pinned and most used prefixes to the cache directory;
 3. any still running then are cancelled and end with a ``shutdown_error`` (code ``drain_timeout``), and the
    drain waits (at most ``CUT_SECONDS``) until their threads have ended;
 4. the trigger returns; hypercorn gives the last responses ``FLUSH_SECONDS`` to go out, then the lifespan ends.
@@ -48,7 +49,7 @@ from starlette.applications import Starlette
 
 from ttft_sse import warm_prompts
 from ttft_sse.auth import ANONYMOUS, Keyring
-from ttft_sse.engine.base import Engine, keep_warm
+from ttft_sse.engine.base import Engine, StoresPrefixes, keep_warm
 from ttft_sse.errors import PromptTooLong, ShuttingDown
 from ttft_sse.gate import Gate
 from ttft_sse.generation import Generations
@@ -142,6 +143,9 @@ class Runtime:
             if self.settings.warmup:
                 with lifecycle.clock.stage("warmup"):
                     await self._warm_up()
+            if self.settings.prefix_store_mb and isinstance(self.engine, StoresPrefixes):
+                with lifecycle.clock.stage("prefix_store"):  # before the warm prompts: it holds their KV, if kept
+                    await self._restore_prefixes(self.engine)
             if self.settings.warm_prompts:
                 with lifecycle.clock.stage("warm_prompts"):
                     await self._warm_prompts(self.settings.warm_prompts)
@@ -227,6 +231,7 @@ class Runtime:
 
                 group.start_soon(until, gate.wait_idle)
                 group.start_soon(until, self._hurry.wait)
+        await self._store_prefixes()  # before any cut: the cut stops the engine
         cut = gate.running
         if cut:
             lifecycle.cutting = True
@@ -240,6 +245,25 @@ class Runtime:
             left_running=gate.running,
             drain_ms=round((time.perf_counter() - started) * 1000, 1),
         )
+
+    async def _restore_prefixes(self, engine: StoresPrefixes) -> None:
+        """``TTFT_PREFIX_STORE_MB``: the prefixes of the last drain back into the engine's cache. A failure is
+        logged, never raised: the server starts cold."""
+        try:
+            await engine.restore_prefixes()
+        except Exception as exc:
+            log.warning("prefix_store", outcome="failed", error=f"{type(exc).__name__}: {exc}")
+
+    async def _store_prefixes(self) -> None:
+        """``TTFT_PREFIX_STORE_MB``: the engine's pinned and most used prefixes to the cache directory. A failure
+        is logged, never raised: the drain goes on."""
+        engine = self.engine
+        if not self.settings.prefix_store_mb or not isinstance(engine, StoresPrefixes):
+            return
+        try:
+            await engine.store_prefixes()
+        except Exception as exc:
+            log.warning("prefix_store", outcome="failed", error=f"{type(exc).__name__}: {exc}")
 
     def hurry(self) -> None:
         """End the drain grace now (a second SIGTERM / Ctrl-C): running generations are cut at once."""

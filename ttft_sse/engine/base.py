@@ -239,6 +239,21 @@ class KeepsWarm(Protocol):
         ...
 
 
+@runtime_checkable
+class StoresPrefixes(Protocol):
+    """An engine whose prefix cache survives a restart (``TTFT_PREFIX_STORE_MB``): written to the cache directory
+    on drain, read back at start. The single engine keeps no prefix cache; the llama.cpp engine does not store its
+    own."""
+
+    async def store_prefixes(self) -> None:
+        """Write the pinned and the most used prefixes' KV to the cache directory, within the setting's bound."""
+        ...
+
+    async def restore_prefixes(self) -> None:
+        """Read the prefixes written at the last drain back into the prefix cache, if the file is this server's."""
+        ...
+
+
 def check_mode(mode: str, modes: Sequence[str]) -> None:
     """Raise ``ValueError`` unless ``mode`` is one of ``modes`` (an engine's ``info.modes``)."""
     if mode not in modes:

@@ -85,9 +85,10 @@ from ttft_sse.engine.batched.interlude import Interlude
 from ttft_sse.engine.batched.modes import Modes
 from ttft_sse.engine.batched.pins import Pins
 from ttft_sse.engine.batched.prefill import PrefillProcess
+from ttft_sse.engine.batched.prefix_store import PrefixStore
 from ttft_sse.engine.batched.race import Race
 from ttft_sse.engine.batched.scheduler import PrefixCounters, register_scheduler, unregister_scheduler
-from ttft_sse.engine.batched.stats import BatchStats
+from ttft_sse.engine.batched.stats import BatchStats, kv_tokens
 from ttft_sse.engine.cpu import attention
 from ttft_sse.engine.single import CacheJanitor, SingleEngine
 from ttft_sse.engine.text import TokenText
@@ -134,6 +135,7 @@ class BatchedEngine:
         self._counters.progress = self._progress
         self._interlude_held: dict[str, int] = {}  # request id → the tokens the cache held when an interlude ran it
         self._pins = Pins(self._counters, self._mailboxes, self._ids, settings.prefill_keep_seconds)
+        self._prefix_store = PrefixStore(settings, self._counters, self._pins)
 
     @property
     def info(self) -> ModelInfo:
@@ -280,6 +282,17 @@ class BatchedEngine:
             return 0
         await self._running()
         return prompt.n_tokens if await self._pins.warm(prompt) else 0
+
+    async def store_prefixes(self) -> None:
+        """The pinned and most used prefixes' KV to the cache directory (engine/batched/prefix_store.py)."""
+        if self._batching_off is None and self._settings.prefix_cache and not self._closed:
+            await self._prefix_store.store(self._manager, self.info)
+
+    async def restore_prefixes(self) -> None:
+        """The prefixes of the last drain back into the prefix cache (engine/batched/prefix_store.py)."""
+        if self._batching_off is None and self._settings.prefix_cache and not self._closed:
+            await self._running()
+            await self._prefix_store.restore(self._manager, self.info)
 
     async def stream(self, prompt: Prompt, params: SamplingParams) -> AsyncGenerator[Item, None]:
         # The last prompt token and every generated token but the last need a cache slot; keep one block of slack.
@@ -439,11 +452,7 @@ class BatchedEngine:
         processor = getattr(manager, "batch_processor", None) if manager is not None else None
         scheduler = getattr(processor, "scheduler", None)
         cache = getattr(processor, "cache", None)
-        in_use = cached = 0
-        if cache is not None:
-            for allocator in list(cache.cache_allocators.values()):
-                in_use += sum(len(blocks) for blocks in list(allocator.block_table.values())) * BLOCK_TOKENS
-                cached += len(allocator.ledger.cached_blocks) * BLOCK_TOKENS
+        in_use, cached = kv_tokens(cache)
         return BatchStats(
             running=self._loop is not None and self._loop.alive,
             requests=len(scheduler.active_requests) + len(scheduler.waiting_requests) if scheduler else 0,

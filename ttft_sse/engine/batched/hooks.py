@@ -34,6 +34,7 @@ INTERNALS: dict[str, tuple[str, ...]] = {
         "ContinuousBatchingManager.add_request",
         "ContinuousBatchingManager.cancel_request",
         "ContinuousBatchingManager.is_running",
+        "ContinuousBatchingManager.pause",  # the prefix store reads and writes the cache between two steps
         "PagedAttentionCache",  # the name the manager builds its cache by (keep_cache_in_f16)
         "OutputRouter.deliver",
         "OutputRouter.deliver_batch",
@@ -62,7 +63,13 @@ INTERNALS: dict[str, tuple[str, ...]] = {
         "CacheAllocator.match_prefix_blocks",
         "CacheAllocator.mark_complete_blocks",
         "BlockLedger.register_new_hash",
+        "BlockLedger.acquire",  # the prefix store holds the blocks it restores (engine/batched/prefix_store.py)
         "compute_block_hash",  # engine/batched/salts.py chains it from a request's salt
+    ),
+    "transformers.generation.continuous_batching.cache_allocators.cache_pool": (
+        "CachePool.allocate_sector",
+        "CachePool.get_free_blocks",
+        "CachePool.count_free_blocks",
     ),
     "transformers.generation.continuous_batching.cache_allocators.full_attention": ("FullAttentionCacheAllocator",),
     "transformers": ("ContinuousBatchingConfig", "GenerationConfig"),

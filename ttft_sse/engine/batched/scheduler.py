@@ -6,9 +6,17 @@ salt (engine/batched/salts.py), running prefills as background work, and telling
 **Prefills** (``POST /prefill``, :meth:`BatchedEngine.prefill`) are requests of the library like any, marked in
 :attr:`PrefixCounters.prefills`, which only ever get what real requests leave: a step holds them back (out of the
 library's view for its choice, their blocks kept) while a real request waits in the library's queue, while their
-``hold`` says a request waits for a slot at the gate, and where the rows a step takes are all the real requests'. A
-step computes at most :data:`PREFILL_STEP_TOKENS` of their prompts (beside decoding streams, the chunked-prefill
-bound), so that a request that comes while a prefill computes waits for one short step at most."""
+``hold`` says a request waits for a slot at the gate, and where the rows a step takes are all the real requests'.
+Beside a real prompt being computed, they come after it: the step's budget goes to the real one first. A step
+computes at most :data:`PREFILL_STEP_TOKENS` of their prompts (beside decoding streams, the chunked-prefill bound),
+so that a request that comes while a prefill computes waits for one short step at most.
+
+A real request that arrives while a prefill computes its prompt (the user pressed Enter before the prefill ended)
+**takes it over** (:meth:`CountingScheduler._take_over`): where the request's prompt holds every whole block the
+prefill computes, the prefill leaves the library before the step is chosen, its blocks computed so far stay cached,
+the request's prefix match finds them in that very step, and the request computes the rest at a request's pace, where
+it would otherwise wait for the prefill to end at a prefill's. The prefill's caller is told how far it got
+(``PrefixCounters.taken_over``)."""
 
 from __future__ import annotations
 
@@ -18,9 +26,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ttft_sse.engine.base import Progress
+from ttft_sse.engine.base import NORMAL, Progress
 from ttft_sse.engine.batched import salts
+from ttft_sse.engine.batched.hooks import BLOCK_TOKENS
 from ttft_sse.engine.batched.modes import Modes, keep_apart
+from ttft_sse.engine.batched.uses import PrefixUses
 from ttft_sse.engine.cpu import attention
 
 SCHEDULER = "ttft_fifo"
@@ -67,6 +77,8 @@ class PrefixCounters:
     prefills: dict[str, Callable[[], bool]] = field(default_factory=dict)  # prefill request id → its hold()
     chores: deque[Callable[[Any], None]] = field(default_factory=deque)  # run on the cache between two steps
     progress: Callable[[str, Progress], None] | None = None  # a long prompt's progress, to its request's inbox
+    uses: PrefixUses = field(default_factory=PrefixUses)  # prompts seen and prefixes hit (the prefix store's)
+    taken_over: Callable[[str, int], None] | None = None  # a prefill's id, its tokens in the cache: a request took it
     _told: dict[str, float] = field(default_factory=dict)  # request id → when its progress was last told
 
 
@@ -81,6 +93,8 @@ def register_scheduler(counters: PrefixCounters, *, paged: bool) -> str:
     """
     from transformers.generation.continuous_batching import scheduler as schedulers
     from transformers.generation.continuous_batching.requests import RequestStatus
+
+    PENDING = RequestStatus.PENDING
 
     class CountingScheduler(schedulers.FIFOScheduler):  # type: ignore[misc]
         """FIFO (decoding requests first, then new ones in arrival order), counting what prefix sharing saved."""
@@ -109,6 +123,7 @@ def register_scheduler(counters: PrefixCounters, *, paged: bool) -> str:
             mode = modes.step() if modes is not None else None
             while counters.chores:  # pins and unpins of prefills' blocks (BatchedEngine.prefill)
                 counters.chores.popleft()(self.cache)
+            self._take_over()
             decoding = sum(state.status == RequestStatus.DECODING for state in self.active_requests.values())
             # A newcomer that came after the last layer of the step just done (its output layer, sampling, this
             # preparation: the interludes' checks come before each layer) gets its first token from an interlude
@@ -122,6 +137,8 @@ def register_scheduler(counters: PrefixCounters, *, paged: bool) -> str:
             aside = self._set_prefills_aside()
             if aside is not None and self._prefills_only():
                 token_budget = min(token_budget, PREFILL_STEP_TOKENS)
+            elif aside is not None:
+                self._prefills_last()
             later = self._hold_back_all_but_urgent()
             try:
                 scheduled = super().schedule_batch(token_budget, cache_budget)
@@ -165,6 +182,34 @@ def register_scheduler(counters: PrefixCounters, *, paged: bool) -> str:
                 self.waiting_requests_order.clear()
                 self.waiting_requests_order.extend(kept)
             return active, waiting, order
+
+        def _take_over(self) -> None:
+            """Each prefill whose whole blocks a real request waiting for its first step starts with (the same salt)
+            leaves the library; its complete blocks stay cached, its caller is told (module docstring)."""
+            prefills = counters.prefills
+            if not prefills or counters.taken_over is None:
+                return
+            real = [s for i, s in self.waiting_requests.items() if i not in prefills and s.status == PENDING]
+            for request_id in list(prefills) if real else ():
+                state = self.active_requests.get(request_id) or self.waiting_requests.get(request_id)
+                if state is None:
+                    continue
+                ids, seed = state.initial_tokens, counters.seeds.get(request_id)
+                blocks = (len(ids) - 1) // BLOCK_TOKENS * BLOCK_TOKENS
+                if blocks and any(
+                    counters.seeds.get(r.request_id) == seed and r.initial_tokens[:blocks] == ids[:blocks] for r in real
+                ):
+                    self.active_requests.pop(request_id, None)
+                    self.waiting_requests.pop(request_id, None)
+                    if request_id in self.waiting_requests_order:
+                        self.waiting_requests_order.remove(request_id)
+                    self.cache.free_blocks(request_id)  # its whole blocks hashed: cached, as a cancelled request's
+                    counters.taken_over(request_id, state.position_offset)
+
+        def _prefills_last(self) -> None:
+            """The prefills after the real requests in the order the step takes its active requests in."""
+            for request_id in [i for i in self.active_requests if i in counters.prefills]:
+                self.active_requests[request_id] = self.active_requests.pop(request_id)
 
         def _prefills_only(self) -> bool:
             """Every request the step may choose is a prefill (and there is one)."""
@@ -232,13 +277,23 @@ def register_scheduler(counters: PrefixCounters, *, paged: bool) -> str:
                 counters.hits += 1
                 counters.hit_tokens += state.position_offset - before
                 counters.hit_by_request[state.request_id] = state.position_offset - before
+                self._note_use(state, state.position_offset)
             return tokens
 
         def _schedule_request(self, state: Any, tokens: Any, budget: int, removed: set[str]) -> None:
             # A request without a prefix match is still PENDING when it is first scheduled.
             if state.status == RequestStatus.PENDING:
                 counters.prompt_tokens += len(state.initial_tokens)
+                self._note_use(state, 0)
             super()._schedule_request(state, tokens, budget, removed)
+
+        def _note_use(self, state: Any, hit: int) -> None:
+            """The request's prompt, and the prefix of it found cached if any (engine/batched/uses.py)."""
+            seed, modes = counters.seeds.get(state.request_id), counters.modes
+            mode = modes.current if modes is not None else NORMAL
+            counters.uses.seen(state.initial_tokens, seed, mode)
+            if hit:
+                counters.uses.hit(state.initial_tokens[:hit], seed, mode)
 
     name = f"{SCHEDULER}_{id(counters):x}"
     schedulers.SCHEDULER_MAPPING[name] = CountingScheduler

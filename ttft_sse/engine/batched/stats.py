@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from ttft_sse.engine.cpu import kernel
 
@@ -26,3 +27,13 @@ class BatchStats:
     side_first_tokens: int = 0  # first tokens the prefill process gave before the batch did
     interlude_first_tokens: int = 0  # first tokens interludes gave (engine/batched/interlude.py)
     kernel: kernel.HelperCounts | None = None  # the block kernel's helper threads (None without them)
+
+
+def kv_tokens(cache: Any) -> tuple[int, int]:
+    """The library's paged ``cache`` (or None): its tokens held by requests (and pins), and those cached only."""
+    in_use = cached = 0
+    for allocator in list(getattr(cache, "cache_allocators", {}).values()):
+        page = allocator.tokens_per_page
+        in_use += sum(len(blocks) for blocks in list(allocator.block_table.values())) * page
+        cached += len(allocator.ledger.cached_blocks) * page
+    return in_use, cached
