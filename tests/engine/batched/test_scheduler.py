@@ -127,14 +127,21 @@ def test_urgent_requests_waiting_beside_others_are_scheduled_first_and_alone() -
         scheduler = cls.__new__(cls)  # the choice alone: no cache, no library step
         scheduler.waiting_requests_order = deque(["a", "b", "vip", "c"])
         scheduler.waiting_requests = dict.fromkeys(["a", "b", "vip", "c"])
-        assert scheduler._hold_back_all_but_urgent() == []  # nothing urgent: the library's FIFO as it is
+        assert scheduler._hold_back_all_but_urgent(0.0) == []  # nothing urgent: the library's FIFO as it is
         assert list(scheduler.waiting_requests_order) == ["a", "b", "vip", "c"]
         counters.urgent.add("vip")
-        later = scheduler._hold_back_all_but_urgent()
+        for rid in "abc":
+            counters.turns.add(rid, 1.0, 0.0)  # came at 0 s, each with 1 s of patience
+        later = scheduler._hold_back_all_but_urgent(0.1)
         assert later == ["a", "b", "c"] and list(scheduler.waiting_requests_order) == ["vip"]
+        # One that has waited half its patience starts beside the urgent ones, after them.
+        scheduler.waiting_requests_order = deque(["a", "b", "vip", "c"])
+        counters.turns.add("b", 1.0, -0.5)
+        later = scheduler._hold_back_all_but_urgent(0.1)
+        assert later == ["a", "c"] and list(scheduler.waiting_requests_order) == ["vip", "b"]
         counters.urgent.add("other")  # urgent, but not waiting
         scheduler.waiting_requests_order = deque(["a"])
-        assert scheduler._hold_back_all_but_urgent() == []
+        assert scheduler._hold_back_all_but_urgent(0.1) == []
     finally:
         unregister_scheduler(name)
 
@@ -143,6 +150,7 @@ def test_lower_lane_decoding_rows_sit_out_where_urgent_ones_want_the_step_s_rows
     """The scheduler's look before the library's choice: three rows a step, two normal requests decoding and one
     computing its prompt, an urgent one waiting: one decoding normal request is taken out of the library's view for
     the step (not the one computing its prompt, whose first token has not gone out), then put back."""
+    from collections import deque
     from types import SimpleNamespace
 
     from transformers.generation.continuous_batching import scheduler as schedulers
@@ -160,6 +168,7 @@ def test_lower_lane_decoding_rows_sit_out_where_urgent_ones_want_the_step_s_rows
         prompt = SimpleNamespace(status=RequestStatus.PREFILLING)
         scheduler.active_requests = {"a": decoding, "b": decoding, "long": prompt}
         scheduler.waiting_requests = {"vip": SimpleNamespace(status=RequestStatus.PENDING)}
+        scheduler.waiting_requests_order = deque(["vip"])
         counters.turns.patience.update(a=1.0, b=1.0, long=1.0)
         counters.turns.ran(["a", "b", "long"], 0.0)
         assert scheduler._sit_out(0.0) == {}  # nothing urgent: the library's FIFO as it is
@@ -167,8 +176,13 @@ def test_lower_lane_decoding_rows_sit_out_where_urgent_ones_want_the_step_s_rows
         assert scheduler._sit_out(0.0) == {"a": decoding} and list(scheduler.active_requests) == ["b", "long"]
         scheduler.active_requests.update({"a": decoding, "vip": decoding})  # put back; the urgent one started
         del scheduler.waiting_requests["vip"]
+        scheduler.waiting_requests_order.clear()
         counters.turns.ran(["b", "long", "vip"], 0.1)
         assert scheduler._sit_out(0.2) == {"b": decoding}  # in turn: a sat the last step out
-        assert counters.turns.sat_out == 2
+        scheduler.active_requests["b"] = decoding
+        # A normal newcomer may start in this step (no urgent one waits): its prompt has a row before their tokens.
+        scheduler.waiting_requests_order.append("new")
+        assert scheduler._sit_out(0.3) == {"a": decoding, "b": decoding}
+        assert counters.turns.sat_out == 4
     finally:
         unregister_scheduler(name)

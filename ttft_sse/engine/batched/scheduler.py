@@ -126,8 +126,8 @@ def register_scheduler(counters: PrefixCounters, *, paged: bool) -> str:
             aside = self._set_prefills_aside()
             if aside is not None and self._prefills_only():
                 token_budget = min(token_budget, PREFILL_STEP_TOKENS)
-            later = self._hold_back_all_but_urgent()
             now = time.monotonic()
+            later = self._hold_back_all_but_urgent(now)
             sitting = self._sit_out(now)
             try:
                 scheduled = super().schedule_batch(token_budget, cache_budget)
@@ -203,27 +203,32 @@ def register_scheduler(counters: PrefixCounters, *, paged: bool) -> str:
                 assert counters.progress is not None
                 counters.progress(state.request_id, Progress(total, max(before, 0)))
 
-        def _hold_back_all_but_urgent(self) -> list[str]:
+        def _hold_back_all_but_urgent(self, now: float) -> list[str]:
             """Where urgent requests (the high lane's) wait beside others, leave the others out of this step's
             choice and return their ids, in order, to be put back after it: the urgent prompts are computed in a step
-            of their own (one step sooner than beside a burst of others' prompts), the others in the next."""
+            of their own (one step sooner than beside a burst of others' prompts), the others in the next. Not one
+            that has waited half its patience (engine/batched/turns.py): it starts beside them, after them."""
             if not counters.urgent:
                 return []
             order: deque[str] = self.waiting_requests_order
             if not any(i in counters.urgent for i in order):
                 return []
-            later = [i for i in order if i not in counters.urgent]
+            later = counters.turns.held((i for i in order if i not in counters.urgent), now)
             if later:
+                held = set(later)
                 urgent = [i for i in order if i in counters.urgent]
+                due = [i for i in order if i not in counters.urgent and i not in held]
                 order.clear()
-                order.extend(urgent)
+                order.extend(urgent + due)
             return later
 
         def _sit_out(self, now: float) -> dict[str, Any]:
             """Where urgent requests (running, or waiting to start) and the others want more rows than the step has,
             take lower-lane decoding requests out of the library's view for this step, in turn
             (engine/batched/turns.py); return them, to be put back after it. A request taken out keeps its blocks
-            and its next input token: the library's step neither computes nor frees it."""
+            and its next input token: the library's step neither computes nor frees it. The lower lanes' prompts, in
+            the step or waiting to start in it (none waits beside urgent ones: held back), keep their rows: their
+            first token has not gone out."""
             urgent = counters.urgent
             if not urgent:
                 return {}
@@ -233,7 +238,8 @@ def register_scheduler(counters: PrefixCounters, *, paged: bool) -> str:
             if not wanted:
                 return {}
             decoding = [i for i, s in active.items() if i not in urgent and s.status == RequestStatus.DECODING]
-            others = len(active) - running - len(decoding)  # lower-lane prompts still computing
+            starting = sum(i not in urgent for i in self.waiting_requests_order)
+            others = len(active) - running - len(decoding) + starting
             out = counters.turns.sit_out(self.max_requests_per_batch, wanted, decoding, others, now)
             return {i: active.pop(i) for i in out}
 

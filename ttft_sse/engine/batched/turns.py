@@ -8,12 +8,15 @@ others' together want more rows than a step has, the scheduler (engine/batched/s
 gap, and their answer is the same (each row is computed from its own inputs; a request left out keeps its KV blocks
 and its next input token, and goes on from it at the next step it is in).
 
+Where urgent prompts wait to start, the others' prompts are held back a step (engine/batched/scheduler.py), but not
+one that has waited half its patience since it came (:meth:`Turns.held`).
+
 In turn: those that ran most recently sit out first, so that where ``k`` of ``n`` sit out each step, each sits out
 about ``k`` steps in ``n``. Bounded: a request that has gone :data:`DUE_SHARE` of its patience without a step (its
 lane's first-token target, ``SamplingParams.patience``; :data:`PATIENCE_SECONDS` for a lane without one) is not left
 out again until it has run, so that no token of it waits longer than its patience; where that leaves too few rows, the
-urgent requests waiting to start wait a step. A request still computing its prompt is never left out (its first token
-has not gone out), nor are the urgent ones.
+urgent requests waiting to start wait a step. A lower-lane prompt, being computed or starting in the step, keeps its
+row (its first token has not gone out: it counts among ``others``), and an urgent request is never left out.
 
 Plain Python over request ids and times: the scheduler hands it what it reads of the library's state.
 """
@@ -46,8 +49,8 @@ class Turns:
     def sit_out(self, rows: int, urgent: int, decoding: Sequence[str], others: int, now: float) -> list[str]:
         """The ids of ``decoding`` (the lower lanes' decoding requests, in the library's order) to leave out of the
         coming step of ``rows`` rows, where ``urgent`` rows go to the high lane's requests (running and waiting to
-        start) and ``others`` to requests that cannot be left out (lower-lane prompts still computing): as many as it
-        takes for them all to fit, those that ran most recently first, none that is due (see the module)."""
+        start) and ``others`` to requests that are not left out (lower-lane prompts, computing or starting): as many
+        as it takes for them all to fit, those that ran most recently first, none that is due (see the module)."""
         over = urgent + others + len(decoding) - rows
         if over <= 0:
             return []
@@ -57,6 +60,17 @@ class Turns:
         chosen = ready[:over]
         self.sat_out += len(chosen)
         return chosen
+
+    def add(self, request_id: str, patience: float, now: float) -> None:
+        """A lower-lane request comes to the engine at ``now``: it may go ``patience`` seconds without a step (its
+        prompt's, to begin with)."""
+        self.patience[request_id] = patience
+        self.last_ran[request_id] = now
+
+    def held(self, waiting: Iterable[str], now: float) -> list[str]:
+        """Of ``waiting`` (lower-lane requests whose prompt has not started), those that may wait a step more for
+        urgent prompts: all but those due."""
+        return [i for i in waiting if not self._due(i, now)]
 
     def ran(self, ids: Iterable[str], now: float) -> None:
         """The requests a step computes, as it is scheduled (of them, those that may sit out: with a patience)."""
