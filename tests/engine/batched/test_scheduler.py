@@ -127,21 +127,19 @@ def test_urgent_requests_waiting_beside_others_are_scheduled_first_and_alone() -
         scheduler = cls.__new__(cls)  # the choice alone: no cache, no library step
         scheduler.waiting_requests_order = deque(["a", "b", "vip", "c"])
         scheduler.waiting_requests = dict.fromkeys(["a", "b", "vip", "c"])
-        assert scheduler._hold_back_all_but_urgent(0.0) == []  # nothing urgent: the library's FIFO as it is
+        assert scheduler._hold_back_all_but_urgent() == []  # nothing urgent: the library's FIFO as it is
         assert list(scheduler.waiting_requests_order) == ["a", "b", "vip", "c"]
         counters.urgent.add("vip")
-        for rid in "abc":
-            counters.turns.add(rid, 1.0, 0.0)  # came at 0 s, each with 1 s of patience
-        later = scheduler._hold_back_all_but_urgent(0.1)
+        later = scheduler._hold_back_all_but_urgent()
         assert later == ["a", "b", "c"] and list(scheduler.waiting_requests_order) == ["vip"]
-        # One that has waited half its patience starts beside the urgent ones, after them.
-        scheduler.waiting_requests_order = deque(["a", "b", "vip", "c"])
-        counters.turns.add("b", 1.0, -0.5)
-        later = scheduler._hold_back_all_but_urgent(0.1)
-        assert later == ["a", "c"] and list(scheduler.waiting_requests_order) == ["vip", "b"]
+        # The next step, with another urgent newcomer: those held back once start beside it, after it; a new one waits.
+        counters.urgent.add("vip2")
+        scheduler.waiting_requests_order = deque(["a", "b", "c", "d", "vip2"])
+        later = scheduler._hold_back_all_but_urgent()
+        assert later == ["d"] and list(scheduler.waiting_requests_order) == ["vip2", "a", "b", "c"]
         counters.urgent.add("other")  # urgent, but not waiting
-        scheduler.waiting_requests_order = deque(["a"])
-        assert scheduler._hold_back_all_but_urgent(0.1) == []
+        scheduler.waiting_requests_order = deque(["e"])
+        assert scheduler._hold_back_all_but_urgent() == []
     finally:
         unregister_scheduler(name)
 

@@ -376,7 +376,7 @@ class BatchedEngine:
         if params.urgent:
             self._counters.urgent.add(request_id)
         else:
-            self._counters.turns.add(request_id, params.patience or PATIENCE_SECONDS, time.monotonic())
+            self._counters.turns.add(request_id, params.patience or PATIENCE_SECONDS)
         added = self._manager.add_request(
             list(prompt.token_ids),
             request_id=request_id,

@@ -127,7 +127,7 @@ def register_scheduler(counters: PrefixCounters, *, paged: bool) -> str:
             if aside is not None and self._prefills_only():
                 token_budget = min(token_budget, PREFILL_STEP_TOKENS)
             now = time.monotonic()
-            later = self._hold_back_all_but_urgent(now)
+            later = self._hold_back_all_but_urgent()
             sitting = self._sit_out(now)
             try:
                 scheduled = super().schedule_batch(token_budget, cache_budget)
@@ -203,17 +203,17 @@ def register_scheduler(counters: PrefixCounters, *, paged: bool) -> str:
                 assert counters.progress is not None
                 counters.progress(state.request_id, Progress(total, max(before, 0)))
 
-        def _hold_back_all_but_urgent(self, now: float) -> list[str]:
+        def _hold_back_all_but_urgent(self) -> list[str]:
             """Where urgent requests (the high lane's) wait beside others, leave the others out of this step's
             choice and return their ids, in order, to be put back after it: the urgent prompts are computed in a step
-            of their own (one step sooner than beside a burst of others' prompts), the others in the next. Not one
-            that has waited half its patience (engine/batched/turns.py): it starts beside them, after them."""
+            of their own (one step sooner than beside a burst of others' prompts), the others in the next. Each
+            once (engine/batched/turns.py): held back before, it starts beside them, after them."""
             if not counters.urgent:
                 return []
             order: deque[str] = self.waiting_requests_order
             if not any(i in counters.urgent for i in order):
                 return []
-            later = counters.turns.held((i for i in order if i not in counters.urgent), now)
+            later = counters.turns.held(i for i in order if i not in counters.urgent)
             if later:
                 held = set(later)
                 urgent = [i for i in order if i in counters.urgent]

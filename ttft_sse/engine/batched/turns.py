@@ -8,8 +8,8 @@ others' together want more rows than a step has, the scheduler (engine/batched/s
 gap, and their answer is the same (each row is computed from its own inputs; a request left out keeps its KV blocks
 and its next input token, and goes on from it at the next step it is in).
 
-Where urgent prompts wait to start, the others' prompts are held back a step (engine/batched/scheduler.py), but not
-one that has waited half its patience since it came (:meth:`Turns.held`).
+Where urgent prompts wait to start, the others' prompts are held back a step (engine/batched/scheduler.py), each
+once (:meth:`Turns.held`): under a steady stream of high arrivals, urgent prompts wait in most steps.
 
 In turn: those that ran most recently sit out first, so that where ``k`` of ``n`` sit out each step, each sits out
 about ``k`` steps in ``n``. Bounded: a request that has gone :data:`DUE_SHARE` of its patience without a step (its
@@ -45,6 +45,7 @@ class Turns:
     patience: dict[str, float] = field(default_factory=dict)  # request id → seconds it may go without a step
     last_ran: dict[str, float] = field(default_factory=dict)  # request id → when a step last computed it
     sat_out: int = 0  # rows left out of steps, in all (each request once a step it sat out)
+    _held_once: set[str] = field(default_factory=set)  # lower-lane prompts held back a step already
 
     def sit_out(self, rows: int, urgent: int, decoding: Sequence[str], others: int, now: float) -> list[str]:
         """The ids of ``decoding`` (the lower lanes' decoding requests, in the library's order) to leave out of the
@@ -61,16 +62,17 @@ class Turns:
         self.sat_out += len(chosen)
         return chosen
 
-    def add(self, request_id: str, patience: float, now: float) -> None:
-        """A lower-lane request comes to the engine at ``now``: it may go ``patience`` seconds without a step (its
-        prompt's, to begin with)."""
+    def add(self, request_id: str, patience: float) -> None:
+        """A lower-lane request comes to the engine: once its answer has begun, it may go ``patience`` seconds
+        without a step."""
         self.patience[request_id] = patience
-        self.last_ran[request_id] = now
 
-    def held(self, waiting: Iterable[str], now: float) -> list[str]:
-        """Of ``waiting`` (lower-lane requests whose prompt has not started), those that may wait a step more for
-        urgent prompts: all but those due."""
-        return [i for i in waiting if not self._due(i, now)]
+    def held(self, waiting: Iterable[str]) -> list[str]:
+        """Of ``waiting`` (lower-lane requests whose prompt has not started), those that may wait a step for urgent
+        prompts: those not held back before."""
+        held = [i for i in waiting if i not in self._held_once]
+        self._held_once.update(held)
+        return held
 
     def ran(self, ids: Iterable[str], now: float) -> None:
         """The requests a step computes, as it is scheduled (of them, those that may sit out: with a patience)."""
@@ -81,11 +83,14 @@ class Turns:
         if len(last_ran) > len(patience) + STALE:  # one that left as it ran (forget, in another thread)
             for request_id in [i for i in last_ran if i not in patience]:
                 last_ran.pop(request_id, None)
+        if len(self._held_once) > len(patience) + STALE:
+            self._held_once.intersection_update(patience)
 
     def forget(self, request_id: str) -> None:
         """A request has left the engine."""
         self.patience.pop(request_id, None)
         self.last_ran.pop(request_id, None)
+        self._held_once.discard(request_id)
 
     def _due(self, request_id: str, now: float) -> bool:
         waited = now - self.last_ran.get(request_id, now)
