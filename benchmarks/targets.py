@@ -120,6 +120,14 @@ async def _burst(base: str, args: argparse.Namespace, questions: list[str]) -> t
         return results, time.perf_counter() - started
 
 
+def _sat_out(base: str) -> str:
+    """The rows of lower-lane generations the server's batch left out of steps for the high lane (its /metrics)."""
+    for line in httpx.get(f"{base}/metrics", timeout=30).text.splitlines():
+        if line.startswith("ttft_sse_batch_rows_sat_out_total "):
+            return str(int(float(line.split()[1])))
+    return "-"
+
+
 def _quantile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
@@ -161,7 +169,11 @@ def _report(name: str, results: list[dict[str, Any]], seconds: float, spec: str)
     tokens = sum(r["tokens"] for r in results)
     degraded = [r for r in results if r["status"] == 200 and r["degraded"]]
     served_all = sum(r["status"] == 200 for r in results)
-    print(f"tokens/s {tokens / seconds:.1f}; answers made degraded: {len(degraded)}/{served_all}")
+    lanes = ", ".join(
+        f"{lane} {sum(r['tokens'] for r in results if r['lane'] == lane) / seconds:.1f}"
+        for lane in ("high", "normal", "low")
+    )
+    print(f"tokens/s {tokens / seconds:.1f} ({lanes}); answers made degraded: {len(degraded)}/{served_all}")
 
 
 def main() -> None:
@@ -186,9 +198,11 @@ def main() -> None:
         env["TTFT_LOG_LEVEL"] = "info"  # the access log: how long each refusal took in the server
         with tempfile.TemporaryFile() as log, _server(env, log) as base:
             results, seconds = asyncio.run(_burst(base, args, questions))
+            sat_out = _sat_out(base)
             log.seek(0)
             refusals = _server_refusals(log.read().decode(errors="replace"))
         _report("burst", results, seconds, args.burst_targets)
+        print(f"lower-lane rows left out of a step for the high lane: {sat_out}")
         if refusals:
             print(
                 f"in the server (access log, arrival to response): {len(refusals)} refusals, "
@@ -199,7 +213,9 @@ def main() -> None:
     for name in args.arms.split(","):
         with _server(ARMS[name]) as base:
             results, seconds = asyncio.run(_arm(base, args, questions))
+            sat_out = _sat_out(base)
         _report(name, results, seconds, TARGETS)
+        print(f"lower-lane rows left out of a step for the high lane: {sat_out}")
 
 
 def _cpu() -> str:

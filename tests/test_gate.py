@@ -73,7 +73,7 @@ async def settle() -> None:
 
 async def test_a_higher_lane_is_admitted_before_earlier_lower_ones_and_moves_them_back() -> None:
     gate = Gate(slots=1, max_queue=8, timeout=5)
-    running = gate.reserve(Lane.NORMAL)
+    running = gate.reserve(Lane.HIGH)  # the one row: the high lane's own work fills it, every lane waits
     job = gate.reserve(Lane.JOBS, patient=True)
     low = gate.reserve(Lane.LOW)
     n1, n2 = gate.reserve(Lane.NORMAL), gate.reserve(Lane.NORMAL)
@@ -121,7 +121,7 @@ async def test_patient_job_tickets_take_no_queue_place_and_have_no_deadline() ->
 def test_retry_after_comes_from_the_queue_ahead_and_measured_service_times() -> None:
     gate = Gate(slots=2, max_queue=3, timeout=5)
     assert gate.retry_after() == 1.0  # nothing measured yet
-    gate.reserve(), gate.reserve()
+    gate.reserve(Lane.HIGH), gate.reserve(Lane.HIGH)  # every row, the high lane's own
     for _ in range(3):
         gate.reserve(Lane.NORMAL)
     gate.record_service(2.0)
@@ -246,23 +246,28 @@ async def test_a_reserved_slot_is_for_the_high_lane_only() -> None:
     assert gate.running == 0
 
 
-async def test_the_high_lane_takes_rows_past_the_others_cap_and_the_others_wait_for_the_cap() -> None:
-    gate = Gate(slots=2, max_queue=4, timeout=5, extra=2)
+async def test_the_high_lane_fills_the_engine_s_rows_with_its_own_work_whatever_the_others_hold() -> None:
+    """Normal work holds every ordinary slot: the high lane is still admitted up to the engine's rows (slots + extra)
+    of its own (the batched engine leaves normal rows out of steps for it), and waits only when its own work fills
+    them; the normal lane stays below its cap of all generations running."""
+    gate = Gate(slots=2, max_queue=4, timeout=5, extra=1)  # the engine's rows: 3
     normal = [gate.reserve(Lane.NORMAL, max_tokens=8) for _ in range(2)]
     assert all(t.admitted for t in normal) and gate.holders == set(normal)
-    vips = [gate.reserve(Lane.HIGH) for _ in range(2)]  # every ordinary slot busy: two more rows, the high lane's
-    assert all(v.admitted for v in vips) and gate.running == 4
-    third = gate.reserve(Lane.HIGH)  # the high lane's own work fills every row it may take: it waits
+    vips = [gate.reserve(Lane.HIGH) for _ in range(3)]  # every slot is normal work's: the high lane takes 3 anyway
+    assert all(v.admitted for v in vips) and (gate.running, gate.running_high) == (5, 3)
+    assert gate.holders_for(Lane.HIGH) and set(gate.holders_for(Lane.HIGH)) == set(vips)
+    fourth = gate.reserve(Lane.HIGH)  # the high lane's own work fills the engine's rows: it waits
     waiting = gate.reserve(Lane.NORMAL)
-    assert not third.admitted and not waiting.admitted
-    assert gate.ahead(Lane.NORMAL) == [third, waiting] and gate.ahead(Lane.HIGH) == [third]
-    normal[0].release()  # 3 running: the high request takes the row; the normal one waits (the cap is 2 running)
-    assert third.admitted and not waiting.admitted and gate.running == 4
-    vips[0].release()  # 3 running, still past the normal lane's cap of 2
-    assert not waiting.admitted and gate.running == 3
-    vips[1].release()
-    third.release()  # 1 running (the other normal one): below the cap, the normal request runs
-    assert waiting.admitted and gate.running == 2 and gate.holders == {normal[1], waiting}
+    assert not fourth.admitted and not waiting.admitted
+    assert gate.ahead(Lane.NORMAL) == [fourth, waiting] and gate.ahead(Lane.HIGH) == [fourth]
+    normal[0].release()  # a normal generation ends: not a row of the high lane's, and 4 still run past the cap of 2
+    assert not fourth.admitted and not waiting.admitted and gate.running == 4
+    vips[0].release()  # one of its own ends: the high request takes the row
+    assert fourth.admitted and not waiting.admitted and (gate.running, gate.running_high) == (4, 3)
+    for ticket in (vips[1], vips[2], fourth):
+        ticket.release()
+    assert waiting.admitted and (gate.running, gate.running_high) == (2, 0)  # 1 running: below the cap
+    assert gate.holders == {normal[1], waiting}
     for ticket in (normal[1], waiting):
         ticket.release()
     assert gate.running == 0 and not gate.holders

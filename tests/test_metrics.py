@@ -391,6 +391,7 @@ STATS = BatchStats(
     kv_tokens_in_use=2048,
     kv_tokens_cached=512,
     kv_tokens_capacity=8192,
+    rows_sat_out=9,
 )
 
 
@@ -412,6 +413,7 @@ def test_batching_stats_are_exported_as_the_engine_reports_them() -> None:
         "ttft_sse_prefix_cache_queries_tokens": "counter",
         "ttft_sse_prefix_cache_hits_tokens": "counter",
         "ttft_sse_batch_steps": "counter",
+        "ttft_sse_batch_rows_sat_out": "counter",
         "ttft_sse_kv_cache_usage_ratio": "gauge",
         "ttft_sse_kv_cache_tokens": "gauge",
         "ttft_sse_kv_cache_capacity_tokens": "gauge",
@@ -419,6 +421,7 @@ def test_batching_stats_are_exported_as_the_engine_reports_them() -> None:
     assert got.value("ttft_sse_prefix_cache_queries_tokens_total") == 400
     assert got.value("ttft_sse_prefix_cache_hits_tokens_total") == 180
     assert got.value("ttft_sse_batch_steps_total") == 120
+    assert got.value("ttft_sse_batch_rows_sat_out_total") == 9  # lower-lane rows left out of steps for the high lane
     assert got.value("ttft_sse_kv_cache_usage_ratio") == 0.25  # 2048 of 8192 in use; cached blocks count as free
     assert got.matching("ttft_sse_kv_cache_tokens") == {
         frozenset({("state", "in_use")}): 2048,

@@ -92,6 +92,31 @@ def test_the_prediction_is_the_slot_wait_plus_admission_to_first_token() -> None
     targets.check(Lane.NORMAL)
 
 
+def test_a_high_request_is_admitted_while_normal_work_fills_the_slots_and_refused_when_its_own_fills_the_rows() -> None:
+    """The engine's rows (slots + extra: 3) are busy, two of them with normal answers: the high lane's newcomer is
+    admitted (the batched engine leaves normal rows out of steps for it). Once the high lane's own work fills the
+    rows, a high newcomer's first token waits for one of them to end: refused at once, with a Retry-After."""
+    gate = Gate(slots=2, max_queue=8, timeout=30, extra=1)
+    targets = Targets({Lane.HIGH: 0.2, Lane.NORMAL: 1.0}, gate, clock=Clock())
+    targets.warmed(0.05, tokens=48, max_tokens=48, generating_seconds=47 * 0.05)  # 50 ms a token, 2.4 s an answer
+    running = [gate.reserve(Lane.NORMAL, max_tokens=48) for _ in range(2)] + [gate.reserve(Lane.HIGH, max_tokens=48)]
+    assert gate.running == 3 == gate.usable(Lane.HIGH)  # every row of the engine is busy
+    assert targets.slot_wait(Lane.HIGH, 48) == 0.0 and targets.predict(Lane.HIGH, 48) == pytest.approx(0.05)
+    targets.check(Lane.HIGH, 48)
+    running += [gate.reserve(Lane.HIGH, max_tokens=48) for _ in range(2)]
+    assert all(ticket.admitted for ticket in running) and (gate.running, gate.running_high) == (5, 3)
+    with pytest.raises(Overloaded) as refused:
+        targets.check(Lane.HIGH, 48)
+    assert refused.value.code == "first_token_target" and "high lane's target of 200 ms" in str(refused.value)
+    assert refused.value.retry_after is not None and refused.value.retry_after >= 1.0
+    running.pop().release()  # one of the high lane's own ends: room again
+    targets.check(Lane.HIGH, 48)
+    with pytest.raises(Overloaded):  # the normal lane is still past its cap: its newcomer would wait ~2 s
+        targets.check(Lane.NORMAL, 48)
+    for ticket in running:
+        ticket.release()
+
+
 def test_with_a_free_slot_a_slow_engine_is_not_a_reason_to_refuse() -> None:
     """Refusing at once spares a client a wait; an engine slower than the target is the degrader's to fix."""
     targets = Targets({Lane.NORMAL: 0.3}, Gate(slots=1, max_queue=1, timeout=1), clock=Clock())
@@ -144,7 +169,7 @@ def test_better_lanes_arriving_stretch_the_wait_and_can_take_every_slot() -> Non
     gate = Gate(slots=2, max_queue=8, timeout=30)
     targets = Targets({Lane.NORMAL: 5.0}, gate, clock=clock)
     targets.observe(Lane.NORMAL, 0.1, 0.1)
-    held = [gate.reserve(Lane.NORMAL), gate.reserve(Lane.NORMAL)]
+    held = [gate.reserve(Lane.HIGH), gate.reserve(Lane.HIGH)]  # the engine's rows: the high lane's, and every slot
     for seconds in (1.0, 1.0, 1.0):
         gate.record_service(seconds, Lane.NORMAL)
     assert targets.predict(Lane.NORMAL) == pytest.approx(0.5 + 0.1)  # (0 + 1) / 2 slots x 1 s, plus 0.1 s
@@ -225,14 +250,15 @@ def test_a_burst_is_judged_by_the_work_admitted_in_the_same_instant() -> None:
         running[0].produced(1, clock_now + 0.16)
     wait = targets.slot_wait(Lane.NORMAL, 10)
     assert wait is not None and wait < 0.9  # its last token soon: that slot frees first
-    # A high request is admitted past the normal cap, into a row of its own: no wait, nothing to predict.
+    # A high request is admitted past the normal cap: no wait, nothing to predict. The engine's 6 rows count the high
+    # lane's own work only (the normal rows sit steps out for it).
     assert targets.slot_wait(Lane.HIGH, 10) == 0.0
-    vips = [gate.reserve(Lane.HIGH, max_tokens=10) for _ in range(2)]
-    assert all(v.admitted for v in vips) and gate.running == 6
-    # A third high request waits for the first slot to free (the nearly done one): the high lane is refused only
-    # when its own work fills every row it may take.
-    third = targets.slot_wait(Lane.HIGH, 10)
-    assert third is not None and 0 < third < 0.9
+    vips = [gate.reserve(Lane.HIGH, max_tokens=10) for _ in range(6)]
+    assert all(v.admitted for v in vips) and (gate.running, gate.running_high) == (10, 6)
+    # Its own work fills every row: the next high request waits for the first of those to end (0.1 s to their first
+    # tokens, then 9 more at the pace of the 6 rows a step computes), not for the nearly done normal one.
+    seventh = targets.slot_wait(Lane.HIGH, 10)
+    assert seventh == pytest.approx(0.1 + 9 * 0.05 * 6**0.5, abs=0.01)
     for ticket in running + vips:
         ticket.release()
 

@@ -10,9 +10,11 @@ higher lane moves it back). A request that leaves while queued frees its place a
 refuses every queued request with the error it is given, and every newcomer after it; requests already admitted
 keep their slots until they finish.
 
-The high lane may also take ``extra`` slots past ``slots`` (rows the continuous batch takes beyond the lower lanes'
-cap; ``TTFT_HIGH_EXTRA_SLOTS``): a burst of high requests is admitted while every ordinary slot is busy, and none of
-the lower lanes' work is stopped for it. Lower lanes are admitted only while fewer than ``slots - reserved``
+The high lane is admitted while fewer than ``slots + extra`` generations *of its own* run (the engine's rows: a step
+of the continuous batch computes that many; ``TTFT_HIGH_EXTRA_SLOTS``), whatever the lower lanes hold: where its
+requests and theirs want more rows than a step has, the batched engine leaves lower-lane generations out of steps in
+turn (engine/batched/turns.py), so a high request is queued, and refused where its target cannot be met, only when
+high work alone fills the engine's rows. Lower lanes are admitted only while fewer than ``slots - reserved``
 generations run, whichever lanes hold them.
 
 Each ticket carries what the first-token prediction (ttft_sse/targets.py) needs of the work it stands for: its
@@ -165,9 +167,9 @@ class Ticket:
 
 
 class Gate:
-    """``slots`` generations at once, ``reserved`` of them only for the high lane (the others use ``slots -
-    reserved``), and ``extra`` more for the high lane alone; at most ``max_queue`` requests waiting, each at most
-    ``timeout`` seconds."""
+    """``slots`` generations at once for the lower lanes, less ``reserved`` (all lanes' generations count), and
+    ``slots + extra`` of the high lane's own (its generations alone count); at most ``max_queue`` requests waiting,
+    each at most ``timeout`` seconds."""
 
     def __init__(self, *, slots: int, max_queue: int, timeout: float, reserved: int = 0, extra: int = 0) -> None:
         if not 0 <= reserved < slots:
@@ -180,6 +182,7 @@ class Gate:
         self.max_queue = max_queue
         self.timeout = timeout
         self.running = 0
+        self.running_high = 0  # of ``running``, the high lane's
         self._lanes: dict[Lane, deque[Ticket]] = {lane: deque() for lane in Lane}
         self._bounded = 0  # waiting tickets that count against max_queue (all but patient ones)
         # Recent slot hold times (seconds) by the lane of the ticket that held the slot.
@@ -216,6 +219,7 @@ class Gate:
         # one frees).
         if self._free_for(lane):
             self.running += 1
+            self.running_high += lane is Lane.HIGH
             ticket = Ticket(self, lane, admitted=True, patient=patient, max_tokens=max_tokens)
             self.holders.add(ticket)
             return ticket
@@ -287,6 +291,7 @@ class Gate:
         if ticket.admitted:
             self.record_service(time.perf_counter() - (ticket.admitted_at or ticket.created), ticket.lane)
             self.running -= 1
+            self.running_high -= ticket.lane is Lane.HIGH
             self.holders.discard(ticket)
         else:
             queue = self._lanes[ticket.lane]
@@ -295,26 +300,37 @@ class Gate:
                 self._bounded -= not ticket.patient
         while True:
             # The best lane's head, if a slot is free for it. A lane below it is not looked at: where the best is
-            # waiting for a slot, the slots a lower one could take are the reserved ones it may not.
+            # waiting for a slot, none is free for a lower one either (the lower lanes share one bound, and the high
+            # lane waits only while its own generations fill every slot and the extra ones).
             head = next((queue for queue in self._lanes.values() if queue), None)
             if head is None or not self._free_for(head[0].lane):
                 break
             admitted = head.popleft()
             self._bounded -= not admitted.patient
             self.running += 1
+            self.running_high += admitted.lane is Lane.HIGH
             self.holders.add(admitted)
             admitted._admit()
         self._notify_behind(Lane.HIGH)
         self._changed.set()
 
     def _free_for(self, lane: Lane) -> bool:
-        """A slot is free for ``lane``: fewer generations run than it may have running (:meth:`usable`)."""
-        return self.running < self.usable(lane)
+        """A slot is free for ``lane``: fewer generations that count for it run than it may have (:meth:`usable`)."""
+        return self.counted(lane) < self.usable(lane)
 
     def usable(self, lane: Lane) -> int:
-        """Generations running below which ``lane`` is admitted: every slot and the extra ones for the high lane,
-        all but the reserved ones for the others."""
+        """Generations running below which ``lane`` is admitted: for the high lane, the engine's rows (every slot
+        and the extra ones), counting its own generations; for the others, all but the reserved slots, counting
+        every lane's."""
         return self.slots + self.extra if lane is Lane.HIGH else self.slots - self.reserved
+
+    def counted(self, lane: Lane) -> int:
+        """The generations running that count against ``lane``'s bound (:meth:`usable`)."""
+        return self.running_high if lane is Lane.HIGH else self.running
+
+    def holders_for(self, lane: Lane) -> list[Ticket]:
+        """The admitted tickets that count against ``lane``'s bound: a slot frees for it as one of them ends."""
+        return [ticket for ticket in self.holders if lane is not Lane.HIGH or ticket.lane is Lane.HIGH]
 
     def ahead(self, lane: Lane) -> list[Ticket]:
         """The tickets waiting that a newcomer of ``lane`` would be admitted after, in the order they will be."""

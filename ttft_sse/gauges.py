@@ -155,6 +155,12 @@ def _batch_metrics(engine: object) -> Iterator[Metric]:
         "for requests that arrived while the batch was busy.",
         value=stats.interlude_first_tokens,
     )
+    yield CounterMetricFamily(
+        "ttft_sse_batch_rows_sat_out",
+        "Rows of lower-lane generations left out of a batch step, one per generation and step, so that the high "
+        "lane's requests had the step's rows.",
+        value=stats.rows_sat_out,
+    )
     if stats.kernel is not None:
         chunks = CounterMetricFamily(
             "ttft_sse_kernel_chunks",

@@ -199,7 +199,10 @@ class Run:
         self._degrader = degrader
         self.caller = caller
         self.prompt = prompt
-        self.params = replace(params, urgent=caller.lane is Lane.HIGH)
+        # The high lane's requests are urgent; the others may sit out a batch step for them, each for at most its
+        # lane's first-token target (a lane without one: the engine's default).
+        patience = targets.targets.get(caller.lane) if targets is not None else None
+        self.params = replace(params, urgent=caller.lane is Lane.HIGH, patience=patience)
         self._ticket = ticket
         self._arrival = arrival
         self._endpoint = endpoint

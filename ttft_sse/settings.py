@@ -189,9 +189,9 @@ class Settings:
     # Generation slots of max_concurrency only the high lane may take. -1: none (the extra slots below keep the
     # high lane's room without taking any from the others).
     high_reserved_slots: int = -1
-    # Rows of the batch past max_concurrency that only the high lane may take, so that a burst of high requests is
-    # admitted while the other lanes fill every slot (ttft_sse/gate.py). -1: max_concurrency / 2 (at least 1) where
-    # TTFT_SLA_MS sets a high target, else none.
+    # Rows a step of the batch computes past max_concurrency: the high lane is admitted up to max_concurrency + these
+    # generations of its own, whatever the other lanes hold (ttft_sse/gate.py; the batched engine leaves theirs out
+    # of steps in turn for it). -1: max_concurrency / 2 (at least 1) where TTFT_SLA_MS sets a high target, else none.
     high_extra_slots: int = -1
     job_runners: int = 1
     max_jobs: int = 1000
@@ -320,7 +320,7 @@ class Settings:
 
     @property
     def extra_slots(self) -> int:
-        """Rows past ``max_concurrency`` for the high lane: ``high_extra_slots``, or for -1 half of
+        """Rows a step computes past ``max_concurrency``: ``high_extra_slots``, or for -1 half of
         ``max_concurrency`` (at least 1) where a high target is set."""
         if self.high_extra_slots >= 0:
             return self.high_extra_slots
@@ -328,7 +328,7 @@ class Settings:
 
     @property
     def engine_rows(self) -> int:
-        """Generations the batched engine holds at once: ``max_concurrency`` and the high lane's extra slots."""
+        """Rows a step of the batched engine computes: ``max_concurrency`` and the high lane's extra slots."""
         return self.max_concurrency + self.extra_slots
 
     @functools.cached_property

@@ -22,10 +22,12 @@ engine's faster mode (``TTFT_DEGRADE``) while a lane misses it.
   back once, for :data:`RECOVER_SECONDS`, no lane's first tokens since the switch have passed :data:`MARGIN` of its
   target (hysteresis: a mode holds at least that long, so it does not flap). One log line and one count a switch.
 
-The high lane's first tokens are kept within its target by rows of the batch only it may take past the other lanes'
-cap (``TTFT_HIGH_EXTRA_SLOTS``; the gate's ``extra``), by slots the gate may keep for it (``TTFT_HIGH_RESERVED_SLOTS``)
-and by its place at the head of the queue: the batched engine takes a newcomer into its next step, and computes its
-first token between two layers of the step in flight, so a row of the batch is what a high request needs.
+The high lane's first tokens are kept within its target by the engine's rows, which it may fill with its own work
+whatever the other lanes hold (the gate counts only its generations against them; the batched engine leaves
+lower-lane generations out of steps in turn to give it their rows: engine/batched/turns.py), by slots the gate may keep
+for it (``TTFT_HIGH_RESERVED_SLOTS``) and by its place at the head of the queue: the batched engine takes a newcomer
+into its next step, and computes its first token between two layers of the step in flight, so a row of the batch is
+what a high request needs. For the high lane, the prediction plays out its own generations only.
 """
 
 from __future__ import annotations
@@ -145,7 +147,7 @@ class Targets:
         first token to its end, while the generations running now ran beside it: the pace and the length the
         prediction expects of running generations."""
         if tokens >= 2:
-            self._paces.append(generating_seconds / (tokens - 1) / math.sqrt(max(1, self._gate.running)))
+            self._paces.append(generating_seconds / (tokens - 1) / math.sqrt(max(1, self._rows())))
         if max_tokens > 0:
             self._shares.append(min(1.0, tokens / max_tokens))
 
@@ -171,7 +173,7 @@ class Targets:
             return None
         if wait == 0:
             return engine
-        pace = self.pace(self._gate.running)
+        pace = self.pace(self._rows())
         hold = self._gate.service_seconds(lane) or (0.0 if pace is None else self._hold(max_tokens, engine, pace))
         taken = self._rate_above(lane) * hold / self._gate.usable(lane)
         return math.inf if taken >= 1 else wait / (1 - taken) + engine
@@ -182,15 +184,15 @@ class Targets:
         (:meth:`~ttft_sse.gate.Gate.slot_wait`); None where neither is known."""
         gate = self._gate
         ahead = gate.ahead(lane)
-        if not ahead and gate.running < gate.usable(lane):
+        if not ahead and gate.counted(lane) < gate.usable(lane):
             return 0.0
-        engine, pace = self.engine_seconds(), self.pace(gate.running)
+        engine, pace = self.engine_seconds(), self.pace(self._rows())
         if engine is None or pace is None:
             return gate.slot_wait(lane)
         now = time.perf_counter()
         share = statistics.median(self._shares) if self._shares else 1.0
         ends: list[float] = []
-        for ticket in gate.holders:
+        for ticket in gate.holders_for(lane):  # the high lane's own, for the high lane: the others sit out for it
             expected = max(1.0, share * ticket.max_tokens)
             if ticket.first_at is None:  # its first token is still to come
                 since = now - (ticket.admitted_at or ticket.created)
@@ -215,6 +217,11 @@ class Targets:
         if share is None:
             share = statistics.median(self._shares) if self._shares else 1.0
         return engine + max(0.0, share * max_tokens - 1) * pace
+
+    def _rows(self) -> int:
+        """The rows a step of the engine computes now: the generations running, at most the engine's rows (past
+        them, lower-lane generations sit steps out)."""
+        return min(self._gate.running, self._gate.usable(Lane.HIGH))
 
     def _rate_above(self, lane: Lane) -> float:
         now = self.now()

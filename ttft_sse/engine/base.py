@@ -41,6 +41,9 @@ class SamplingParams:
     # Computed before the requests waiting beside it that are not (the high lane's: a batched engine prefills an
     # urgent prompt in a step of its own when others wait with it). Scheduling only: the answer is the same.
     urgent: bool = False
+    # Seconds a request that is not urgent may go without a token while a batched engine gives its rows to urgent
+    # ones (its lane's first-token target; None: the engine's default, engine/batched/turns.py). Scheduling only.
+    patience: float | None = None
     # Keeps the request's prefix-cache blocks apart from those of requests with another salt (empty: the shared
     # cache). The caller's key and the request's own ``cache_salt`` make it (ttft_sse/isolation.py). Scheduling only:
     # the answer is the same, only what the cache may reuse for it differs.

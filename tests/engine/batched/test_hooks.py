@@ -34,6 +34,10 @@ def test_a_missing_module_or_attribute_is_named() -> None:
         "transformers.NoSuchConfig.attribute",
     ]
     assert set(INTERNALS) >= {"transformers.generation.continuous_batching.continuous_api"}
+    # The scheduler's instance state (the requests it holds), looked for on one built without a cache.
+    assert missing_internals({}, state=("active_requests", "max_requests_per_batch", "gone")) == [
+        "transformers.generation.continuous_batching.scheduler.FIFOScheduler().gone"
+    ]
 
 
 async def test_without_the_internals_every_request_runs_on_the_library_s_generate(

@@ -28,6 +28,8 @@ The library does the batching, the paged cache and the prefix sharing. Written h
 * **isolation** (engine/batched/salts.py): a request with a cache salt shares blocks only with requests of the same
   salt;
 * **progress**: a prompt computed over several steps tells its request how far it is (``Progress``);
+* **the high lane's rows** (engine/batched/turns.py): where urgent requests and the others want more rows than a step
+  has, lower-lane decoding requests sit steps out in turn, each within its patience (``SamplingParams.patience``);
 * **attention request by request, in place** (engine/cpu/attention.py, on CPU in fp32): the library gathers a step's
   keys and values out of its paged cache in every layer and attends every query row to every key of the step under a
   mask; the engine's cache only writes, and each request's rows attend to its own keys, read in place;
@@ -89,6 +91,7 @@ from ttft_sse.engine.batched.prefix_store import PrefixStore
 from ttft_sse.engine.batched.race import Race
 from ttft_sse.engine.batched.scheduler import PrefixCounters, register_scheduler, unregister_scheduler
 from ttft_sse.engine.batched.stats import BatchStats, kv_tokens
+from ttft_sse.engine.batched.turns import PATIENCE_SECONDS
 from ttft_sse.engine.cpu import attention
 from ttft_sse.engine.single import CacheJanitor, SingleEngine
 from ttft_sse.engine.text import TokenText
@@ -385,6 +388,8 @@ class BatchedEngine:
             self._race.start(request_id, prompt, params, seed=seed, shared=shared)
         if params.urgent:
             self._counters.urgent.add(request_id)
+        else:
+            self._counters.turns.add(request_id, params.patience or PATIENCE_SECONDS)
         added = self._manager.add_request(
             list(prompt.token_ids),
             request_id=request_id,
@@ -410,6 +415,7 @@ class BatchedEngine:
         self._claims.close(request_id)
         self._modes.close(request_id)
         self._counters.urgent.discard(request_id)
+        self._counters.turns.forget(request_id)
         self._counters.hit_by_request.pop(request_id, None)
         self._counters.seeds.pop(request_id, None)
         self._counters._told.pop(request_id, None)
@@ -468,6 +474,7 @@ class BatchedEngine:
             interludes=self.interludes.state if self.interludes is not None else "off",
             side_first_tokens=self._side_first,
             interlude_first_tokens=self._interlude_first,
+            rows_sat_out=self._counters.turns.sat_out,
             kernel=self._single.kernel_counts(),
         )
 

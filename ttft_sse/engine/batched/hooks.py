@@ -1,12 +1,13 @@
 """Where the batched engine reaches into transformers' continuous batching, and the check that those places exist.
 
 The engine builds on private parts of transformers' continuous batching: the manager's batch-processor factory and
-output router, the runner's sampler, the per-request logits processors, the scheduler table and the FIFO scheduler's
-hooks, the paged cache's allocators and the token ids they hash (engine/batched/modes.py), and the cache's own
-allocation (:func:`zero_cache_lazily`) and class (:func:`keep_cache_in_f16`). ``pyproject.toml`` pins the
-transformers versions the engine is tested with; :func:`missing_internals` checks at load that every name the engine
-uses is there, so that another version makes the engine fall back to one ``model.generate`` per request (the
-library's public path) with one log line, rather than crash mid-request or compute wrongly.
+output router, the runner's sampler, the per-request logits processors, the scheduler table, the FIFO scheduler's
+hooks and the state of its instance (the requests it holds: :data:`SCHEDULER_STATE`), the paged cache's allocators
+and the token ids they hash (engine/batched/modes.py), and the cache's own allocation (:func:`zero_cache_lazily`) and
+class (:func:`keep_cache_in_f16`). ``pyproject.toml`` pins the transformers versions the engine is tested with;
+:func:`missing_internals` checks at load that every name the engine uses is there, so that another version makes the
+engine fall back to one ``model.generate`` per request (the library's public path) with one log line, rather than
+crash mid-request or compute wrongly.
 """
 
 from __future__ import annotations
@@ -49,8 +50,13 @@ INTERNALS: dict[str, tuple[str, ...]] = {
         "FIFOScheduler.schedule_batch",
         "FIFOScheduler._infer_request_tokens",
         "FIFOScheduler._schedule_request",
+        "FIFOScheduler.reset",  # sets the state below (SCHEDULER_STATE)
     ),
-    "transformers.generation.continuous_batching.requests": ("RequestStatus.PENDING", "RequestStatus.DECODING"),
+    "transformers.generation.continuous_batching.requests": (
+        "RequestStatus.PENDING",
+        "RequestStatus.DECODING",
+        "RequestState.status",
+    ),
     "transformers.generation.continuous_batching.model_runner": ("ModelRunner._sample",),
     CACHE_MODULE: (
         "PagedAttentionCache.update",
@@ -76,10 +82,22 @@ INTERNALS: dict[str, tuple[str, ...]] = {
 }
 """Every module and attribute path of the library the batched engine uses beyond its public API."""
 
+SCHEDULER_STATE: tuple[str, ...] = (
+    "active_requests",  # request id → state: those a step may compute (prefills and sitting-out rows taken out)
+    "waiting_requests",  # request id → state: those not started
+    "waiting_requests_order",  # the order they start in (urgent ones first)
+    "max_requests_per_batch",  # the rows a step computes at most
+)
+"""Attributes of the library's scheduler instance that engine/batched/scheduler.py reads and changes. They are the
+instance's, set by ``reset``: :func:`missing_internals` looks for them on a FIFO scheduler built without a cache."""
 
-def missing_internals(internals: dict[str, tuple[str, ...]] = INTERNALS) -> list[str]:
-    """The dotted names of ``internals`` that the installed transformers lacks (empty when all are there)."""
-    missing: list[str] = []
+
+def missing_internals(
+    internals: dict[str, tuple[str, ...]] = INTERNALS, state: tuple[str, ...] = SCHEDULER_STATE
+) -> list[str]:
+    """The dotted names of ``internals`` and of the scheduler's ``state`` that the installed transformers lacks
+    (empty when all are there)."""
+    missing = _missing_state(state)
     for module_name, paths in internals.items():
         try:
             module: Any = importlib.import_module(module_name)
@@ -94,6 +112,18 @@ def missing_internals(internals: dict[str, tuple[str, ...]] = INTERNALS) -> list
                     missing.append(f"{module_name}.{path}")
                     break
     return missing
+
+
+def _missing_state(state: tuple[str, ...]) -> list[str]:
+    """The names of ``state`` that a FIFO scheduler of the library lacks once built (its cache is only kept)."""
+    name = "transformers.generation.continuous_batching.scheduler.FIFOScheduler"
+    try:
+        from transformers.generation.continuous_batching.scheduler import FIFOScheduler
+
+        scheduler = FIFOScheduler(None, None, 1)
+    except Exception:  # another version's scheduler: none of its state can be relied on
+        return [f"{name}().{attribute}" for attribute in state]
+    return [f"{name}().{attribute}" for attribute in state if not hasattr(scheduler, attribute)]
 
 
 def create_manager(

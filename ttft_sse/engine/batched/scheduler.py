@@ -1,7 +1,12 @@
 """The batching loop's scheduler: the library's FIFO scheduler, counting what prefix sharing saves (in all and per
 request), handing the cache read in place (engine/cpu/attention.py) the interludes (engine/batched/interlude.py),
 switching the engine's mode between two steps (engine/batched/modes.py), keeping requests' prefix blocks apart by
-salt (engine/batched/salts.py), running prefills as background work, and telling a long prompt's progress.
+salt (engine/batched/salts.py), running prefills as background work, telling a long prompt's progress, and giving
+urgent requests (the high lane's) the step's rows first.
+
+**Urgent requests**: where they wait beside others, a step computes their prompts alone; where they and the others
+want more rows than a step has (``max_requests_per_batch``), lower-lane decoding requests sit the step out, in turn
+and each within its patience (engine/batched/turns.py).
 
 **Prefills** (``POST /prefill``, :meth:`BatchedEngine.prefill`) are requests of the library like any, marked in
 :attr:`PrefixCounters.prefills`, which only ever get what real requests leave: a step holds them back (out of the
@@ -30,6 +35,7 @@ from ttft_sse.engine.base import NORMAL, Progress
 from ttft_sse.engine.batched import salts
 from ttft_sse.engine.batched.hooks import BLOCK_TOKENS
 from ttft_sse.engine.batched.modes import Modes, keep_apart
+from ttft_sse.engine.batched.turns import Turns
 from ttft_sse.engine.batched.uses import PrefixUses
 from ttft_sse.engine.cpu import attention
 
@@ -72,6 +78,7 @@ class PrefixCounters:
     prefill_chunk: int = 0  # prompt tokens a step computes beside decoding streams (0: the whole token budget)
     modes: Modes | None = None  # where the engine has more than one mode: switched here, between two steps
     urgent: set[str] = field(default_factory=set)  # ids of requests prefilled before the others waiting (high lane)
+    turns: Turns = field(default_factory=Turns)  # which lower-lane rows sit out a step for urgent ones (turns.py)
     hit_by_request: dict[str, int] = field(default_factory=dict)  # request id → its prompt tokens served from blocks
     seeds: dict[str, int] = field(default_factory=dict)  # request id → its cache salt's seed (engine/batched/salts.py)
     prefills: dict[str, Callable[[], bool]] = field(default_factory=dict)  # prefill request id → its hold()
@@ -112,9 +119,6 @@ def register_scheduler(counters: PrefixCounters, *, paged: bool) -> str:
             salts.install(cache, counters.seeds)
             if counters.modes is not None:
                 keep_apart(cache, counters.modes)
-            # The waiting queue's order, an attribute of the instance (not checked with hooks.INTERNALS): without
-            # it urgent requests are scheduled in arrival order like the others.
-            self._orders = isinstance(getattr(self, "waiting_requests_order", None), deque)
 
         def schedule_batch(self, token_budget: int, cache_budget: int) -> Any:
             # The coming step's mode, before anything of it is computed (the interlude below, the prefix matches, the
@@ -139,15 +143,20 @@ def register_scheduler(counters: PrefixCounters, *, paged: bool) -> str:
                 token_budget = min(token_budget, PREFILL_STEP_TOKENS)
             elif aside is not None:
                 self._prefills_last()
+            now = time.monotonic()
             later = self._hold_back_all_but_urgent()
+            sitting = self._sit_out(now)
             try:
                 scheduled = super().schedule_batch(token_budget, cache_budget)
             finally:
                 if later:
                     # The library's step rebuilds the deque without those it scheduled: extend what it holds now.
                     self.waiting_requests_order.extend(i for i in later if i in self.waiting_requests)
+                self.active_requests.update(sitting)
                 if aside:
                     self._put_prefills_back(aside)
+            if scheduled[0]:
+                counters.turns.ran((future.state.request_id for future in scheduled[0]), now)
             if modes is not None and mode is not None and scheduled[0]:
                 modes.saw((future.state.request_id for future in scheduled[0]), mode)
             if scheduled[0] and counters.progress is not None:
@@ -242,18 +251,42 @@ def register_scheduler(counters: PrefixCounters, *, paged: bool) -> str:
         def _hold_back_all_but_urgent(self) -> list[str]:
             """Where urgent requests (the high lane's) wait beside others, leave the others out of this step's
             choice and return their ids, in order, to be put back after it: the urgent prompts are computed in a step
-            of their own (one step sooner than beside a burst of others' prompts), the others in the next."""
-            if not counters.urgent or not self._orders:
+            of their own (one step sooner than beside a burst of others' prompts), the others in the next. Each
+            once (engine/batched/turns.py): held back before, it starts beside them, after them."""
+            if not counters.urgent:
                 return []
             order: deque[str] = self.waiting_requests_order
             if not any(i in counters.urgent for i in order):
                 return []
-            later = [i for i in order if i not in counters.urgent]
+            later = counters.turns.held(i for i in order if i not in counters.urgent)
             if later:
+                held = set(later)
                 urgent = [i for i in order if i in counters.urgent]
+                due = [i for i in order if i not in counters.urgent and i not in held]
                 order.clear()
-                order.extend(urgent)
+                order.extend(urgent + due)
             return later
+
+        def _sit_out(self, now: float) -> dict[str, Any]:
+            """Where urgent requests (running, or waiting to start) and the others want more rows than the step has,
+            take lower-lane decoding requests out of the library's view for this step, in turn
+            (engine/batched/turns.py); return them, to be put back after it. A request taken out keeps its blocks
+            and its next input token: the library's step neither computes nor frees it. The lower lanes' prompts, in
+            the step or waiting to start in it (none waits beside urgent ones: held back), keep their rows: their
+            first token has not gone out."""
+            urgent = counters.urgent
+            if not urgent:
+                return {}
+            active = self.active_requests
+            running = sum(i in urgent for i in active)
+            wanted = running + sum(i in urgent for i in self.waiting_requests)
+            if not wanted:
+                return {}
+            decoding = [i for i, s in active.items() if i not in urgent and s.status == RequestStatus.DECODING]
+            starting = sum(i not in urgent for i in self.waiting_requests_order)
+            others = len(active) - running - len(decoding) + starting
+            out = counters.turns.sit_out(self.max_requests_per_batch, wanted, decoding, others, now)
+            return {i: active.pop(i) for i in out}
 
         def _chunked(self, token_budget: int, decoding: int) -> int:
             """Chunked prefill: beside streams that decode, a prompt longer than a step's budget (a document to

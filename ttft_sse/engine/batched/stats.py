@@ -26,6 +26,7 @@ class BatchStats:
     interludes: str = "off"  # interludes (engine/batched/interlude.py): off, ready, failed or stopped
     side_first_tokens: int = 0  # first tokens the prefill process gave before the batch did
     interlude_first_tokens: int = 0  # first tokens interludes gave (engine/batched/interlude.py)
+    rows_sat_out: int = 0  # lower-lane rows left out of a step for the high lane's (engine/batched/turns.py)
     kernel: kernel.HelperCounts | None = None  # the block kernel's helper threads (None without them)
 
 
