@@ -46,20 +46,20 @@ import anyio
 import structlog
 from starlette.applications import Starlette
 
-from ttft_sse import warm_prompts
-from ttft_sse.auth import ANONYMOUS, Keyring
+from ttft_sse.admission.auth import ANONYMOUS, Keyring
+from ttft_sse.admission.gate import Gate
+from ttft_sse.admission.targets import Degrader, Targets, parse_targets
 from ttft_sse.engine.base import Engine, keep_warm
 from ttft_sse.errors import PromptTooLong, ShuttingDown
-from ttft_sse.gate import Gate
 from ttft_sse.generation import Generations
-from ttft_sse.jobs import EmbeddedJobs, JobStore
 from ttft_sse.lifecycle import Lifecycle
 from ttft_sse.metrics import Metrics
-from ttft_sse.prefills import Prefills
+from ttft_sse.prefixes import warm_prompts
+from ttft_sse.prefixes.prefills import Prefills
 from ttft_sse.schemas import GenerationRequest
 from ttft_sse.settings import Settings
-from ttft_sse.streams import Streams, StreamStore
-from ttft_sse.targets import Degrader, Targets, parse_targets
+from ttft_sse.stores.jobs import EmbeddedJobs, JobStore
+from ttft_sse.stores.resumable import Streams, StreamStore
 
 log = structlog.get_logger("ttft_sse.runtime")
 
@@ -258,7 +258,7 @@ class Runtime:
 def _stream_store(settings: Settings) -> StreamStore:
     """With a Redis URL, streams live in Redis, so that any replica sharing it can resume or delete them."""
     if settings.redis_url:
-        from ttft_sse.redis_streams import RedisStreams  # imports redis: only when asked for
+        from ttft_sse.stores.resumable_redis import RedisStreams  # imports redis: only when asked for
 
         return RedisStreams(settings)
     return Streams(
@@ -270,7 +270,7 @@ def _stream_store(settings: Settings) -> StreamStore:
 
 def _job_store(settings: Settings, generations: Generations) -> JobStore:
     if settings.redis_url:
-        from ttft_sse.redis_jobs import RedisJobs  # imports Celery and redis: only when asked for
+        from ttft_sse.stores.jobs_redis import RedisJobs  # imports Celery and redis: only when asked for
 
         return RedisJobs(settings)
     return EmbeddedJobs(settings, generations)

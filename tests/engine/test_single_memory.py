@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from ttft_sse.bridge import Emit
 from ttft_sse.engine.base import Finished, Piece, Prompt, SamplingParams, Usage
 from ttft_sse.engine.single import CacheJanitor, SingleEngine
+from ttft_sse.engine.threads import Emit
 from ttft_sse.errors import EngineError
 from ttft_sse.settings import Settings, SettingsError
 

@@ -2,7 +2,7 @@
 
 A generation takes the engine's mode (:meth:`SingleEngine.set_mode`) at its start and keeps it to its end: a switch
 applies to the generations that start after it. Each runs in a thread of its own, so one in int8 rows and one in fp32
-rows may run side by side (engine/cpu/kernel.py's ``ROWS`` is the thread's), and each ``Finished.degraded`` says its
+rows may run side by side (engine/kernels/kernel.py's ``ROWS`` is the thread's), and each ``Finished.degraded`` says its
 own generation's mode.
 """
 
@@ -17,7 +17,6 @@ from typing import Any
 
 import structlog
 
-from ttft_sse.bridge import Emit, Workers
 from ttft_sse.engine import prompts, sampling
 from ttft_sse.engine.base import (
     INT8,
@@ -30,9 +29,11 @@ from ttft_sse.engine.base import (
     SamplingParams,
     check_mode,
 )
-from ttft_sse.engine.cpu import half_cache, kernel
+from ttft_sse.engine.kernels import kernel
+from ttft_sse.engine.library import half_cache
 from ttft_sse.engine.loading.model import load_model
 from ttft_sse.engine.text import TokenText
+from ttft_sse.engine.threads import Emit, Workers
 from ttft_sse.errors import EngineError
 from ttft_sse.settings import Settings
 from ttft_sse.stages import StageClock

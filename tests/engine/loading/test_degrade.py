@@ -13,7 +13,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from ttft_sse.engine.batched.engine import BatchedEngine
-from ttft_sse.engine.cpu import arrangement, kernel
+from ttft_sse.engine.kernels import arrangement, kernel
 from ttft_sse.engine.loading import sources
 from ttft_sse.engine.loading.model import KERNEL_DIR
 from ttft_sse.engine.single import SingleEngine

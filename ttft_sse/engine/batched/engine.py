@@ -10,9 +10,9 @@ the cache runs short, then they are evicted.
 
 The library does the batching, the paged cache and the prefix sharing. Written here, because it lacks them:
 
-* **routing** (``router`` → :class:`~ttft_sse.bridge.Mailboxes`): the library's router forgets a callback only when
-  its request finishes, so a cancelled request's would stay for ever, its results piling up unread. Ours delivers each
-  step's results to the event loop in one ``call_soon_threadsafe`` and drops those of requests that have left; a
+* **routing** (``router`` → :class:`~ttft_sse.engine.threads.Mailboxes`): the library's router forgets a callback only
+  when its request finishes, so a cancelled request's would stay for ever, its results piling up unread. Ours delivers
+  each step's results to the event loop in one ``call_soon_threadsafe`` and drops those of requests that have left; a
   step's results that can wait are posted as the next step's decoder layers go into C, so that the event loop's
   Python runs beside the kernel rather than before it (engine/batched/held.py);
 * **stop sequences and text**: the library knows token ids; :class:`~ttft_sse.engine.text.TokenText` frames text
@@ -20,29 +20,29 @@ The library does the batching, the paged cache and the prefix sharing. Written h
 * **a loop that died**: the library fails the requests it knows about when its loop crashes, but a request added in
   the same instant can wait for ever (the manager's own ``get_result`` loops only while the thread lives). Every
   waiting request also checks that the loop is alive (``Mailboxes``); the next request restarts a dead loop;
-* **prefix-hit counting** (engine/batched/scheduler.py): tokens served from shared blocks, in all
+* **prefix-hit counting** (engine/library/scheduler.py): tokens served from shared blocks, in all
   (:meth:`BatchedEngine.stats`) and per request (its ``Usage.cached_tokens``);
 * **prefills** (:meth:`BatchedEngine.prefill`, ``POST /prefill``, engine/batched/pins.py): a prompt's KV computed as
   background work (a request of two tokens that the scheduler runs only in what real requests leave), then its blocks
   pinned for ``TTFT_PREFILL_KEEP_SECONDS``, so that the request that follows finds them;
-* **isolation** (engine/batched/salts.py): a request with a cache salt shares blocks only with requests of the same
+* **isolation** (engine/library/salts.py): a request with a cache salt shares blocks only with requests of the same
   salt;
 * **progress**: a prompt computed over several steps tells its request how far it is (``Progress``);
-* **attention request by request, in place** (engine/cpu/attention.py, on CPU in fp32): the library gathers a step's
+* **attention request by request, in place** (engine/kernels/attention.py, on CPU in fp32): the library gathers a step's
   keys and values out of its paged cache in every layer and attends every query row to every key of the step under a
   mask; the engine's cache only writes, and each request's rows attend to its own keys, read in place;
-* **first tokens beside the batch** (engine/batched/interlude.py, engine/batched/prefill.py, on CPU with the block
+* **first tokens beside the batch** (engine/first/interlude.py, engine/first/process.py, on CPU with the block
   kernel and that attention): a request that arrives while the batch is busy has its first token computed between
   two layers of the step in flight, or by a second process on the other core. Whichever has its first token first
   gives it (:class:`Claims`); the batch's step that computes the request's first token is then made to pick that
-  token (:func:`~ttft_sse.engine.batched.selection.selection`), so the batch goes on from the token the client saw,
+  token (:func:`~ttft_sse.engine.library.selection.selection`), so the batch goes on from the token the client saw,
   greedy or sampled. A greedy one is the same token anyway (every row is computed from its own inputs alone in both);
-* **per-request token selection** (:func:`~ttft_sse.engine.batched.selection.selection`): the library's own warpers
+* **per-request token selection** (:func:`~ttft_sse.engine.library.selection.selection`): the library's own warpers
   sort the whole vocabulary of every row every step, and its draw runs over every row, whether a row samples or not.
-  Ours leaves greedy rows to the step's argmax (engine/cpu/argmax.py's on CPU, by ``torch.argmax``'s rule) and cuts
+  Ours leaves greedy rows to the step's argmax (engine/kernels/argmax.py's on CPU, by ``torch.argmax``'s rule) and cuts
   and draws only the rows that sample, by engine/sampling.py (figures: docs/engine.md).
 
-Modes (``TTFT_DEGRADE=int8``, engine/batched/modes.py): :meth:`BatchedEngine.set_mode` takes effect at the next step
+Modes (``TTFT_DEGRADE=int8``, engine/modes.py): :meth:`BatchedEngine.set_mode` takes effect at the next step
 the loop prepares; ``Finished.degraded`` says whether any of a request's tokens was computed in int8 rows.
 
 Not batched, on purpose: requests with a ``seed`` and requests too long for the shared cache run on the single-request
@@ -64,7 +64,6 @@ from typing import Any
 
 import structlog
 
-from ttft_sse.bridge import Idle, Mailboxes, Resident
 from ttft_sse.engine.base import (
     NORMAL,
     ChatMessage,
@@ -76,21 +75,23 @@ from ttft_sse.engine.base import (
     Prompt,
     SamplingParams,
 )
-from ttft_sse.engine.batched import hooks, memory, salts
-from ttft_sse.engine.batched.beside import start_beside
-from ttft_sse.engine.batched.claims import Arrivals, Claims, FirstToken
+from ttft_sse.engine.batched import memory
 from ttft_sse.engine.batched.held import Held
-from ttft_sse.engine.batched.hooks import BLOCK_TOKENS, missing_internals
-from ttft_sse.engine.batched.interlude import Interlude
-from ttft_sse.engine.batched.modes import Modes
 from ttft_sse.engine.batched.pins import Pins
-from ttft_sse.engine.batched.prefill import PrefillProcess
-from ttft_sse.engine.batched.race import Race
-from ttft_sse.engine.batched.scheduler import PrefixCounters, register_scheduler, unregister_scheduler
 from ttft_sse.engine.batched.stats import BatchStats
-from ttft_sse.engine.cpu import attention
+from ttft_sse.engine.first.beside import start_beside
+from ttft_sse.engine.first.claims import Arrivals, Claims, FirstToken
+from ttft_sse.engine.first.interlude import Interlude
+from ttft_sse.engine.first.process import PrefillProcess
+from ttft_sse.engine.first.race import Race
+from ttft_sse.engine.kernels import attention
+from ttft_sse.engine.library import hooks, salts
+from ttft_sse.engine.library.hooks import BLOCK_TOKENS, missing_internals
+from ttft_sse.engine.library.scheduler import PrefixCounters, register_scheduler, unregister_scheduler
+from ttft_sse.engine.modes import Modes
 from ttft_sse.engine.single import CacheJanitor, SingleEngine
 from ttft_sse.engine.text import TokenText
+from ttft_sse.engine.threads import Idle, Mailboxes, Resident
 from ttft_sse.errors import EngineError
 from ttft_sse.settings import Settings
 from ttft_sse.stages import StageClock
@@ -175,12 +176,12 @@ class BatchedEngine:
 
     @property
     def prefill_process(self) -> PrefillProcess | None:
-        """The prefill process, if the engine started one (engine/batched/prefill.py)."""
+        """The prefill process, if the engine started one (engine/first/process.py)."""
         return self._prefill if isinstance(self._prefill, PrefillProcess) else None
 
     @property
     def interludes(self) -> Interlude | None:
-        """The interludes, if the engine runs them (engine/batched/interlude.py)."""
+        """The interludes, if the engine runs them (engine/first/interlude.py)."""
         return self._prefill if isinstance(self._prefill, Interlude) else None
 
     # -- loading -----------------------------------------------------------------------------------------------

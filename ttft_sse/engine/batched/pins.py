@@ -3,7 +3,7 @@ library's paged cache so that the request that follows finds it.
 
 A prefill (``POST /prefill``, :meth:`Pins.prefill`) is a request of the library of two tokens, marked in
 ``PrefixCounters.prefills`` so that the scheduler runs it only in what real requests leave
-(engine/batched/scheduler.py), and cancelled once its prompt is in the cache. Its whole blocks are then held under a
+(engine/library/scheduler.py), and cancelled once its prompt is in the cache. Its whole blocks are then held under a
 name of their own, as a request holds its blocks (:meth:`Pins.pin`), for ``TTFT_PREFILL_KEEP_SECONDS``; then they
 are cached like any prefix. A warm prompt's (:meth:`Pins.warm`, computed before the server is ready) are held for
 good. Pins are made and released between two steps, in the batching thread (``PrefixCounters.chores``); their
@@ -16,11 +16,11 @@ import asyncio
 import itertools
 from typing import Any
 
-from ttft_sse.bridge import Mailboxes
 from ttft_sse.engine.base import Hold, Progress, Prompt
-from ttft_sse.engine.batched import salts
-from ttft_sse.engine.batched.hooks import BLOCK_TOKENS
-from ttft_sse.engine.batched.scheduler import PrefixCounters
+from ttft_sse.engine.library import salts
+from ttft_sse.engine.library.hooks import BLOCK_TOKENS
+from ttft_sse.engine.library.scheduler import PrefixCounters
+from ttft_sse.engine.threads import Mailboxes
 from ttft_sse.errors import EngineError
 
 PINNED_SHARE = 4

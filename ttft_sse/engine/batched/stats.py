@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ttft_sse.engine.cpu import kernel
+from ttft_sse.engine.kernels import kernel
 
 
 @dataclass(frozen=True)
@@ -21,8 +21,8 @@ class BatchStats:
     kv_tokens_in_use: int  # KV capacity held by live requests
     kv_tokens_cached: int  # KV capacity held only for reuse (evicted when the cache runs short)
     kv_tokens_capacity: int
-    prefill: str = "off"  # the prefill process (engine/batched/prefill.py): off, loading, ready, failed or stopped
-    interludes: str = "off"  # interludes (engine/batched/interlude.py): off, ready, failed or stopped
+    prefill: str = "off"  # the prefill process (engine/first/process.py): off, loading, ready, failed or stopped
+    interludes: str = "off"  # interludes (engine/first/interlude.py): off, ready, failed or stopped
     side_first_tokens: int = 0  # first tokens the prefill process gave before the batch did
-    interlude_first_tokens: int = 0  # first tokens interludes gave (engine/batched/interlude.py)
+    interlude_first_tokens: int = 0  # first tokens interludes gave (engine/first/interlude.py)
     kernel: kernel.HelperCounts | None = None  # the block kernel's helper threads (None without them)
