@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from ttft_sse.engine.kernels import compiler, kernel, layouts
-from ttft_sse.engine.loading.model import KERNEL_DIR
+from ttft_sse.engine.kernels.compiler import KERNEL_DIR
 from ttft_sse.settings import Settings
 
 SCALES = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2)}

@@ -104,7 +104,7 @@ def _prepare(settings: Settings) -> int:
     location = sources.materialize(source, settings.cache_dir, clock)
     if source.kind == "gguf":
         from ttft_sse.engine.kernels import argmax
-        from ttft_sse.engine.loading.model import KERNEL_DIR
+        from ttft_sse.engine.kernels.compiler import KERNEL_DIR
         from ttft_sse.engine.single import SingleEngine
 
         # Loaded once here too: on CPU that reads the file's blocks behind the layers, lays them out for the block
@@ -146,7 +146,11 @@ def hypercorn_config(settings: Settings) -> Config:
     from ttft_sse.http import transport
     from ttft_sse.runtime import FLUSH_SECONDS
 
-    config = transport.config(settings)
+    config = transport.config(
+        keep_alive_seconds=settings.keep_alive_seconds,
+        max_header_bytes=settings.max_header_bytes,
+        header_timeout_seconds=settings.header_timeout_seconds,
+    )
     host = f"[{settings.host}]" if ":" in settings.host else settings.host
     config.bind = [f"{host}:{settings.port}"]
     config.accesslog = None  # the RequestContext middleware logs each request, with its id

@@ -3,15 +3,15 @@
 Built once per app by :func:`ttft_sse.app.create_app` (and once per worker process by ttft_sse/worker.py)::
 
     Runtime ─┬─ Lifecycle    state, readiness, the start-up stage clock, drain refusals  (lifecycle.py)
-             ├─ Gate         generation slots and the bounded queue, by lane              (gate.py)
-             ├─ Keyring      API keys → lanes                                             (auth.py)
-             ├─ Targets      first-token targets by lane; Degrader: the faster mode         (targets.py)
+             ├─ Gate         generation slots and the bounded queue, by lane    (admission/gate.py)
+             ├─ Keyring      API keys → lanes                                   (admission/auth.py)
+             ├─ Targets      first-token targets by lane; Degrader: the faster mode (admission/targets.py)
              ├─ Metrics      reads the gate, the clock and the engine on each scrape      (metrics.py)
              ├─ Generations  lifecycle + engine + gate + metrics                          (generation.py)
-             ├─ Prefills     prompts computed while their user types (POST /prefill)      (prefills.py)
+             ├─ Prefills     prompts computed while their user types (POST /prefill)  (prefixes/prefills.py)
              ├─ StreamStore  resumable streams: in-process, or in Redis (every replica)
-             │                                                       (streams.py, redis_streams.py)
-             └─ JobStore     in-process, or Celery on Redis                  (jobs.py, redis_jobs.py)
+             │                                      (stores/resumable.py, stores/resumable_redis.py)
+             └─ JobStore     in-process, or Celery on Redis         (stores/jobs.py, stores/jobs_redis.py)
 
 None of these parts imports this module: imports run from here downward only (the HTTP surface, ``api/``,
 reads the runtime from ``app.state``).

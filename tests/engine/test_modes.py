@@ -19,7 +19,7 @@ from tests.support.texts import QUESTIONS, STORY, SYSTEM
 from ttft_sse.engine.base import Finished, Piece, SamplingParams
 from ttft_sse.engine.batched.engine import BatchedEngine
 from ttft_sse.engine.kernels import kernel
-from ttft_sse.engine.loading.model import KERNEL_DIR
+from ttft_sse.engine.kernels.compiler import KERNEL_DIR
 from ttft_sse.engine.modes import Modes, keep_apart
 from ttft_sse.engine.single import SingleEngine
 from ttft_sse.settings import Settings

@@ -102,8 +102,8 @@ class Keyring:
         return tuple(caller.key_id for caller in self._by_digest.values() if caller.key_id is not None)
 
     def secret(self, key_id: str) -> bytes:
-        """The digest of the key ``key_id`` names: a secret only its holder and this server know (grants.py signs
-        with it). ``KeyError`` for a key id this keyring does not hold."""
+        """The digest of the key ``key_id`` names: a secret only its holder and this server know (grants.py, beside
+        it, signs with it). ``KeyError`` for a key id this keyring does not hold."""
         for digest, caller in self._by_digest.items():
             if caller.key_id == key_id:
                 return digest

@@ -31,8 +31,6 @@ import structlog
 from hypercorn.config import Config
 from hypercorn.events import Closed, RawData
 
-from ttft_sse.settings import Settings
-
 log = structlog.get_logger("ttft_sse.transport")
 
 
@@ -42,13 +40,14 @@ class ServerConfig(Config):
     header_timeout: float | None = None
 
 
-def config(settings: Settings) -> ServerConfig:
-    """The transport settings of ``settings`` on a hypercorn config; installs :func:`_read_data` (once)."""
+def config(*, keep_alive_seconds: float, max_header_bytes: int, header_timeout_seconds: float | None) -> ServerConfig:
+    """A hypercorn config with these transport limits (``TTFT_KEEP_ALIVE_SECONDS``, ``TTFT_MAX_HEADER_BYTES``,
+    ``TTFT_HEADER_TIMEOUT_SECONDS``); installs :func:`_read_data` (once)."""
     install()
     server = ServerConfig()
-    server.keep_alive_timeout = settings.keep_alive_seconds
-    server.h11_max_incomplete_size = settings.max_header_bytes  # a head past it is a 431/400 and a closed connection
-    server.header_timeout = settings.header_timeout_seconds
+    server.keep_alive_timeout = keep_alive_seconds
+    server.h11_max_incomplete_size = max_header_bytes  # a head past it is a 431/400 and a closed connection
+    server.header_timeout = header_timeout_seconds
     return server
 
 

@@ -10,7 +10,7 @@ from structlog.testing import capture_logs
 
 from tests.support.paths import CACHE_DIR
 from ttft_sse.engine.kernels import argmax
-from ttft_sse.engine.loading.model import KERNEL_DIR
+from ttft_sse.engine.kernels.compiler import KERNEL_DIR
 
 torch = pytest.importorskip("torch")
 

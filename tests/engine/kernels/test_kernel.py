@@ -20,8 +20,8 @@ from tests.support.texts import PASSAGE
 from ttft_sse.engine.base import SamplingParams
 from ttft_sse.engine.batched.engine import BatchedEngine
 from ttft_sse.engine.kernels import attention, codes, compiler, kernel, layouts
+from ttft_sse.engine.kernels.compiler import KERNEL_DIR
 from ttft_sse.engine.kernels.layouts import records
-from ttft_sse.engine.loading.model import KERNEL_DIR
 from ttft_sse.engine.single import SingleEngine
 from ttft_sse.settings import Settings
 from ttft_sse.stages import StageClock

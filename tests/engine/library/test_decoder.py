@@ -16,8 +16,8 @@ from tests.support.ggufs import named, quantise, write_gguf
 from tests.support.paths import CACHE_DIR
 from tests.support.texts import PASSAGE
 from ttft_sse.engine.kernels import attention, compiler, kernel, structs
+from ttft_sse.engine.kernels.compiler import KERNEL_DIR
 from ttft_sse.engine.library import decoder, families, stack
-from ttft_sse.engine.loading.model import KERNEL_DIR
 from ttft_sse.engine.single import SingleEngine
 from ttft_sse.settings import Settings
 from ttft_sse.stages import StageClock

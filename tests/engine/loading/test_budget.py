@@ -18,8 +18,8 @@ from tests.support.paths import CACHE_DIR
 from tests.support.processes import ROOT
 from tests.support.servers import free_port
 from ttft_sse.engine.kernels import kernel
+from ttft_sse.engine.kernels.compiler import KERNEL_DIR
 from ttft_sse.engine.loading import budget, sources
-from ttft_sse.engine.loading.model import KERNEL_DIR
 
 MIB = budget.MIB
 GIB = budget.GIB

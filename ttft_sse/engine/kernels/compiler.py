@@ -23,6 +23,8 @@ import structlog
 
 log = structlog.get_logger("ttft_sse.engine")
 
+KERNEL_DIR = "kernels"
+"""Where in the cache directory the C libraries are built."""
 HEADERS = tuple(
     Path(__file__).with_name(name)
     for name in ("kernel.h", "blocks.h", "vectors.h", "five.h", "six.h", "dense.h", "half.h")

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import ctypes
 
-from ttft_sse.engine.library.families import LINEARS
-
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+LINEARS = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj"}
+LINEARS |= {"gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
+"""decoder.c's linear layers, in the order of ``struct layer``'s, and the submodules of a decoder layer that hold
+them."""
 JOINED = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")}
 """decoder.c's joined layers (kernel.join): one call each where the layers they join would take three and two."""
 

@@ -55,9 +55,8 @@ from typing import Any
 import structlog
 
 from ttft_sse.engine.kernels import attention, compiler, kernel, weights
-from ttft_sse.engine.kernels.structs import JOINED, Layer, Linear
+from ttft_sse.engine.kernels.structs import JOINED, LINEARS, Layer, Linear
 from ttft_sse.engine.library import families, stack
-from ttft_sse.engine.library.families import LINEARS
 
 log = structlog.get_logger("ttft_sse.engine")
 

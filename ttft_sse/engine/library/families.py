@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ttft_sse.engine.kernels import kernel
+from ttft_sse.engine.kernels.structs import LINEARS
 
 
 @dataclass(frozen=True)
@@ -77,10 +78,6 @@ FAMILIES = (
     ),
 )  # fmt: skip
 """The families decoder.c computes."""
-
-LINEARS = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj"}
-LINEARS |= {"gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
-"""decoder.c's linear layers and the submodules of a decoder layer that hold them."""
 
 
 def family_of(layer: Any) -> Family | None:

@@ -19,8 +19,8 @@ from typing import Any
 from ttft_sse.engine.batched import memory
 from ttft_sse.engine.first.claims import Claims
 from ttft_sse.engine.kernels import argmax
+from ttft_sse.engine.kernels.compiler import KERNEL_DIR
 from ttft_sse.engine.library import half_cache
-from ttft_sse.engine.loading.model import KERNEL_DIR
 from ttft_sse.settings import Settings
 
 CACHE_MODULE = "transformers.generation.continuous_batching.cache"

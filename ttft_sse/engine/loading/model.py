@@ -20,6 +20,7 @@ import structlog
 
 from ttft_sse.engine.base import INT8, NORMAL, ModelInfo
 from ttft_sse.engine.kernels import attention, kernel, weights
+from ttft_sse.engine.kernels.compiler import KERNEL_DIR
 from ttft_sse.engine.library import decoder, families, grouped, half_cache
 from ttft_sse.engine.loading import assembly, budget, imports, sources
 from ttft_sse.errors import StartupError
@@ -28,8 +29,6 @@ from ttft_sse.stages import StageClock
 
 log = structlog.get_logger("ttft_sse.engine")
 
-KERNEL_DIR = "kernels"
-"""Where in the cache directory the C kernels are built (engine/kernels/kernel.py)."""
 GPU_NODES = ("/dev/nvidiactl", "/dev/kfd")
 """Device files of a machine where torch may see a GPU (NVIDIA's driver, ROCm's)."""
 
