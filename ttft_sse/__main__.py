@@ -105,15 +105,15 @@ def _prepare(settings: Settings) -> int:
     if source.kind == "gguf":
         from ttft_sse.engine.kernels import argmax
         from ttft_sse.engine.kernels.compiler import KERNEL_DIR
-        from ttft_sse.engine.single import SingleEngine
+        from ttft_sse.engine.loaded import LoadedModel
 
         # Loaded once here too: on CPU that reads the file's blocks behind the layers, lays them out for the block
         # kernel and keeps them in the cache directory (engine/kernels/kernel.py, engine/kernels/arrangement.py), and
         # builds the attention (engine/kernels/attention.py) for the server's start; and the batched engine's greedy
         # pick (engine/kernels/argmax.py).
-        engine = SingleEngine(settings)
-        engine.load(clock)
-        if engine.model.device.type == "cpu":
+        loaded = LoadedModel(settings)
+        loaded.load(clock)
+        if loaded.model.device.type == "cpu":
             argmax.build(settings.cache_dir / KERNEL_DIR)
     if settings.engine == "auto":
         from ttft_sse.engine import choice

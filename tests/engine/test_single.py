@@ -147,7 +147,7 @@ async def test_a_failure_inside_generate_reaches_the_consumer_as_engine_error(en
         if calls["n"] == 3:  # prefill, one decode step, then the third forward pass fails
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
-    handle = engine._model.register_forward_hook(explode)
+    handle = engine.model.register_forward_hook(explode)
     prepared = engine.prepare(prompt=QUESTION, messages=None, raw=False)
     got: list[str] = []
     try:

@@ -22,7 +22,8 @@ from ttft_sse.engine.base import Finished, Piece, SamplingParams
 from ttft_sse.engine.batched.engine import BLOCK_TOKENS, BatchedEngine
 from ttft_sse.engine.kernels import argmax, attention
 from ttft_sse.engine.library import grouped, stack
-from ttft_sse.engine.single import CacheJanitor, SingleEngine
+from ttft_sse.engine.loaded import CacheJanitor
+from ttft_sse.engine.single import SingleEngine
 from ttft_sse.errors import EngineError
 from ttft_sse.settings import Settings
 from ttft_sse.stages import StageClock
@@ -276,7 +277,7 @@ async def test_batched_generations_count_towards_the_cuda_cache_janitor_and_it_e
 ) -> None:
     calls: list[str] = []
     saved = engine.janitor
-    engine._single._janitor = CacheJanitor(2, lambda: calls.append(threading.current_thread().name))  # as on CUDA
+    engine._loaded.janitor = CacheJanitor(2, lambda: calls.append(threading.current_thread().name))  # as on CUDA
     try:
         await collect(engine.stream(prompt_of(engine, QUESTION), SamplingParams(4)))
         assert (engine.janitor.generations, calls) == (1, [])
@@ -288,7 +289,7 @@ async def test_batched_generations_count_towards_the_cuda_cache_janitor_and_it_e
         assert len(calls) == 1 and calls[0] != threading.current_thread().name
         assert engine.janitor.emptied == 1
     finally:
-        engine._single._janitor = saved
+        engine._loaded.janitor = saved
     await settle(engine)
 
 

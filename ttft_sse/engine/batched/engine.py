@@ -46,8 +46,9 @@ Modes (``TTFT_DEGRADE=int8``, engine/modes.py): :meth:`BatchedEngine.set_mode` t
 the loop prepares; ``Finished.degraded`` says whether any of a request's tokens was computed in int8 rows.
 
 Not batched, on purpose: requests with a ``seed`` and requests too long for the shared cache run on the single-request
-engine (:class:`~ttft_sse.engine.single.SingleEngine`, same model and weights), which samples with the request's own
-generator: the library draws a whole batch's tokens from one global generator, where a ``seed`` reproduces nothing.
+engine (:class:`~ttft_sse.engine.single.SingleEngine`, over the same loaded model: engine/loaded.py), which samples
+with the request's own generator: the library draws a whole batch's tokens from one global generator, where a ``seed``
+reproduces nothing.
 """
 
 from __future__ import annotations
@@ -88,8 +89,9 @@ from ttft_sse.engine.kernels import attention
 from ttft_sse.engine.library import hooks, salts
 from ttft_sse.engine.library.hooks import BLOCK_TOKENS, missing_internals
 from ttft_sse.engine.library.scheduler import PrefixCounters, register_scheduler, unregister_scheduler
+from ttft_sse.engine.loaded import CacheJanitor, LoadedModel
 from ttft_sse.engine.modes import Modes
-from ttft_sse.engine.single import CacheJanitor, SingleEngine
+from ttft_sse.engine.single import SingleEngine
 from ttft_sse.engine.text import TokenText
 from ttft_sse.engine.threads import Idle, Mailboxes, Resident
 from ttft_sse.errors import EngineError
@@ -105,12 +107,13 @@ BATCH_LOG_STEPS = 512
 
 
 class BatchedEngine:
-    """Engine over transformers' continuous batching. Model, tokenizer and the non-batched paths come from an
-    :class:`SingleEngine` it owns."""
+    """Engine over transformers' continuous batching, on a :class:`LoadedModel` it loads; its requests that are not
+    batched run on a :class:`SingleEngine` over the same model."""
 
     def __init__(self, settings: Settings) -> None:
         self._settings = settings
-        self._single = SingleEngine(settings)
+        self._loaded = LoadedModel(settings)
+        self._single = SingleEngine(settings, self._loaded)
         self._manager: Any = None
         self._populator = Idle(name="ttft-kv-populate")  # the paged cache's pages faulted in (memory.populate)
         self._loop: Resident | None = None
@@ -146,7 +149,7 @@ class BatchedEngine:
             beside = f"prefill-process {self.prefill_process.state}"
         else:
             beside = "none"
-        return dataclasses.replace(self._single.info, beside_batch=beside, engine="batched")
+        return dataclasses.replace(self._loaded.info, beside_batch=beside, engine="batched")
 
     @property
     def active(self) -> int:
@@ -163,16 +166,16 @@ class BatchedEngine:
 
     @property
     def model(self) -> Any:
-        return self._single.model
+        return self._loaded.model
 
     @property
     def janitor(self) -> CacheJanitor:
-        """The single engine's: batched and unbatched generations count towards the same N."""
-        return self._single.janitor
+        """The loaded model's: batched and unbatched generations count towards the same N."""
+        return self._loaded.janitor
 
     @property
     def tokenizer(self) -> Any:
-        return self._single.tokenizer
+        return self._loaded.tokenizer
 
     @property
     def prefill_process(self) -> PrefillProcess | None:
@@ -187,7 +190,7 @@ class BatchedEngine:
     # -- loading -----------------------------------------------------------------------------------------------
 
     def load(self, clock: StageClock) -> None:
-        self._single.load(clock)
+        self._loaded.load(clock)
         self._modes = Modes(self.info.modes)
         self._counters.modes = self._modes if len(self._modes.modes) > 1 else None
         missing = missing_internals()
@@ -219,7 +222,7 @@ class BatchedEngine:
         self._capacity = blocks * BLOCK_TOKENS
         self._scheduler = register_scheduler(self._counters, paged=paged)
         manager = hooks.create_manager(
-            self._single,
+            self._loaded,
             self._settings,
             blocks=blocks,
             scheduler=self._scheduler,
@@ -250,7 +253,7 @@ class BatchedEngine:
         try:
             self._manager.stop(block=True, timeout=30, hard_stop=True)
         finally:
-            self._single.fence_kernel()
+            self._loaded.fence_kernel()
             del processor
 
     # -- requests ----------------------------------------------------------------------------------------------
@@ -258,10 +261,10 @@ class BatchedEngine:
     def prepare(
         self, *, prompt: str | None, messages: Sequence[ChatMessage] | None, raw: bool, parse_special: bool = False
     ) -> Prompt:
-        return self._single.prepare(prompt=prompt, messages=messages, raw=raw, parse_special=parse_special)
+        return self._loaded.prepare(prompt=prompt, messages=messages, raw=raw, parse_special=parse_special)
 
     def prepare_prefix(self, *, prompt: str | None, messages: Sequence[ChatMessage] | None, raw: bool) -> Prompt:
-        return self._single.prepare_prefix(prompt=prompt, messages=messages, raw=raw)
+        return self._loaded.prepare_prefix(prompt=prompt, messages=messages, raw=raw)
 
     def cached(self, prompt: Prompt, cache_salt: str = "") -> int:
         return self._pins.cached(prompt, cache_salt)
@@ -294,8 +297,8 @@ class BatchedEngine:
     async def _batched(self, prompt: Prompt, params: SamplingParams) -> AsyncGenerator[Item, None]:
         await self._running()
         request_id = f"ttft-{next(self._ids)}"
-        tokenizer = self._single.tokenizer
-        text = TokenText(lambda ids: tokenizer.decode(ids, skip_special_tokens=True), params.stop, self._single.eos)
+        tokenizer = self._loaded.tokenizer
+        text = TokenText(lambda ids: tokenizer.decode(ids, skip_special_tokens=True), params.stop, self._loaded.eos)
         inbox = self._mailboxes.open(request_id)
         arrivals = Arrivals(request_id)
         started = time.perf_counter()
@@ -378,7 +381,7 @@ class BatchedEngine:
             request_id=request_id,
             max_new_tokens=params.max_tokens,
             streaming=True,
-            eos_token_id=sorted(self._single.eos) or -1,
+            eos_token_id=sorted(self._loaded.eos) or -1,
             temperature=float(params.temperature),
             top_p=float(params.top_p) if not params.greedy else 1.0,
         )
@@ -460,7 +463,7 @@ class BatchedEngine:
             interludes=self.interludes.state if self.interludes is not None else "off",
             side_first_tokens=self._side_first,
             interlude_first_tokens=self._interlude_first,
-            kernel=self._single.kernel_counts(),
+            kernel=self._loaded.kernel_counts(),
         )
 
     # -- called from the loop's thread -------------------------------------------------------------------------

@@ -353,7 +353,7 @@ def first_tokens(
 def main() -> None:
     """The child: settings from the parent, then a first token for each prompt until the end of stdin."""
     from ttft_sse import log as logs
-    from ttft_sse.engine.single import SingleEngine
+    from ttft_sse.engine.loaded import LoadedModel
     from ttft_sse.stages import StageClock
 
     # Replies go out on a private copy of stdout; whatever prints (a library's warning) goes to stderr instead.
@@ -365,20 +365,20 @@ def main() -> None:
     began = time.perf_counter()
     # Its first tokens are fp32 rows': the parent asks for none while the batch is degraded (engine/first/race.py),
     # so it holds no int8 records.
-    engine = SingleEngine(settings.replace(engine="single", kernel_helpers=0, degrade="off"))
+    loaded = LoadedModel(settings.replace(engine="single", kernel_helpers=0, degrade="off"))
     try:
-        engine.load(StageClock())
+        loaded.load(StageClock())
         import torch
 
         prefixes = Prefixes()
         generator = torch.Generator()
         generator.seed()  # not torch's default seed, which every process starts from
-        hello = engine.prepare(prompt="Hello", messages=None, raw=False).token_ids
+        hello = loaded.prepare(prompt="Hello", messages=None, raw=False).token_ids
         # Warm both shapes of forward pass (one prompt from nothing, then two side by side behind a known prefix),
         # and the draw.
         declined: list[tuple[int, ...]] = []
-        first_tokens(engine.model, torch, prefixes, [(hello, 0.0, 1.0)], generator, declined)
-        first_tokens(engine.model, torch, prefixes, [(hello, 0.0, 1.0), (hello, 1.0, 0.95)], generator, declined)
+        first_tokens(loaded.model, torch, prefixes, [(hello, 0.0, 1.0)], generator, declined)
+        first_tokens(loaded.model, torch, prefixes, [(hello, 0.0, 1.0), (hello, 1.0, 0.95)], generator, declined)
     except Exception as exc:
         replies.send(("failed", f"{type(exc).__name__}: {exc}"))
         return
@@ -389,7 +389,7 @@ def main() -> None:
         try:
             if declined and not prompts.poll(0):  # nothing waits: learn a declined prompt, a chunk at a time
                 try:
-                    if learn(engine.model, torch, prefixes, declined[0]):
+                    if learn(loaded.model, torch, prefixes, declined[0]):
                         declined.pop(0)
                 except Exception as exc:  # a prompt it cannot learn is not one to answer for: drop it, go on
                     log.error("prefill_learn_failed", error=f"{type(exc).__name__}: {exc}")
@@ -399,7 +399,7 @@ def main() -> None:
         except EOFError:
             return
         try:
-            replies.send(("tokens", first_tokens(engine.model, torch, prefixes, group, generator, declined)))
+            replies.send(("tokens", first_tokens(loaded.model, torch, prefixes, group, generator, declined)))
         except Exception as exc:
             replies.send(("failed", f"{type(exc).__name__}: {exc}"))
 

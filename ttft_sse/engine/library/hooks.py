@@ -91,7 +91,7 @@ def missing_internals(internals: dict[str, tuple[str, ...]] = INTERNALS) -> list
 
 
 def create_manager(
-    single: Any,
+    loaded: Any,
     settings: Settings,
     *,
     blocks: int,
@@ -100,18 +100,18 @@ def create_manager(
     claims: Claims,
     populate: Callable[[Any], None],
 ) -> Any:
-    """The library's continuous-batching manager for ``single``'s model (engine/single.py's engine, loaded): a paged
+    """The library's continuous-batching manager for ``loaded``'s model (engine/loaded.py): a paged
     cache of ``blocks`` blocks of :data:`BLOCK_TOKENS`, the registered ``scheduler``, each step's outputs to
     ``deliver`` (:func:`router`), tokens picked per request (engine/library/selection.py, with ``claims``), and on
     CPU the cache zeroed lazily (its tensor to ``populate``), in f16 where the model's KV caches are
     (engine/library/half_cache.py), and the greedy pick in C where it builds."""
     import transformers
 
-    eos = sorted(single.eos)
+    eos = sorted(loaded.eos)
     generation = transformers.GenerationConfig(
         do_sample=False,  # an argmax per row; sampled rows are drawn before it (engine/library/selection.py)
         eos_token_id=eos or -1,
-        pad_token_id=single.tokenizer.pad_token_id,
+        pad_token_id=loaded.tokenizer.pad_token_id,
     )
     batching = transformers.ContinuousBatchingConfig(
         page_size=BLOCK_TOKENS,
@@ -121,14 +121,14 @@ def create_manager(
         allow_block_sharing=settings.prefix_cache,
         scheduler_type=scheduler,
     )
-    manager = single.model.init_continuous_batching(generation_config=generation, continuous_batching_config=batching)
+    manager = loaded.model.init_continuous_batching(generation_config=generation, continuous_batching_config=batching)
     manager.output_router = router(deliver)
     from ttft_sse.engine.library.selection import selection  # torch and transformers: imported at load
 
     manager.logit_processor = selection(claims)  # before the loop builds its batch processor from it
-    if single.model.device.type == "cpu":
+    if loaded.model.device.type == "cpu":
         zero_cache_lazily(manager, populate)
-        if half_cache.in_f16(single.model):
+        if half_cache.in_f16(loaded.model):
             keep_cache_in_f16(manager)
         picker = argmax.build(settings.cache_dir / KERNEL_DIR)
         if picker is not None:
