@@ -33,8 +33,8 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 
 WORKDIR /app
-# A C compiler: the engine builds its block kernel and its attention for the CPU it runs on (engine/cpu/kernel.py,
-# engine/cpu/attention.py), at build time by `ttft-sse prepare` below and again at the first start on a CPU with other
+# A C compiler: the engine builds its block kernel and its attention for the CPU it runs on (engine/kernels/kernel.py,
+# engine/kernels/attention.py), at build time by `ttft-sse prepare` below and again at the first start on a CPU with other
 # features.
 RUN apt-get update \
  && apt-get install -y --no-install-recommends gcc libc6-dev \

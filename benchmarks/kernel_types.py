@@ -1,5 +1,5 @@
 """The block kernel's speed by GGUF type: one linear layer a type, the same shape, on the kernel as the engine puts
-it there (engine/cpu/kernel.py's ``apply``), and torch's fp32 ``nn.Linear`` beside it.
+it there (engine/kernels/kernel.py's ``apply``), and torch's fp32 ``nn.Linear`` beside it.
 
     .venv/bin/python benchmarks/kernel_types.py [--shape 576x1536] [--rows 1,4] [--types Q4_0,Q8_0,Q4_K,Q6_K] [--int8]
         [--avx2] [--q6-layouts] [--helpers 1] [--copies 24]
@@ -29,8 +29,8 @@ import gguf
 import numpy as np
 import torch
 
-from ttft_sse.engine.cpu import compiler, kernel, layouts
-from ttft_sse.engine.loading.model import KERNEL_DIR
+from ttft_sse.engine.kernels import compiler, kernel, layouts
+from ttft_sse.engine.kernels.compiler import KERNEL_DIR
 from ttft_sse.settings import Settings
 
 SCALES = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2)}

@@ -23,8 +23,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from typing_prompts import system_prompt
 
 from ttft_sse.engine.base import ChatMessage, Prompt, SamplingParams
-from ttft_sse.engine.batched import scheduler
 from ttft_sse.engine.batched.engine import BatchedEngine
+from ttft_sse.engine.library import scheduler
 from ttft_sse.engine.loading.sources import bundled_gguf, model_dir
 from ttft_sse.settings import Settings
 from ttft_sse.stages import StageClock

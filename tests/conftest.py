@@ -14,7 +14,7 @@ from ttft_sse.stages import StageClock
 
 @pytest.fixture(scope="session")
 def settings() -> Settings:
-    # No prefill process (a second copy of the model, engine/batched/prefill.py) unless a test asks for one: the suite's
+    # No prefill process (a second copy of the model, engine/first/process.py) unless a test asks for one: the suite's
     # engines and servers would each start one.
     return Settings(cache_dir=CACHE_DIR, threads=1, log_format="console", prefill_process=False)
 

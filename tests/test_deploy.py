@@ -25,7 +25,7 @@ import yaml
 from hypercorn.config import Config
 
 from ttft_sse.__main__ import hypercorn_config
-from ttft_sse.engine.cpu import attention, compiler, kernel
+from ttft_sse.engine.kernels import attention, compiler, kernel
 from ttft_sse.runtime import shutdown_budget
 from ttft_sse.settings import Settings
 
@@ -87,11 +87,11 @@ def test_dockerfile_is_slim_non_root_preloaded_and_drains_on_sigterm() -> None:
     assert "TTFT_HOST=0.0.0.0" in env and "TTFT_CACHE_DIR=/opt/ttft-cache" in env
     port = re.search(r"TTFT_PORT=(\d+)", env)
     assert port is not None and only(instructions, "EXPOSE") == port.group(1)
-    # The CPU build of torch; the engine itself attends grouped KV heads in place on CPU (engine/cpu/grouped.py), so
+    # The CPU build of torch; the engine itself attends grouped KV heads in place on CPU (engine/library/grouped.py), so
     # transformers' process-wide switch for it, wrong on CUDA, is not set.
     assert "TORCH_INDEX=https://download.pytorch.org/whl/cpu" in build_args(instructions)
     assert 'pip install torch==2.13.0 ${TORCH_INDEX:+--index-url "$TORCH_INDEX"}' in runs
-    # A C compiler for the block kernel (engine/cpu/kernel.py), installed before `prepare` builds it.
+    # A C compiler for the block kernel (engine/kernels/kernel.py), installed before `prepare` builds it.
     assert re.search(r"apt-get install [^&]*\bgcc\b[^&]*\blibc6-dev\b", runs)
     assert runs.index("gcc") < runs.index("ttft-sse prepare")
     assert "TRANSFORMERS_SDPA_FORCE_GQA" not in env
@@ -136,7 +136,9 @@ def test_the_installed_package_carries_every_file_of_the_package(tmp_path: Path)
         shutil.copy(ROOT / name, source / name)
     shutil.copytree(ROOT / "ttft_sse", source / "ttft_sse", ignore=shutil.ignore_patterns("__pycache__"))
     package = {path.relative_to(source).as_posix() for path in (source / "ttft_sse").rglob("*") if path.is_file()}
-    compiled = {f"ttft_sse/engine/cpu/{path.name}" for path in (*kernel.SOURCES, *compiler.HEADERS, attention.SOURCE)}
+    compiled = {
+        f"ttft_sse/engine/kernels/{path.name}" for path in (*kernel.SOURCES, *compiler.HEADERS, attention.SOURCE)
+    }
     assert compiled <= package
     command = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-cache-dir", "-q"]
     done = subprocess.run([*command, "-w", str(tmp_path / "wheel"), str(source)], capture_output=True, text=True)

@@ -85,7 +85,7 @@ def test_each_line_is_written_in_one_write_so_that_threads_lines_never_interleav
 
 
 def test_a_path_is_logged_cut_short_and_with_a_streams_id_as_its_digest() -> None:
-    from ttft_sse.grants import digest
+    from ttft_sse.admission.grants import digest
     from ttft_sse.log import MAX_LOGGED_PATH, logged_path
 
     assert logged_path("/streams/abcDEF123_-x") == f"/streams/{digest('abcDEF123_-x')}"

@@ -23,8 +23,8 @@ from ttft_sse.app import create_app
 from ttft_sse.engine.base import Prompt
 from ttft_sse.engine.batched.engine import BatchedEngine
 from ttft_sse.engine.batched.stats import BatchStats
-from ttft_sse.engine.cpu import kernel
 from ttft_sse.engine.fake import FakeEngine
+from ttft_sse.engine.kernels import kernel
 from ttft_sse.gauges import BATCH_METRICS, CUDA_METRICS, KERNEL_METRICS, GpuProbe
 from ttft_sse.metrics import LATENCY_BUCKETS, Metrics, outcome_of
 from ttft_sse.runtime import Runtime

@@ -74,7 +74,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         settings = Settings.from_env(**overrides)
         if args.command == "serve" and settings.warm_prompts:
-            from ttft_sse import warm_prompts
+            from ttft_sse.prefixes import warm_prompts
 
             warm_prompts.check(settings.warm_prompts)  # a bad file is refused now, with the line that is wrong
     except SettingsError as exc:
@@ -103,17 +103,17 @@ def _prepare(settings: Settings) -> int:
     model.start_builds(settings, source)  # compiled beside reading the metadata and laying the weights out
     location = sources.materialize(source, settings.cache_dir, clock)
     if source.kind == "gguf":
-        from ttft_sse.engine.cpu import argmax
-        from ttft_sse.engine.loading.model import KERNEL_DIR
-        from ttft_sse.engine.single import SingleEngine
+        from ttft_sse.engine.kernels import argmax
+        from ttft_sse.engine.kernels.compiler import KERNEL_DIR
+        from ttft_sse.engine.loaded import LoadedModel
 
         # Loaded once here too: on CPU that reads the file's blocks behind the layers, lays them out for the block
-        # kernel and keeps them in the cache directory (engine/cpu/kernel.py, engine/cpu/arrangement.py), and builds
-        # the attention (engine/cpu/attention.py) for the server's start; and the batched engine's greedy pick
-        # (engine/cpu/argmax.py).
-        engine = SingleEngine(settings)
-        engine.load(clock)
-        if engine.model.device.type == "cpu":
+        # kernel and keeps them in the cache directory (engine/kernels/kernel.py, engine/kernels/arrangement.py), and
+        # builds the attention (engine/kernels/attention.py) for the server's start; and the batched engine's greedy
+        # pick (engine/kernels/argmax.py).
+        loaded = LoadedModel(settings)
+        loaded.load(clock)
+        if loaded.model.device.type == "cpu":
             argmax.build(settings.cache_dir / KERNEL_DIR)
     if settings.engine == "auto":
         from ttft_sse.engine import choice
@@ -140,13 +140,17 @@ def _worker(settings: Settings) -> int:
 def hypercorn_config(settings: Settings) -> Config:
     """The hypercorn settings ``serve`` runs with; ``deploy/hypercorn.toml`` writes the same down (a test checks).
 
-    The transport's limits (keep-alive, request heads) come from :mod:`ttft_sse.transport`, which also puts its
+    The transport's limits (keep-alive, request heads) come from :mod:`ttft_sse.http.transport`, which also puts its
     reader into hypercorn: building the config is what makes a server run with them.
     """
-    from ttft_sse import transport
+    from ttft_sse.http import transport
     from ttft_sse.runtime import FLUSH_SECONDS
 
-    config = transport.config(settings)
+    config = transport.config(
+        keep_alive_seconds=settings.keep_alive_seconds,
+        max_header_bytes=settings.max_header_bytes,
+        header_timeout_seconds=settings.header_timeout_seconds,
+    )
     host = f"[{settings.host}]" if ":" in settings.host else settings.host
     config.bind = [f"{host}:{settings.port}"]
     config.accesslog = None  # the RequestContext middleware logs each request, with its id

@@ -14,14 +14,14 @@ from ttft_sse.api.metrics import metrics
 from ttft_sse.api.openai import chat_completions, completions, list_models, retrieve_model
 from ttft_sse.api.page import page, static_files
 from ttft_sse.api.prefill import prefill
+from ttft_sse.api.resumable import create_stream, stream_resource
 from ttft_sse.api.spec import openapi_json
-from ttft_sse.api.stream import stream
-from ttft_sse.api.streams import create_stream, stream_resource
-from ttft_sse.connection import CloseWhenBodyUnread
+from ttft_sse.api.sse import stream
 from ttft_sse.engine.base import Engine
 from ttft_sse.engine.choice import create_engine
 from ttft_sse.errors import EXCEPTION_HANDLERS
-from ttft_sse.hosts import HostCheck, parse_hosts
+from ttft_sse.http.connection import CloseWhenBodyUnread
+from ttft_sse.http.hosts import HostCheck, parse_hosts
 from ttft_sse.log import RequestContext
 from ttft_sse.runtime import Runtime, lifespan
 from ttft_sse.settings import Settings

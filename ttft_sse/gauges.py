@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import structlog
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from ttft_sse.admission.gate import Gate
+from ttft_sse.admission.targets import Degrader, Targets
 from ttft_sse.engine.base import Engine
-from ttft_sse.gate import Gate
 from ttft_sse.stages import StageClock
-from ttft_sse.targets import Degrader, Targets
 
 if TYPE_CHECKING:
     from ttft_sse.engine.batched.stats import BatchStats

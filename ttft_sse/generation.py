@@ -24,15 +24,15 @@ from functools import partial
 import anyio
 import structlog
 
-from ttft_sse import isolation
-from ttft_sse.auth import Caller
+from ttft_sse.admission import isolation
+from ttft_sse.admission.auth import Caller
+from ttft_sse.admission.gate import Gate, Lane, Ticket
+from ttft_sse.admission.targets import Degrader, Targets
 from ttft_sse.engine.base import Engine, Finished, Piece, Progress, Prompt, SamplingParams
 from ttft_sse.errors import EngineError, NotReady, Overloaded, PromptTooLong
-from ttft_sse.gate import Gate, Lane, Ticket
 from ttft_sse.lifecycle import Lifecycle
 from ttft_sse.metrics import Metrics, Outcome, outcome_of
 from ttft_sse.schemas import GenerationRequest
-from ttft_sse.targets import Degrader, Targets
 
 log = structlog.get_logger("ttft_sse.generation")
 

@@ -17,8 +17,8 @@ import structlog
 from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from ttft_sse.admission.grants import digest
 from ttft_sse.errors import printable
-from ttft_sse.grants import digest
 
 REQUEST_ID_HEADER = "x-request-id"
 # Probes: orchestrators poll the health endpoints and Prometheus scrapes /metrics every few seconds, whatever their

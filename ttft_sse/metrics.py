@@ -43,12 +43,12 @@ from prometheus_client import (
 )
 from prometheus_client.exposition import choose_encoder
 
+from ttft_sse.admission.gate import Gate
+from ttft_sse.admission.targets import Degrader, Targets
 from ttft_sse.engine.base import Engine, Finished
 from ttft_sse.errors import ClientError, ClientGone, Overloaded, ShuttingDown, Unavailable
-from ttft_sse.gate import Gate
 from ttft_sse.gauges import GpuProbe, StateCollector
 from ttft_sse.stages import StageClock
-from ttft_sse.targets import Degrader, Targets
 
 if TYPE_CHECKING:
     pass

@@ -3,15 +3,15 @@
 Built once per app by :func:`ttft_sse.app.create_app` (and once per worker process by ttft_sse/worker.py)::
 
     Runtime ─┬─ Lifecycle    state, readiness, the start-up stage clock, drain refusals  (lifecycle.py)
-             ├─ Gate         generation slots and the bounded queue, by lane              (gate.py)
-             ├─ Keyring      API keys → lanes                                             (auth.py)
-             ├─ Targets      first-token targets by lane; Degrader: the faster mode         (targets.py)
+             ├─ Gate         generation slots and the bounded queue, by lane    (admission/gate.py)
+             ├─ Keyring      API keys → lanes                                   (admission/auth.py)
+             ├─ Targets      first-token targets by lane; Degrader: the faster mode (admission/targets.py)
              ├─ Metrics      reads the gate, the clock and the engine on each scrape      (metrics.py)
              ├─ Generations  lifecycle + engine + gate + metrics                          (generation.py)
-             ├─ Prefills     prompts computed while their user types (POST /prefill)      (prefills.py)
+             ├─ Prefills     prompts computed while their user types (POST /prefill)  (prefixes/prefills.py)
              ├─ StreamStore  resumable streams: in-process, or in Redis (every replica)
-             │                                                       (streams.py, redis_streams.py)
-             └─ JobStore     in-process, or Celery on Redis                  (jobs.py, redis_jobs.py)
+             │                                      (stores/resumable.py, stores/resumable_redis.py)
+             └─ JobStore     in-process, or Celery on Redis         (stores/jobs.py, stores/jobs_redis.py)
 
 None of these parts imports this module: imports run from here downward only (the HTTP surface, ``api/``,
 reads the runtime from ``app.state``).
@@ -47,20 +47,20 @@ import anyio
 import structlog
 from starlette.applications import Starlette
 
-from ttft_sse import warm_prompts
-from ttft_sse.auth import ANONYMOUS, Keyring
+from ttft_sse.admission.auth import ANONYMOUS, Keyring
+from ttft_sse.admission.gate import Gate
+from ttft_sse.admission.targets import Degrader, Targets, parse_targets
 from ttft_sse.engine.base import Engine, StoresPrefixes, keep_warm
 from ttft_sse.errors import PromptTooLong, ShuttingDown
-from ttft_sse.gate import Gate
 from ttft_sse.generation import Generations
-from ttft_sse.jobs import EmbeddedJobs, JobStore
 from ttft_sse.lifecycle import Lifecycle
 from ttft_sse.metrics import Metrics
-from ttft_sse.prefills import Prefills
+from ttft_sse.prefixes import warm_prompts
+from ttft_sse.prefixes.prefills import Prefills
 from ttft_sse.schemas import GenerationRequest
 from ttft_sse.settings import Settings
-from ttft_sse.streams import Streams, StreamStore
-from ttft_sse.targets import Degrader, Targets, parse_targets
+from ttft_sse.stores.jobs import EmbeddedJobs, JobStore
+from ttft_sse.stores.resumable import Streams, StreamStore
 
 log = structlog.get_logger("ttft_sse.runtime")
 
@@ -282,7 +282,7 @@ class Runtime:
 def _stream_store(settings: Settings) -> StreamStore:
     """With a Redis URL, streams live in Redis, so that any replica sharing it can resume or delete them."""
     if settings.redis_url:
-        from ttft_sse.redis_streams import RedisStreams  # imports redis: only when asked for
+        from ttft_sse.stores.resumable_redis import RedisStreams  # imports redis: only when asked for
 
         return RedisStreams(settings)
     return Streams(
@@ -294,7 +294,7 @@ def _stream_store(settings: Settings) -> StreamStore:
 
 def _job_store(settings: Settings, generations: Generations) -> JobStore:
     if settings.redis_url:
-        from ttft_sse.redis_jobs import RedisJobs  # imports Celery and redis: only when asked for
+        from ttft_sse.stores.jobs_redis import RedisJobs  # imports Celery and redis: only when asked for
 
         return RedisJobs(settings)
     return EmbeddedJobs(settings, generations)

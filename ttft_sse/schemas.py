@@ -50,7 +50,7 @@ class GenerationRequest:
     top_p: float = 1.0
     stop: tuple[str, ...] = ()
     seed: int | None = None
-    cache_salt: str | None = None  # keeps the request's prefix-cache blocks apart (ttft_sse/isolation.py)
+    cache_salt: str | None = None  # keeps the request's prefix-cache blocks apart (ttft_sse/admission/isolation.py)
 
     @classmethod
     def from_json(cls, body: Any, *, max_tokens_cap: int) -> GenerationRequest:

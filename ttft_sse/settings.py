@@ -14,9 +14,9 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_type_hints
 
-from ttft_sse.gate import Lane
-from ttft_sse.hosts import default_allowed_hosts, parse_hosts
-from ttft_sse.targets import parse_targets
+from ttft_sse.admission.gate import Lane
+from ttft_sse.admission.targets import parse_targets
+from ttft_sse.http.hosts import default_allowed_hosts, parse_hosts
 
 ENV_PREFIX = "TTFT_"
 ENGINES = ("batched", "single", "llamacpp", "auto")
@@ -75,10 +75,10 @@ class Settings:
     engine: str = "batched"
     device: str = "auto"
     dtype: str = "auto"
-    # fp32 on CPU: keep a oneDNN pre-packed copy of every linear weight for 2-32 rows (engine/cpu/weights.py).
+    # fp32 on CPU: keep a oneDNN pre-packed copy of every linear weight for 2-32 rows (engine/kernels/weights.py).
     packed_weights: bool = True
     # fp32 on CPU, a GGUF model: layers stored as Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K run on the block kernel from
-    # the file's own blocks, in fp32 (engine/cpu/kernel.py).
+    # the file's own blocks, in fp32 (engine/kernels/kernel.py).
     gguf_kernel: bool = True
     # The block kernel's rows: "fp32", the fp32 model's arithmetic; "int8", quantised per block of 32 inputs as
     # llama.cpp does (AVX-512 VNNI or AVX2): faster, other answers; "auto", int8 for a GGUF file of 2 GiB or more (a
@@ -90,23 +90,23 @@ class Settings:
     degrade: str = "off"
     # With the block kernel (fp32 or int8 rows): each Llama decoder layer's norms, projections, rotary embedding and
     # MLP in two C calls around its attention instead of ~40 torch calls; in the batched engine's steps, the whole
-    # layer, cache write and attention included, in one (engine/cpu/decoder.py).
+    # layer, cache write and attention included, in one (engine/library/decoder.py).
     fused_layers: bool = True
-    # On CPU: masked attention (the batched engine's steps) reads grouped KV heads in place (engine/cpu/grouped.py).
+    # On CPU: masked attention (the batched engine's steps) reads grouped KV heads in place (engine/library/grouped.py).
     grouped_attention: bool = True
     # On CPU, fp32: the batched engine's steps attend request by request, reading the paged KV cache in place
-    # (engine/cpu/attention.py), instead of one masked attention over the whole step's gathered keys; the single
+    # (engine/kernels/attention.py), instead of one masked attention over the whole step's gathered keys; the single
     # engine attends with the same C function, so both give a request the same text.
     paged_attention: bool = True
     # On CPU, the batched engine: a second process with its own copy of the model computes the first token of a
-    # request that arrives while the batch is busy, on another core (engine/batched/prefill.py).
+    # request that arrives while the batch is busy, on another core (engine/first/process.py).
     prefill_process: bool = True
     # On CPU, the batched engine with the decoder layers in C: a request that arrives while the batch is busy has its
     # prompt computed between two layers of the step in flight, and the batch reuses its KV
-    # (engine/batched/interlude.py). Where it runs, the prefill process does not.
+    # (engine/first/interlude.py). Where it runs, the prefill process does not.
     prefill_between_layers: bool = True
     threads: int = 0
-    # The block kernel's helper threads (engine/cpu/kernel.py): a linear layer's panels shared with threads that run
+    # The block kernel's helper threads (engine/kernels/kernel.py): a linear layer's panels shared with threads that run
     # only on a core nothing else wants (SCHED_IDLE). -1: one, where the process may use two cores or more.
     kernel_helpers: int = -1
     cache_dir: Path = field(default_factory=_default_cache_dir)
@@ -137,11 +137,12 @@ class Settings:
     max_queue: int = 32
     batch_tokens: int = 512
     # Prompt tokens a batched step computes beside streams that are decoding (chunked prefill; fewer once a long
-    # prompt's attention grows: engine/batched/scheduler.py): their gap between tokens while a long prompt prefills
+    # prompt's attention grows: engine/library/scheduler.py): their gap between tokens while a long prompt prefills
     # stays a few decode steps. 0: no limit.
     prefill_chunk_tokens: int = 16
     kv_cache_tokens: int = 8192
-    # The transformers engines' KV cache on CPU in fp32 (engine/cpu/half_cache.py): "fp32", the fp32 model's answers;
+    # The transformers engines' KV cache on CPU in fp32 (engine/library/half_cache.py): "fp32", the fp32 model's
+    # answers;
     # "f16", half the memory, keys and values rounded to fp16 as they are stored (answers may differ); "auto", f16 for
     # a GGUF file of 2 GiB or more or where the fp32 cache would not fit the memory plan, fp32 otherwise.
     kv_dtype: str = "auto"
@@ -156,9 +157,9 @@ class Settings:
     prefill_keep_seconds: float = 60.0
     prefill_per_key: int = 4
     # A JSON Lines file of prompts (``prompt`` or ``messages``) computed before /readyz turns 200 and kept in the
-    # prefix cache for good, within a quarter of it (ttft_sse/warm_prompts.py; docs/settings.md, "Warm prompts"). The
-    # file's lines are checked where the server starts (__main__.py), not here: they are requests, which settings
-    # know nothing of.
+    # prefix cache for good, within a quarter of it (ttft_sse/prefixes/warm_prompts.py; docs/settings.md, "Warm
+    # prompts"). The file's lines are checked where the server starts (__main__.py), not here: they are requests, which
+    # settings know nothing of.
     warm_prompts: str | None = None
     # The prefix store, in MiB (0: off): on drain the pinned and most used prefixes' KV is written to the cache
     # directory, and read back at the next start before /readyz turns 200 (engine/batched/prefix_store.py;
@@ -179,19 +180,20 @@ class Settings:
     # On CUDA, hand the caching allocator's unused blocks back to the driver after every Nth generation
     # (0 = never), so that one long prompt's peak does not stay reserved for good.
     cuda_empty_cache_every: int = 1000
-    # The names this server answers to (Host header), `name,*.domain,[::1]` or `*` (ttft_sse/hosts.py). None: any;
+    # The names this server answers to (Host header), `name,*.domain,[::1]` or `*` (ttft_sse/http/hosts.py). None: any;
     # from_env (what `ttft-sse serve` reads) fills it from host: the loopback names on a loopback address, else `*`.
     allowed_hosts: str | None = None
-    # `key[:lane],…` or `@file`; see ttft_sse/auth.py. Out of repr so that a logged Settings shows no key.
+    # `key[:lane],…` or `@file`; see ttft_sse/admission/auth.py. Out of repr so that a logged Settings shows no key.
     api_keys: str | None = field(default=None, repr=False)
-    # First-token targets per lane, `high:200,normal:1000,low:5000` (ms; see ttft_sse/targets.py). Unset: none.
+    # First-token targets per lane, `high:200,normal:1000,low:5000` (ms; see ttft_sse/admission/targets.py). Unset:
+    # none.
     sla_ms: str | None = None
     # Generation slots of max_concurrency only the high lane may take. -1: none (the extra slots below keep the
     # high lane's room without taking any from the others).
     high_reserved_slots: int = -1
     # Rows a step of the batch computes past max_concurrency: the high lane is admitted up to max_concurrency + these
-    # generations of its own, whatever the other lanes hold (ttft_sse/gate.py; the batched engine leaves theirs out
-    # of steps in turn for it). -1: max_concurrency / 2 (at least 1) where TTFT_SLA_MS sets a high target, else none.
+    # generations of its own, whatever the other lanes hold (ttft_sse/admission/gate.py; the batched engine leaves
+    # theirs out of steps in turn for it). -1: max_concurrency / 2 (at least 1) where TTFT_SLA_MS sets a high target.
     high_extra_slots: int = -1
     job_runners: int = 1
     max_jobs: int = 1000
@@ -300,7 +302,7 @@ class Settings:
             except ValueError as exc:
                 raise SettingsError(str(exc)) from None
         if self.api_keys:
-            from ttft_sse.auth import parse_keys
+            from ttft_sse.admission.auth import parse_keys
 
             try:
                 parse_keys(self.api_keys)

@@ -1,8 +1,8 @@
 """A ``ttft-sse worker`` process: a Celery prefork worker whose pool processes each load and warm the model once
 (``worker_process_init``), then run one job at a time through the same ``Generations`` path a request takes.
 
-The job records, queue and state-machine scripts it shares with the servers are in ttft_sse/redis_jobs.py, with the
-account of how a job survives its worker.
+The job records, queue and state-machine scripts it shares with the servers are in ttft_sse/stores/jobs_redis.py, with
+the account of how a job survives its worker.
 """
 
 from __future__ import annotations
@@ -19,12 +19,15 @@ from typing import TYPE_CHECKING, Any, cast
 
 import structlog
 
-from ttft_sse.auth import Caller
+from ttft_sse.admission.auth import Caller
+from ttft_sse.admission.gate import Lane
 from ttft_sse.engine.base import Finished, Piece
 from ttft_sse.errors import ClientError
-from ttft_sse.gate import Lane
-from ttft_sse.jobs import error_of, result_of
-from ttft_sse.redis_jobs import (
+from ttft_sse.runtime import Runtime
+from ttft_sse.schemas import GenerationRequest
+from ttft_sse.settings import Settings
+from ttft_sse.stores.jobs import error_of, result_of
+from ttft_sse.stores.jobs_redis import (
     CLAIM,
     DURATION_WINDOW,
     DURATIONS,
@@ -36,9 +39,6 @@ from ttft_sse.redis_jobs import (
     celery_app,
     key_of,
 )
-from ttft_sse.runtime import Runtime
-from ttft_sse.schemas import GenerationRequest
-from ttft_sse.settings import Settings
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis

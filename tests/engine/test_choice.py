@@ -12,8 +12,8 @@ from tests.support.engines import llama_cpp_or_skip
 from ttft_sse.engine import choice
 from ttft_sse.engine.batched.engine import BatchedEngine
 from ttft_sse.engine.choice import AutoEngine, Choice, create_engine, decide
-from ttft_sse.engine.cpu import compiler
 from ttft_sse.engine.fake import FakeEngine
+from ttft_sse.engine.kernels import compiler
 from ttft_sse.engine.llamacpp.engine import LlamaCppEngine
 from ttft_sse.engine.single import SingleEngine
 from ttft_sse.settings import Settings
@@ -102,7 +102,7 @@ def test_a_verdict_that_cannot_be_kept_is_logged_and_used(tmp_path: Path, monkey
     with capture_logs() as logs:
         verdict = choice.choose(settings, measure=lambda _settings, name: {"c1": 1.0 + (name == "llamacpp"), "c8": 9.0})
     assert (verdict.name, verdict.chosen_by) == ("llamacpp", "measured")
-    # the memory plan's tensor table could not be kept either (engine/cpu/stored.py): both logged, both used
+    # the memory plan's tensor table could not be kept either (engine/kernels/stored.py): both logged, both used
     assert [log["event"] for log in logs] == ["gguf_header_not_kept", "engine_choice_not_written"]
     assert logs[1]["path"] == str(choice.verdict_path(settings)) and "read-only" in logs[1]["reason"]
     folder = choice.verdict_path(settings).parent  # the model's folder: its metadata, no verdict, no partial file

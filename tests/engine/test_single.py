@@ -42,14 +42,14 @@ def test_model_info(engine: SingleEngine) -> None:
     info = engine.info
     assert (info.name, info.device, info.dtype, info.threads) == ("SmolLM2-135M-Instruct", "cpu", "float32", 1)
     assert info.context_length == 8192
-    assert info.weights == "gguf-blocks"  # every linear layer on the block kernel (tests/engine/cpu/test_kernel.py)
+    assert info.weights == "gguf-blocks"  # every linear layer on the block kernel (tests/engine/kernels/test_kernel.py)
     assert info.weights_by_type == {"Q4_1": "blocks: 210", "Q8_0": "blocks: 1"}
 
 
 def test_without_the_block_kernel_linear_weights_are_stored_transposed_and_packed(settings: Settings) -> None:
     import torch
 
-    from ttft_sse.engine.cpu.weights import packed_linear_class
+    from ttft_sse.engine.kernels.weights import packed_linear_class
 
     engine = SingleEngine(dataclasses.replace(settings, gguf_kernel=False))
     engine.load(StageClock())
@@ -147,7 +147,7 @@ async def test_a_failure_inside_generate_reaches_the_consumer_as_engine_error(en
         if calls["n"] == 3:  # prefill, one decode step, then the third forward pass fails
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
-    handle = engine._model.register_forward_hook(explode)
+    handle = engine.model.register_forward_hook(explode)
     prepared = engine.prepare(prompt=QUESTION, messages=None, raw=False)
     got: list[str] = []
     try:

@@ -8,9 +8,10 @@ from typing import Any
 
 import pytest
 
-from ttft_sse.bridge import Emit
 from ttft_sse.engine.base import Finished, Piece, Prompt, SamplingParams, Usage
-from ttft_sse.engine.single import CacheJanitor, SingleEngine
+from ttft_sse.engine.loaded import CacheJanitor
+from ttft_sse.engine.single import SingleEngine
+from ttft_sse.engine.threads import Emit
 from ttft_sse.errors import EngineError
 from ttft_sse.settings import Settings, SettingsError
 
@@ -92,7 +93,7 @@ async def drain(engine: SingleEngine) -> list[Any]:
 async def test_the_janitor_runs_in_the_worker_thread_after_the_answer_and_counts_failed_generations() -> None:
     engine = ScriptedHF()
     spy = Spy()
-    engine._janitor = CacheJanitor(2, spy)  # what load() installs on CUDA
+    engine._loaded.janitor = CacheJanitor(2, spy)  # what load() installs on CUDA
     first = await drain(engine)
     assert isinstance(first[-1], Finished) and spy.calls == 0
     engine.fail = True
@@ -104,4 +105,4 @@ async def test_the_janitor_runs_in_the_worker_thread_after_the_answer_and_counts
 
 def test_before_load_and_on_cpu_the_janitor_never_empties() -> None:
     engine = SingleEngine(Settings(cuda_empty_cache_every=1))
-    assert engine._janitor.every == 0  # load() installs a real one only when the model sits on CUDA
+    assert engine.janitor.every == 0  # load() installs a real one only when the model sits on CUDA

@@ -31,8 +31,8 @@ from tests.support.processes import Proc, redis_server, start_worker, wait_until
 from tests.support.servers import running
 from ttft_sse.app import create_app
 from ttft_sse.engine.fake import FakeEngine
-from ttft_sse.redis_jobs import QUEUE, TASK, celery_app, key_of
 from ttft_sse.settings import Settings
+from ttft_sse.stores.jobs_redis import QUEUE, TASK, celery_app, key_of
 
 LEASE = 3  # seconds without a heartbeat before a running job counts as abandoned (visibility timeout: 6 s)
 # A raw prompt the model keeps continuing: greedy decoding runs to max_tokens, long enough to be killed mid-way.

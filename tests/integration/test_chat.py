@@ -23,7 +23,7 @@ from websockets.sync.client import ClientConnection, connect
 from tests.support.nginx import nginx
 from tests.support.scrape import parse
 from tests.support.servers import eventually, fake_app, parse_sse, running, serving
-from ttft_sse.auth import key_id
+from ttft_sse.admission.auth import key_id
 from ttft_sse.engine.fake import FakeEngine
 
 PIECES = ("Hello", ",", " world", "!")

@@ -28,10 +28,10 @@ from structlog.testing import capture_logs
 from tests.support.browser import WAIT_MS
 from tests.support.servers import StreamReader, eventually, running
 from tests.support.tcpproxy import tcp_proxy
+from ttft_sse.admission.grants import digest as stream_digest
 from ttft_sse.api.page import STATIC
 from ttft_sse.app import create_app
 from ttft_sse.engine.fake import FakeEngine
-from ttft_sse.grants import digest as stream_digest
 from ttft_sse.settings import Settings
 
 if TYPE_CHECKING:

@@ -23,8 +23,8 @@ from tests.support.processes import wait_until
 from tests.support.servers import free_port, running
 from ttft_sse.app import create_app
 from ttft_sse.engine.fake import FakeEngine
-from ttft_sse.redis_jobs import QUEUE, key_of
 from ttft_sse.settings import Settings
+from ttft_sse.stores.jobs_redis import QUEUE, key_of
 from ttft_sse.worker import JobRunner
 
 
@@ -171,7 +171,7 @@ def test_a_stale_attempt_is_taken_over_fenced_out_and_given_up_after_the_attempt
 
 
 def test_the_worker_main_process_marks_a_job_whose_pool_process_died(redis_url: str, r: redis.Redis) -> None:
-    from ttft_sse.redis_jobs import LOST
+    from ttft_sse.stores.jobs_redis import LOST
 
     key = key_of("f" * 32)
     host = socket.gethostname()

@@ -32,7 +32,7 @@ from tests.support.servers import (
 from tests.support.tcpproxy import tcp_proxy
 from ttft_sse.engine.base import Piece
 from ttft_sse.engine.fake import FakeEngine
-from ttft_sse.redis_streams import LEASE_SECONDS, POLL_SECONDS, Keys, encode
+from ttft_sse.stores.resumable_redis import LEASE_SECONDS, POLL_SECONDS, Keys, encode
 
 WORDS = tuple(f" w{i}" for i in range(12))
 TEXT = "".join(WORDS)

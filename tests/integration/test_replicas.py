@@ -30,7 +30,7 @@ from tests.support.processes import (
 )
 from tests.support.scrape import scrape
 from tests.support.servers import SSEEvent, StreamReader, parse_sse
-from ttft_sse.redis_streams import LEASE_SECONDS, POLL_SECONDS
+from ttft_sse.stores.resumable_redis import LEASE_SECONDS, POLL_SECONDS
 
 # Only here, not in the compose stack: one generation per replica and no queue, so one held stream fills it.
 SATURATING = {"TTFT_MAX_CONCURRENCY": "1", "TTFT_MAX_QUEUE": "0"}

@@ -32,8 +32,8 @@ from tests.support.servers import (
     running,
     serving,
 )
+from ttft_sse.admission.grants import digest
 from ttft_sse.engine.fake import FakeEngine
-from ttft_sse.grants import digest
 
 WORDS = tuple(f" w{i}" for i in range(12))
 TEXT = "".join(WORDS)

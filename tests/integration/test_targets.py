@@ -60,7 +60,7 @@ def test_the_engine_degrades_while_first_tokens_miss_and_recovers_after() -> Non
     """A scripted engine whose normal mode gives first tokens past the target and whose faster mode does not: the
     gauge rises once ten first tokens missed, answers say degraded, and it falls back once they come in time."""
     from tests.support.servers import eventually
-    from ttft_sse import targets as targets_module
+    from ttft_sse.admission import targets as targets_module
 
     engine = FakeEngine(["x"], delay=0.35, modes=("normal", "int8"), int8_delay=0.0)
     app = fake_app(engine, sla_ms="normal:300", degrade="int8")

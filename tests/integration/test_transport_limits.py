@@ -1,5 +1,5 @@
 """The transport's limits over raw sockets, against a real server run as ``ttft-sse serve`` runs it (its hypercorn
-config and ``ttft_sse.transport``'s reader), with the scripted engine and short timeouts.
+config and ``ttft_sse.http.transport``'s reader), with the scripted engine and short timeouts.
 
 Regressions pinned here: a connection the client closed sat in CLOSE-WAIT until the 75 s keep-alive timer ended; a
 body that stalled half-way was held for ever, and so was half a request head.
@@ -207,7 +207,7 @@ def test_the_transport_settings_reach_hypercorn() -> None:
     config = hypercorn_config(settings)
     assert (config.header_timeout, config.keep_alive_timeout, config.h11_max_incomplete_size) == (4, 50, 8192)
     assert settings.body_timeout_seconds == 6
-    assert config.read_timeout is None  # see ttft_sse/transport.py: it would cut SSE streams
+    assert config.read_timeout is None  # see ttft_sse/http/transport.py: it would cut SSE streams
     defaults = hypercorn_config(Settings())
     assert (defaults.header_timeout, defaults.keep_alive_timeout, defaults.h11_max_incomplete_size) == (10, 75, 16384)
 

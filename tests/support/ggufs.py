@@ -171,8 +171,8 @@ def quantise_q6_k(data: np.ndarray) -> np.ndarray:
 
 def layers_of(tmp_path: Path) -> tuple[dict[str, Any], Path]:
     """A Q4_1, a Q8_0 and an F32 weight in a file; linear layers holding them, in an order that chains (64 → 96 →
-    32 → 16 features: tests/engine/cpu/test_kernel.py runs them as a model), the Q4_1 rows reordered as transformers'
-    loader does to q and k."""
+    32 → 16 features: tests/engine/kernels/test_kernel.py runs them as a model), the Q4_1 rows reordered as
+    transformers' loader does to q and k."""
     q4, dense_4 = quantised((96, 64), "Q4_1", seed=1)
     q8, dense_8 = quantised((32, 96), "Q8_0", seed=2)
     other = np.random.default_rng(3).standard_normal((16, 32)).astype(np.float32)
@@ -336,7 +336,7 @@ def write_llama(
 def sequential(path: Path, reversed_rows: tuple[str, ...] = ()) -> Any:
     """The file's tensors for a ``torch.nn.Sequential`` of its matrices: layer ``i``'s weight is the file's ``i``-th
     tensor, its rows reversed for those named in ``reversed_rows`` (as transformers' loader reorders q and k rows)."""
-    from ttft_sse.engine.cpu.stored import Place, Stored, table
+    from ttft_sse.engine.kernels.stored import Place, Stored, table
 
     tensors = table(path)
     places = {}
@@ -348,7 +348,7 @@ def sequential(path: Path, reversed_rows: tuple[str, ...] = ()) -> Any:
 
 def named(path: Path) -> Any:
     """The file's tensors for a model whose modules are named as the file's tensors are (``<name>.weight``)."""
-    from ttft_sse.engine.cpu.stored import Place, Stored, table
+    from ttft_sse.engine.kernels.stored import Place, Stored, table
 
     tensors = table(path)
     return Stored(path, {f"{name}.weight": Place(name) for name in tensors}, tensors)

@@ -20,7 +20,7 @@ from starlette.datastructures import QueryParams
 from starlette.requests import ClientDisconnect, HTTPConnection, Request
 
 from ttft_sse import json_input
-from ttft_sse.auth import Caller
+from ttft_sse.admission.auth import Caller
 from ttft_sse.errors import (
     ClientGone,
     InvalidRequest,

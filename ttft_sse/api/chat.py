@@ -44,8 +44,8 @@ from starlette.types import Message
 from starlette.websockets import WebSocket, WebSocketState
 
 from ttft_sse import json_input
+from ttft_sse.admission.auth import Caller, Keyring
 from ttft_sse.api.body import caller_of, runtime_of
-from ttft_sse.auth import Caller, Keyring
 from ttft_sse.engine.base import Finished, Piece
 from ttft_sse.errors import (
     ClientError,

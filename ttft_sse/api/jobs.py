@@ -8,7 +8,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from ttft_sse.api.body import caller_of, generation_request, runtime_of
-from ttft_sse.jobs import Job, JobStore
+from ttft_sse.stores.jobs import Job, JobStore
 
 
 def _store(request: Request) -> JobStore:

@@ -35,7 +35,7 @@ from starlette.responses import JSONResponse, Response
 from ttft_sse.api.body import arrival_of, caller_of, json_body, runtime_of
 from ttft_sse.api.complete import collect, server_timing
 from ttft_sse.api.openai_requests import OWNED_BY, parse_chat, parse_completion, renamed_max_tokens
-from ttft_sse.api.stream import TokenStream
+from ttft_sse.api.sse import TokenStream
 from ttft_sse.engine.base import Finished, ModelInfo, Piece, Usage
 from ttft_sse.errors import NotFound, NotReady, ServiceError, listed
 from ttft_sse.generation import Queued, Run

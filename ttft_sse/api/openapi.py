@@ -12,9 +12,9 @@ from typing import Any, get_args
 
 from ttft_sse import __version__
 from ttft_sse.api.openai_requests import json_schema as openai_schema
-from ttft_sse.jobs import Status
 from ttft_sse.schemas import FIELDS, GenerationRequest, field_schemas
 from ttft_sse.settings import Settings
+from ttft_sse.stores.jobs import Status
 
 OPENAPI_VERSION = "3.1.0"
 

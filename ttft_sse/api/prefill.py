@@ -1,4 +1,4 @@
-"""``POST /prefill``: start computing a prompt's KV while its user types (ttft_sse/prefills.py); 202 at once.
+"""``POST /prefill``: start computing a prompt's KV while its user types (ttft_sse/prefixes/prefills.py); 202 at once.
 
 The body is one a generating endpoint takes: ``/stream``'s and ``/complete``'s (``prompt`` or ``messages``), or an
 OpenAI one (a body with ``model``: ``/v1/chat/completions``'s with ``messages``, ``/v1/completions``'s with

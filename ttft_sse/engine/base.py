@@ -42,11 +42,11 @@ class SamplingParams:
     # urgent prompt in a step of its own when others wait with it). Scheduling only: the answer is the same.
     urgent: bool = False
     # Seconds a request that is not urgent may go without a token while a batched engine gives its rows to urgent
-    # ones (its lane's first-token target; None: the engine's default, engine/batched/turns.py). Scheduling only.
+    # ones (its lane's first-token target; None: the engine's default, engine/library/turns.py). Scheduling only.
     patience: float | None = None
     # Keeps the request's prefix-cache blocks apart from those of requests with another salt (empty: the shared
-    # cache). The caller's key and the request's own ``cache_salt`` make it (ttft_sse/isolation.py). Scheduling only:
-    # the answer is the same, only what the cache may reuse for it differs.
+    # cache). The caller's key and the request's own ``cache_salt`` make it (ttft_sse/admission/isolation.py).
+    # Scheduling only: the answer is the same, only what the cache may reuse for it differs.
     cache_salt: str = ""
 
     @property
@@ -136,19 +136,19 @@ class ModelInfo:
     context_length: int
     threads: int
     # How the weights are laid out for the kernels (shown by /readyz): "as loaded", "column-major",
-    # "column-major+packed" (engine/cpu/weights.py), "gguf-blocks" (engine/cpu/kernel.py;
+    # "column-major+packed" (engine/kernels/weights.py), "gguf-blocks" (engine/kernels/kernel.py;
     # "gguf-blocks+column-major+packed" when some layers are not stored as blocks).
     weights: str = "as loaded"
-    # For a GGUF on the block kernel, the path of each GGUF type's linear layers (engine/cpu/codes.py's by_type),
+    # For a GGUF on the block kernel, the path of each GGUF type's linear layers (engine/kernels/codes.py's by_type),
     # e.g. {"Q4_K": "blocks: 168", "F16": "fp32: 42 (not quantised)"}; else empty.
     weights_by_type: dict[str, str] = field(default_factory=dict)
-    # Whether the decoder layers run in C (engine/cpu/decoder.py's label), e.g. "fused: 30 of 30 layers", or
+    # Whether the decoder layers run in C (engine/library/decoder.py's label), e.g. "fused: 30 of 30 layers", or
     # "not fused (Phi3DecoderLayer: no fused form); each layer runs in transformers' Python"; empty where no model.
     decoder: str = ""
-    # The block kernel's helper threads (engine/cpu/kernel.py), 0 without them.
+    # The block kernel's helper threads (engine/kernels/kernel.py), 0 without them.
     kernel_helpers: int = 0
     # Who else may give the first token of a request that arrives while the batched engine's step runs, and its
-    # state: "interludes ready" (engine/batched/interlude.py), "prefill-process loading" (engine/batched/prefill.py),
+    # state: "interludes ready" (engine/first/interlude.py), "prefill-process loading" (engine/first/process.py),
     # ..., or "none".
     beside_batch: str = "none"
     # The modes Engine.set_mode takes, "normal" first: ("normal", "int8") for the CPU engine started with

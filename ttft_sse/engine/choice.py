@@ -44,7 +44,7 @@ from ttft_sse.engine.base import (
     keep_warm,
 )
 from ttft_sse.engine.cache_files import write_whole
-from ttft_sse.engine.cpu import compiler, kernel
+from ttft_sse.engine.kernels import compiler, kernel
 from ttft_sse.engine.loading import budget, sources
 from ttft_sse.settings import Settings
 from ttft_sse.stages import StageClock

@@ -18,7 +18,6 @@ import zlib
 from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
 
-from ttft_sse.bridge import Emit, Workers
 from ttft_sse.engine.base import (
     INT8,
     NORMAL,
@@ -35,6 +34,7 @@ from ttft_sse.engine.base import (
     check_mode,
 )
 from ttft_sse.engine.text import StopMatcher
+from ttft_sse.engine.threads import Emit, Workers
 from ttft_sse.errors import EngineError, PromptTooLong
 from ttft_sse.stages import StageClock
 

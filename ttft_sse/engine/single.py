@@ -2,26 +2,24 @@
 
 A generation takes the engine's mode (:meth:`SingleEngine.set_mode`) at its start and keeps it to its end: a switch
 applies to the generations that start after it. Each runs in a thread of its own, so one in int8 rows and one in fp32
-rows may run side by side (engine/cpu/kernel.py's ``ROWS`` is the thread's), and each ``Finished.degraded`` says its
+rows may run side by side (engine/kernels/kernel.py's ``ROWS`` is the thread's), and each ``Finished.degraded`` says its
 own generation's mode.
 """
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
-from pathlib import Path
 from typing import Any
 
 import structlog
 
-from ttft_sse.bridge import Emit, Workers
-from ttft_sse.engine import prompts, sampling
+from ttft_sse.engine import sampling
 from ttft_sse.engine.base import (
     INT8,
     NORMAL,
+    ChatMessage,
     Finished,
     Hold,
     ModelInfo,
@@ -30,9 +28,11 @@ from ttft_sse.engine.base import (
     SamplingParams,
     check_mode,
 )
-from ttft_sse.engine.cpu import half_cache, kernel
-from ttft_sse.engine.loading.model import load_model
+from ttft_sse.engine.kernels import kernel
+from ttft_sse.engine.library import half_cache
+from ttft_sse.engine.loaded import CacheJanitor, LoadedModel
 from ttft_sse.engine.text import TokenText
+from ttft_sse.engine.threads import Emit, Workers
 from ttft_sse.errors import EngineError
 from ttft_sse.settings import Settings
 from ttft_sse.stages import StageClock
@@ -42,26 +42,18 @@ log = structlog.get_logger("ttft_sse.engine")
 Item = Piece | Finished
 
 
-class SingleEngine(prompts.TokenizedPrompts):
-    """Engine over a transformers causal LM. Torch and transformers are imported in :meth:`load`, not before."""
+class SingleEngine:
+    """Engine over a transformers causal LM (:class:`~ttft_sse.engine.loaded.LoadedModel`): its own, or one it shares
+    with the batched engine. Torch and transformers are imported at load, not before."""
 
-    def __init__(self, settings: Settings) -> None:
-        self._settings = settings
+    def __init__(self, settings: Settings, loaded: LoadedModel | None = None) -> None:
+        self._loaded = loaded if loaded is not None else LoadedModel(settings)
         self._workers: Workers[Item] = Workers(name="ttft-gen")
-        self._info: ModelInfo | None = None
-        self._torch: Any = None
-        self._tokenizer: Any = None
-        self._model: Any = None
-        self._eos: frozenset[int] = frozenset()
-        self._janitor = CacheJanitor(0, lambda: None)  # replaced in load() when the model sits on CUDA
-        self._library: Path | None = None  # the block kernel's library, where it serves the model
         self._mode = NORMAL
 
     @property
     def info(self) -> ModelInfo:
-        if self._info is None:
-            raise RuntimeError("SingleEngine.info is read before load(); await the lifespan's readiness first")
-        return self._info
+        return self._loaded.info
 
     @property
     def active(self) -> int:
@@ -78,45 +70,28 @@ class SingleEngine(prompts.TokenizedPrompts):
 
     @property
     def janitor(self) -> CacheJanitor:
-        """Counts generations and empties the CUDA allocator's cache every N (a no-op counter off CUDA)."""
-        return self._janitor
+        """The loaded model's: counts generations and empties the CUDA allocator's cache every N (a no-op counter off
+        CUDA)."""
+        return self._loaded.janitor
 
-    # The loaded parts, for an engine that builds on this one (the batched engine shares model and tokenizer).
     @property
     def model(self) -> Any:
-        if self._model is None:
-            raise RuntimeError("SingleEngine.model is read before load()")
-        return self._model
+        return self._loaded.model
 
     @property
     def tokenizer(self) -> Any:
-        return self._tokenizer
-
-    @property
-    def eos(self) -> frozenset[int]:
-        return self._eos
-
-    # -- loading -----------------------------------------------------------------------------------------------
+        return self._loaded.tokenizer
 
     def load(self, clock: StageClock) -> None:
-        loaded = load_model(self._settings, clock)
-        self._torch, self._tokenizer, self._model = loaded.torch, loaded.tokenizer, loaded.model
-        self._eos, self._info, self._library = loaded.eos, loaded.info, loaded.library
-        if self._info.device.startswith("cuda"):
-            self._janitor = CacheJanitor(self._settings.cuda_empty_cache_every, self._torch.cuda.empty_cache)
+        self._loaded.load(clock)
 
-    def fence_kernel(self) -> None:
-        """Wait until no helper thread of the block kernel is inside a chunk (kernel.fence): before a KV cache whose
-        attention they shared is dropped. Helpers are the process's, whichever engine started them."""
-        if self._library is not None:
-            kernel.fence(self._library)
+    def prepare(
+        self, *, prompt: str | None, messages: Sequence[ChatMessage] | None, raw: bool, parse_special: bool = False
+    ) -> Prompt:
+        return self._loaded.prepare(prompt=prompt, messages=messages, raw=raw, parse_special=parse_special)
 
-    def kernel_counts(self) -> kernel.HelperCounts | None:
-        """What the block kernel's helper threads did so far (every engine of the process together); None without
-        them."""
-        if self._info is None or not self._info.kernel_helpers or self._library is None:
-            return None
-        return kernel.helper_counts(self._library)
+    def prepare_prefix(self, *, prompt: str | None, messages: Sequence[ChatMessage] | None, raw: bool) -> Prompt:
+        return self._loaded.prepare_prefix(prompt=prompt, messages=messages, raw=raw)
 
     # -- requests ----------------------------------------------------------------------------------------------
 
@@ -135,7 +110,7 @@ class SingleEngine(prompts.TokenizedPrompts):
             finally:
                 # Here, after _generate's frame (and its tensors) is gone and after Finished was emitted: the
                 # client has its answer before the cache is emptied. Cancelled and failed generations count too.
-                self._janitor.generation_ended()
+                self._loaded.janitor.generation_ended()
 
         try:
             async with aclosing(self._workers.stream(produce)) as items:
@@ -153,17 +128,18 @@ class SingleEngine(prompts.TokenizedPrompts):
     # -- the worker thread -------------------------------------------------------------------------------------
 
     def _generate(self, prompt: Prompt, params: SamplingParams, emit: Emit[Item], cancelled: Any) -> None:
-        torch = self._torch
+        loaded = self._loaded
+        torch, model, tokenizer, eos = loaded.torch, loaded.model, loaded.tokenizer, loaded.eos
         import transformers
 
-        device = self._model.device
+        device = model.device
         input_ids = torch.tensor([prompt.token_ids], dtype=torch.long, device=device)
-        streamer = _PieceStreamer(self._tokenizer, params.stop, self._eos, emit, cancelled)
+        streamer = _PieceStreamer(tokenizer, params.stop, eos, emit, cancelled)
         config = transformers.GenerationConfig(
             max_new_tokens=params.max_tokens,
             do_sample=False,  # sampling, when asked for, is done by _SeededSampler below
-            eos_token_id=sorted(self._eos) or None,
-            pad_token_id=self._tokenizer.pad_token_id if self._tokenizer.pad_token_id is not None else None,
+            eos_token_id=sorted(eos) or None,
+            pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else None,
         )
         processors = transformers.LogitsProcessorList()
         if not params.greedy:
@@ -173,9 +149,9 @@ class SingleEngine(prompts.TokenizedPrompts):
         streamer.started = started
         mode = self._mode  # the whole generation's, its prompt's pass included
         # A KV cache in f16 where the model's are (TTFT_KV_DTYPE): the keys and values the batched engine's hold.
-        cache = {"cache": half_cache.dense(self._model)} if half_cache.in_f16(self._model) else {}
+        cache = {"cache": half_cache.dense(model)} if half_cache.in_f16(model) else {}
         with torch.inference_mode(), kernel.int8_rows(mode == INT8):
-            self._model.generate(
+            model.generate(
                 **cache,
                 input_ids=input_ids,
                 attention_mask=torch.ones_like(input_ids),
@@ -191,47 +167,6 @@ class SingleEngine(prompts.TokenizedPrompts):
             return
         ended = time.perf_counter()
         emit(text.finished(params.max_tokens, prompt.n_tokens, started, streamer.first_token_at, ended, mode != NORMAL))
-
-
-class CacheJanitor:
-    """Empties the CUDA caching allocator's cache once every ``every`` generations (``every=0``: never).
-
-    torch keeps freed blocks reserved for reuse. Prompts of varying length leave a growing set of odd-sized
-    blocks behind, so reserved memory creeps up although live tensors do not; ``empty_cache`` hands the unused
-    ones back. Its cudaFree calls synchronise the device and stall concurrent generations for a moment, hence
-    only every N requests. Called from generation worker threads, so the count is locked; ``empty`` runs
-    outside the lock.
-    """
-
-    def __init__(self, every: int, empty: Callable[[], None]) -> None:
-        if every < 0:
-            raise ValueError(f"every must be 0 (never) or more, got {every}")
-        self.every = every
-        self._empty = empty
-        self._lock = threading.Lock()
-        self.generations = 0
-        self.emptied = 0
-
-    def generation_ended(self) -> bool:
-        """Count one generation; empty the cache if it is the Nth. True when it emptied."""
-        due = self.count()
-        if due:
-            self.empty()
-        return due
-
-    def count(self) -> bool:
-        """Count one generation, without emptying; True when it is the Nth (the caller then calls :meth:`empty`,
-        off the event loop: it synchronises the device)."""
-        with self._lock:
-            self.generations += 1
-            return self.every > 0 and self.generations % self.every == 0
-
-    def empty(self) -> None:
-        self._empty()
-        with self._lock:
-            self.emptied += 1
-            generations = self.generations
-        log.info("cuda_cache_emptied", generations=generations, every=self.every)
 
 
 class _PieceStreamer:

@@ -20,8 +20,10 @@ from tests.support.servers import eventually
 from tests.support.texts import STORY
 from ttft_sse.engine.base import Finished, Piece, SamplingParams
 from ttft_sse.engine.batched.engine import BLOCK_TOKENS, BatchedEngine
-from ttft_sse.engine.cpu import argmax, attention, grouped, stack
-from ttft_sse.engine.single import CacheJanitor, SingleEngine
+from ttft_sse.engine.kernels import argmax, attention
+from ttft_sse.engine.library import grouped, stack
+from ttft_sse.engine.loaded import CacheJanitor
+from ttft_sse.engine.single import SingleEngine
 from ttft_sse.errors import EngineError
 from ttft_sse.settings import Settings
 from ttft_sse.stages import StageClock
@@ -77,8 +79,9 @@ async def test_concurrent_greedy_requests_give_the_single_engines_text(
     engine: BatchedEngine, reference: SingleEngine, way: str, monkeypatch: pytest.MonkeyPatch, gathers: list[int]
 ) -> None:
     # paged (the default on CPU): each request's rows attend to its own keys, read from the KV cache in place
-    # (engine/cpu/attention.c); grouped-kv: the batch's one masked SDPA over the gathered keys, grouped KV heads read in
-    # place (engine/cpu/grouped.py); repeated-kv: as transformers does it, each KV head copied for its 3 query heads.
+    # (engine/kernels/attention.c); grouped-kv: the batch's one masked SDPA over the gathered keys, grouped KV heads
+    # read in place (engine/library/grouped.py); repeated-kv: as transformers does it, each KV head copied for its 3
+    # query heads.
     import torch
 
     paged = [m for m in engine.model.modules() if getattr(m, attention.PAGED, None) is not None]
@@ -98,7 +101,7 @@ async def test_concurrent_greedy_requests_give_the_single_engines_text(
         return real(query, key, value, *args, **kwargs)
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
-    # Steps whose decoder layers all ran in one C call (engine/cpu/stack.py's run_layers), and layers run alone.
+    # Steps whose decoder layers all ran in one C call (engine/library/stack.py's run_layers), and layers run alone.
     stacked: list[int] = []
     alone: list[int] = []
     run_layers, whole = stack.run_layers, stack.whole
@@ -109,7 +112,7 @@ async def test_concurrent_greedy_requests_give_the_single_engines_text(
 
     monkeypatch.setattr(stack, "run_layers", in_one_call)
     monkeypatch.setattr(stack, "whole", lambda *arguments: alone.append(1) or whole(*arguments))
-    picks: list[int] = []  # rows of each step's greedy pick in C (engine/cpu/argmax.py)
+    picks: list[int] = []  # rows of each step's greedy pick in C (engine/kernels/argmax.py)
     rows = argmax.Argmax.rows
     monkeypatch.setattr(
         argmax.Argmax, "rows", lambda self, scores, torch: picks.append(len(scores)) or rows(self, scores, torch)
@@ -128,8 +131,8 @@ async def test_concurrent_greedy_requests_give_the_single_engines_text(
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", real)
     steps = engine.stats().steps - before
     # Every attention call of the batch went the way asked; paged, the library gathered nothing (and no prompt is
-    # long enough for SDPA), and every step ran its 30 layers in one C call (engine/cpu/stack.py). The other ways
-    # gather in engine/cpu/attention.py: the engine's cache reads in place.
+    # long enough for SDPA), and every step ran its 30 layers in one C call (engine/library/stack.py). The other ways
+    # gather in engine/kernels/attention.py: the engine's cache reads in place.
     assert heads == {"paged": set(), "grouped-kv": {3}, "repeated-kv": {9}}[way]
     assert (len(stacked), alone) == ((steps if way == "paged" else 0), [])
     # Every step picked its tokens in C, one row a request that had a token to pick (torch.argmax: none).
@@ -274,7 +277,7 @@ async def test_batched_generations_count_towards_the_cuda_cache_janitor_and_it_e
 ) -> None:
     calls: list[str] = []
     saved = engine.janitor
-    engine._single._janitor = CacheJanitor(2, lambda: calls.append(threading.current_thread().name))  # as on CUDA
+    engine._loaded.janitor = CacheJanitor(2, lambda: calls.append(threading.current_thread().name))  # as on CUDA
     try:
         await collect(engine.stream(prompt_of(engine, QUESTION), SamplingParams(4)))
         assert (engine.janitor.generations, calls) == (1, [])
@@ -286,7 +289,7 @@ async def test_batched_generations_count_towards_the_cuda_cache_janitor_and_it_e
         assert len(calls) == 1 and calls[0] != threading.current_thread().name
         assert engine.janitor.emptied == 1
     finally:
-        engine._single._janitor = saved
+        engine._loaded.janitor = saved
     await settle(engine)
 
 

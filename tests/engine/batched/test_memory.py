@@ -14,8 +14,9 @@ from structlog.testing import capture_logs
 
 from tests.support.engines import collect, prompt_of
 from ttft_sse.engine.base import SamplingParams
-from ttft_sse.engine.batched import hooks, memory
+from ttft_sse.engine.batched import memory
 from ttft_sse.engine.batched.engine import BatchedEngine
+from ttft_sse.engine.library import hooks
 from ttft_sse.settings import Settings
 from ttft_sse.stages import StageClock
 

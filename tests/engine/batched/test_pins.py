@@ -7,10 +7,10 @@ import asyncio
 import itertools
 from typing import Any
 
-from ttft_sse.bridge import Mailboxes
 from ttft_sse.engine.base import Prompt
 from ttft_sse.engine.batched.pins import WARM_SHARE, Pinned, Pins
-from ttft_sse.engine.batched.scheduler import PrefixCounters
+from ttft_sse.engine.library.scheduler import PrefixCounters
+from ttft_sse.engine.threads import Mailboxes
 
 
 class FullCache:

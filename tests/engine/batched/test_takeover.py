@@ -1,5 +1,5 @@
 """A request that arrives while its prompt's prefill still computes takes the prefill over
-(engine/batched/scheduler.py): the prefill ends where it got to, the request finds everything it computed in the
+(engine/library/scheduler.py): the prefill ends where it got to, the request finds everything it computed in the
 cache, computes the rest itself, and answers as without the prefill. Observed through the engine's state, never
 through timing."""
 

@@ -17,9 +17,9 @@ from tests.support import ggufs
 from tests.support.paths import CACHE_DIR
 from tests.support.processes import ROOT
 from tests.support.servers import free_port
-from ttft_sse.engine.cpu import kernel
+from ttft_sse.engine.kernels import kernel
+from ttft_sse.engine.kernels.compiler import KERNEL_DIR
 from ttft_sse.engine.loading import budget, sources
-from ttft_sse.engine.loading.model import KERNEL_DIR
 
 MIB = budget.MIB
 GIB = budget.GIB
@@ -117,7 +117,7 @@ def test_a_cgroup_limit_below_what_the_machine_has_is_the_one_planned_for(tmp_pa
 
 
 def test_a_gguf_s_weights_are_planned_at_about_its_size_on_the_kernel_and_at_four_bytes_a_weight_without() -> None:
-    from ttft_sse.engine.cpu.stored import table
+    from ttft_sse.engine.kernels.stored import table
 
     path = sources.bundled_gguf()
     size = path.stat().st_size

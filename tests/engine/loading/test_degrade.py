@@ -13,9 +13,9 @@ import pytest
 from structlog.testing import capture_logs
 
 from ttft_sse.engine.batched.engine import BatchedEngine
-from ttft_sse.engine.cpu import arrangement, kernel
+from ttft_sse.engine.kernels import arrangement, kernel
+from ttft_sse.engine.kernels.compiler import KERNEL_DIR
 from ttft_sse.engine.loading import sources
-from ttft_sse.engine.loading.model import KERNEL_DIR
 from ttft_sse.engine.single import SingleEngine
 from ttft_sse.errors import StartupError
 from ttft_sse.settings import Settings

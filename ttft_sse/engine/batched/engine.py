@@ -10,9 +10,9 @@ the cache runs short, then they are evicted.
 
 The library does the batching, the paged cache and the prefix sharing. Written here, because it lacks them:
 
-* **routing** (``router`` → :class:`~ttft_sse.bridge.Mailboxes`): the library's router forgets a callback only when
-  its request finishes, so a cancelled request's would stay for ever, its results piling up unread. Ours delivers each
-  step's results to the event loop in one ``call_soon_threadsafe`` and drops those of requests that have left; a
+* **routing** (``router`` → :class:`~ttft_sse.engine.threads.Mailboxes`): the library's router forgets a callback only
+  when its request finishes, so a cancelled request's would stay for ever, its results piling up unread. Ours delivers
+  each step's results to the event loop in one ``call_soon_threadsafe`` and drops those of requests that have left; a
   step's results that can wait are posted as the next step's decoder layers go into C, so that the event loop's
   Python runs beside the kernel rather than before it (engine/batched/held.py);
 * **stop sequences and text**: the library knows token ids; :class:`~ttft_sse.engine.text.TokenText` frames text
@@ -20,36 +20,37 @@ The library does the batching, the paged cache and the prefix sharing. Written h
 * **a loop that died**: the library fails the requests it knows about when its loop crashes, but a request added in
   the same instant can wait for ever (the manager's own ``get_result`` loops only while the thread lives). Every
   waiting request also checks that the loop is alive (``Mailboxes``); the next request restarts a dead loop;
-* **prefix-hit counting** (engine/batched/scheduler.py): tokens served from shared blocks, in all
+* **prefix-hit counting** (engine/library/scheduler.py): tokens served from shared blocks, in all
   (:meth:`BatchedEngine.stats`) and per request (its ``Usage.cached_tokens``);
 * **prefills** (:meth:`BatchedEngine.prefill`, ``POST /prefill``, engine/batched/pins.py): a prompt's KV computed as
   background work (a request of two tokens that the scheduler runs only in what real requests leave), then its blocks
   pinned for ``TTFT_PREFILL_KEEP_SECONDS``, so that the request that follows finds them;
-* **isolation** (engine/batched/salts.py): a request with a cache salt shares blocks only with requests of the same
+* **isolation** (engine/library/salts.py): a request with a cache salt shares blocks only with requests of the same
   salt;
 * **progress**: a prompt computed over several steps tells its request how far it is (``Progress``);
-* **the high lane's rows** (engine/batched/turns.py): where urgent requests and the others want more rows than a step
+* **the high lane's rows** (engine/library/turns.py): where urgent requests and the others want more rows than a step
   has, lower-lane decoding requests sit steps out in turn, each within its patience (``SamplingParams.patience``);
-* **attention request by request, in place** (engine/cpu/attention.py, on CPU in fp32): the library gathers a step's
+* **attention request by request, in place** (engine/kernels/attention.py, on CPU in fp32): the library gathers a step's
   keys and values out of its paged cache in every layer and attends every query row to every key of the step under a
   mask; the engine's cache only writes, and each request's rows attend to its own keys, read in place;
-* **first tokens beside the batch** (engine/batched/interlude.py, engine/batched/prefill.py, on CPU with the block
+* **first tokens beside the batch** (engine/first/interlude.py, engine/first/process.py, on CPU with the block
   kernel and that attention): a request that arrives while the batch is busy has its first token computed between
   two layers of the step in flight, or by a second process on the other core. Whichever has its first token first
   gives it (:class:`Claims`); the batch's step that computes the request's first token is then made to pick that
-  token (:func:`~ttft_sse.engine.batched.selection.selection`), so the batch goes on from the token the client saw,
+  token (:func:`~ttft_sse.engine.library.selection.selection`), so the batch goes on from the token the client saw,
   greedy or sampled. A greedy one is the same token anyway (every row is computed from its own inputs alone in both);
-* **per-request token selection** (:func:`~ttft_sse.engine.batched.selection.selection`): the library's own warpers
+* **per-request token selection** (:func:`~ttft_sse.engine.library.selection.selection`): the library's own warpers
   sort the whole vocabulary of every row every step, and its draw runs over every row, whether a row samples or not.
-  Ours leaves greedy rows to the step's argmax (engine/cpu/argmax.py's on CPU, by ``torch.argmax``'s rule) and cuts
+  Ours leaves greedy rows to the step's argmax (engine/kernels/argmax.py's on CPU, by ``torch.argmax``'s rule) and cuts
   and draws only the rows that sample, by engine/sampling.py (figures: docs/engine.md).
 
-Modes (``TTFT_DEGRADE=int8``, engine/batched/modes.py): :meth:`BatchedEngine.set_mode` takes effect at the next step
+Modes (``TTFT_DEGRADE=int8``, engine/modes.py): :meth:`BatchedEngine.set_mode` takes effect at the next step
 the loop prepares; ``Finished.degraded`` says whether any of a request's tokens was computed in int8 rows.
 
 Not batched, on purpose: requests with a ``seed`` and requests too long for the shared cache run on the single-request
-engine (:class:`~ttft_sse.engine.single.SingleEngine`, same model and weights), which samples with the request's own
-generator: the library draws a whole batch's tokens from one global generator, where a ``seed`` reproduces nothing.
+engine (:class:`~ttft_sse.engine.single.SingleEngine`, over the same loaded model: engine/loaded.py), which samples
+with the request's own generator: the library draws a whole batch's tokens from one global generator, where a ``seed``
+reproduces nothing.
 """
 
 from __future__ import annotations
@@ -66,7 +67,6 @@ from typing import Any
 
 import structlog
 
-from ttft_sse.bridge import Idle, Mailboxes, Resident
 from ttft_sse.engine.base import (
     NORMAL,
     ChatMessage,
@@ -78,23 +78,26 @@ from ttft_sse.engine.base import (
     Prompt,
     SamplingParams,
 )
-from ttft_sse.engine.batched import hooks, memory, salts
-from ttft_sse.engine.batched.beside import start_beside
-from ttft_sse.engine.batched.claims import Arrivals, Claims, FirstToken
+from ttft_sse.engine.batched import memory
 from ttft_sse.engine.batched.held import Held
-from ttft_sse.engine.batched.hooks import BLOCK_TOKENS, missing_internals
-from ttft_sse.engine.batched.interlude import Interlude
-from ttft_sse.engine.batched.modes import Modes
 from ttft_sse.engine.batched.pins import Pins
-from ttft_sse.engine.batched.prefill import PrefillProcess
 from ttft_sse.engine.batched.prefix_store import PrefixStore
-from ttft_sse.engine.batched.race import Race
-from ttft_sse.engine.batched.scheduler import PrefixCounters, register_scheduler, unregister_scheduler
 from ttft_sse.engine.batched.stats import BatchStats, kv_tokens
-from ttft_sse.engine.batched.turns import PATIENCE_SECONDS
-from ttft_sse.engine.cpu import attention
-from ttft_sse.engine.single import CacheJanitor, SingleEngine
+from ttft_sse.engine.first.beside import start_beside
+from ttft_sse.engine.first.claims import Arrivals, Claims, FirstToken
+from ttft_sse.engine.first.interlude import Interlude
+from ttft_sse.engine.first.process import PrefillProcess
+from ttft_sse.engine.first.race import Race
+from ttft_sse.engine.kernels import attention
+from ttft_sse.engine.library import hooks, salts
+from ttft_sse.engine.library.hooks import BLOCK_TOKENS, missing_internals
+from ttft_sse.engine.library.scheduler import PrefixCounters, register_scheduler, unregister_scheduler
+from ttft_sse.engine.library.turns import PATIENCE_SECONDS
+from ttft_sse.engine.loaded import CacheJanitor, LoadedModel
+from ttft_sse.engine.modes import Modes
+from ttft_sse.engine.single import SingleEngine
 from ttft_sse.engine.text import TokenText
+from ttft_sse.engine.threads import Idle, Mailboxes, Resident
 from ttft_sse.errors import EngineError
 from ttft_sse.settings import Settings
 from ttft_sse.stages import StageClock
@@ -108,12 +111,13 @@ BATCH_LOG_STEPS = 512
 
 
 class BatchedEngine:
-    """Engine over transformers' continuous batching. Model, tokenizer and the non-batched paths come from an
-    :class:`SingleEngine` it owns."""
+    """Engine over transformers' continuous batching, on a :class:`LoadedModel` it loads; its requests that are not
+    batched run on a :class:`SingleEngine` over the same model."""
 
     def __init__(self, settings: Settings) -> None:
         self._settings = settings
-        self._single = SingleEngine(settings)
+        self._loaded = LoadedModel(settings)
+        self._single = SingleEngine(settings, self._loaded)
         self._manager: Any = None
         self._populator = Idle(name="ttft-kv-populate")  # the paged cache's pages faulted in (memory.populate)
         self._loop: Resident | None = None
@@ -150,7 +154,7 @@ class BatchedEngine:
             beside = f"prefill-process {self.prefill_process.state}"
         else:
             beside = "none"
-        return dataclasses.replace(self._single.info, beside_batch=beside, engine="batched")
+        return dataclasses.replace(self._loaded.info, beside_batch=beside, engine="batched")
 
     @property
     def active(self) -> int:
@@ -167,31 +171,31 @@ class BatchedEngine:
 
     @property
     def model(self) -> Any:
-        return self._single.model
+        return self._loaded.model
 
     @property
     def janitor(self) -> CacheJanitor:
-        """The single engine's: batched and unbatched generations count towards the same N."""
-        return self._single.janitor
+        """The loaded model's: batched and unbatched generations count towards the same N."""
+        return self._loaded.janitor
 
     @property
     def tokenizer(self) -> Any:
-        return self._single.tokenizer
+        return self._loaded.tokenizer
 
     @property
     def prefill_process(self) -> PrefillProcess | None:
-        """The prefill process, if the engine started one (engine/batched/prefill.py)."""
+        """The prefill process, if the engine started one (engine/first/process.py)."""
         return self._prefill if isinstance(self._prefill, PrefillProcess) else None
 
     @property
     def interludes(self) -> Interlude | None:
-        """The interludes, if the engine runs them (engine/batched/interlude.py)."""
+        """The interludes, if the engine runs them (engine/first/interlude.py)."""
         return self._prefill if isinstance(self._prefill, Interlude) else None
 
     # -- loading -----------------------------------------------------------------------------------------------
 
     def load(self, clock: StageClock) -> None:
-        self._single.load(clock)
+        self._loaded.load(clock)
         self._modes = Modes(self.info.modes)
         self._counters.modes = self._modes if len(self._modes.modes) > 1 else None
         missing = missing_internals()
@@ -223,7 +227,7 @@ class BatchedEngine:
         self._capacity = blocks * BLOCK_TOKENS
         self._scheduler = register_scheduler(self._counters, paged=paged)
         manager = hooks.create_manager(
-            self._single,
+            self._loaded,
             self._settings,
             blocks=blocks,
             scheduler=self._scheduler,
@@ -254,7 +258,7 @@ class BatchedEngine:
         try:
             self._manager.stop(block=True, timeout=30, hard_stop=True)
         finally:
-            self._single.fence_kernel()
+            self._loaded.fence_kernel()
             del processor
 
     # -- requests ----------------------------------------------------------------------------------------------
@@ -262,10 +266,10 @@ class BatchedEngine:
     def prepare(
         self, *, prompt: str | None, messages: Sequence[ChatMessage] | None, raw: bool, parse_special: bool = False
     ) -> Prompt:
-        return self._single.prepare(prompt=prompt, messages=messages, raw=raw, parse_special=parse_special)
+        return self._loaded.prepare(prompt=prompt, messages=messages, raw=raw, parse_special=parse_special)
 
     def prepare_prefix(self, *, prompt: str | None, messages: Sequence[ChatMessage] | None, raw: bool) -> Prompt:
-        return self._single.prepare_prefix(prompt=prompt, messages=messages, raw=raw)
+        return self._loaded.prepare_prefix(prompt=prompt, messages=messages, raw=raw)
 
     def cached(self, prompt: Prompt, cache_salt: str = "") -> int:
         return self._pins.cached(prompt, cache_salt)
@@ -309,8 +313,8 @@ class BatchedEngine:
     async def _batched(self, prompt: Prompt, params: SamplingParams) -> AsyncGenerator[Item, None]:
         await self._running()
         request_id = f"ttft-{next(self._ids)}"
-        tokenizer = self._single.tokenizer
-        text = TokenText(lambda ids: tokenizer.decode(ids, skip_special_tokens=True), params.stop, self._single.eos)
+        tokenizer = self._loaded.tokenizer
+        text = TokenText(lambda ids: tokenizer.decode(ids, skip_special_tokens=True), params.stop, self._loaded.eos)
         inbox = self._mailboxes.open(request_id)
         arrivals = Arrivals(request_id)
         started = time.perf_counter()
@@ -395,7 +399,7 @@ class BatchedEngine:
             request_id=request_id,
             max_new_tokens=params.max_tokens,
             streaming=True,
-            eos_token_id=sorted(self._single.eos) or -1,
+            eos_token_id=sorted(self._loaded.eos) or -1,
             temperature=float(params.temperature),
             top_p=float(params.top_p) if not params.greedy else 1.0,
         )
@@ -475,7 +479,7 @@ class BatchedEngine:
             side_first_tokens=self._side_first,
             interlude_first_tokens=self._interlude_first,
             rows_sat_out=self._counters.turns.sat_out,
-            kernel=self._single.kernel_counts(),
+            kernel=self._loaded.kernel_counts(),
         )
 
     # -- called from the loop's thread -------------------------------------------------------------------------

@@ -1,11 +1,11 @@
 """A step's outputs held back until the next step's decoder layers are in C.
 
-The batching thread hands each step's outputs to the event loop (:class:`~ttft_sse.bridge.Mailboxes`), whose Python
-then turns each token into text and an event for its client. Posted as the step ends, that Python takes the GIL
+The batching thread hands each step's outputs to the event loop (:class:`~ttft_sse.engine.threads.Mailboxes`), whose
+Python then turns each token into text and an event for its client. Posted as the step ends, that Python takes the GIL
 from the batching thread's next step, whose preparation (transformers' Python) comes first: the two run one after
 the other, every step, although the decoder layers then run in C without the GIL for most of the step.
 :class:`Held` keeps a step's outputs until the next step's layers are about to go into C
-(:attr:`~ttft_sse.engine.cpu.attention.InPlace.before_kernel`, which the decoder layers in C call) and posts them
+(:attr:`~ttft_sse.engine.kernels.attention.InPlace.before_kernel`, which the decoder layers in C call) and posts them
 there, so that the event loop's work runs beside the kernel (figures: docs/engine.md).
 
 Only what can wait that long (a step's preparation, about a millisecond) is held: a step's outputs that include a

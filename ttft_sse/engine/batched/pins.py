@@ -3,7 +3,7 @@ library's paged cache so that the request that follows finds it.
 
 A prefill (``POST /prefill``, :meth:`Pins.prefill`) is a request of the library of two tokens, marked in
 ``PrefixCounters.prefills`` so that the scheduler runs it only in what real requests leave
-(engine/batched/scheduler.py), and cancelled once its prompt is in the cache, or ended by the scheduler where a real
+(engine/library/scheduler.py), and cancelled once its prompt is in the cache, or ended by the scheduler where a real
 request starting with its prompt takes it over (:class:`TakenOver`). Its whole blocks are then held under a
 name of their own, as a request holds its blocks (:meth:`Pins.pin`), for ``TTFT_PREFILL_KEEP_SECONDS``; then they
 are cached like any prefix. A warm prompt's (:meth:`Pins.warm`, computed before the server is ready) are held for
@@ -24,11 +24,11 @@ from typing import Any
 
 import structlog
 
-from ttft_sse.bridge import Mailboxes
 from ttft_sse.engine.base import Hold, Progress, Prompt
-from ttft_sse.engine.batched import salts
-from ttft_sse.engine.batched.hooks import BLOCK_TOKENS
-from ttft_sse.engine.batched.scheduler import PrefixCounters
+from ttft_sse.engine.library import salts
+from ttft_sse.engine.library.hooks import BLOCK_TOKENS
+from ttft_sse.engine.library.scheduler import PrefixCounters
+from ttft_sse.engine.threads import Mailboxes
 from ttft_sse.errors import EngineError
 
 log = structlog.get_logger("ttft_sse.engine")
@@ -44,7 +44,7 @@ share: a warm prompt past it is not kept (its blocks are cached like any prefix)
 @dataclass(frozen=True)
 class TakenOver:
     """To a prefill's inbox: a real request starting with its prompt took it over, with ``cached`` of its prompt
-    tokens in the cache (engine/batched/scheduler.py)."""
+    tokens in the cache (engine/library/scheduler.py)."""
 
     cached: int
 
@@ -208,7 +208,7 @@ class Pins:
         return prompt.n_tokens - before
 
     def _taken_over(self, request_id: str, cached: int) -> None:
-        """The batching thread: a request took the prefill ``request_id`` over (engine/batched/scheduler.py)."""
+        """The batching thread: a request took the prefill ``request_id`` over (engine/library/scheduler.py)."""
         self._mailboxes.deliver([(request_id, TakenOver(cached))])
 
     def pin(self, owner: str, prompt: Prompt, seed: int | None) -> None:

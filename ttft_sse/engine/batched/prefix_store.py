@@ -4,8 +4,8 @@ prefixes written to the cache directory on drain, and read back into the paged c
 **On drain** (:meth:`PrefixStore.store`), with the batching loop paused between two steps (the library's
 ``ContinuousBatchingManager.pause``), the blocks the cache holds for these prompts, in this order, are copied out
 until the bound in bytes: the pinned ones (engine/batched/pins.py: the warm prompts, the prefixes restored at start,
-the prefills' pins, newest first), then those the scheduler noted (engine/batched/uses.py), the most hit first. Each
-in every mode the engine has (engine/batched/modes.py), with its salt's seed. The file (engine/batched/prefix_file.py)
+the prefills' pins, newest first), then those the scheduler noted (engine/library/uses.py), the most hit first. Each
+in every mode the engine has (engine/modes.py), with its salt's seed. The file (engine/batched/prefix_file.py)
 is then written beside the model's other files, whole or not at all.
 
 **At start** (:meth:`PrefixStore.restore`, its own start-up stage, after the warm-up and before the warm prompts),
@@ -35,11 +35,12 @@ from typing import Any, TypeVar
 import structlog
 
 from ttft_sse.engine.base import NORMAL, ModelInfo
-from ttft_sse.engine.batched import prefix_file, salts
-from ttft_sse.engine.batched.hooks import BLOCK_TOKENS
+from ttft_sse.engine.batched import prefix_file
 from ttft_sse.engine.batched.pins import Pinned, Pins
 from ttft_sse.engine.batched.prefix_file import Prefix, Stored, Unusable
-from ttft_sse.engine.batched.scheduler import PrefixCounters
+from ttft_sse.engine.library import salts
+from ttft_sse.engine.library.hooks import BLOCK_TOKENS
+from ttft_sse.engine.library.scheduler import PrefixCounters
 from ttft_sse.settings import Settings
 
 log = structlog.get_logger("ttft_sse.engine")
@@ -216,8 +217,8 @@ def model_key(source: str) -> str:
 
 
 def _native_key() -> str | None:
-    """The C sources' build key on this CPU (engine/cpu/compiler.py), or None where no compiler builds them."""
-    from ttft_sse.engine.cpu import compiler
+    """The C sources' build key on this CPU (engine/kernels/compiler.py), or None where no compiler builds them."""
+    from ttft_sse.engine.kernels import compiler
 
     try:
         return compiler.key(tuple(sorted(Path(compiler.__file__).parent.glob("*.c"))))
@@ -226,7 +227,7 @@ def _native_key() -> str | None:
 
 
 def _salted(ids: Sequence[int], mode: str) -> list[int]:
-    """The ids a mode's blocks are hashed from (engine/batched/modes.py's ``keep_apart``)."""
+    """The ids a mode's blocks are hashed from (engine/modes.py's ``keep_apart``)."""
     return list(ids) if mode == NORMAL else [-1 - token for token in ids]
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ttft_sse.engine.cpu import kernel
+from ttft_sse.engine.kernels import kernel
 
 
 @dataclass(frozen=True)
@@ -22,11 +22,11 @@ class BatchStats:
     kv_tokens_in_use: int  # KV capacity held by live requests
     kv_tokens_cached: int  # KV capacity held only for reuse (evicted when the cache runs short)
     kv_tokens_capacity: int
-    prefill: str = "off"  # the prefill process (engine/batched/prefill.py): off, loading, ready, failed or stopped
-    interludes: str = "off"  # interludes (engine/batched/interlude.py): off, ready, failed or stopped
+    prefill: str = "off"  # the prefill process (engine/first/process.py): off, loading, ready, failed or stopped
+    interludes: str = "off"  # interludes (engine/first/interlude.py): off, ready, failed or stopped
     side_first_tokens: int = 0  # first tokens the prefill process gave before the batch did
-    interlude_first_tokens: int = 0  # first tokens interludes gave (engine/batched/interlude.py)
-    rows_sat_out: int = 0  # lower-lane rows left out of a step for the high lane's (engine/batched/turns.py)
+    interlude_first_tokens: int = 0  # first tokens interludes gave (engine/first/interlude.py)
+    rows_sat_out: int = 0  # lower-lane rows left out of a step for the high lane's (engine/library/turns.py)
     kernel: kernel.HelperCounts | None = None  # the block kernel's helper threads (None without them)
 
 

@@ -3,7 +3,7 @@ low-level API, with the project's own continuous batching, prompts, text and sam
 
 ``library``  llama.cpp's model, context, batch, decode, logits and KV cells (the only module that imports the binding)
 ``schedule`` which rows each step computes: sequences admitted, decoding rows, prompt chunks (pure Python)
-``engine``   the engine interface over both, with one loop thread (ttft_sse/bridge.py's ``Loop``)
+``engine``   the engine interface over both, with one loop thread (ttft_sse/engine/threads.py's ``Loop``)
 
 How it compares with the batched engine and when ``TTFT_ENGINE=auto`` picks it: docs/engine.md.
 """

@@ -1,10 +1,10 @@
 """The llama.cpp engine: a GGUF model run by llama.cpp, with our continuous batching, text and sampling on top.
 
-One loop thread (:class:`~ttft_sse.bridge.Loop`) owns llama.cpp's context. Each turn it takes the commands posted
-since the last (new requests, cancellations), admits what fits (engine/llamacpp/schedule.py), and runs one
+One loop thread (:class:`~ttft_sse.engine.threads.Loop`) owns llama.cpp's context. Each turn it takes the commands
+posted since the last (new requests, cancellations), admits what fits (engine/llamacpp/schedule.py), and runs one
 ``llama_decode`` over a row for every decoding stream and the next rows of the prompts being computed; then it picks
 one token for every row that asked for logits and hands the step's tokens to the event loop in one crossing
-(:class:`~ttft_sse.bridge.Mailboxes`). A sequence ends in the loop, at an end-of-sequence token or at its
+(:class:`~ttft_sse.engine.threads.Mailboxes`). A sequence ends in the loop, at an end-of-sequence token or at its
 ``max_tokens``; a stream closed early (client gone, stop sequence) posts a cancellation, which the loop applies
 before its next step: it gets no further token.
 
@@ -34,7 +34,6 @@ from typing import Any
 import numpy as np
 import structlog
 
-from ttft_sse.bridge import Commands, Loop, Mailboxes
 from ttft_sse.engine import prompts, sampling
 from ttft_sse.engine.base import NORMAL, Finished, Hold, ModelInfo, Piece, Prompt, SamplingParams
 from ttft_sse.engine.base import check_mode as _check_mode
@@ -43,6 +42,7 @@ from ttft_sse.engine.llamacpp.schedule import Schedule
 from ttft_sse.engine.llamacpp.schedule import Sequence as Running
 from ttft_sse.engine.loading import budget, sources
 from ttft_sse.engine.text import TokenText
+from ttft_sse.engine.threads import Commands, Loop, Mailboxes
 from ttft_sse.errors import EngineError, StartupError
 from ttft_sse.settings import Settings
 from ttft_sse.stages import StageClock

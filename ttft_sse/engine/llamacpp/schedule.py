@@ -35,7 +35,9 @@ class Sequence:
     key: str
     prompt: tuple[int, ...]
     max_tokens: int
-    salt: str = ""  # whose kept tokens it may reuse: those of requests with the same salt (ttft_sse/isolation.py)
+    salt: str = (
+        ""  # whose kept tokens it may reuse: those of requests with the same salt (ttft_sse/admission/isolation.py)
+    )
     seq: int = -1  # llama.cpp's sequence id, once admitted
     cached: int = 0  # leading prompt tokens whose KV the id kept from an earlier request (set at admission)
     computed: int = 0  # prompt tokens in the KV cache (cached ones included)

@@ -5,7 +5,7 @@ parameter at its peak for a file of 0.6. Here the model's structure is built wit
 ``init_empty_weights``: every parameter on torch's meta device), each weight is found in the file by its name
 (transformers' table of GGUF names, the ``gguf`` package's per architecture, :func:`places`), and then
 
-- the linear layers the block kernel runs take their codes from the file (engine/cpu/kernel.py, called by the
+- the linear layers the block kernel runs take their codes from the file (engine/kernels/kernel.py, called by the
   loader between :func:`empty` and :func:`fill`): never in fp32;
 - the token embedding stays in the file's type, its rows read as tokens come (engine/loading/embedding.py), on CPU;
 - everything else (norms, biases, layers the kernel does not run, every weight on a GPU) is dequantised one tensor at
@@ -28,9 +28,9 @@ from typing import Any
 import numpy as np
 import structlog
 
-from ttft_sse.engine.cpu import kernel
-from ttft_sse.engine.cpu import stored as stored_module
-from ttft_sse.engine.cpu.stored import Place, Stored
+from ttft_sse.engine.kernels import kernel
+from ttft_sse.engine.kernels import stored as stored_module
+from ttft_sse.engine.kernels.stored import Place, Stored
 from ttft_sse.engine.loading import embedding
 
 log = structlog.get_logger("ttft_sse.engine")

@@ -29,7 +29,7 @@ from typing import Any
 
 import structlog
 
-from ttft_sse.engine.cpu.codes import DENSE, FORMATS
+from ttft_sse.engine.kernels.codes import DENSE, FORMATS
 from ttft_sse.errors import StartupError
 
 log = structlog.get_logger("ttft_sse.engine")
@@ -44,7 +44,7 @@ LEAST_KV_TOKENS = 1024
 """The smallest KV cache a plan gives: fewer tokens than this would serve too few requests to be worth starting."""
 LAYOUT_FACTOR = {"Q5_0": 1.6, "Q5_1": 1.45, "Q5_K": 1.8, "Q6_K": 1.25}
 """The block kernel's layout of a matrix against its bytes in the file, at most (codes held in 8 bits where the CPU's
-build does not take 5 or 6: engine/cpu/layouts.py); 1.05 for the other types."""
+build does not take 5 or 6: engine/kernels/layouts.py); 1.05 for the other types."""
 INT8_FACTOR = 1.6
 """The int8 rows' records against the file's bytes, at most (fp32 scales and offsets beside the codes: a 7B Q4_K_M
 file of 3.9 GiB is 5.3 GiB of records)."""
@@ -173,7 +173,7 @@ def working_bytes(config: Any, batch_tokens: int) -> int:
 def gguf_weights(
     tensors: dict[str, Any], *, on_kernel: bool, int8: bool = False, embedding: str = "token_embd.weight"
 ) -> int:
-    """The weights of a GGUF file's ``tensors`` (engine/cpu/stored.py's table) as the transformers engines hold them
+    """The weights of a GGUF file's ``tensors`` (engine/kernels/stored.py's table) as the transformers engines hold them
     on CPU in fp32: with ``on_kernel``, matrices of the kernel's types laid out for it (as int8 rows' records where
     ``int8``), the embedding's rows read from the file (its bytes, at most), the rest in fp32."""
 
@@ -280,7 +280,7 @@ def for_transformers(
     """The plan of a transformers engine on CPU for a model whose config is ``config`` (``kind``: ``"gguf"``, with
     the file ``gguf``, or a directory or id at ``location``; ``int8``: the block kernel on int8 rows); and a sentence
     where a directory's weights are widened."""
-    from ttft_sse.engine.cpu.stored import HEADER_FILE, table
+    from ttft_sse.engine.kernels.stored import HEADER_FILE, table
 
     chosen, reason = kv_dtype(settings, gguf, dtype)
     widened = None

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ttft_sse.engine.cpu.stored import Tensor
+from ttft_sse.engine.kernels.stored import Tensor
 
 
 def supported(module: Any, torch: Any) -> bool:

@@ -19,7 +19,9 @@ from typing import Any
 import structlog
 
 from ttft_sse.engine.base import INT8, NORMAL, ModelInfo
-from ttft_sse.engine.cpu import attention, decoder, families, grouped, half_cache, kernel, weights
+from ttft_sse.engine.kernels import attention, kernel, weights
+from ttft_sse.engine.kernels.compiler import KERNEL_DIR
+from ttft_sse.engine.library import decoder, families, grouped, half_cache
 from ttft_sse.engine.loading import assembly, budget, imports, sources
 from ttft_sse.errors import StartupError
 from ttft_sse.settings import Settings
@@ -27,8 +29,6 @@ from ttft_sse.stages import StageClock
 
 log = structlog.get_logger("ttft_sse.engine")
 
-KERNEL_DIR = "kernels"
-"""Where in the cache directory the C kernels are built (engine/cpu/kernel.py)."""
 GPU_NODES = ("/dev/nvidiactl", "/dev/kfd")
 """Device files of a machine where torch may see a GPU (NVIDIA's driver, ROCm's)."""
 
@@ -325,10 +325,10 @@ def activations_for(settings: Settings, gguf: Path) -> str:
 def _arrange(
     settings: Settings, model: Any, torch: Any, applied: kernel.Applied | None, on_cpu_in_fp32: bool
 ) -> tuple[str, Path | None, int, dict[str, str], str]:
-    """Lay the weights out for the CPU kernels (engine/cpu/weights.py), around the block kernel's layers where
+    """Lay the weights out for the CPU kernels (engine/kernels/weights.py), around the block kernel's layers where
     :func:`_from_gguf` made some (``applied``). Returns the layout, the block kernel's library (None where it serves
     no layer), how many helper threads it started, the path of each GGUF type's layers (empty where the block
-    kernel was not tried or could not run) and what ``/readyz`` says of the decoder layers (engine/cpu/decoder.py's
+    kernel was not tried or could not run) and what ``/readyz`` says of the decoder layers (engine/library/decoder.py's
     label)."""
     if not on_cpu_in_fp32:
         return "as loaded", None, 0, {}, families.label(model, tried="the C layers are for fp32 on CPU")

@@ -1,0 +1,1 @@
+"""Who may run, in which lane, and when: keys, the gate, targets, isolation, grants."""

@@ -1,0 +1,1 @@
+"""First tokens beside the batch, raced against it: interludes, the prefill process."""

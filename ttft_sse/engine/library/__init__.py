@@ -1,0 +1,1 @@
+"""transformers glue: what the engines hand the library and take from it, through one facade."""

@@ -1,0 +1,1 @@
+"""HTTP plumbing under hypercorn and Starlette: transport limits, framing, Host allow-list."""

@@ -1,0 +1,1 @@
+"""Prompts computed into the prefix cache ahead of their requests: prefills, warm prompts."""
