@@ -116,25 +116,18 @@ def test_urgent_requests_waiting_beside_others_are_scheduled_first_and_alone() -
     are left out of it and put back after, in their order, unless the library scheduled them meanwhile."""
     from collections import deque
 
-    from transformers.generation.continuous_batching import scheduler as schedulers
-
-    from ttft_sse.engine.library.scheduler import PrefixCounters, register_scheduler, unregister_scheduler
+    from ttft_sse.engine.library.scheduler import PrefixCounters, scheduler_class
 
     counters = PrefixCounters()
-    name = register_scheduler(counters, paged=False)
-    try:
-        cls = schedulers.SCHEDULER_MAPPING[name]
-        scheduler = cls.__new__(cls)  # the choice alone: no cache, no library step
-        scheduler._orders = True
-        scheduler.waiting_requests_order = deque(["a", "b", "vip", "c"])
-        scheduler.waiting_requests = dict.fromkeys(["a", "b", "vip", "c"])
-        assert scheduler._hold_back_all_but_urgent() == []  # nothing urgent: the library's FIFO as it is
-        assert list(scheduler.waiting_requests_order) == ["a", "b", "vip", "c"]
-        counters.urgent.add("vip")
-        later = scheduler._hold_back_all_but_urgent()
-        assert later == ["a", "b", "c"] and list(scheduler.waiting_requests_order) == ["vip"]
-        counters.urgent.add("other")  # urgent, but not waiting
-        scheduler.waiting_requests_order = deque(["a"])
-        assert scheduler._hold_back_all_but_urgent() == []
-    finally:
-        unregister_scheduler(name)
+    cls = scheduler_class(counters)
+    scheduler = cls.__new__(cls)  # the choice alone: no cache, no library step
+    scheduler.waiting_requests_order = deque(["a", "b", "vip", "c"])
+    scheduler.waiting_requests = dict.fromkeys(["a", "b", "vip", "c"])
+    assert scheduler._hold_back_all_but_urgent() == []  # nothing urgent: the library's FIFO as it is
+    assert list(scheduler.waiting_requests_order) == ["a", "b", "vip", "c"]
+    counters.urgent.add("vip")
+    later = scheduler._hold_back_all_but_urgent()
+    assert later == ["a", "b", "c"] and list(scheduler.waiting_requests_order) == ["vip"]
+    counters.urgent.add("other")  # urgent, but not waiting
+    scheduler.waiting_requests_order = deque(["a"])
+    assert scheduler._hold_back_all_but_urgent() == []
