@@ -20,7 +20,8 @@ from ttft_sse.engine.base import Finished, Piece, SamplingParams
 from ttft_sse.engine.batched.engine import BatchedEngine
 from ttft_sse.engine.kernels import kernel
 from ttft_sse.engine.kernels.compiler import KERNEL_DIR
-from ttft_sse.engine.modes import Modes, keep_apart
+from ttft_sse.engine.library.salts import keep_apart
+from ttft_sse.engine.modes import Modes
 from ttft_sse.engine.single import SingleEngine
 from ttft_sse.settings import Settings
 from ttft_sse.stages import StageClock

@@ -10,17 +10,16 @@ the mode of the step in flight). A request is degraded when any of its modes is 
 
 The paged cache's prefix sharing must not hand a request KV computed in another mode: a normal request would be
 answered, in part, by int8 arithmetic without knowing it, and an int8 one would not be the int8 model's. So
-:func:`keep_apart` makes each mode's blocks hash differently (the library hashes a block's token ids, chained from
-the first block; int8 steps hash the ids as ``-1 - id``, which no token has), and a request computed in both modes
-registers none of its blocks. A block is then shared only with requests of the mode that computed it and every
-block before it.
+engine/library/salts.py's ``keep_apart`` makes each mode's blocks hash differently (the library hashes a block's token
+ids, chained from the first block; int8 steps hash the ids as ``-1 - id``, which no token has), and a request computed
+in both modes registers none of its blocks. A block is then shared only with requests of the mode that computed it and
+every block before it.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Iterable, Sequence
-from typing import Any
 
 from ttft_sse.engine.base import INT8, NORMAL, check_mode
 from ttft_sse.engine.kernels import kernel
@@ -81,34 +80,3 @@ class Modes:
         """The request has ended: its modes are forgotten."""
         with self._lock:
             self._seen.pop(request_id, None)
-
-
-def keep_apart(cache: Any, modes: Modes) -> None:
-    """Make the library's paged cache ``cache`` share KV blocks between requests of one mode only: its allocators
-    hash the token ids of a step not in ``normal`` as ``-1 - id`` (the mode of :attr:`Modes.current`: the step's),
-    for prefix matches and for the blocks a step completes alike, and the blocks of a request computed in two modes
-    are not registered for sharing at all. The interludes' matches and registrations, in the batching thread, go
-    through the same allocators."""
-
-    def salted(ids: list[int]) -> list[int]:
-        return ids if modes.current == NORMAL else [-1 - token for token in ids]
-
-    for allocator in cache.cache_allocators.values():
-        match, mark = allocator.match_prefix_blocks, allocator.mark_complete_blocks
-
-        def match_prefix_blocks(prompt_ids: list[int], match: Any = match) -> Any:
-            return match(salted(prompt_ids))
-
-        def mark_complete_blocks(request_id: str, token_ids: list[int], blocks: int, mark: Any = mark) -> None:
-            mark(request_id, salted(token_ids), blocks)
-
-        allocator.match_prefix_blocks = match_prefix_blocks
-        allocator.mark_complete_blocks = mark_complete_blocks
-
-    register = cache.mark_complete_blocks
-
-    def mark_complete(state: Any, complete_blocks: dict[str, int]) -> None:
-        if not modes.mixed(state.request_id):
-            register(state, complete_blocks)
-
-    cache.mark_complete_blocks = mark_complete

@@ -16,7 +16,6 @@ from tests.support.engines import collect, prompt_of
 from ttft_sse.engine.base import SamplingParams
 from ttft_sse.engine.batched import memory
 from ttft_sse.engine.batched.engine import BatchedEngine
-from ttft_sse.engine.library import hooks
 from ttft_sse.settings import Settings
 from ttft_sse.stages import StageClock
 
@@ -84,7 +83,7 @@ async def test_the_batched_engines_paged_cache(settings: Settings, made: str, mo
     if made != "lazily, populated":
         monkeypatch.setattr(memory, "populate", lambda cache, busy, stop: None)
     if made == "by transformers":
-        monkeypatch.setattr(hooks, "zero_cache_lazily", lambda manager, made: None)
+        monkeypatch.setattr(memory, "lazy_zeros", lambda size, torch: torch.zeros(size, dtype=torch.uint8))
     engine = BatchedEngine(settings.replace(kv_cache_tokens=32768))
     engine.load(StageClock())
     try:

@@ -24,8 +24,8 @@ from ttft_sse.engine.base import Finished, Piece, SamplingParams, Usage
 from ttft_sse.engine.batched.engine import BLOCK_TOKENS, BatchedEngine
 from ttft_sse.engine.first import interlude
 from ttft_sse.engine.first.interlude import Interlude
-from ttft_sse.engine.kernels import attention
 from ttft_sse.engine.library import stack
+from ttft_sse.engine.library.in_place import InPlace
 from ttft_sse.engine.single import SingleEngine
 from ttft_sse.settings import Settings
 from ttft_sse.stages import StageClock
@@ -92,10 +92,10 @@ async def newcomers(
 @contextmanager
 def steps_only(engine: BatchedEngine) -> Iterator[None]:
     """The running batch's interludes before each layer of a step left out: only those between two steps run."""
-    in_place = getattr(engine._manager.batch_processor.cache, attention.IN_PLACE)
+    in_place = engine._manager.batch_processor.cache.in_place
     serve = in_place.between
 
-    def between_steps_only(cache: attention.InPlace) -> None:
+    def between_steps_only(cache: InPlace) -> None:
         if sys._getframe(1).f_code.co_name == "schedule_batch":
             serve(cache)
 
@@ -149,11 +149,11 @@ async def test_a_steps_layers_run_in_one_call_that_stops_where_a_newcomer_waits_
     there, and the call goes on from that layer. The text is the single engine's."""
     params = SamplingParams(max_tokens=12)
     want = answer(await collect(reference.stream(prompt_of(reference, STORY, SYSTEM), params)))
-    in_place = getattr(engine._manager.batch_processor.cache, attention.IN_PLACE)
+    in_place = engine._manager.batch_processor.cache.in_place
     serve = in_place.between
     flags: list[int] = []
 
-    def between(cache: attention.InPlace) -> None:
+    def between(cache: InPlace) -> None:
         if sys._getframe(1).f_code.co_name == "run_layers":  # not between two steps (schedule_batch)
             flags.append(in_place.waiting.value)
         in_place.waiting.value = 0  # as the interlude's serving a newcomer would

@@ -428,9 +428,9 @@ async def test_no_race_where_the_batchs_cache_does_not_read_in_place(
 ) -> None:
     """A model whose layers are not all full attention (sliding windows): its batched steps take the library's masked
     attention, whose bits the process's would not match. Simulated by a cache that refuses to read in place."""
-    from ttft_sse.engine.kernels import attention
+    from ttft_sse.engine.library import in_place
 
-    monkeypatch.setattr(attention, "read_in_place", lambda cache: False)
+    monkeypatch.setattr(in_place, "reads_in_place", lambda cache: False)
     own = BatchedEngine(settings.replace(prefill_process=True, prefill_between_layers=False, kernel_helpers=0))
     own.load(StageClock())
     try:

@@ -11,6 +11,7 @@ from structlog.testing import capture_logs
 from tests.support.paths import CACHE_DIR
 from ttft_sse.engine.kernels import argmax
 from ttft_sse.engine.kernels.compiler import KERNEL_DIR
+from ttft_sse.engine.library.hooks import pick_greedy
 
 torch = pytest.importorskip("torch")
 
@@ -87,7 +88,7 @@ def runner(**options: Any) -> Any:
 
 def test_pick_greedy_writes_each_rows_argmax_where_the_library_would_take_torchs(picker: argmax.Argmax) -> None:
     model_runner = runner()
-    argmax.pick_greedy(model_runner, picker, torch)
+    pick_greedy(model_runner, picker, torch)
     scores = rows_with_hazards(49152)[None]  # [1, rows, vocabulary], as the library hands them over
     output_ids = torch.full((2, 20), -1, dtype=torch.int32)
     model_runner._sample(scores, output_ids)
@@ -96,7 +97,7 @@ def test_pick_greedy_writes_each_rows_argmax_where_the_library_would_take_torchs
     assert output_ids[0, rows:].tolist() == [-1] * (20 - rows) and output_ids[1].tolist() == [-1] * 20
     assert model_runner.reached == []
     sample = model_runner._sample
-    argmax.pick_greedy(model_runner, picker, torch)  # a batch processor reset keeps its runner: once is enough
+    pick_greedy(model_runner, picker, torch)  # a batch processor reset keeps its runner: once is enough
     assert model_runner._sample is sample
 
 
@@ -112,7 +113,7 @@ def test_pick_greedy_writes_each_rows_argmax_where_the_library_would_take_torchs
 )
 def test_anything_else_goes_to_the_librarys_sample(picker: argmax.Argmax, options: dict[str, Any], scores: Any) -> None:
     model_runner = runner(**options)
-    argmax.pick_greedy(model_runner, picker, torch)
+    pick_greedy(model_runner, picker, torch)
     output_ids = torch.zeros((2, 4), dtype=torch.int32)
     model_runner._sample(scores, output_ids)
     assert model_runner.reached == [scores]

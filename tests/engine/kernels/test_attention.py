@@ -13,6 +13,8 @@ from structlog.testing import capture_logs
 
 from ttft_sse.engine.kernels import attention, compiler
 from ttft_sse.engine.library import grouped
+from ttft_sse.engine.library import in_place as places
+from ttft_sse.engine.library.in_place import InPlace, StepHooks
 from ttft_sse.engine.single import SingleEngine
 from ttft_sse.settings import Settings
 from ttft_sse.stages import StageClock
@@ -53,13 +55,21 @@ def step(kv_heads: int) -> tuple[Any, Any, Any, Any]:
     return attention.masked_step(torch, HEADS, kv_heads, DIM, [(4, 4), (1, 3)], seed=1)
 
 
-def test_group_marks_every_attention_module_and_becomes_transformers_sdpa() -> None:
+def test_group_marks_every_attention_module_which_then_calls_the_engines_function_by_a_name_of_its_own() -> None:
+    """The marked modules' config (a copy) names grouped_sdpa's name; the model's own config, which continuous
+    batching checks, and the library's ``sdpa``, which every other model calls, stay as they were."""
     model = tiny(kv_heads=2)
+    library_sdpa = transformers.AttentionInterface()["sdpa"]
     with capture_logs() as logs:
         assert grouped.group(model, torch) == 2
     assert [getattr(layer.self_attn, grouped.MARK, False) for layer in model.model.layers] == [True, True]
-    assert transformers.AttentionInterface()["sdpa"] is grouped.grouped_sdpa
+    assert grouped.dispatch(model) == 2
+    implementations = {layer.self_attn.config._attn_implementation for layer in model.model.layers}
+    assert (implementations, model.config._attn_implementation) == ({grouped.NAME}, "sdpa")
+    assert transformers.AttentionInterface()[grouped.NAME] is grouped.grouped_sdpa
+    assert transformers.AttentionInterface()["sdpa"] is library_sdpa is not grouped.grouped_sdpa
     assert logs == [{"event": "attention_grouped", "log_level": "info", "modules": 2}]
+    assert grouped.dispatch(tiny(kv_heads=2)) == 0  # nothing marked: nothing changes
 
 
 def test_a_masked_step_reads_the_grouped_heads_in_place_and_gives_the_repeated_heads_result(
@@ -133,7 +143,7 @@ def test_the_engine_marks_the_bundled_models_attention_on_cpu_unless_told_not_to
     marked = [m for m in engine.model.modules() if getattr(m, grouped.MARK, False)]
     paged = [m for m in engine.model.modules() if getattr(m, attention.PAGED, None) is not None]
     # SmolLM2-135M: 30 layers, 3 KV heads for 9 query heads
-    assert (len(marked), len(paged), attention.paged(engine.model)) == ((30, 30, True) if on else (0, 0, False))
+    assert (len(marked), len(paged), grouped.paged(engine.model)) == ((30, 30, True) if on else (0, 0, False))
 
 
 # -- request by request over the paged cache (attention.c) ---------------------------------------------------------
@@ -172,8 +182,8 @@ def paged_module(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
     with pytest.MonkeyPatch.context() as patch:
         if request.param == "avx2":
             patch.setattr(compiler, "FLAGS", (*compiler.FLAGS, "-mno-avx512f"))
-        assert attention.page(model, torch, tmp_path_factory.mktemp("kernels")) == 2
-    grouped.install()  # the attention function that hands the marked modules' calls to the C attention
+        assert grouped.page(model, torch, tmp_path_factory.mktemp("kernels")) == 2
+    grouped.dispatch(model)  # the attention function that hands the marked modules' calls to the C attention
     return model.model.layers[0].self_attn
 
 
@@ -277,7 +287,7 @@ def test_calls_with_more_than_the_c_function_computes_go_to_the_library(
 
 
 def in_place_cache() -> Any:
-    """A paged cache as :class:`attention.InPlace` reads it: one full-attention layer of 4 pages of 8 rows, 2 KV
+    """A paged cache as :class:`InPlace` reads it: one full-attention layer of 4 pages of 8 rows, 2 KV
     heads of 16 floats."""
     from types import SimpleNamespace
 
@@ -300,7 +310,7 @@ def step_kwargs(write: list[int], read: list[int], **more: Any) -> dict[str, Any
 
 
 def test_the_layers_of_a_step_share_its_index_arrays_made_once(paged_module: Any) -> None:
-    in_place = attention.InPlace(in_place_cache())
+    in_place = InPlace(in_place_cache(), StepHooks())
     kwargs = step_kwargs([5, 9, 10], [0, 1, 2, 5, 7, 9, 10])
     step = in_place.step(paged_module, kwargs)
     assert step is not None
@@ -321,7 +331,7 @@ def test_the_layers_of_a_step_share_its_index_arrays_made_once(paged_module: Any
 
 
 def test_a_call_the_c_attention_does_not_compute_whole_gets_no_step(paged_module: Any) -> None:
-    in_place = attention.InPlace(in_place_cache())
+    in_place = InPlace(in_place_cache(), StepHooks())
     read = [0, 1, 2, 5, 7, 9, 10]
     assert in_place.step(paged_module, step_kwargs([5, 9, 10], read, block_table=torch.zeros(1, 2))) is None
     assert in_place.step(paged_module, step_kwargs([5, 9, 10], read, softcap=30.0)) is None
@@ -334,7 +344,7 @@ def test_a_call_the_c_attention_does_not_compute_whole_gets_no_step(paged_module
 def test_page_marks_every_attention_module_after_its_probe(tmp_path: Any) -> None:
     model = tiny(kv_heads=2)
     with capture_logs() as logs:
-        assert attention.page(model, torch, tmp_path) == 2
+        assert grouped.page(model, torch, tmp_path) == 2
     assert [callable(getattr(layer.self_attn, attention.PAGED, None)) for layer in model.model.layers] == [True, True]
     assert [entry["event"] for entry in logs if entry["log_level"] == "info"][-1:] == ["attention_paged"]
 
@@ -347,7 +357,7 @@ def test_a_head_size_the_c_attention_cannot_take_leaves_the_model_as_it_was(tmp_
     config._attn_implementation = "sdpa"
     model = transformers.LlamaForCausalLM(config).eval()  # heads of 8 floats: the C attention takes multiples of 16
     with capture_logs() as logs:
-        assert attention.page(model, torch, tmp_path) == 0
+        assert grouped.page(model, torch, tmp_path) == 0
     assert not any(hasattr(m, attention.PAGED) for m in model.modules())
     assert logs[-1] == {"event": "attention_not_paged", "log_level": "warning", "reason": "paged attention failed (-1)"}
 
@@ -356,7 +366,7 @@ def test_a_model_whose_attention_is_not_sdpa_is_left_alone(tmp_path: Any) -> Non
     model = tiny(kv_heads=2)
     model.config._attn_implementation = "eager"  # continuous batching would call transformers' paged eager
     with capture_logs() as logs:
-        assert attention.page(model, torch, tmp_path) == 0
+        assert grouped.page(model, torch, tmp_path) == 0
     assert not any(hasattr(m, attention.PAGED) for m in model.modules())
     assert logs == [
         {
@@ -378,7 +388,7 @@ def test_a_cache_with_layers_of_another_kind_is_left_to_gather_as_the_library_do
 
     cache = SimpleNamespace(cache_allocators={0: CompressedAllocator()}, update=library_update)
     with capture_logs() as logs:
-        assert attention.read_in_place(cache) is False
+        assert places.reads_in_place(cache) is False
     assert cache.update is library_update
     assert logs == [
         {
@@ -394,11 +404,11 @@ def test_without_avx512_or_avx2_the_c_attention_refuses_and_nothing_is_marked(
 ) -> None:
     monkeypatch.setattr(compiler, "FLAGS", (*compiler.FLAGS, "-mno-avx512f", "-mno-avx2"))  # what such a CPU gets built
     with pytest.raises(RuntimeError, match="the CPU has neither AVX-512 nor AVX2 with FMA"):
-        attention._function(compiler.build(tmp_path, (attention.SOURCE,), "attention"))
+        attention.function(compiler.build(tmp_path, (attention.SOURCE,), "attention"))
     model = tiny(kv_heads=2)
     with capture_logs() as logs:
-        assert attention.page(model, torch, tmp_path) == 0
-    assert not attention.paged(model)
+        assert grouped.page(model, torch, tmp_path) == 0
+    assert not grouped.paged(model)
     assert logs[-1] == {
         "event": "attention_not_paged",
         "log_level": "warning",
@@ -406,10 +416,10 @@ def test_without_avx512_or_avx2_the_c_attention_refuses_and_nothing_is_marked(
     }
 
 
-def test_the_installed_sdpa_is_the_function_that_dispatches_marked_calls() -> None:
-    """The batched steps' layers attend in one C call only where transformers' ``sdpa`` is grouped_sdpa (InPlace.step
-    reads its mark): install registers it."""
-    grouped.install()
-    installed = transformers.AttentionInterface()["sdpa"]
-    assert installed is grouped.grouped_sdpa
-    assert getattr(installed, attention.DISPATCHES) is True
+def test_the_function_the_marked_modules_call_is_the_one_that_dispatches_marked_calls(paged_module: Any) -> None:
+    """The batched steps' layers attend in one C call only where the module's attention function is grouped_sdpa
+    (InPlace.step reads its mark): dispatch names it in the marked modules' config."""
+    functions = transformers.modeling_utils.ALL_ATTENTION_FUNCTIONS
+    called = functions.get_interface(paged_module.config._attn_implementation, None)
+    assert called is grouped.grouped_sdpa
+    assert getattr(called, attention.DISPATCHES) is True

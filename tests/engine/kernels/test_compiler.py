@@ -62,7 +62,7 @@ def test_a_compile_started_ahead_is_the_one_build_waits_for(tmp_path: Path, monk
         built = attention.build(directory)
     assert len(started) == 1 and [path.name for path in directory.iterdir()] == [built.name]  # its files cleared
     assert [entry["event"] for entry in logs] == ["kernel_built"]
-    assert attention._function(built) is not None  # a whole library
+    assert attention.function(built) is not None  # a whole library
     attention.start(directory)  # built: nothing to start
     assert attention.build(directory) == built and len(started) == 1
 

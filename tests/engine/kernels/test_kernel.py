@@ -569,10 +569,10 @@ class AttentionStep:
         self.cu_k = np.cumsum([0, *(k for _, k in requests)]).astype(np.int32)
         self.requests = len(requests)
         alone, part = (attention.PAGED_HALF, attention.PAGED_PART_HALF) if half else (None, "ttft_attention_part")
-        self.alone = compiler.load(library, alone, attention._ARGUMENTS) if alone else attention._function(library)
+        self.alone = compiler.load(library, alone, attention.ARGUMENTS) if alone else attention.function(library)
         self.part = ctypes.cast(compiler.load(library, part, ()), _PTR).value
         # ttft_share_attention (helpers.c): attention.c's part function, then ttft_paged_attention's arguments.
-        self.share = compiler.load(shared, "ttft_share_attention", (_PTR, *attention._ARGUMENTS))
+        self.share = compiler.load(shared, "ttft_share_attention", (_PTR, *attention.ARGUMENTS))
 
     def _arguments(self, out: npt.NDArray[np.float32]) -> tuple[Any, ...]:
         def at(a: npt.NDArray[Any]) -> int:

@@ -244,7 +244,7 @@ def test_a_batched_steps_layer_in_one_call_is_its_head_cache_write_attention_and
     module, numbers = layer.self_attn, layer.arithmetic
     assert getattr(module, attention.PAGED, None) is not None
     library = attention.build(DIRECTORY)
-    for name, arguments in ((attention.PAGED_HALF, attention._ARGUMENTS), (attention.PAGED_PART_HALF, ())):
+    for name, arguments in ((attention.PAGED_HALF, attention.ARGUMENTS), (attention.PAGED_PART_HALF, ())):
         monkeypatch.setattr(module, name, compiler.load(library, name, arguments), raising=False)
     half = dtype == "float16"
     requests = [(1, 6), (4, 4), (2, 9)]  # (new rows, keys): a decode, a new prompt, a prompt behind its past

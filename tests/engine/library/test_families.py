@@ -16,8 +16,8 @@ from tests.support import tinymodels
 from tests.support.engines import collect, prompt_of
 from ttft_sse.engine.base import SamplingParams, Usage
 from ttft_sse.engine.batched.engine import BatchedEngine
-from ttft_sse.engine.kernels import attention
 from ttft_sse.engine.library import families, stack
+from ttft_sse.engine.library import in_place as places
 from ttft_sse.engine.single import SingleEngine
 from ttft_sse.settings import Settings
 from ttft_sse.stages import StageClock
@@ -166,7 +166,7 @@ async def test_concurrent_requests_on_the_batched_engine_each_get_the_text_they_
     single, _ = singles(family)
     stacked: list[int] = []
     windows: list[bool] = []
-    run_layers, window_index = stack.run_layers, attention.window_index
+    run_layers, window_index = stack.run_layers, places.window_index
 
     def spy(*arguments: Any, **named: Any) -> Any:
         stacked.append(1)
@@ -178,7 +178,7 @@ async def test_concurrent_requests_on_the_batched_engine_each_get_the_text_they_
         return found
 
     monkeypatch.setattr(stack, "run_layers", spy)
-    monkeypatch.setattr(attention, "window_index", seen)
+    monkeypatch.setattr(places, "window_index", seen)
     try:
         assert engine.info.decoder == f"fused: {LAYERS[family]} of {LAYERS[family]} layers"
         params = SamplingParams(max_tokens=20)
@@ -209,16 +209,16 @@ def test_a_sliding_window_step_reads_in_place_only_where_writing_first_overwrite
 
     tensor = torch.tensor
     # A decode step at position 6: rows of positions 3, 4, 5, then the new one, which takes position 2's row.
-    got = attention.window_index(tensor([11, 8, 9, 1]), tensor([10]), Ring(), torch)
+    got = places.window_index(tensor([11, 8, 9, 1]), tensor([10]), Ring(), torch)
     assert got.tolist() == [11, 8, 9, 10]
     # Two requests' decode steps, and a new prompt alone (nothing to read: its own rows).
-    got = attention.window_index(tensor([8, 1, 20, 21, 1]), tensor([9, 22]), Ring(), torch)
+    got = places.window_index(tensor([8, 1, 20, 21, 1]), tensor([9, 22]), Ring(), torch)
     assert got.tolist() == [8, 9, 20, 21, 22]
-    assert attention.window_index(tensor([], dtype=torch.int64), tensor([8, 9]), Ring(), torch).tolist() == [8, 9]
+    assert places.window_index(tensor([], dtype=torch.int64), tensor([8, 9]), Ring(), torch).tolist() == [8, 9]
     # Two new rows at positions 6 and 7 behind 3, 4, 5: position 7 takes position 3's row, which the step reads.
-    assert attention.window_index(tensor([11, 8, 9, 1, 1]), tensor([10, 11]), Ring(), torch) is None
+    assert places.window_index(tensor([11, 8, 9, 1, 1]), tensor([10, 11]), Ring(), torch) is None
     # A prompt longer than the window: its first rows go to the trash.
-    assert attention.window_index(tensor([], dtype=torch.int64), tensor([99, 8, 9, 10, 11]), Ring(), torch) is None
+    assert places.window_index(tensor([], dtype=torch.int64), tensor([99, 8, 9, 10, 11]), Ring(), torch) is None
 
 
 async def test_a_q4_k_m_file_runs_fused_on_int8_rows_and_the_degraded_mode_answers_as_that_engine(

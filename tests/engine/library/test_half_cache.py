@@ -22,6 +22,7 @@ from ttft_sse.engine.batched.engine import BatchedEngine
 from ttft_sse.engine.first.process import Prefixes, last_logits
 from ttft_sse.engine.kernels import attention, compiler, kernel
 from ttft_sse.engine.library import decoder, grouped, half_cache
+from ttft_sse.engine.library import in_place as places
 from ttft_sse.engine.single import SingleEngine
 from ttft_sse.settings import Settings
 from ttft_sse.stages import StageClock
@@ -48,8 +49,8 @@ def half_module(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
     half_cache.mark(model, half_cache.F16)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(compiler, "FLAGS", (*compiler.FLAGS, *BUILDS[request.param]))
-        assert attention.page(model, torch, tmp_path_factory.mktemp("kernels")) == 2
-    grouped.install()
+        assert grouped.page(model, torch, tmp_path_factory.mktemp("kernels")) == 2
+    grouped.dispatch(model)
     module = model.model.layers[0].self_attn
     assert getattr(module, attention.PAGED_HALF, None) is not None
     return module
@@ -208,7 +209,7 @@ async def test_the_batched_engine_keeps_its_paged_cache_in_f16_and_gives_the_sin
     together = await asyncio.gather(*(collect(batched_f16.stream(prompt_of(batched_f16, a), params)) for a in asks))
     assert [outcome(got) for got in together] == want
     cache = batched_f16._manager.batch_processor.cache
-    in_place = getattr(cache, attention.IN_PLACE)
+    in_place = cache.in_place
     assert {rows.dtype for pair in in_place.rows.values() for rows in pair} == {torch.float16}
     assert cache.cache_tensor.numel() < 8192 * 30 * 2 * 3 * 64 * 2 * 1.1  # bytes: the f16 cache, and its trash
     # The seeded and too-long requests' engine (the single one inside) keeps its cache in f16 too.
@@ -289,14 +290,14 @@ async def test_sliding_window_layers_over_an_f16_cache_read_in_place_or_through_
         prefill_process=False, kv_dtype="f16",
     )  # fmt: skip
     windows: list[bool] = []
-    window_index = attention.window_index
+    window_index = places.window_index
 
     def seen(*arguments: Any) -> Any:
         found = window_index(*arguments)
         windows.append(found is not None)  # read in place, or by the library
         return found
 
-    monkeypatch.setattr(attention, "window_index", seen)
+    monkeypatch.setattr(places, "window_index", seen)
     single = SingleEngine(settings)
     single.load(StageClock())
     engine = BatchedEngine(settings)

@@ -116,32 +116,26 @@ def test_urgent_requests_waiting_beside_others_are_scheduled_first_and_alone() -
     are left out of it and put back after, in their order, unless the library scheduled them meanwhile."""
     from collections import deque
 
-    from transformers.generation.continuous_batching import scheduler as schedulers
-
-    from ttft_sse.engine.library.scheduler import PrefixCounters, register_scheduler, unregister_scheduler
+    from ttft_sse.engine.library.scheduler import PrefixCounters, scheduler_class
 
     counters = PrefixCounters()
-    name = register_scheduler(counters, paged=False)
-    try:
-        cls = schedulers.SCHEDULER_MAPPING[name]
-        scheduler = cls.__new__(cls)  # the choice alone: no cache, no library step
-        scheduler.waiting_requests_order = deque(["a", "b", "vip", "c"])
-        scheduler.waiting_requests = dict.fromkeys(["a", "b", "vip", "c"])
-        assert scheduler._hold_back_all_but_urgent() == []  # nothing urgent: the library's FIFO as it is
-        assert list(scheduler.waiting_requests_order) == ["a", "b", "vip", "c"]
-        counters.urgent.add("vip")
-        later = scheduler._hold_back_all_but_urgent()
-        assert later == ["a", "b", "c"] and list(scheduler.waiting_requests_order) == ["vip"]
-        # The next step, with another urgent newcomer: those held back once start beside it, after it; a new one waits.
-        counters.urgent.add("vip2")
-        scheduler.waiting_requests_order = deque(["a", "b", "c", "d", "vip2"])
-        later = scheduler._hold_back_all_but_urgent()
-        assert later == ["d"] and list(scheduler.waiting_requests_order) == ["vip2", "a", "b", "c"]
-        counters.urgent.add("other")  # urgent, but not waiting
-        scheduler.waiting_requests_order = deque(["e"])
-        assert scheduler._hold_back_all_but_urgent() == []
-    finally:
-        unregister_scheduler(name)
+    cls = scheduler_class(counters)
+    scheduler = cls.__new__(cls)  # the choice alone: no cache, no library step
+    scheduler.waiting_requests_order = deque(["a", "b", "vip", "c"])
+    scheduler.waiting_requests = dict.fromkeys(["a", "b", "vip", "c"])
+    assert scheduler._hold_back_all_but_urgent() == []  # nothing urgent: the library's FIFO as it is
+    assert list(scheduler.waiting_requests_order) == ["a", "b", "vip", "c"]
+    counters.urgent.add("vip")
+    later = scheduler._hold_back_all_but_urgent()
+    assert later == ["a", "b", "c"] and list(scheduler.waiting_requests_order) == ["vip"]
+    # The next step, with another urgent newcomer: those held back once start beside it, after it; a new one waits.
+    counters.urgent.add("vip2")
+    scheduler.waiting_requests_order = deque(["a", "b", "c", "d", "vip2"])
+    later = scheduler._hold_back_all_but_urgent()
+    assert later == ["d"] and list(scheduler.waiting_requests_order) == ["vip2", "a", "b", "c"]
+    counters.urgent.add("other")  # urgent, but not waiting
+    scheduler.waiting_requests_order = deque(["e"])
+    assert scheduler._hold_back_all_but_urgent() == []
 
 
 def test_lower_lane_decoding_rows_sit_out_where_urgent_ones_want_the_step_s_rows() -> None:
@@ -151,36 +145,31 @@ def test_lower_lane_decoding_rows_sit_out_where_urgent_ones_want_the_step_s_rows
     from collections import deque
     from types import SimpleNamespace
 
-    from transformers.generation.continuous_batching import scheduler as schedulers
     from transformers.generation.continuous_batching.requests import RequestStatus
 
-    from ttft_sse.engine.library.scheduler import PrefixCounters, register_scheduler, unregister_scheduler
+    from ttft_sse.engine.library.scheduler import PrefixCounters, scheduler_class
 
     counters = PrefixCounters()
-    name = register_scheduler(counters, paged=False)
-    try:
-        cls = schedulers.SCHEDULER_MAPPING[name]
-        scheduler = cls.__new__(cls)  # the choice alone: no cache, no library step
-        scheduler.max_requests_per_batch = 3
-        decoding = SimpleNamespace(status=RequestStatus.DECODING)
-        prompt = SimpleNamespace(status=RequestStatus.PREFILLING)
-        scheduler.active_requests = {"a": decoding, "b": decoding, "long": prompt}
-        scheduler.waiting_requests = {"vip": SimpleNamespace(status=RequestStatus.PENDING)}
-        scheduler.waiting_requests_order = deque(["vip"])
-        counters.turns.patience.update(a=1.0, b=1.0, long=1.0)
-        counters.turns.ran(["a", "b", "long"], 0.0)
-        assert scheduler._sit_out(0.0) == {}  # nothing urgent: the library's FIFO as it is
-        counters.urgent.add("vip")
-        assert scheduler._sit_out(0.0) == {"a": decoding} and list(scheduler.active_requests) == ["b", "long"]
-        scheduler.active_requests.update({"a": decoding, "vip": decoding})  # put back; the urgent one started
-        del scheduler.waiting_requests["vip"]
-        scheduler.waiting_requests_order.clear()
-        counters.turns.ran(["b", "long", "vip"], 0.1)
-        assert scheduler._sit_out(0.2) == {"b": decoding}  # in turn: a sat the last step out
-        scheduler.active_requests["b"] = decoding
-        # A normal newcomer may start in this step (no urgent one waits): its prompt has a row before their tokens.
-        scheduler.waiting_requests_order.append("new")
-        assert scheduler._sit_out(0.3) == {"a": decoding, "b": decoding}
-        assert counters.turns.sat_out == 4
-    finally:
-        unregister_scheduler(name)
+    cls = scheduler_class(counters)
+    scheduler = cls.__new__(cls)  # the choice alone: no cache, no library step
+    scheduler.max_requests_per_batch = 3
+    decoding = SimpleNamespace(status=RequestStatus.DECODING)
+    prompt = SimpleNamespace(status=RequestStatus.PREFILLING)
+    scheduler.active_requests = {"a": decoding, "b": decoding, "long": prompt}
+    scheduler.waiting_requests = {"vip": SimpleNamespace(status=RequestStatus.PENDING)}
+    scheduler.waiting_requests_order = deque(["vip"])
+    counters.turns.patience.update(a=1.0, b=1.0, long=1.0)
+    counters.turns.ran(["a", "b", "long"], 0.0)
+    assert scheduler._sit_out(0.0) == {}  # nothing urgent: the library's FIFO as it is
+    counters.urgent.add("vip")
+    assert scheduler._sit_out(0.0) == {"a": decoding} and list(scheduler.active_requests) == ["b", "long"]
+    scheduler.active_requests.update({"a": decoding, "vip": decoding})  # put back; the urgent one started
+    del scheduler.waiting_requests["vip"]
+    scheduler.waiting_requests_order.clear()
+    counters.turns.ran(["b", "long", "vip"], 0.1)
+    assert scheduler._sit_out(0.2) == {"b": decoding}  # in turn: a sat the last step out
+    scheduler.active_requests["b"] = decoding
+    # A normal newcomer may start in this step (no urgent one waits): its prompt has a row before their tokens.
+    scheduler.waiting_requests_order.append("new")
+    assert scheduler._sit_out(0.3) == {"a": decoding, "b": decoding}
+    assert counters.turns.sat_out == 4

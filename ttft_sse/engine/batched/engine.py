@@ -82,16 +82,16 @@ from ttft_sse.engine.batched import memory
 from ttft_sse.engine.batched.held import Held
 from ttft_sse.engine.batched.pins import Pins
 from ttft_sse.engine.batched.prefix_store import PrefixStore
-from ttft_sse.engine.batched.stats import BatchStats, kv_tokens
+from ttft_sse.engine.batched.stats import BatchStats
 from ttft_sse.engine.first.beside import start_beside
 from ttft_sse.engine.first.claims import Arrivals, Claims, FirstToken
 from ttft_sse.engine.first.interlude import Interlude
 from ttft_sse.engine.first.process import PrefillProcess
 from ttft_sse.engine.first.race import Race
-from ttft_sse.engine.kernels import attention
-from ttft_sse.engine.library import hooks, salts
-from ttft_sse.engine.library.hooks import BLOCK_TOKENS, missing_internals
-from ttft_sse.engine.library.scheduler import PrefixCounters, register_scheduler, unregister_scheduler
+from ttft_sse.engine.library import grouped, hooks, internals, salts
+from ttft_sse.engine.library.in_place import StepHooks
+from ttft_sse.engine.library.paged_cache import BLOCK_TOKENS
+from ttft_sse.engine.library.scheduler import PrefixCounters
 from ttft_sse.engine.library.turns import PATIENCE_SECONDS
 from ttft_sse.engine.loaded import CacheJanitor, LoadedModel
 from ttft_sse.engine.modes import Modes
@@ -126,7 +126,7 @@ class BatchedEngine:
         self._closed = False
         self._capacity = 0
         self._counters = PrefixCounters(prefill_chunk=settings.prefill_chunk_tokens)
-        self._scheduler = ""
+        self._in_place = False  # the loop's cache reads in place (engine/library/in_place.py): set as the loop starts
         self.batch_log: deque[tuple[str, ...]] = deque(maxlen=BATCH_LOG_STEPS)
         """The request ids that received a token, step by step (the most recent ``BATCH_LOG_STEPS`` steps)."""
         self._steps = 0
@@ -138,7 +138,6 @@ class BatchedEngine:
         self._batching_off: str | None = None  # why requests run on the single engine, where they must
         self._modes = Modes((NORMAL,))  # the model's modes, once loaded
         self._held = Held(self._post)  # a step's outputs, posted as the next step's layers go into C
-        self._counters.before_kernel = self._held.release
         self._counters.progress = self._progress
         self._interlude_held: dict[str, int] = {}  # request id → the tokens the cache held when an interlude ran it
         self._pins = Pins(self._counters, self._mailboxes, self._ids, settings.prefill_keep_seconds)
@@ -198,20 +197,23 @@ class BatchedEngine:
         self._loaded.load(clock)
         self._modes = Modes(self.info.modes)
         self._counters.modes = self._modes if len(self._modes.modes) > 1 else None
-        missing = missing_internals()
+        missing = internals.missing()
         if missing:
-            # Every request then runs on the single engine (its capacity stays 0): slower, never wrong.
-            import transformers
-
-            self._batching_off = f"transformers {transformers.__version__} lacks what the batching hooks use"
-            log.warning("batching_off", reason=self._batching_off, missing=missing)
+            self._off(missing)
             return
         hooks.keep_config_causal(self.model)
-        self._prefill = start_beside(self._settings, self.model, self.info, self._counters)  # before the loop
+        self._prefill = start_beside(self._settings, self.model, self.info, self._counters.seeds)  # before the loop
         if self._prefill is not None:
             self._race = Race(self._prefill, self._claims, self._modes, self._mailboxes.deliver)
         with clock.stage("batching"):
-            self._manager = self._create_manager(paged=attention.paged(self.model))
+            try:
+                self._manager = self._create_manager(paged=grouped.paged(self.model))
+            except hooks.Unbatched as exc:
+                if self._prefill is not None:
+                    self._prefill.stop()
+                self._prefill = self._race = None
+                self._off(exc.missing)
+                return
             self._loop = Resident(
                 name="ttft-batch",
                 start=self._start_manager,
@@ -220,27 +222,45 @@ class BatchedEngine:
             )
             self._loop.start()
 
+    def _off(self, missing: list[str]) -> None:
+        """Every request runs on the single engine (its capacity stays 0): slower, never wrong."""
+        import transformers
+
+        self._batching_off = f"transformers {transformers.__version__} lacks what the batching hooks use"
+        log.warning("batching_off", reason=self._batching_off, missing=missing)
+
     def _create_manager(self, *, paged: bool) -> Any:
         import math
 
+        import torch
+
         blocks = math.ceil((self.info.kv_cache_tokens or self._settings.kv_cache_tokens) / BLOCK_TOKENS)
-        self._capacity = blocks * BLOCK_TOKENS
-        self._scheduler = register_scheduler(self._counters, paged=paged)
+        # Where the cache reads in place: a step's outputs posted as its layers go into C, the interludes between them.
+        side = self._prefill if isinstance(self._prefill, Interlude) else None
+        between, waiting = (side.serve, side.waiting) if side is not None else (None, None)
+        steps = StepHooks(self._held.release, between, waiting) if paged else None
         manager = hooks.create_manager(
             self._loaded,
             self._settings,
             blocks=blocks,
-            scheduler=self._scheduler,
+            counters=self._counters,
             deliver=self._deliver,
             claims=self._claims,
-            populate=self._populate,
+            steps=steps,
+            zeros=lambda size: memory.lazy_zeros(size, torch),
+            made=self._made,
         )
+        self._capacity = blocks * BLOCK_TOKENS  # 0 until then: every request goes to the single engine
         self._pins.attach(manager, self._capacity)
         return manager
 
-    def _populate(self, cache: Any) -> None:
-        """The paged cache's pages faulted in at idle priority while no request runs (memory.populate)."""
-        self._populator.run(functools.partial(memory.populate, cache, lambda: self._mailboxes.count > 0))
+    def _made(self, processor: Any) -> None:
+        """The loop's thread, its batch processor built: whether its cache reads in place; on CPU, its pages faulted in
+        at idle priority while no request runs (memory.populate)."""
+        self._in_place = getattr(processor.cache, "in_place", None) is not None
+        tensor = getattr(processor.cache, "cache_tensor", None)  # an instance attribute of the library's cache
+        if tensor is not None and tensor.device.type == "cpu":
+            self._populator.run(functools.partial(memory.populate, tensor, lambda: self._mailboxes.count > 0))
 
     def _start_manager(self) -> None:
         import torch
@@ -382,7 +402,7 @@ class BatchedEngine:
         if seed is not None:
             self._counters.seeds[request_id] = seed
         # A salted request is not raced in the prefill process, whose prompts' KV is shared by everyone's.
-        race = self._race is not None and self._race.open and self._counters.in_place and self._mailboxes.count > 1
+        race = self._race is not None and self._race.open and self._in_place and self._mailboxes.count > 1
         if race and self._race is not None and (seed is None or isinstance(self._prefill, Interlude)):
             held = self._interlude_held
 
@@ -448,7 +468,6 @@ class BatchedEngine:
         self._mailboxes.end_all()
         if self._loop is not None and self._loop.alive:
             await self._loop.stop()
-        unregister_scheduler(self._scheduler)
         if self._prefill is not None:
             await asyncio.to_thread(self._prefill.stop)  # the waits in flight end: the child is gone
         if self._race is not None:
@@ -458,14 +477,10 @@ class BatchedEngine:
     # -- state -------------------------------------------------------------------------------------------------
 
     def stats(self) -> BatchStats:
-        manager = self._manager
-        processor = getattr(manager, "batch_processor", None) if manager is not None else None
-        scheduler = getattr(processor, "scheduler", None)
-        cache = getattr(processor, "cache", None)
-        in_use, cached = kv_tokens(cache)
+        requests, in_use, cached = hooks.occupancy(self._manager)
         return BatchStats(
             running=self._loop is not None and self._loop.alive,
-            requests=len(scheduler.active_requests) + len(scheduler.waiting_requests) if scheduler else 0,
+            requests=requests,
             streams=self._mailboxes.count,
             steps=self._steps,
             prompt_tokens=self._counters.prompt_tokens,

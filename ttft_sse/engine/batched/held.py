@@ -5,7 +5,7 @@ Python then turns each token into text and an event for its client. Posted as th
 from the batching thread's next step, whose preparation (transformers' Python) comes first: the two run one after
 the other, every step, although the decoder layers then run in C without the GIL for most of the step.
 :class:`Held` keeps a step's outputs until the next step's layers are about to go into C
-(:attr:`~ttft_sse.engine.kernels.attention.InPlace.before_kernel`, which the decoder layers in C call) and posts them
+(:attr:`~ttft_sse.engine.library.in_place.StepHooks.before_kernel`, which the decoder layers in C call) and posts them
 there, so that the event loop's work runs beside the kernel (figures: docs/engine.md).
 
 Only what can wait that long (a step's preparation, about a millisecond) is held: a step's outputs that include a

@@ -4,8 +4,8 @@ transformers allocates the whole paged cache (``kv_cache_tokens`` x layers x KV 
 2 in f16: 1.9 GB for a Qwen3-0.6B shape at 8192 tokens in fp32) when the batching loop builds its first batch processor,
 with ``torch.zeros``, which writes every page before the first answer: seconds of start-up where first writes of fresh
 memory are slow (a virtual machine's: 1.1 ms a MB measured here). The engine has it take :func:`lazy_zeros` instead
-(engine/library/hooks.py), and once the loop runs, :func:`populate` faults every page in at idle priority (bridge.Idle)
-while no request runs, so that neither the start nor a later long prompt waits for the pages it writes.
+(engine/library/paged_cache.py), and once the loop runs, :func:`populate` faults every page in at idle priority
+(threads.Idle) while no request runs, so that neither the start nor a later long prompt waits for the pages it writes.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ import structlog
 
 from ttft_sse.engine.base import Hold, Progress, Prompt
 from ttft_sse.engine.library import salts
-from ttft_sse.engine.library.hooks import BLOCK_TOKENS
+from ttft_sse.engine.library.paged_cache import BLOCK_TOKENS
 from ttft_sse.engine.library.scheduler import PrefixCounters
 from ttft_sse.engine.threads import Mailboxes
 from ttft_sse.errors import EngineError

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import importlib
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -38,8 +37,8 @@ from ttft_sse.engine.base import NORMAL, ModelInfo
 from ttft_sse.engine.batched import prefix_file
 from ttft_sse.engine.batched.pins import Pinned, Pins
 from ttft_sse.engine.batched.prefix_file import Prefix, Stored, Unusable
-from ttft_sse.engine.library import salts
-from ttft_sse.engine.library.hooks import BLOCK_TOKENS
+from ttft_sse.engine.library import internals
+from ttft_sse.engine.library.paged_cache import BLOCK_TOKENS
 from ttft_sse.engine.library.scheduler import PrefixCounters
 from ttft_sse.settings import Settings
 
@@ -227,12 +226,12 @@ def _native_key() -> str | None:
 
 
 def _salted(ids: Sequence[int], mode: str) -> list[int]:
-    """The ids a mode's blocks are hashed from (engine/modes.py's ``keep_apart``)."""
+    """The ids a mode's blocks are hashed from (engine/library/salts.py's ``keep_apart``)."""
     return list(ids) if mode == NORMAL else [-1 - token for token in ids]
 
 
 def _compute() -> Callable[[int | None, list[int]], int]:
-    fn: Callable[[int | None, list[int]], int] = importlib.import_module(salts.ALLOCATOR_MODULE).compute_block_hash
+    fn: Callable[[int | None, list[int]], int] = internals.batching().compute_block_hash
     return fn
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from ttft_sse.engine.kernels import kernel
 
@@ -28,13 +27,3 @@ class BatchStats:
     interlude_first_tokens: int = 0  # first tokens interludes gave (engine/first/interlude.py)
     rows_sat_out: int = 0  # lower-lane rows left out of a step for the high lane's (engine/library/turns.py)
     kernel: kernel.HelperCounts | None = None  # the block kernel's helper threads (None without them)
-
-
-def kv_tokens(cache: Any) -> tuple[int, int]:
-    """The library's paged ``cache`` (or None): its tokens held by requests (and pins), and those cached only."""
-    in_use = cached = 0
-    for allocator in list(getattr(cache, "cache_allocators", {}).values()):
-        page = allocator.tokens_per_page
-        in_use += sum(len(blocks) for blocks in list(allocator.block_table.values())) * page
-        cached += len(allocator.ledger.cached_blocks) * page
-    return in_use, cached

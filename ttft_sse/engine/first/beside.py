@@ -10,25 +10,22 @@ import structlog
 from ttft_sse.engine.base import ModelInfo
 from ttft_sse.engine.first.interlude import Interlude
 from ttft_sse.engine.first.process import PrefillProcess
-from ttft_sse.engine.kernels import attention
-from ttft_sse.engine.library import families, half_cache
-from ttft_sse.engine.library.scheduler import PrefixCounters
+from ttft_sse.engine.library import families, grouped, half_cache
 from ttft_sse.settings import Settings
 
 log = structlog.get_logger("ttft_sse.engine")
 
 
 def start_beside(
-    settings: Settings, model: Any, info: ModelInfo, counters: PrefixCounters
+    settings: Settings, model: Any, info: ModelInfo, seeds: dict[str, int]
 ) -> PrefillProcess | Interlude | None:
-    """Interludes where asked and possible (wired into ``counters``, before the loop: its scheduler hands its cache
-    the interludes); else the prefill process, started, where it can help: on CPU, with a core of its own."""
+    """Interludes where asked and possible (their prompts' blocks salted by ``seeds``, the engine's cache salts by
+    request name; the engine hands them to its cache's steps); else the prefill process, started, where it can help:
+    on CPU, with a core of its own."""
     if settings.prefill_between_layers:
         reason = _no_interludes(settings, model, info)
         if reason is None:
-            interlude = Interlude(model, counters.seeds)
-            counters.between = interlude.serve
-            counters.waiting = interlude.waiting
+            interlude = Interlude(model, seeds)
             log.info("interludes_on")
             return interlude
         log.info("interludes_off", reason=reason)
@@ -54,7 +51,7 @@ def start_beside(
 def rows_alone(model: Any, info: ModelInfo) -> bool:
     """Each row of a forward pass is computed from its own inputs alone (the block kernel's linear layers, the C
     attention): a first token computed beside the batch is then the batch's, bit for bit."""
-    return attention.paged(model) and info.weights.startswith("gguf-blocks")
+    return grouped.paged(model) and info.weights.startswith("gguf-blocks")
 
 
 def _no_interludes(settings: Settings, model: Any, info: ModelInfo) -> str | None:

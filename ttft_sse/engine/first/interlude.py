@@ -98,7 +98,7 @@ class Interlude:
         """Prompts left to the batch: too many new tokens, or no room in the cache."""
         self.waiting = ctypes.c_int32(0)
         """How many prompts wait (0 when none), for the decoder layers run in one call to read before each layer
-        (:attr:`attention.InPlace.waiting`)."""
+        (engine/library/in_place.py's ``StepHooks.waiting``)."""
 
     @property
     def state(self) -> str:
@@ -140,8 +140,8 @@ class Interlude:
             self._take(serve=None)
 
     def serve(self, in_place: Any) -> None:
-        """The batching thread, between two layers of a step over ``in_place`` (an :class:`attention.InPlace`):
-        the first token of every prompt still wanted, one after another."""
+        """The batching thread, between two layers of a step over ``in_place`` (engine/library/in_place.py's
+        ``InPlace``): the first token of every prompt still wanted, one after another."""
         if self._waiting:
             self._take(serve=in_place)
 

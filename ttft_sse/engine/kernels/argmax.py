@@ -1,9 +1,10 @@
 """The greedy pick of the batched engine's steps: each row's argmax over the vocabulary, in C (``argmax.c``).
 
 transformers' continuous batching picks a step's tokens with ``torch.argmax`` over its logits (the runner's private
-``_sample``, with ``do_sample=False``: engine/library/selection.py draws sampled rows before it). On CPU that reads
-one value at a time, a measurable part of a decode step over a vocabulary of tens of thousands of tokens (figures:
-docs/engine.md). :func:`pick_greedy` gives the runner ``argmax.c``'s instead, which reads a row 16 values at a time.
+``_sample``, with ``do_sample=False``: engine/library/selection.py draws sampled rows before it). On CPU that reads one
+value at a time, a measurable part of a decode step over a vocabulary of tens of thousands of tokens (figures:
+docs/engine.md). engine/library/hooks.py's ``pick_greedy`` gives the runner ``argmax.c``'s instead (:class:`Argmax`),
+which reads a row 16 values at a time.
 Its rule is torch's (the first index of the largest value; the first NaN, if any), and comparisons are exact, so the
 tokens are the same. Where it cannot be built (no C compiler) the runner keeps torch's, and the log says why
 (``argmax_torch``; else ``argmax_c``).
@@ -61,27 +62,3 @@ def build(directory: Path) -> Argmax | None:
         return None
     log.info("argmax_c")
     return picker
-
-
-def pick_greedy(runner: Any, argmax: Argmax, torch: Any) -> None:
-    """Make the continuous-batching ``runner`` (transformers' ``ModelRunner``) pick its tokens with ``argmax``
-    where it would call ``torch.argmax``: no sampling and no log-probabilities asked, and scores ``argmax`` takes.
-    Anything else goes to the library's own ``_sample``. Once a runner: a batch processor the manager resets keeps
-    its runner."""
-    library_sample = runner._sample
-    if getattr(library_sample, "picks_greedy", False):
-        return
-
-    def sample(scores: Any, output_ids: Any) -> None:
-        if runner.do_sample or runner.return_logprobs or scores.dim() != 3 or scores.size(0) != 1:
-            library_sample(scores, output_ids)
-            return
-        rows = scores[0]  # [num_logits, vocab_size]
-        if not argmax.takes(rows, torch):
-            library_sample(scores, output_ids)
-            return
-        tokens = argmax.rows(rows, torch)
-        output_ids[0, : tokens.size(0)].copy_(tokens)
-
-    sample.picks_greedy = True  # type: ignore[attr-defined]
-    runner._sample = sample

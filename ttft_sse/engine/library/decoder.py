@@ -12,12 +12,12 @@ up, down, residual). Between them the layer calls the model's KV cache and atten
 transformers' ``LlamaAttention`` does, so the batched engine's paged cache, the single engine's dense one and the
 prefill process's all work unchanged, and every engine runs the same arithmetic: a request's text is the same on each.
 
-In the batched engine's steps over its paged cache read in place (engine/kernels/attention.py's
-:class:`~attention.InPlace`) a layer is one C call (``ttft_decoder_layer``, made by engine/library/stack.py): the head,
+In the batched engine's steps over its paged cache read in place (engine/library/in_place.py's
+:class:`~in_place.InPlace`) a layer is one C call (``ttft_decoder_layer``, made by engine/library/stack.py): the head,
 the new keys and values copied into the layer's cache rows, attention.c's function (a pointer into its own library), the
 tail. That skips the Python between the two halves (the cache's update, the attention function's wrapper, the tensors
 between them). The index arrays a step's layers share are made once, by its first layer
-(:meth:`attention.InPlace.step`). The same arithmetic in the same order as the calls it replaces, so the same bits (a
+(:meth:`in_place.InPlace.step`). The same arithmetic in the same order as the calls it replaces, so the same bits (a
 test); other calls (the single engine's dense cache, the prefill process's, long prompts, a softcap or sliding window)
 keep the two halves.
 
@@ -25,7 +25,7 @@ Where every decoder layer of the model is fused, a batched step's first layer co
 (``ttft_decoder_stack``, engine/library/stack.py's ``run_layers``), so that the Python around each layer's call (module
 calls, arguments, the GIL taken back) is paid once a step: each layer's ``ttft_decoder_layer`` in turn, the same calls,
 so the same bits; the step's later layers hand its output on. The interludes still run between two layers: the call
-stops before a layer when their flag says a newcomer waits (:attr:`attention.InPlace.waiting`), and goes on from there
+stops before a layer when their flag says a newcomer waits (:attr:`in_place.InPlace.waiting`), and goes on from there
 after them. The interludes' own passes use it too.
 
 Each layer computes q, k and v in one call of the kernel and gate and up in another, over their panels side by side
@@ -54,9 +54,10 @@ from typing import Any
 
 import structlog
 
-from ttft_sse.engine.kernels import attention, compiler, kernel, weights
+from ttft_sse.engine.kernels import compiler, kernel, weights
 from ttft_sse.engine.kernels.structs import JOINED, LINEARS, Layer, Linear
-from ttft_sse.engine.library import families, stack
+from ttft_sse.engine.library import families, internals, stack
+from ttft_sse.engine.library import in_place as places
 
 log = structlog.get_logger("ttft_sse.engine")
 
@@ -218,9 +219,7 @@ def fused_layer_class(base: Any = None) -> type[Any]:
     """transformers' decoder layer class ``base`` (``LlamaDecoderLayer`` by default; a family's of
     engine/library/families.py) with its arithmetic in decoder.c, its cache and attention the model's."""
     if base is None:
-        from transformers.models.llama.modeling_llama import LlamaDecoderLayer
-
-        base = LlamaDecoderLayer
+        base = internals.attention().decoder_layer
     return _fused_class(base)
 
 
@@ -249,7 +248,7 @@ def _fused_class(base: Any) -> type[Any]:
             position_embeddings: tuple[Any, Any] | None = None,
             **kwargs: Any,
         ) -> Any:
-            in_place: attention.InPlace | None = getattr(cache, attention.IN_PLACE, None)
+            in_place: places.InPlace | None = getattr(cache, "in_place", None)  # the engine's paged cache's
             if in_place is not None and hidden_states is in_place.stacked:
                 return hidden_states  # the step's first layer computed this one too (stack.run_layers)
             assert position_embeddings is not None, "the model passes every layer its rotary embedding"
@@ -271,7 +270,7 @@ def _fused_class(base: Any) -> type[Any]:
 
 def _in_place(
     module: Any,
-    in_place: attention.InPlace,
+    in_place: places.InPlace,
     shared: Any,
     kwargs: dict[str, Any],
     x: Any,
@@ -307,15 +306,15 @@ def _around_attention(
     ``LlamaAttention`` calls them: decoder.c's head (norm, q/k/v, rotary), then its tail (o, residual, norm, MLP,
     residual)."""
     import torch
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-    from transformers.models.llama.modeling_llama import eager_attention_forward
+
+    library = internals.attention()
 
     self_attn, layer = module.self_attn, module.arithmetic
     shape = x.shape[:-1]
     q = torch.empty((*shape, layer.heads * layer.dim))
     k, v = torch.empty((*shape, layer.kv_heads * layer.dim)), torch.empty((*shape, layer.kv_heads * layer.dim))
     address = module.addresses[kernel.ROWS.int8]
-    in_place: attention.InPlace | None = getattr(cache, attention.IN_PLACE, None)
+    in_place: places.InPlace | None = getattr(cache, "in_place", None)  # the engine's paged cache's
     if in_place is not None:
         in_place.before_kernel()
     status = module.head(
@@ -327,7 +326,7 @@ def _around_attention(
     query, key, value = (t.view(heads).transpose(1, 2) for t in (q, k, v))
     if cache is not None:
         key, value = cache.update(key, value, self_attn.layer_idx, kwargs=kwargs)
-    attend = ALL_ATTENTION_FUNCTIONS.get_interface(self_attn.config._attn_implementation, eager_attention_forward)
+    attend = library.functions.get_interface(self_attn.config._attn_implementation, library.eager)
     window = getattr(self_attn, "sliding_window", None)  # Gemma 3's sliding layers, as its attention passes it
     if window is not None:
         kwargs = {**kwargs, "sliding_window": window}

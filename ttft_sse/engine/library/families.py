@@ -25,13 +25,13 @@ activation of another kind), is not fused; :func:`why_not` says why, for the log
 
 from __future__ import annotations
 
-import importlib
 import weakref
 from dataclasses import dataclass
 from typing import Any
 
 from ttft_sse.engine.kernels import kernel
 from ttft_sse.engine.kernels.structs import LINEARS
+from ttft_sse.engine.library import internals
 
 
 @dataclass(frozen=True)
@@ -50,10 +50,9 @@ class Family:
     offset: float = 0.0  # the norms multiply by offset + w (Gemma: 1)
 
     def classes(self) -> tuple[type[Any], type[Any]]:
-        """The decoder layer and RMS norm classes."""
-        module = importlib.import_module(self.module)
-        found: tuple[type[Any], type[Any]] = (getattr(module, self.layer), getattr(module, self.norm))
-        return found
+        """The decoder layer and RMS norm classes (ImportError or AttributeError where transformers has none)."""
+        layer, norm = internals.modeling(self.module, self.layer, self.norm)
+        return layer, norm
 
 
 _T = "transformers.models"

@@ -10,9 +10,9 @@ Every engine that computes a request rounds its keys and values the same way, so
 same on all of them (the batched engine's steps, interludes and prefix sharing, its seeded and too-long requests on
 the single engine, the prefill process's first tokens):
 
-- the batched engine's paged cache (:func:`paged_class`): transformers' ``PagedAttentionCache`` allocated in f16; its
-  update rounds the new rows as it writes them and widens what it reads back; the decoder layers in C write fp16
-  values themselves (decoder.c) and the C attention reads them (attention.c's ``_f16`` functions);
+- the batched engine's paged cache (engine/library/paged_cache.py): transformers' ``PagedAttentionCache`` allocated in
+  f16; its update rounds the new rows as it writes them and widens what it reads back; the decoder layers in C write
+  fp16 values themselves (decoder.c) and the C attention reads them (attention.c's ``_f16`` functions);
 - the single engine's and the prefill process's dense caches (:func:`dense`): transformers' ``DynamicCache`` holding
   f16 tensors, each update widened back to fp32 for the attention.
 
@@ -70,24 +70,3 @@ def _dense_class() -> type:
             return keys.to(wide), values.to(wide)
 
     return HalfDynamicCache
-
-
-@functools.cache
-def paged_class(base: type) -> type:
-    """``base`` (transformers' ``PagedAttentionCache``) allocated in f16 whatever the model's dtype, its update
-    rounding the new rows to f16 as the library writes them and widening the rows it reads back (or returns) to the
-    new rows' dtype. The library sizes its blocks, sectors and pages by the cache's dtype (its ``itemsize``), so
-    every index it hands out counts f16 values; nothing else of the cache depends on the dtype. The engine's update
-    that reads in place (engine/kernels/attention.py's ``read_in_place``) wraps this one."""
-    import torch
-
-    class HalfPagedCache(base):  # type: ignore[misc]
-        def __init__(self, *args: Any, dtype: Any = None, **kwargs: Any) -> None:
-            super().__init__(*args, dtype=torch.float16, **kwargs)
-
-        def update(self, key_states: Any, value_states: Any, layer_idx: int, kwargs: dict[str, Any]) -> Any:
-            wide = key_states.dtype
-            keys, values = super().update(key_states.to(self.dtype), value_states.to(self.dtype), layer_idx, kwargs)
-            return keys.to(wide), values.to(wide)
-
-    return HalfPagedCache

@@ -1,4 +1,5 @@
-"""Prefix-cache isolation in the library's paged cache: a request's blocks are hashed from its cache salt.
+"""Prefix-cache isolation in the library's paged cache: a request's blocks are hashed from its cache salt, and
+from the mode that computed them.
 
 The library chains each whole block's hash to its parent's from ``None`` (``compute_block_hash``), so two requests
 with the same leading tokens share those blocks, whoever sent them. A shared cache tells a caller, by the time its
@@ -10,7 +11,8 @@ requests with that seed. A request without one hashes as the library does.
 :func:`install` replaces, on one cache's instances only, the cache's prefix search and each allocator's block
 registration with the library's own loops seeded by the request's salt (``seeds``: request id → seed, written by the
 engine before the request reaches the library, read in the batching thread). :func:`cached` counts, from any thread,
-the leading tokens of a prompt whose blocks the cache holds for a seed.
+the leading tokens of a prompt whose blocks the cache holds for a seed. :func:`keep_apart` does the same for the
+engine's modes (engine/modes.py): a block computed in int8 rows is shared only with requests in int8 rows.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ import hashlib
 from collections.abc import Sequence
 from typing import Any
 
-ALLOCATOR_MODULE = "transformers.generation.continuous_batching.cache_allocators.cache_allocator"
+from ttft_sse.engine.base import NORMAL
+from ttft_sse.engine.library import internals
+from ttft_sse.engine.modes import Modes
 
 
 def seed_of(salt: str) -> int | None:
@@ -31,11 +35,8 @@ def seed_of(salt: str) -> int | None:
 
 def install(cache: Any, seeds: dict[str, int]) -> None:
     """Make ``cache`` (the library's ``PagedAttentionCache``) hash each request's blocks from ``seeds[request_id]``
-    where it has one. Install it before any other wrapper of the same methods (engine/modes.py's
-    ``keep_apart`` wraps these)."""
-    import importlib
-
-    compute = importlib.import_module(ALLOCATOR_MODULE).compute_block_hash
+    where it has one. Install it before any other wrapper of the same methods (:func:`keep_apart` wraps these)."""
+    compute = internals.batching().compute_block_hash
     search = cache.search_prefix_match
     current: list[int | None] = [None]  # the seed of the prompt being matched (the batching thread's)
 
@@ -73,9 +74,7 @@ def cached(cache: Any, token_ids: Sequence[int], seed: int | None, salted: Any =
     """Leading tokens of ``token_ids`` whose blocks ``cache`` holds for requests of ``seed``, short of the last
     token (a request computes that one itself), in every allocator. ``salted`` maps token ids as the engine's mode
     does (engine/modes.py), if it does. Reads only: safe beside the batching thread."""
-    import importlib
-
-    compute = importlib.import_module(ALLOCATOR_MODULE).compute_block_hash
+    compute = internals.batching().compute_block_hash
     ids = list(token_ids) if salted is None else salted(list(token_ids))
     held: int | None = None
     for allocator in list(cache.cache_allocators.values()):
@@ -120,3 +119,34 @@ def _mark(allocator: Any, compute: Any, request_id: str, token_ids: list[int], n
                 if ledger.release(block):
                     allocator.pool.free_blocks(allocator.index, [block])
         parent = block_hash
+
+
+def keep_apart(cache: Any, modes: Modes) -> None:
+    """Make the library's paged cache ``cache`` share KV blocks between requests of one mode only: its allocators
+    hash the token ids of a step not in ``normal`` as ``-1 - id`` (the mode of :attr:`Modes.current`: the step's),
+    for prefix matches and for the blocks a step completes alike, and the blocks of a request computed in two modes
+    are not registered for sharing at all. The interludes' matches and registrations, in the batching thread, go
+    through the same allocators."""
+
+    def salted(ids: list[int]) -> list[int]:
+        return ids if modes.current == NORMAL else [-1 - token for token in ids]
+
+    for allocator in cache.cache_allocators.values():
+        match, mark = allocator.match_prefix_blocks, allocator.mark_complete_blocks
+
+        def match_prefix_blocks(prompt_ids: list[int], match: Any = match) -> Any:
+            return match(salted(prompt_ids))
+
+        def mark_complete_blocks(request_id: str, token_ids: list[int], blocks: int, mark: Any = mark) -> None:
+            mark(request_id, salted(token_ids), blocks)
+
+        allocator.match_prefix_blocks = match_prefix_blocks
+        allocator.mark_complete_blocks = mark_complete_blocks
+
+    register = cache.mark_complete_blocks
+
+    def mark_complete(state: Any, complete_blocks: dict[str, int]) -> None:
+        if not modes.mixed(state.request_id):
+            register(state, complete_blocks)
+
+    cache.mark_complete_blocks = mark_complete

@@ -1,8 +1,7 @@
 """The batching loop's scheduler: the library's FIFO scheduler, counting what prefix sharing saves (in all and per
-request), handing the cache read in place (engine/kernels/attention.py) the interludes (engine/first/interlude.py),
-switching the engine's mode between two steps (engine/modes.py), keeping requests' prefix blocks apart by
-salt (engine/library/salts.py), running prefills as background work, telling a long prompt's progress, and giving
-urgent requests (the high lane's) the step's rows first.
+request), running the interludes (engine/first/interlude.py) between two steps over the cache read in place
+(engine/library/in_place.py), switching the engine's mode between two steps (engine/modes.py), running prefills as
+background work, giving urgent requests (the high lane's) the step's rows first, and telling a long prompt's progress.
 
 **Urgent requests**: where they wait beside others, a step computes their prompts alone; where they and the others
 want more rows than a step has (``max_requests_per_batch``), lower-lane decoding requests sit the step out, in turn
@@ -32,16 +31,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ttft_sse.engine.base import NORMAL, Progress
-from ttft_sse.engine.kernels import attention
-from ttft_sse.engine.library import salts
-from ttft_sse.engine.library.hooks import BLOCK_TOKENS
+from ttft_sse.engine.library import internals
+from ttft_sse.engine.library.paged_cache import BLOCK_TOKENS
 from ttft_sse.engine.library.turns import Turns
 from ttft_sse.engine.library.uses import PrefixUses
-from ttft_sse.engine.modes import Modes, keep_apart
-
-SCHEDULER = "ttft_fifo"
-"""The prefix of the scheduler names the engine registers with transformers (see :func:`register_scheduler`)."""
-
+from ttft_sse.engine.modes import Modes
 
 CHUNK_CONTEXT = 1024
 """Prompt tokens already computed up to which a chunk of prefill is ``TTFT_PREFILL_CHUNK_TOKENS`` rows; past it the
@@ -71,10 +65,6 @@ class PrefixCounters:
     prompt_tokens: int = 0
     hits: int = 0
     hit_tokens: int = 0
-    in_place: bool = False  # the loop's cache hands the attention its rows in place (attention.read_in_place)
-    between: Callable[[Any], None] | None = None  # called between a batched step's layers (attention.InPlace.between)
-    waiting: Any = None  # a ctypes int, not 0 while between has work (attention.InPlace.waiting)
-    before_kernel: Callable[[], None] | None = None  # called as a step's layers go into C (InPlace.before_kernel)
     prefill_chunk: int = 0  # prompt tokens a step computes beside decoding streams (0: the whole token budget)
     modes: Modes | None = None  # where the engine has more than one mode: switched here, between two steps
     urgent: set[str] = field(default_factory=set)  # ids of requests prefilled before the others waiting (high lane)
@@ -89,36 +79,23 @@ class PrefixCounters:
     _told: dict[str, float] = field(default_factory=dict)  # request id → when its progress was last told
 
 
-def register_scheduler(counters: PrefixCounters, *, paged: bool) -> str:
-    """Register with the library a FIFO scheduler that counts into ``counters``, and return the name to ask for.
-    With ``paged``, it also makes the cache it is given hand the attention its rows in place
-    (:func:`~ttft_sse.engine.kernels.attention.read_in_place`): the scheduler is the one object of the engine's that the
-    library gives its cache to, once per loop.
+def scheduler_class(counters: PrefixCounters) -> type:
+    """The library's FIFO scheduler, counting into ``counters``: the class the engine's batch processor is built with
+    (engine/library/internals.py's ``build_processors``), one per engine, so that the counts reach the engine that
+    asked. The cache it is given is the engine's (engine/library/paged_cache.py): where it reads in place, its
+    ``in_place`` runs the interludes between two steps."""
+    parts = internals.batching()
+    request_status = parts.status
 
-    The library builds its scheduler from a name in its ``SCHEDULER_MAPPING``, with fixed arguments; a class per
-    engine is how the counts reach the engine that asked. ``unregister_scheduler`` removes it again.
-    """
-    from transformers.generation.continuous_batching import scheduler as schedulers
-    from transformers.generation.continuous_batching.requests import RequestStatus
-
-    PENDING = RequestStatus.PENDING
-
-    class CountingScheduler(schedulers.FIFOScheduler):  # type: ignore[misc]
+    class CountingScheduler(parts.fifo_scheduler):  # type: ignore[misc, name-defined]
         """FIFO (decoding requests first, then new ones in arrival order), counting what prefix sharing saved."""
 
         def __init__(self, cache: Any, *args: Any, **kwargs: Any) -> None:
             super().__init__(cache, *args, **kwargs)
-            counters.in_place = paged and attention.read_in_place(cache)
-            self._in_place: attention.InPlace | None = None
-            if counters.in_place:
-                self._in_place = getattr(cache, attention.IN_PLACE)
-                self._in_place.between = counters.between
-                self._in_place.waiting = counters.waiting
-                if counters.before_kernel is not None:
-                    self._in_place.before_kernel = counters.before_kernel
-            salts.install(cache, counters.seeds)
-            if counters.modes is not None:
-                keep_apart(cache, counters.modes)
+            # The engine's cache (engine/library/paged_cache.py), where it reads in place. The state this class
+            # rearranges (the active and waiting requests, the waiting queue's order) is the library's instance
+            # attributes, checked at load (engine/library/internals.py's SCHEDULER_STATE).
+            self._in_place: Any = getattr(cache, "in_place", None)
 
         def schedule_batch(self, token_budget: int, cache_budget: int) -> Any:
             # The coming step's mode, before anything of it is computed (the interlude below, the prefix matches, the
@@ -128,7 +105,7 @@ def register_scheduler(counters: PrefixCounters, *, paged: bool) -> str:
             while counters.chores:  # pins and unpins of prefills' blocks (BatchedEngine.prefill)
                 counters.chores.popleft()(self.cache)
             self._take_over()
-            decoding = sum(state.status == RequestStatus.DECODING for state in self.active_requests.values())
+            decoding = sum(state.status == request_status.DECODING for state in self.active_requests.values())
             # A newcomer that came after the last layer of the step just done (its output layer, sampling, this
             # preparation: the interludes' checks come before each layer) gets its first token from an interlude
             # here, between two steps, rather than in the coming step beside the streams' rows: its prompt is then
@@ -198,7 +175,8 @@ def register_scheduler(counters: PrefixCounters, *, paged: bool) -> str:
             prefills = counters.prefills
             if not prefills or counters.taken_over is None:
                 return
-            real = [s for i, s in self.waiting_requests.items() if i not in prefills and s.status == PENDING]
+            pending = request_status.PENDING
+            real = [s for i, s in self.waiting_requests.items() if i not in prefills and s.status == pending]
             for request_id in list(prefills) if real else ():
                 state = self.active_requests.get(request_id) or self.waiting_requests.get(request_id)
                 if state is None:
@@ -238,7 +216,7 @@ def register_scheduler(counters: PrefixCounters, *, paged: bool) -> str:
             told = counters._told
             for future in futures:
                 state = future.state
-                if state.status != RequestStatus.PREFILLING or state.request_id in counters.prefills:
+                if state.status != request_status.PREFILLING or state.request_id in counters.prefills:
                     continue
                 if now - told.get(state.request_id, 0.0) < PROGRESS_SECONDS:
                     continue
@@ -282,7 +260,7 @@ def register_scheduler(counters: PrefixCounters, *, paged: bool) -> str:
             wanted = running + sum(i in urgent for i in self.waiting_requests)
             if not wanted:
                 return {}
-            decoding = [i for i, s in active.items() if i not in urgent and s.status == RequestStatus.DECODING]
+            decoding = [i for i, s in active.items() if i not in urgent and s.status == request_status.DECODING]
             starting = sum(i not in urgent for i in self.waiting_requests_order)
             others = len(active) - running - len(decoding) + starting
             out = counters.turns.sit_out(self.max_requests_per_batch, wanted, decoding, others, now)
@@ -293,7 +271,7 @@ def register_scheduler(counters: PrefixCounters, *, paged: bool) -> str:
             summarise) is computed a chunk a step to its end, so that it cannot hold their next token for the time of
             a long pass; it takes more steps, each as short as a decode step plus the chunk. A prompt that fits one
             step's budget (a chat message, a system prompt) is computed in one step, as alone."""
-            prompts = [s for s in self.active_requests.values() if s.status == RequestStatus.PREFILLING]
+            prompts = [s for s in self.active_requests.values() if s.status == request_status.PREFILLING]
             prompts += list(self.waiting_requests.values())
             if not any(len(s.initial_tokens) > token_budget - decoding for s in prompts):
                 return token_budget
@@ -302,7 +280,7 @@ def register_scheduler(counters: PrefixCounters, *, paged: bool) -> str:
 
         def _infer_request_tokens(self, state: Any, removed: set[str]) -> Any:
             # A prefix match moves a pending request to PREFILLING here, once.
-            fresh = state.status == RequestStatus.PENDING and not state.is_cpu_offloaded
+            fresh = state.status == request_status.PENDING and not state.is_cpu_offloaded
             before = state.position_offset
             tokens = super()._infer_request_tokens(state, removed)
             if fresh and state.position_offset > before:
@@ -315,7 +293,7 @@ def register_scheduler(counters: PrefixCounters, *, paged: bool) -> str:
 
         def _schedule_request(self, state: Any, tokens: Any, budget: int, removed: set[str]) -> None:
             # A request without a prefix match is still PENDING when it is first scheduled.
-            if state.status == RequestStatus.PENDING:
+            if state.status == request_status.PENDING:
                 counters.prompt_tokens += len(state.initial_tokens)
                 self._note_use(state, 0)
             super()._schedule_request(state, tokens, budget, removed)
@@ -328,12 +306,4 @@ def register_scheduler(counters: PrefixCounters, *, paged: bool) -> str:
             if hit:
                 counters.uses.hit(state.initial_tokens[:hit], seed, mode)
 
-    name = f"{SCHEDULER}_{id(counters):x}"
-    schedulers.SCHEDULER_MAPPING[name] = CountingScheduler
-    return name
-
-
-def unregister_scheduler(name: str) -> None:
-    from transformers.generation.continuous_batching import scheduler as schedulers
-
-    schedulers.SCHEDULER_MAPPING.pop(name, None)
+    return CountingScheduler

@@ -1,5 +1,5 @@
 """The batch's token selection, per request: greedy (``temperature`` 0) or temperature and top-p sampling, and
-the first tokens given beside the batch (:class:`~ttft_sse.engine.first.claims.Claims`).
+the first tokens given beside the batch (engine/first/claims.py's ``Claims``).
 
 Four of the library's per-request processors (each has a row of the step's per-request values), applied to the
 step's logits before the step's argmax (``do_sample=False``; engine/kernels/argmax.py's on CPU). Greedy rows pass
@@ -15,23 +15,37 @@ Last, a row that gives a raced request its first token settles the race (:meth:`
 came first, only its token is left finite.
 
 The library's own sampling path runs softmax and a multinomial draw over the whole vocabulary of every row,
-greedy ones included (figures: docs/engine.md). This module imports torch and transformers: the batched engine
-imports it when it builds its batching loop, not before.
+greedy ones included (figures: docs/engine.md). This module imports torch and transformers (the library's
+processors through engine/library/internals.py): the batched engine imports it when it builds its batching loop, not
+before.
 """
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from collections.abc import Sequence
+from typing import Any, ClassVar, Protocol
 
 import torch
 import transformers
-from transformers.generation.continuous_batching.cb_logits_processors import (
-    ContinuousBatchingLogitsProcessor,
-    ContinuousBatchingLogitsProcessorList,
-)
 
 from ttft_sse.engine import sampling
-from ttft_sse.engine.first.claims import Claims
+from ttft_sse.engine.library import internals
+
+_PARTS = internals.batching()
+ContinuousBatchingLogitsProcessor: Any = _PARTS.logits_processor
+ContinuousBatchingLogitsProcessorList: Any = _PARTS.logits_processors
+
+
+class Claims(Protocol):
+    """Who gives each raced request its first token (engine/first/claims.py's ``Claims``), as a step's selection
+    tells it and asks it."""
+
+    def scheduled(self, request_ids: Sequence[str]) -> None:
+        """These requests' first tokens are rows of the step being prepared."""
+
+    def batch(self, request_ids: Sequence[str]) -> list[int | None]:
+        """The token each of these rows must pick (None: its own argmax or draw)."""
+        ...
 
 
 def selection(claims: Claims) -> Any:

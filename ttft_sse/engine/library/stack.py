@@ -1,10 +1,10 @@
-"""A batched step's fused decoder layers over the paged KV cache read in place (engine/kernels/attention.py's
-:class:`~attention.InPlace`), each in one C call (``ttft_decoder_layer``: :func:`whole`), or every layer of the model
+"""A batched step's fused decoder layers over the paged KV cache read in place (engine/library/in_place.py's
+:class:`~in_place.InPlace`), each in one C call (``ttft_decoder_layer``: :func:`whole`), or every layer of the model
 in one (``ttft_decoder_stack``: :func:`run_layers`, over a :class:`Chain`), with the arrays decoder.c reads for them.
 
 engine/library/decoder.py makes the layers and their chain (``fuse``), and its layers' forward calls these; the batched
 engine's interludes call them for their own passes. Before the layers go into C, without the GIL, each call hands
-the batched engine its moment (:attr:`attention.InPlace.before_kernel`).
+the batched engine its moment (:attr:`in_place.InPlace.before_kernel`).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any
 from ttft_sse.engine.kernels import attention, kernel
 from ttft_sse.engine.kernels.structs import Stack, Step
 from ttft_sse.engine.library import families
+from ttft_sse.engine.library import in_place as places
 
 _PTR = ctypes.c_void_p
 
@@ -47,11 +48,11 @@ class _Rows:
     firsts: dict[int, Any]
 
 
-_rows_of: weakref.WeakKeyDictionary[attention.InPlace, _Rows] = weakref.WeakKeyDictionary()
+_rows_of: weakref.WeakKeyDictionary[places.InPlace, _Rows] = weakref.WeakKeyDictionary()
 """Each paged cache's :class:`_Rows`, made at its first step that runs the layers in one call."""
 
 
-def _rows(chain: Chain, in_place: attention.InPlace) -> _Rows:
+def _rows(chain: Chain, in_place: places.InPlace) -> _Rows:
     found = _rows_of.get(in_place)
     if found is None:
         indices = [layer.self_attn.layer_idx for layer in chain.layers]
@@ -64,9 +65,9 @@ def _rows(chain: Chain, in_place: attention.InPlace) -> _Rows:
     return found
 
 
-def step_groups(chain: Chain, in_place: attention.InPlace, kwargs: dict[str, Any]) -> dict[int, attention.Step] | None:
+def step_groups(chain: Chain, in_place: places.InPlace, kwargs: dict[str, Any]) -> dict[int, attention.Step] | None:
     """The step of each allocator group of ``chain``'s layers in the batched step ``kwargs`` describe
-    (:meth:`attention.InPlace.step`), or None if one of them is not computed in one call."""
+    (:meth:`in_place.InPlace.step`), or None if one of them is not computed in one call."""
     steps: dict[int, attention.Step] = {}
     for group, module in _rows(chain, in_place).firsts.items():
         shared = in_place.step(module, kwargs)
@@ -78,7 +79,7 @@ def step_groups(chain: Chain, in_place: attention.InPlace, kwargs: dict[str, Any
 
 def run_layers(
     chain: Chain,
-    in_place: attention.InPlace,
+    in_place: places.InPlace,
     steps: dict[int, attention.Step],
     x: Any,
     rows: int,
@@ -139,7 +140,7 @@ def _rotary_tables(chain: Chain, x: Any, cos: Any, sin: Any, positions: Any) -> 
 
 
 def _c_step(shared: attention.Step, module: Any) -> Step:
-    """``shared`` as decoder.c reads it, for the layers of ``module``'s kind (marked by :func:`attention.page`); the
+    """``shared`` as decoder.c reads it, for the layers of ``module``'s kind (marked by grouped.py's ``page``); the
     arrays stay ``shared``'s (the caller holds both while C reads them)."""
     function = getattr(module, attention.PAGED_HALF if shared.half else attention.PAGED)
     part = getattr(module, attention.PAGED_PART_HALF if shared.half else attention.PAGED_PART, None)
@@ -158,7 +159,7 @@ def _c_step(shared: attention.Step, module: Any) -> Step:
 
 
 def c_step(shared: attention.Step, module: Any) -> Step:
-    """``shared`` as decoder.c reads it, for the layers of ``module``'s kind (marked by :func:`attention.page`); the
+    """``shared`` as decoder.c reads it, for the layers of ``module``'s kind (marked by grouped.py's ``page``); the
     arrays stay ``shared``'s (the caller holds both while C reads them). The last one made is kept, for the step's
     next layers; another engine's step in another thread only makes it again."""
     global _last

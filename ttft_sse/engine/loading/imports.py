@@ -12,7 +12,11 @@ goes to the function as it is, and it is put back when the import ends.
 
 Where the function is not there (another transformers), or ``transformers.models`` is imported already, the import
 runs untouched; a file that cannot be read or written is built again, or not kept (the log says so). The table
-gives the same lazy module as the scan: a test compares them.
+gives the same lazy module as the scan: a test compares them. The wrapper answers every caller as the function
+does, so a thread that imported a transformers module meanwhile would get the library's answer too.
+
+Gain, kept for it: 0.26 s of every start (the scan 257-275 ms, the file read 5-6 ms; 5 cold processes on 2 shared
+Zen 4 cores, transformers 5.25), of a start to ready of about 4 s.
 """
 
 from __future__ import annotations
