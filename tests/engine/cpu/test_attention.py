@@ -11,6 +11,7 @@ import torch
 import transformers
 from structlog.testing import capture_logs
 
+from tests.support import builds
 from ttft_sse.engine.cpu import attention, compiler, grouped
 from ttft_sse.engine.single import SingleEngine
 from ttft_sse.settings import Settings
@@ -164,14 +165,12 @@ def bookkeeping(requests: list[tuple[int, int]]) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module", params=["native", "avx2"])
-def paged_module(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """An attention module marked for the C attention, built once for this CPU, and once without AVX-512 (what a
-    CPU without it gets: its AVX2 side, checked on every machine)."""
+def paged_module(request: pytest.FixtureRequest) -> Any:
+    """An attention module marked for the C attention, built for this CPU, and without AVX-512 (what a CPU without
+    it gets: its AVX2 side, checked on every machine)."""
     model = tiny(kv_heads=2)
-    with pytest.MonkeyPatch.context() as patch:
-        if request.param == "avx2":
-            patch.setattr(compiler, "FLAGS", (*compiler.FLAGS, "-mno-avx512f"))
-        assert attention.page(model, torch, tmp_path_factory.mktemp("kernels")) == 2
+    with builds.flags(*(("-mno-avx512f",) if request.param == "avx2" else ())):
+        assert attention.page(model, torch, builds.DIRECTORY) == 2
     grouped.install()  # the attention function that hands the marked modules' calls to the C attention
     return model.model.layers[0].self_attn
 
@@ -388,15 +387,13 @@ def test_a_cache_with_layers_of_another_kind_is_left_to_gather_as_the_library_do
     ]
 
 
-def test_without_avx512_or_avx2_the_c_attention_refuses_and_nothing_is_marked(
-    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_without_avx512_or_avx2_the_c_attention_refuses_and_nothing_is_marked(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(compiler, "FLAGS", (*compiler.FLAGS, "-mno-avx512f", "-mno-avx2"))  # what such a CPU gets built
     with pytest.raises(RuntimeError, match="the CPU has neither AVX-512 nor AVX2 with FMA"):
-        attention._function(compiler.build(tmp_path, (attention.SOURCE,), "attention"))
+        attention._function(attention.build(builds.DIRECTORY))
     model = tiny(kv_heads=2)
     with capture_logs() as logs:
-        assert attention.page(model, torch, tmp_path) == 0
+        assert attention.page(model, torch, builds.DIRECTORY) == 0
     assert not attention.paged(model)
     assert logs[-1] == {
         "event": "attention_not_paged",
