@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from tests.support import tinymodels
+from tests.support.caches import Caches
 from tests.support.paths import CACHE_DIR
 from ttft_sse.engine.single import SingleEngine
 from ttft_sse.settings import Settings
@@ -49,3 +50,10 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Pat
     built on first use and kept for the rest of the session."""
     root = tmp_path_factory.mktemp("tiny-models")
     return lambda family: tinymodels.build(family, root)
+
+
+@pytest.fixture(scope="session")
+def fresh_cache(tmp_path_factory: pytest.TempPathFactory) -> Caches:
+    """``fresh_cache(directory, *ggufs)``: ``directory`` made a cache directory of the test's own, whose C libraries
+    are the suite's and which holds each GGUF's metadata, written once a session (tests/support/caches.py)."""
+    return Caches(tmp_path_factory.mktemp("gguf-metadata"))

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
+from tests.support.caches import Caches
 from tests.support.engines import llama_cpp_or_skip
 from ttft_sse.engine import choice
 from ttft_sse.engine.batched.engine import BatchedEngine
@@ -15,8 +16,12 @@ from ttft_sse.engine.choice import AutoEngine, Choice, create_engine, decide
 from ttft_sse.engine.fake import FakeEngine
 from ttft_sse.engine.kernels import compiler
 from ttft_sse.engine.llamacpp.engine import LlamaCppEngine
+from ttft_sse.engine.loading import sources
 from ttft_sse.engine.single import SingleEngine
 from ttft_sse.settings import Settings
+
+BUNDLED = sources.bundled_gguf()
+"""The model the tests choose an engine for (the default): its metadata copied into each test's cache directory."""
 
 
 def test_the_engine_faster_at_both_wins() -> None:
@@ -51,7 +56,7 @@ def test_auto_needs_no_measurement_for_a_model_llama_cpp_cannot_serve(tmp_path: 
     assert "GGUF" in made.reason
 
 
-def test_a_verdict_is_kept_per_set_of_conditions_and_read_back(tmp_path: Path) -> None:
+def test_a_verdict_is_kept_per_set_of_conditions_and_read_back(tmp_path: Path, fresh_cache: Caches) -> None:
     llama_cpp_or_skip()
     calls: list[tuple[str, int]] = []
 
@@ -59,7 +64,7 @@ def test_a_verdict_is_kept_per_set_of_conditions_and_read_back(tmp_path: Path) -
         calls.append((name, settings.max_concurrency))
         return {"c1": 10.0, "c8": 20.0} if name == "batched" else {"c1": 5.0, "c8": 30.0}
 
-    base = Settings(engine="auto", cache_dir=tmp_path)
+    base = Settings(engine="auto", cache_dir=fresh_cache(tmp_path, BUNDLED))
     first = choice.choose(base, measure=measure)
     assert (first.name, first.chosen_by) == ("batched", "measured")  # 10 x 20 against 5 x 30
     assert choice.choose(base, measure=measure) == Choice(
@@ -73,7 +78,9 @@ def test_a_verdict_is_kept_per_set_of_conditions_and_read_back(tmp_path: Path) -
     assert choice.verdict_path(base).parent == choice.verdict_path(other).parent  # beside the converted model
 
 
-def test_another_build_of_the_block_kernel_measures_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_another_build_of_the_block_kernel_measures_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fresh_cache: Caches
+) -> None:
     """A verdict holds for the kernel it was measured with: an upgrade that changes the kernel (here its flags) gives
     another key, and the engines are measured again."""
     llama_cpp_or_skip()
@@ -83,7 +90,7 @@ def test_another_build_of_the_block_kernel_measures_again(tmp_path: Path, monkey
         calls.append(name)
         return {"c1": 10.0, "c8": 20.0} if name == "batched" else {"c1": 5.0, "c8": 30.0}
 
-    base = Settings(engine="auto", cache_dir=tmp_path)
+    base = Settings(engine="auto", cache_dir=fresh_cache(tmp_path, BUNDLED))
     assert choice.choose(base, measure=measure).chosen_by == "measured"
     assert choice.choose(base, measure=measure).chosen_by == "measured before"
     monkeypatch.setattr(compiler, "FLAGS", (*compiler.FLAGS, "-DANOTHER_KERNEL"))
@@ -91,14 +98,16 @@ def test_another_build_of_the_block_kernel_measures_again(tmp_path: Path, monkey
     assert calls == ["batched", "llamacpp", "batched", "llamacpp"]
 
 
-def test_a_verdict_that_cannot_be_kept_is_logged_and_used(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_verdict_that_cannot_be_kept_is_logged_and_used(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fresh_cache: Caches
+) -> None:
     llama_cpp_or_skip()
 
     def refuse(*_args: Any, **_kwargs: Any) -> Any:
         raise PermissionError("read-only file system")
 
     monkeypatch.setattr(Path, "replace", refuse)
-    settings = Settings(engine="auto", cache_dir=tmp_path)
+    settings = Settings(engine="auto", cache_dir=fresh_cache(tmp_path, BUNDLED))
     with capture_logs() as logs:
         verdict = choice.choose(settings, measure=lambda _settings, name: {"c1": 1.0 + (name == "llamacpp"), "c8": 9.0})
     assert (verdict.name, verdict.chosen_by) == ("llamacpp", "measured")
@@ -117,7 +126,7 @@ def test_auto_engine_is_the_chosen_engine_once_loaded() -> None:
     assert not hasattr(engine, "stats")  # read through to the chosen engine, once there is one
 
 
-def test_auto_takes_the_engine_whose_kv_cache_fits_where_only_one_does(tmp_path: Path) -> None:
+def test_auto_takes_the_engine_whose_kv_cache_fits_where_only_one_does(tmp_path: Path, fresh_cache: Caches) -> None:
     """The bundled model in 1,550 MiB: beside its weights and working memory the batched engine's fp32 KV cache
     (``TTFT_KV_DTYPE=fp32``; 8,192 tokens: 377 MB) does not fit whole, llama.cpp's f16 one (189 MB) does; nothing is
     measured. With ``auto`` the batched engine's cache goes f16 where fp32 does not fit: both fit, and are measured."""
@@ -126,7 +135,7 @@ def test_auto_takes_the_engine_whose_kv_cache_fits_where_only_one_does(tmp_path:
     def measure(settings: Settings, name: str) -> choice.Rates:
         raise AssertionError("nothing to measure")
 
-    settings = Settings(engine="auto", cache_dir=tmp_path, memory_limit_mb=1550, kv_dtype="fp32")
+    settings = Settings(engine="auto", cache_dir=fresh_cache(tmp_path, BUNDLED), memory_limit_mb=1550, kv_dtype="fp32")
     made = choice.choose(settings, measure=measure)
     assert (made.name, made.chosen_by) == ("llamacpp", "memory")
     assert made.reason.startswith("memory: batched would hold ") and "of its 8192 KV tokens in 1.5 GiB" in made.reason

@@ -72,7 +72,7 @@ def complete(base: str, messages: list[dict[str, str]], secret: str, **extra: An
 
 def test_a_prefill_then_the_request_finds_the_prefix_cached_and_answers_the_same(server: tuple[str, Proc]) -> None:
     base, proc = server
-    system = system_prompt("lighthouse")
+    system = system_prompt("lighthouse", 20)
     alone = complete(base, chat(system, QUESTION), BOB)  # Bob's cache is apart from Alice's: computed in full
     assert alone["usage"]["cached_tokens"] < 16
 
@@ -149,7 +149,7 @@ def test_a_long_prompt_streams_its_progress_before_its_first_token(server: tuple
 
 def test_one_keys_prefill_gives_another_key_no_cached_tokens(server: tuple[str, Proc]) -> None:
     base, proc = server
-    system = system_prompt("garden")
+    system = system_prompt("garden", 20)
     ended = len(prefill_outcomes(proc))
     typed = {"messages": chat(system, "What grows")}
     assert httpx.post(f"{base}/prefill", json=typed, headers=key(ALICE, "tab-2")).status_code == 202

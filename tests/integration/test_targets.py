@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass
 
 import httpx
+import pytest
 
 from tests.support.servers import StreamReader, fake_app, running
 from ttft_sse.engine.fake import FakeEngine
@@ -56,12 +57,15 @@ def test_a_normal_request_past_its_target_is_refused_while_the_high_lane_is_serv
         assert 'ttft_sse_first_token_targets_total{lane="high",result="met"} 1.0' in metrics
 
 
-def test_the_engine_degrades_while_first_tokens_miss_and_recovers_after() -> None:
+def test_the_engine_degrades_while_first_tokens_miss_and_recovers_after(monkeypatch: pytest.MonkeyPatch) -> None:
     """A scripted engine whose normal mode gives first tokens past the target and whose faster mode does not: the
     gauge rises once ten first tokens missed, answers say degraded, and it falls back once they come in time."""
     from tests.support.servers import eventually
     from ttft_sse.admission import targets as targets_module
 
+    # A calm spell of 2 s, not 10, before switching back: tests/admission/test_targets.py checks the spell's length
+    # itself.
+    monkeypatch.setattr(targets_module, "RECOVER_SECONDS", 2.0)
     engine = FakeEngine(["x"], delay=0.35, modes=("normal", "int8"), int8_delay=0.0)
     app = fake_app(engine, sla_ms="normal:300", degrade="int8")
     with running(app) as base, httpx.Client(base_url=base, timeout=60) as client:

@@ -423,16 +423,19 @@ async def test_the_batch_goes_on_from_the_first_token_the_process_gave(
         await own.close()
 
 
-async def test_no_race_where_the_batchs_cache_does_not_read_in_place(
+async def test_no_race_where_the_batchs_cache_does_not_read_in_place_and_close_stops_the_running_child(
     settings: Settings, reference: SingleEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A model whose layers are not all full attention (sliding windows): its batched steps take the library's masked
-    attention, whose bits the process's would not match. Simulated by a cache that refuses to read in place."""
+    attention, whose bits the process's would not match. Simulated by a cache that refuses to read in place. The
+    child runs all the same (ready, asked nothing), and the engine's close stops it."""
     from ttft_sse.engine.library import in_place
 
     monkeypatch.setattr(in_place, "reads_in_place", lambda cache: False)
     own = BatchedEngine(settings.replace(prefill_process=True, prefill_between_layers=False, kernel_helpers=0))
     own.load(StageClock())
+    process = own.prefill_process
+    assert process is not None and process.pid is not None
     try:
         eventually(lambda: own.stats().prefill != "loading", timeout=180)
         assert own.stats().prefill == "ready"
@@ -441,9 +444,13 @@ async def test_no_race_where_the_batchs_cache_does_not_read_in_place(
         got = await asyncio.gather(*(collect(own.stream(p, params)) for p in prompts(own, "Masked: ")))
         assert [text for text, _ in got] == want
         assert own.stats().side_first_tokens == 0
-        assert own.prefill_process is not None and own.prefill_process.served == 0
+        assert process.served == 0
+        os.kill(process.pid, 0)  # still running
     finally:
         await own.close()
+    assert own.stats().prefill == "stopped"
+    with pytest.raises(ProcessLookupError):  # reaped: its PID is gone
+        os.kill(process.pid, 0)
 
 
 async def test_a_dead_child_leaves_every_request_answered_and_close_stops_it(
@@ -470,19 +477,6 @@ async def test_a_dead_child_leaves_every_request_answered_and_close_stops_it(
     assert own.stats().prefill == "stopped"
     with pytest.raises(ProcessLookupError):  # reaped: its PID is gone
         os.kill(pid, 0)
-
-
-async def test_close_stops_a_running_child(settings: Settings) -> None:
-    own = BatchedEngine(settings.replace(prefill_process=True, prefill_between_layers=False, kernel_helpers=0))
-    own.load(StageClock())
-    process = own.prefill_process
-    assert process is not None and process.pid is not None
-    eventually(lambda: own.stats().prefill != "loading", timeout=180)
-    assert own.stats().prefill == "ready"
-    await own.close()
-    assert own.stats().prefill == "stopped"
-    with pytest.raises(ProcessLookupError):
-        os.kill(process.pid, 0)
 
 
 def test_no_prefill_process_when_it_is_off(settings: Settings) -> None:

@@ -11,6 +11,7 @@ import torch
 import transformers
 from structlog.testing import capture_logs
 
+from tests.support import builds
 from ttft_sse.engine.kernels import attention, compiler
 from ttft_sse.engine.library import grouped
 from ttft_sse.engine.library import in_place as places
@@ -175,14 +176,12 @@ def bookkeeping(requests: list[tuple[int, int]]) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module", params=["native", "avx2"])
-def paged_module(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """An attention module marked for the C attention, built once for this CPU, and once without AVX-512 (what a
-    CPU without it gets: its AVX2 side, checked on every machine)."""
+def paged_module(request: pytest.FixtureRequest) -> Any:
+    """An attention module marked for the C attention, built for this CPU, and without AVX-512 (what a CPU without
+    it gets: its AVX2 side, checked on every machine)."""
     model = tiny(kv_heads=2)
-    with pytest.MonkeyPatch.context() as patch:
-        if request.param == "avx2":
-            patch.setattr(compiler, "FLAGS", (*compiler.FLAGS, "-mno-avx512f"))
-        assert grouped.page(model, torch, tmp_path_factory.mktemp("kernels")) == 2
+    with builds.flags(*(("-mno-avx512f",) if request.param == "avx2" else ())):
+        assert grouped.page(model, torch, builds.DIRECTORY) == 2
     grouped.dispatch(model)  # the attention function that hands the marked modules' calls to the C attention
     return model.model.layers[0].self_attn
 
@@ -399,15 +398,13 @@ def test_a_cache_with_layers_of_another_kind_is_left_to_gather_as_the_library_do
     ]
 
 
-def test_without_avx512_or_avx2_the_c_attention_refuses_and_nothing_is_marked(
-    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_without_avx512_or_avx2_the_c_attention_refuses_and_nothing_is_marked(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(compiler, "FLAGS", (*compiler.FLAGS, "-mno-avx512f", "-mno-avx2"))  # what such a CPU gets built
     with pytest.raises(RuntimeError, match="the CPU has neither AVX-512 nor AVX2 with FMA"):
-        attention.function(compiler.build(tmp_path, (attention.SOURCE,), "attention"))
+        attention.function(attention.build(builds.DIRECTORY))
     model = tiny(kv_heads=2)
     with capture_logs() as logs:
-        assert grouped.page(model, torch, tmp_path) == 0
+        assert grouped.page(model, torch, builds.DIRECTORY) == 0
     assert not grouped.paged(model)
     assert logs[-1] == {
         "event": "attention_not_paged",

@@ -23,20 +23,24 @@ def test_a_source_that_does_not_compile_is_reported_with_the_compilers_error(tmp
 def test_a_library_is_built_once_for_its_sources_and_cpu_then_loaded(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # A small source of its own: the kernel's sources take ~40 s of a core to compile, the same steps otherwise.
+    source = tmp_path / "answer.c"
+    source.write_text("int ttft_answer(void) { return 42; }\n")
     directory = tmp_path / "kernels"
     with capture_logs() as logs:
-        built = kernel.build(directory)
+        built = compiler.build(directory, (source,), "blocks")
     assert built.parent == directory and built.name.startswith("blocks-") and built.suffix == ".so"
     assert [entry["event"] for entry in logs] == ["kernel_built"]
+    assert compiler.load(built, "ttft_answer", ())() == 42
 
     def compile_again(*_args: Any, **_kwargs: Any) -> subprocess.Popen[bytes]:
         raise AssertionError("compiled again")
 
     monkeypatch.setattr(compiler.subprocess, "Popen", compile_again)
-    assert kernel.build(directory) == built
+    assert compiler.build(directory, (source,), "blocks") == built
     monkeypatch.setattr(compiler, "cpu_features", lambda: b"flags : another cpu")
     with pytest.raises(AssertionError, match="compiled again"):  # another CPU gets its own build
-        kernel.build(directory)
+        compiler.build(directory, (source,), "blocks")
 
 
 def counted_compiles(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:

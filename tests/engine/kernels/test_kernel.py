@@ -13,6 +13,7 @@ import numpy.typing as npt
 import pytest
 from structlog.testing import capture_logs
 
+from tests.support import builds
 from tests.support.engines import collect, prompt_of
 from tests.support.ggufs import KINDS, layers_of, quantised, sequential, write_gguf
 from tests.support.paths import CACHE_DIR
@@ -85,27 +86,21 @@ def rows_as_int8(x: np.ndarray) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def avx2_build(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def avx2_build() -> Path:
     """The kernel's AVX2 side, built without AVX-512 (what a CPU without it gets)."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(compiler, "FLAGS", (*compiler.FLAGS, "-mno-avx512f"))
-        return kernel.build(tmp_path_factory.mktemp("avx2"))
+    return builds.built(kernel.build, "-mno-avx512f")
 
 
 @pytest.fixture(scope="module")
-def no_f16c_build(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def no_f16c_build() -> Path:
     """The AVX2 side without F16C too: it widens fp16 weights in plain C."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(compiler, "FLAGS", (*compiler.FLAGS, "-mno-avx512f", "-mno-f16c"))
-        return kernel.build(tmp_path_factory.mktemp("no-f16c"))
+    return builds.built(kernel.build, "-mno-avx512f", "-mno-f16c")
 
 
 @pytest.fixture(scope="module")
-def no_vbmi_build(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def no_vbmi_build() -> Path:
     """The AVX-512 side without VBMI (a CPU before Ice Lake or Zen 4): Q6_K's codes stay in 8 bits."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(compiler, "FLAGS", (*compiler.FLAGS, "-mno-avx512vbmi"))
-        return kernel.build(tmp_path_factory.mktemp("no-vbmi"))
+    return builds.built(kernel.build, "-mno-avx512vbmi")
 
 
 def cpu_has(flag: bytes) -> bool:
@@ -470,7 +465,9 @@ def alone_and_shared(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Pa
     """Two copies of this CPU's build, each its own library (its own helpers): the second with a helper thread, to
     which each call leaves its last chunk for up to 1 s (ttft_helper_leave): the caller sleeps meanwhile, so the
     helper, at SCHED_IDLE, gets a core even when every core is busy (a CI machine running other work)."""
-    alone, shared = (kernel.build(tmp_path_factory.mktemp(name)) for name in ("alone", "shared"))
+    alone, shared = (
+        builds.copy_of(kernel.build(DIRECTORY), tmp_path_factory.mktemp(name)) for name in ("alone", "shared")
+    )
     assert kernel.start_helpers(shared, 1) == 1
     compiler.load(shared, "ttft_helper_leave", (ctypes.c_int64,))(1_000_000)
     return alone, shared
@@ -543,9 +540,9 @@ _PTR = ctypes.c_void_p
 
 
 @pytest.fixture(scope="module")
-def attention_library(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """engine/kernels/attention.c built for this CPU, once for the module's tests."""
-    return compiler.build(tmp_path_factory.mktemp("attention"), (attention.SOURCE,), "attention")
+def attention_library() -> Path:
+    """engine/kernels/attention.c built for this CPU (the engine's build)."""
+    return attention.build(DIRECTORY)
 
 
 class AttentionStep:
@@ -690,12 +687,12 @@ def test_on_a_cpu_without_avx512_vnni_or_f16c_int8_rows_fall_back_to_fp32_and_th
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     model, stored = tiny_model(tmp_path)
-    monkeypatch.setattr(compiler, "FLAGS", (*compiler.FLAGS, "-mno-avx512vnni", "-mno-f16c"))
-    with capture_logs() as logs:
-        got = kernel.apply(model, stored, torch, directory=tmp_path / "kernels", activations="int8")
+    with builds.flags("-mno-avx512vnni", "-mno-f16c"), capture_logs() as logs:
+        got = kernel.apply(model, stored, torch, directory=DIRECTORY, activations="int8")
     assert got.activations == "fp32"
-    assert [entry["event"] for entry in logs] == ["kernel_built", "activations_not_int8", "weights_blocks"]
-    assert logs[1] == {
+    logs = [entry for entry in logs if entry["event"] != "kernel_built"]  # built here, or by a run before
+    assert [entry["event"] for entry in logs] == ["activations_not_int8", "weights_blocks"]
+    assert logs[0] == {
         "event": "activations_not_int8",
         "log_level": "warning",
         "reason": "the CPU has neither AVX-512 VNNI nor AVX2 with F16C: the rows stay fp32",

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
+from tests.support import builds
 from tests.support.ggufs import named, quantise, write_gguf
 from tests.support.paths import CACHE_DIR
 from tests.support.texts import PASSAGE
@@ -66,13 +67,11 @@ def library_layers(model: Any) -> Iterator[None]:
 
 
 @pytest.fixture(scope="module", params=["native", "avx2"])
-def library(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def library(request: pytest.FixtureRequest) -> Path:
     """The kernel's library as this CPU builds it, and built without AVX-512 (what a CPU without it gets)."""
     if request.param == "native":
         return kernel.build(DIRECTORY)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(compiler, "FLAGS", (*compiler.FLAGS, "-mno-avx512f"))
-        return kernel.build(tmp_path_factory.mktemp("avx2"))
+    return builds.built(kernel.build, "-mno-avx512f")
 
 
 def test_every_decoder_layer_of_the_bundled_model_runs_in_c_and_the_log_says_so(

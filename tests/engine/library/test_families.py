@@ -13,6 +13,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from tests.support import tinymodels
+from tests.support.caches import Caches
 from tests.support.engines import collect, prompt_of
 from ttft_sse.engine.base import SamplingParams, Usage
 from ttft_sse.engine.batched.engine import BatchedEngine
@@ -52,8 +53,10 @@ def gguf_of(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
 
 
 @pytest.fixture(scope="module")
-def family_settings(gguf_of: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Any]:
-    cache = tmp_path_factory.mktemp("family-cache")
+def family_settings(
+    gguf_of: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory, fresh_cache: Caches
+) -> Callable[..., Any]:
+    cache = fresh_cache(tmp_path_factory.mktemp("family-cache"))
 
     def make(family: str, **changes: Any) -> Settings:
         base = Settings(model=str(gguf_of(family)), cache_dir=cache, threads=1, prefill_process=False)
@@ -222,14 +225,14 @@ def test_a_sliding_window_step_reads_in_place_only_where_writing_first_overwrite
 
 
 async def test_a_q4_k_m_file_runs_fused_on_int8_rows_and_the_degraded_mode_answers_as_that_engine(
-    gguf_of: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory
+    tmp_path_factory: pytest.TempPathFactory, fresh_cache: Caches
 ) -> None:
     """A Q4_K_M file's Q4_K and Q6_K layers have int8 records (fp32 scales; Q6_K's two a block): with
     TTFT_GGUF_ACTIVATIONS=int8 every decoder layer runs in C on int8 rows, and with TTFT_DEGRADE=int8 the batched
     engine starts, and switched to int8 gives that engine's greedy answers, each saying degraded."""
     root = tmp_path_factory.mktemp("k-quant")
     path = tinymodels.build_gguf("qwen3", root, hidden=256, kind="Q4_K_M")
-    base = Settings(model=str(path), cache_dir=root / "cache", threads=1, prefill_process=False)
+    base = Settings(model=str(path), cache_dir=fresh_cache(root / "cache"), threads=1, prefill_process=False)
     single = SingleEngine(base.replace(gguf_activations="int8"))
     batched = BatchedEngine(base.replace(degrade="int8"))
     with capture_logs() as logs:
@@ -304,13 +307,13 @@ def transformers_layer(config: Any, family: str) -> Any:
 
 @pytest.mark.parametrize("kind", ["F16", "BF16"])
 async def test_an_unquantised_gguf_runs_fused_on_the_kernel_with_the_answer_of_transformers_fp32_layers(
-    tmp_path_factory: pytest.TempPathFactory, kind: str
+    tmp_path_factory: pytest.TempPathFactory, fresh_cache: Caches, kind: str
 ) -> None:
     """An F16 or BF16 file's layers (and its F32 LM head) on the kernel's dense layouts, every decoder layer in C;
     the reference: the same file on transformers' fp32 layers alone (``TTFT_GGUF_KERNEL=false``)."""
     root = tmp_path_factory.mktemp(f"dense-{kind}")
     path = tinymodels.build_gguf("qwen2", root, kind=kind)
-    base = Settings(model=str(path), cache_dir=root / "cache", threads=1, prefill_process=False)
+    base = Settings(model=str(path), cache_dir=fresh_cache(root / "cache"), threads=1, prefill_process=False)
     fast, plain = SingleEngine(base), SingleEngine(base.replace(gguf_kernel=False))
     for engine in (fast, plain):
         engine.load(StageClock())

@@ -15,12 +15,13 @@ import pytest
 import torch
 import transformers
 
+from tests.support import builds
 from tests.support.engines import collect, prompt_of
 from tests.support.texts import QUESTIONS, STORY, SYSTEM
 from ttft_sse.engine.base import Finished, SamplingParams
 from ttft_sse.engine.batched.engine import BatchedEngine
 from ttft_sse.engine.first.process import Prefixes, last_logits
-from ttft_sse.engine.kernels import attention, compiler, kernel
+from ttft_sse.engine.kernels import attention, kernel
 from ttft_sse.engine.library import decoder, grouped, half_cache
 from ttft_sse.engine.library import in_place as places
 from ttft_sse.engine.single import SingleEngine
@@ -43,13 +44,12 @@ def tiny(kv_heads: int = 2, heads: int = 6, dim: int = 16) -> Any:
 
 
 @pytest.fixture(scope="module", params=list(BUILDS))
-def half_module(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
+def half_module(request: pytest.FixtureRequest) -> Any:
     """An attention module marked for the C attention over an f16 cache, on each build."""
     model = tiny()
     half_cache.mark(model, half_cache.F16)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(compiler, "FLAGS", (*compiler.FLAGS, *BUILDS[request.param]))
-        assert grouped.page(model, torch, tmp_path_factory.mktemp("kernels")) == 2
+    with builds.flags(*BUILDS[request.param]):
+        assert grouped.page(model, torch, builds.DIRECTORY) == 2
     grouped.dispatch(model)
     module = model.model.layers[0].self_attn
     assert getattr(module, attention.PAGED_HALF, None) is not None
@@ -103,11 +103,9 @@ def test_the_c_attention_over_an_f16_cache_is_sdpa_over_the_rounded_values_in_fp
 
 
 @pytest.fixture(scope="module", params=list(BUILDS))
-def kernel_library(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def kernel_library(request: pytest.FixtureRequest) -> Path:
     """The kernel's library (decoder.c among its files) on each build."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(compiler, "FLAGS", (*compiler.FLAGS, *BUILDS[request.param]))
-        return kernel.build(tmp_path_factory.mktemp("blocks"))
+    return builds.built(kernel.build, *BUILDS[request.param])
 
 
 def test_the_decoder_layers_round_keys_and_values_to_fp16_as_torch_does(kernel_library: Path) -> None:

@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from tests.support import ggufs
+from tests.support.caches import Caches
 from tests.support.engines import collect, llama_cpp_or_skip, prompt_of
 from ttft_sse.engine.base import SamplingParams
 from ttft_sse.engine.loading import sources
@@ -58,9 +59,9 @@ def engine_of(kind: str, settings: Settings) -> Any:
     [("single", "tiny-llama"), ("single", "tiny-llama-tied"), ("batched", "tiny-llama"), ("llamacpp", "tiny-llama")],
 )
 async def test_each_engine_gives_the_answers_it_gave_before_the_file_was_read_in_place(
-    settings: Settings, tmp_path: Path, tiny: dict[str, Path], kind: str, model: str
+    settings: Settings, tmp_path: Path, tiny: dict[str, Path], kind: str, model: str, fresh_cache: Caches
 ) -> None:
-    engine = engine_of(kind, replace(settings, model=str(tiny[model]), cache_dir=tmp_path))
+    engine = engine_of(kind, replace(settings, model=str(tiny[model]), cache_dir=fresh_cache(tmp_path, tiny[model])))
     engine.load(StageClock())
     try:
         got = {}
@@ -120,13 +121,14 @@ def unassembled(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 @pytest.mark.usefixtures("unassembled")
 def test_a_file_whose_changes_are_not_reproduced_is_loaded_by_transformers_and_the_log_says_why(
-    settings: Settings, tmp_path: Path, tiny: dict[str, Path]
+    settings: Settings, tmp_path: Path, tiny: dict[str, Path], fresh_cache: Caches
 ) -> None:
     from structlog.testing import capture_logs
 
     from ttft_sse.engine.single import SingleEngine
 
-    engine = SingleEngine(replace(settings, model=str(tiny["tiny-llama"]), cache_dir=tmp_path))
+    cache_dir = fresh_cache(tmp_path, tiny["tiny-llama"])
+    engine = SingleEngine(replace(settings, model=str(tiny["tiny-llama"]), cache_dir=cache_dir))
     with capture_logs() as logs:
         engine.load(StageClock())
     reason = "transformers' LlamaTensorProcessor for llama splits or joins tensors"
