@@ -1,56 +1,34 @@
 """The batched engine: concurrent requests share the forward passes of transformers' continuous batching.
 
-One long-lived loop (transformers' ``ContinuousBatchingManager``, started by ``model.init_continuous_batching``) runs a
-forward pass per step over every request it holds: prompts being prefilled and answers being decoded, each with its
-own paged KV cache. A request that arrives while others decode is scheduled into the very next step. Its KV blocks
-are hashed once complete, and a later prompt that starts with the same tokens (the chat template's system prompt, a
-conversation's earlier turns) shares those blocks instead of computing them again: its time to first token is driven
-by its new tokens only. Memory is bounded by ``kv_cache_tokens``: blocks no request uses stay cached for reuse until
-the cache runs short, then they are evicted.
+One long-lived loop (transformers' ``ContinuousBatchingManager``) runs a forward pass per step over every request it
+holds, prompts and answers alike, each with its own paged KV cache; a newcomer joins the very next step. Complete KV
+blocks are hashed, and a later prompt that starts with the same tokens shares them (its first token costs its new
+tokens only); blocks no request holds stay for reuse until ``kv_cache_tokens`` runs short.
 
 The library does the batching, the paged cache and the prefix sharing. Written here, because it lacks them:
 
-* **routing** (``router`` → :class:`~ttft_sse.engine.threads.Mailboxes`): the library's router forgets a callback only
-  when its request finishes, so a cancelled request's would stay for ever, its results piling up unread. Ours delivers
-  each step's results to the event loop in one ``call_soon_threadsafe`` and drops those of requests that have left; a
-  step's results that can wait are posted as the next step's decoder layers go into C, so that the event loop's
-  Python runs beside the kernel rather than before it (engine/batched/held.py);
-* **stop sequences and text**: the library knows token ids; :class:`~ttft_sse.engine.text.TokenText` frames text
-  exactly as the single-request engine does, and a stop sequence cancels the request in the library;
-* **a loop that died**: the library fails the requests it knows about when its loop crashes, but a request added in
-  the same instant can wait for ever (the manager's own ``get_result`` loops only while the thread lives). Every
-  waiting request also checks that the loop is alive (``Mailboxes``); the next request restarts a dead loop;
-* **prefix-hit counting** (engine/library/scheduler.py): tokens served from shared blocks, in all
-  (:meth:`BatchedEngine.stats`) and per request (its ``Usage.cached_tokens``);
-* **prefills** (:meth:`BatchedEngine.prefill`, ``POST /prefill``, engine/batched/pins.py): a prompt's KV computed as
-  background work (a request of two tokens that the scheduler runs only in what real requests leave), then its blocks
-  pinned for ``TTFT_PREFILL_KEEP_SECONDS``, so that the request that follows finds them;
-* **isolation** (engine/library/salts.py): a request with a cache salt shares blocks only with requests of the same
-  salt;
-* **progress**: a prompt computed over several steps tells its request how far it is (``Progress``);
-* **the high lane's rows** (engine/library/turns.py): where urgent requests and the others want more rows than a step
-  has, lower-lane decoding requests sit steps out in turn, each within its patience (``SamplingParams.patience``);
-* **attention request by request, in place** (engine/kernels/attention.py, on CPU in fp32): the library gathers a step's
-  keys and values out of its paged cache in every layer and attends every query row to every key of the step under a
-  mask; the engine's cache only writes, and each request's rows attend to its own keys, read in place;
-* **first tokens beside the batch** (engine/first/interlude.py, engine/first/process.py, on CPU with the block
-  kernel and that attention): a request that arrives while the batch is busy has its first token computed between
-  two layers of the step in flight, or by a second process on the other core. Whichever has its first token first
-  gives it (:class:`Claims`); the batch's step that computes the request's first token is then made to pick that
-  token (:func:`~ttft_sse.engine.library.selection.selection`), so the batch goes on from the token the client saw,
-  greedy or sampled. A greedy one is the same token anyway (every row is computed from its own inputs alone in both);
-* **per-request token selection** (:func:`~ttft_sse.engine.library.selection.selection`): the library's own warpers
-  sort the whole vocabulary of every row every step, and its draw runs over every row, whether a row samples or not.
-  Ours leaves greedy rows to the step's argmax (engine/kernels/argmax.py's on CPU, by ``torch.argmax``'s rule) and cuts
-  and draws only the rows that sample, by engine/sampling.py (figures: docs/engine.md).
+* **routing** (:class:`~ttft_sse.engine.threads.Mailboxes`): each step's results go to the event loop in one
+  ``call_soon_threadsafe``, those of requests that left dropped (the library's router keeps a cancelled request's
+  callback for ever); results that can wait are posted as the next step's decoder layers run in C (batched/held.py);
+* **stop sequences and text** (:class:`~ttft_sse.engine.text.TokenText`), as the single-request engine frames them;
+* **a loop that died**: every waiting request checks that the loop is alive; the next request restarts it;
+* **what the library's scheduler does not know** (engine/library/scheduler.py): prefix hits counted (in all and per
+  request), prefills (``POST /prefill``, engine/batched/pins.py) run only in what real requests leave, isolation by
+  cache salt (engine/library/salts.py), a long prompt's ``Progress``, and the high lane's rows
+  (engine/library/turns.py: lower-lane answers sit steps out in turn, each within ``SamplingParams.patience``);
+* **attention request by request, in place** (engine/kernels/attention.py, engine/library/in_place.py): each request's
+  rows attend to its own keys, read in the paged cache where the library would gather every layer's keys;
+* **first tokens beside the batch** (engine/first/): between two layers of the step in flight, or in a second process
+  on the other core; whichever has it first gives it (:class:`Claims`), and the batch's step is made to pick that token
+  (:func:`~ttft_sse.engine.library.selection.selection`), so the batch goes on from the token the client saw;
+* **per-request token selection** (:func:`~ttft_sse.engine.library.selection.selection`): greedy rows take the step's
+  argmax (engine/kernels/argmax.py on CPU); only sampled rows are cut and drawn, by engine/sampling.py.
 
 Modes (``TTFT_DEGRADE=int8``, engine/modes.py): :meth:`BatchedEngine.set_mode` takes effect at the next step
 the loop prepares; ``Finished.degraded`` says whether any of a request's tokens was computed in int8 rows.
 
-Not batched, on purpose: requests with a ``seed`` and requests too long for the shared cache run on the single-request
-engine (:class:`~ttft_sse.engine.single.SingleEngine`, over the same loaded model: engine/loaded.py), which samples
-with the request's own generator: the library draws a whole batch's tokens from one global generator, where a ``seed``
-reproduces nothing.
+Not batched, on purpose: a request with a ``seed`` (the library draws a batch from one generator) or too long for the
+shared cache runs on :class:`~ttft_sse.engine.single.SingleEngine` over the same loaded model (engine/loaded.py).
 """
 
 from __future__ import annotations
