@@ -93,7 +93,8 @@ def test_queued_streams_see_their_position_move_get_pings_and_the_high_lane_goes
     engine: RecordingEngine,
 ) -> None:
     with serve(engine, max_queue=4, api_keys=f"{VIP}:high,{USER}") as base:
-        holder = Reader(base, "holder", USER)
+        # A high holder: the high lane queues only behind its own work (normal work would let it in at once).
+        holder = Reader(base, "holder", VIP)
         holder.wait_for("the holder's first token", lambda r: any(e.event == "token" for e in r.events()))
         n1 = Reader(base, "normal one", USER)
         n1.wait_for("n1 to be queued at 1", lambda r: r.positions() == [1])
