@@ -10,14 +10,14 @@ not before.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import structlog
 
 from ttft_sse.engine import prompts
-from ttft_sse.engine.base import ModelInfo
+from ttft_sse.engine.base import ChatMessage, ModelInfo, Prompt
 from ttft_sse.engine.kernels import kernel
 from ttft_sse.engine.loading.model import load_model
 from ttft_sse.settings import Settings
@@ -89,6 +89,21 @@ class LoadedModel(prompts.TokenizedPrompts):
         if self._info is None or not self._info.kernel_helpers or self._library is None:
             return None
         return kernel.helper_counts(self._library)
+
+
+class OnLoadedModel:
+    """``prepare`` and ``prepare_prefix`` of an engine that runs over a :class:`LoadedModel` (``_loaded``): the
+    single and batched engines alike."""
+
+    _loaded: LoadedModel
+
+    def prepare(
+        self, *, prompt: str | None, messages: Sequence[ChatMessage] | None, raw: bool, parse_special: bool = False
+    ) -> Prompt:
+        return self._loaded.prepare(prompt=prompt, messages=messages, raw=raw, parse_special=parse_special)
+
+    def prepare_prefix(self, *, prompt: str | None, messages: Sequence[ChatMessage] | None, raw: bool) -> Prompt:
+        return self._loaded.prepare_prefix(prompt=prompt, messages=messages, raw=raw)
 
 
 class CacheJanitor:

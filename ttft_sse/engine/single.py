@@ -19,7 +19,6 @@ from ttft_sse.engine import sampling
 from ttft_sse.engine.base import (
     INT8,
     NORMAL,
-    ChatMessage,
     Finished,
     Hold,
     ModelInfo,
@@ -30,7 +29,7 @@ from ttft_sse.engine.base import (
 )
 from ttft_sse.engine.kernels import kernel
 from ttft_sse.engine.library import half_cache
-from ttft_sse.engine.loaded import CacheJanitor, LoadedModel
+from ttft_sse.engine.loaded import CacheJanitor, LoadedModel, OnLoadedModel
 from ttft_sse.engine.text import TokenText
 from ttft_sse.engine.threads import Emit, Workers
 from ttft_sse.errors import EngineError
@@ -42,7 +41,7 @@ log = structlog.get_logger("ttft_sse.engine")
 Item = Piece | Finished
 
 
-class SingleEngine:
+class SingleEngine(OnLoadedModel):
     """Engine over a transformers causal LM (:class:`~ttft_sse.engine.loaded.LoadedModel`): its own, or one it shares
     with the batched engine. Torch and transformers are imported at load, not before."""
 
@@ -84,14 +83,6 @@ class SingleEngine:
 
     def load(self, clock: StageClock) -> None:
         self._loaded.load(clock)
-
-    def prepare(
-        self, *, prompt: str | None, messages: Sequence[ChatMessage] | None, raw: bool, parse_special: bool = False
-    ) -> Prompt:
-        return self._loaded.prepare(prompt=prompt, messages=messages, raw=raw, parse_special=parse_special)
-
-    def prepare_prefix(self, *, prompt: str | None, messages: Sequence[ChatMessage] | None, raw: bool) -> Prompt:
-        return self._loaded.prepare_prefix(prompt=prompt, messages=messages, raw=raw)
 
     # -- requests ----------------------------------------------------------------------------------------------
 

@@ -47,7 +47,6 @@ import structlog
 
 from ttft_sse.engine.base import (
     NORMAL,
-    ChatMessage,
     Finished,
     Hold,
     ModelInfo,
@@ -71,7 +70,7 @@ from ttft_sse.engine.library.in_place import StepHooks
 from ttft_sse.engine.library.paged_cache import BLOCK_TOKENS
 from ttft_sse.engine.library.scheduler import PrefixCounters
 from ttft_sse.engine.library.turns import PATIENCE_SECONDS
-from ttft_sse.engine.loaded import CacheJanitor, LoadedModel
+from ttft_sse.engine.loaded import CacheJanitor, LoadedModel, OnLoadedModel
 from ttft_sse.engine.modes import Modes
 from ttft_sse.engine.single import SingleEngine
 from ttft_sse.engine.text import TokenText
@@ -88,7 +87,7 @@ Item = Progress | Piece | Finished
 BATCH_LOG_STEPS = 512
 
 
-class BatchedEngine:
+class BatchedEngine(OnLoadedModel):
     """Engine over transformers' continuous batching, on a :class:`LoadedModel` it loads; its requests that are not
     batched run on a :class:`SingleEngine` over the same model."""
 
@@ -260,14 +259,6 @@ class BatchedEngine:
             del processor
 
     # -- requests ----------------------------------------------------------------------------------------------
-
-    def prepare(
-        self, *, prompt: str | None, messages: Sequence[ChatMessage] | None, raw: bool, parse_special: bool = False
-    ) -> Prompt:
-        return self._loaded.prepare(prompt=prompt, messages=messages, raw=raw, parse_special=parse_special)
-
-    def prepare_prefix(self, *, prompt: str | None, messages: Sequence[ChatMessage] | None, raw: bool) -> Prompt:
-        return self._loaded.prepare_prefix(prompt=prompt, messages=messages, raw=raw)
 
     def cached(self, prompt: Prompt, cache_salt: str = "") -> int:
         return self._pins.cached(prompt, cache_salt)
