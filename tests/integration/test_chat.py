@@ -9,6 +9,7 @@ stops its generation, several prompts on one connection, and the drain on SIGTER
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -271,6 +272,22 @@ def test_a_page_of_another_origin_is_refused_unless_listed() -> None:
             with connect(ws_url(base), origin=origin) as ws:  # type: ignore[arg-type]
                 assert answer(ws, {"prompt": "hi"})[-1] == "[DONE]"
     assert engine.generated == [4, 4, 4]
+
+
+def test_a_refusal_before_the_prompt_is_read_takes_the_prompt_before_it_closes() -> None:
+    """hypercorn closes the TCP connection as soon as its Close frame is out; a prompt left unread would make that a
+    reset, which can cost a client the ``[ERROR]`` frame (1 in 200 under load before this wait)."""
+    engine = FakeEngine(PIECES)
+    with (
+        fake_server(engine, chat_origins="https://app.example.com") as (base, _),
+        connect(ws_url(base), origin="https://evil.example.net") as ws,  # type: ignore[arg-type]
+    ):
+        assert str(ws.recv(timeout=30)).startswith("[ERROR] a page from 'https://evil.example.net'")
+        time.sleep(0.2)  # the Close frame would be out by now, had the server not waited for a message
+        ws.send(json.dumps({"prompt": "hi"}))  # still open: the server is waiting for it
+        frames, code, reason = until_closed(ws)
+    assert (frames, code, reason) == ([], 3003, "origin_not_allowed")
+    assert engine.generated == []
 
 
 # -- SIGTERM -------------------------------------------------------------------------------------------------------

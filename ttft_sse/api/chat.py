@@ -69,6 +69,7 @@ DONE = "[DONE]"
 ERROR = "[ERROR]"
 KEY_PROTOCOL = "bearer."  # a Sec-WebSocket-Protocol value that carries an API key: bearer.<key>
 KEY_PARAMETER = "api_key"
+UNREAD_GRACE_S = 1.0  # how long a refusal made before any message is read waits for the prompt a client sends on open
 
 # Close codes (RFC 6455 §7.4.1 and IANA's registry): what ended the connection, for clients that read them.
 NORMAL, GOING_AWAY, UNSUPPORTED_DATA, POLICY_VIOLATION, TOO_BIG = 1000, 1001, 1003, 1008, 1009
@@ -131,7 +132,7 @@ async def chat(websocket: WebSocket) -> None:
         caller = caller_from(websocket, runtime.keyring, offered)
     except ServiceError as exc:
         runtime.metrics.observe_refused(ENDPOINT, exc)
-        await _fail(websocket, exc)
+        await _fail(websocket, exc, unread=True)
         return
     await _Connection(websocket, runtime, caller).serve()
 
@@ -184,11 +185,21 @@ def check_origin(websocket: WebSocket, allowed: frozenset[str]) -> None:
     )
 
 
-async def _fail(websocket: WebSocket, exc: BaseException) -> None:
-    """The ``[ERROR]`` frame, then the close; nothing where the connection is closed already."""
+async def _fail(websocket: WebSocket, exc: BaseException, *, unread: bool = False) -> None:
+    """The ``[ERROR]`` frame, then the close; nothing where the connection is closed already.
+
+    ``unread``: refused before any message was read. A client sends its prompt on open, and hypercorn closes the TCP
+    connection as soon as its Close frame is out: a prompt left unread in the socket turns that close into a reset,
+    and a client that had not yet read the ``[ERROR]`` frame can lose it (the ``websockets`` client drops the frames
+    of a read whose close reply fails). So such a refusal first takes the client's first message, or its leaving,
+    for up to :data:`UNREAD_GRACE_S`."""
     if websocket.application_state is not WebSocketState.CONNECTED:
         return
     await websocket.send_text(error_frame(exc))
+    if unread:
+        with anyio.move_on_after(UNREAD_GRACE_S):
+            if (await websocket.receive())["type"] == "websocket.disconnect":
+                return
     reason = (getattr(exc, "code", None) or getattr(exc, "error_type", None) or "server_error")[:100]
     await websocket.close(close_code(exc), reason)
 
