@@ -8,8 +8,8 @@ at once, and admitted in the jobs lane when a runner takes them.
 ``Run.events`` then yields ``Queued`` (while waiting for a slot), ``Piece`` items and one ``Finished`` whose
 timings hold the request's whole story: queue wait, prefill, time to first token, total. ``Run.progress_events``
 yields the same and, between ``Queued`` and the first ``Piece``, ``Progress`` while a long prompt is computed (at most
-one every :data:`PROGRESS_SECONDS`), for a surface that shows it (``/stream``). On shutdown it raises
-``ShuttingDown`` instead: at once for a request still queued, and at the end of the drain grace for one still
+one every :data:`PROGRESS_SECONDS`), for the surfaces that show it (``/stream``, resumable streams). On shutdown it
+raises ``ShuttingDown`` instead: at once for a request still queued, and at the end of the drain grace for one still
 generating (see ``ttft_sse.runtime.Runtime.drain``).
 """
 

@@ -414,6 +414,29 @@ def test_the_page_shows_queued_then_the_error_that_ended_the_answer(page: Page) 
         holder.rest()
 
 
+def test_the_page_shows_a_long_prompts_progress_until_the_first_token(page: Page) -> None:
+    # 1,100 words a question (1,101 scripted tokens with the "user:" before it), 8 a step at 2 ms a token.
+    question = " ".join(f"q{i}" for i in range(1100))
+    engine = FakeEngine(["one", " two"], hold_after=1, prompt_delay=0.002, context_length=4096)
+    with fake_server(engine) as (base, _app):
+        page.goto(f"{base}/")
+        ask(page, question)
+        # The label while the state is "computing", read in the same instant as the state.
+        computing = """() => {
+            const answer = [...document.querySelectorAll('.turn.assistant')].pop();
+            return answer.dataset.state === 'computing' && answer.querySelector('.state').textContent;
+        }"""
+        label = page.wait_for_function(computing).json_value()
+        expect_state(page, "streaming")  # the first token, held there: the progress is gone
+        after = latest(page).locator(".state").text_content()
+        engine.release.set()
+        expect_state(page, "done")
+    shown_progress = re.fullmatch(r"computing the prompt: (\d{1,3}(?:,\d{3})*) / 1,101 tokens", label)
+    assert shown_progress, label
+    assert 0 <= int(shown_progress[1].replace(",", "")) <= 1101
+    assert after == "streaming"
+
+
 def test_with_api_keys_on_the_page_asks_for_a_key_and_sends_it(page: Page) -> None:
     from playwright.sync_api import expect
 

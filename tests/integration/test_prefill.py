@@ -1,7 +1,8 @@
 """``POST /prefill`` on a real server with the real model (``ttft-sse serve`` as a user starts it, keys on and
 ``TTFT_PREFIX_ISOLATION=key``): a prefill then the request reports the prefix as cached tokens and gives the answer
 the same request gets without one; a newer prefill of the same session stops the older; a key over its bound gets 429;
-a long prompt's stream tells its progress before its first token; one key's prefill gives another key nothing."""
+a long prompt's stream tells its progress before its first token, and so does its resumable stream, whose resumed
+reader gets exactly the tokens it missed; one key's prefill gives another key nothing."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.integration.test_streams import check_progress_then_tokens
 from tests.support.paths import CACHE_DIR
 from tests.support.processes import Proc, serve, wait_until
 from tests.support.servers import stream_events
@@ -145,6 +147,26 @@ def test_a_long_prompt_streams_its_progress_before_its_first_token(server: tuple
     computed = [p["computed"] for p in progress]
     assert computed == sorted(computed) and computed[-1] < total
     assert len(progress) >= 2  # a prompt of three steps (TTFT_BATCH_TOKENS 512) tells at least two of them
+
+
+def test_a_long_prompt_tells_its_progress_on_a_resumable_stream_and_a_resume_gets_exactly_the_missed_tokens(
+    server: tuple[str, Proc],
+) -> None:
+    base, _ = server
+    body = {"messages": chat(system_prompt("harbour", 110), "Say hello."), "max_tokens": 6}
+    with httpx.Client(timeout=120) as client:
+        created = client.post(f"{base}/streams", json=body, headers=key(ALICE))
+        assert created.status_code == 201, created.text
+        stream_id, url = created.json()["id"], f"{base}{created.json()['url']}"  # the url carries the grant
+        events = stream_events(client, "GET", url)
+        resumed = stream_events(client, "GET", url, headers={"Last-Event-ID": f"{stream_id}.2"})
+    assert events[-1].event == "done"
+    total = events[-1].data["usage"]["prompt_tokens"]
+    assert total > 1100 and events[-1].data["usage"]["cached_tokens"] < 16
+    check_progress_then_tokens(events, stream_id, total)  # a prompt of three steps (TTFT_BATCH_TOKENS 512)
+    after = [(e.event, e.id, e.data) for e in events if e.event != "progress"][3:]
+    assert [(e.event, e.id, e.data) for e in resumed] == after  # tokens 3.. and done, nothing else
+    assert [event for event, _, _ in after] == ["token"] * (len(after) - 1) + ["done"]
 
 
 def test_one_keys_prefill_gives_another_key_no_cached_tokens(server: tuple[str, Proc]) -> None:

@@ -16,6 +16,7 @@ import pytest
 import redis
 
 from tests.integration.test_page import LATEST, ask, expect_state, latest, shown
+from tests.integration.test_streams import LONG_PROMPT, PROMPT_DELAY, check_progress_then_tokens, read_tokens
 from tests.support.browser import chromium
 from tests.support.nginx import nginx
 from tests.support.servers import (
@@ -98,6 +99,52 @@ def test_a_stream_made_on_one_server_resumes_on_the_other_with_exactly_the_misse
     # The final event was read: both servers say 204 (EventSource stops), and HEAD attaches nothing.
     assert pair.client.get(f"{pair.a}/streams/{stream_id}", headers={"Last-Event-ID": events[-1].id}).status_code == 204
     assert pair.client.get(f"{pair.b}/streams/{stream_id}", headers={"Last-Event-ID": events[-1].id}).status_code == 204
+
+
+@pytest.mark.parametrize(
+    "pair", [{"engine": {"hold_after": 6, "prompt_delay": PROMPT_DELAY, "context_length": 4096}}], indirect=True
+)
+def test_a_long_prompt_tells_its_progress_on_the_other_server_and_a_resume_gets_exactly_the_missed_tokens(
+    pair: Pair, r: redis.Redis
+) -> None:
+    created = pair.client.post(f"{pair.a}/streams", json={"prompt": LONG_PROMPT})
+    assert created.status_code == 201, created.text
+    stream_id: str = created.json()["id"]
+    first = read_tokens(pair.client, f"{pair.b}/streams/{stream_id}", 3)  # A's progress, read on B; then a drop
+    eventually(lambda: r.hget(Keys(stream_id).meta, "last") == "5")
+    pair.engine_a.release.set()
+    eventually(lambda: r.hget(Keys(stream_id).meta, "state") == "ended")
+    resumed = pair.read(pair.a, stream_id, last=first[-1].id)
+    again = pair.read(pair.b, stream_id)  # a reader from the start, once the prompt is long computed
+    check_progress_then_tokens(first, stream_id, 96)
+    # Progress is not history: it is no entry of the Redis Stream (13 entries: 12 tokens and done), no reader hears
+    # it again, and the ids go on from the last token's.
+    assert r.xlen(Keys(stream_id).events) == len(WORDS) + 1
+    assert r.hget(Keys(stream_id).meta, "progress") == ""  # cleared by the first token
+    assert [(e.event, e.id) for e in resumed] == [
+        *[("token", f"{stream_id}.{i}") for i in range(3, len(WORDS))],
+        ("done", f"{stream_id}.{len(WORDS)}"),
+    ]
+    assert text_of(first + resumed) == TEXT
+    assert [(e.event, e.id) for e in again] == [(e.event, e.id) for e in first + resumed if e.event != "progress"]
+
+
+@pytest.mark.parametrize(
+    "pair", [{"engine": {"hold_after": 1, "delay": 0.05}, "settings": {"max_concurrency": 1}}], indirect=True
+)
+def test_a_queued_stream_says_its_place_once_and_not_position_0_between_its_tokens(pair: Pair) -> None:
+    """The position Redis holds is 0 once the stream is admitted: that is the end of the queue, not a place in it."""
+    holder = StreamReader(f"{pair.a}/stream?prompt=hi")  # takes A's only slot and holds it
+    assert holder.next().event == "token"  # type: ignore[union-attr]
+    stream_id = pair.create(pair.a)
+    reader = StreamReader(f"{pair.b}/streams/{stream_id}")
+    queued = reader.next()
+    assert queued is not None and (queued.event, queued.data, queued.id) == ("queued", {"position": 1}, None)
+    pair.engine_a.release.set()  # the tokens come 50 ms apart: B reads the stream's state between them
+    events = reader.rest()
+    assert holder.rest()[-1].event == "done"
+    assert [e.event for e in events] == ["token"] * len(WORDS) + ["done"]
+    assert text_of(events) == TEXT
 
 
 @pytest.mark.parametrize("pair", [{"engine": {"hold_after": 2}}], indirect=True)

@@ -2,8 +2,8 @@
 
 The scripted engine makes orderings exact: ``hold_after=n`` keeps a generation running after ``n`` pieces until
 the test releases it, so "the client was gone while tokens were made" and "the reconnect came before the rest"
-are facts the test sets up. The last tests do the same with the real model and compare against an uninterrupted
-greedy run.
+are facts the test sets up; ``prompt_delay`` makes a prompt take known steps, so that it tells its progress. The last
+tests do the same with the real model and compare against an uninterrupted greedy run.
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ from ttft_sse.engine.fake import FakeEngine
 
 WORDS = tuple(f" w{i}" for i in range(12))
 TEXT = "".join(WORDS)
+LONG_PROMPT = " ".join(f"p{i}" for i in range(96))  # 96 tokens: 12 scripted steps
+PROMPT_DELAY = 0.02  # seconds a scripted prompt token takes: 0.16 s a step, 1.92 s the prompt
 
 
 @contextmanager
@@ -137,6 +139,56 @@ def test_cut_at_several_points_joins_to_the_uninterrupted_text() -> None:
     assert ids == list(range(len(WORDS) + 1))  # no duplicates, no gaps
     assert text_of(events) == TEXT
     assert events[-1].event == "done"
+
+
+def read_tokens(client: httpx.Client, url: str, tokens: int) -> list[SSEEvent]:
+    """The events up to the ``tokens``-th token, then close the connection."""
+    events: list[SSEEvent] = []
+    with client.stream("GET", url) as response:
+        assert response.status_code == 200, response.read()
+        for event in parse_sse(response.iter_lines()):
+            events.append(event)
+            if sum(e.event == "token" for e in events) == tokens:
+                return events
+    raise AssertionError(f"the stream ended after {events}")
+
+
+def check_progress_then_tokens(events: list[SSEEvent], stream_id: str, prompt_tokens: int) -> None:
+    """Progress, then the tokens from the stream's first id: a few progress events, with no id (they are no place
+    to resume from), of the whole prompt, growing, and none after the first token."""
+    kinds = [e.event for e in events]
+    first_token = kinds.index("token")
+    assert first_token >= 2 and kinds[:first_token] == ["progress"] * first_token, kinds
+    assert "progress" not in kinds[first_token:]
+    progress = events[:first_token]
+    assert {e.id for e in progress} == {None}
+    assert {e.data["prompt_tokens"] for e in progress} == {prompt_tokens}
+    computed = [e.data["computed"] for e in progress]
+    assert computed == sorted(set(computed)) and computed[0] >= 0 and computed[-1] <= prompt_tokens
+    tokens = [e.id for e in events[first_token:] if e.event == "token"]
+    assert tokens == [f"{stream_id}.{i}" for i in range(len(tokens))]
+
+
+def test_a_long_prompt_tells_its_progress_before_the_first_token_and_a_resume_gets_exactly_the_missed_tokens() -> None:
+    engine = FakeEngine(WORDS, hold_after=6, prompt_delay=PROMPT_DELAY, context_length=4096)
+    with server(engine) as (_, app, client):
+        url = create(client, {"prompt": LONG_PROMPT})
+        first = read_tokens(client, url, 3)  # then the connection drops
+        stream = stream_of(app, url)
+        eventually(lambda: not stream.attached and stream.last == 5)
+        engine.release.set()
+        eventually(lambda: stream.ended)
+        resumed = read(client, url, last=first[-1].id)
+        again = read(client, url)  # a reader from the start, once the prompt is long computed
+    check_progress_then_tokens(first, stream.id, 96)
+    # Progress is not history: neither reader hears it again, and the ids go on from the last token's.
+    assert [(e.event, e.id) for e in resumed] == [
+        *[("token", f"{stream.id}.{i}") for i in range(3, len(WORDS))],
+        ("done", f"{stream.id}.{len(WORDS)}"),
+    ]
+    assert text_of(first + resumed) == TEXT
+    assert [(e.event, e.id) for e in again] == [(e.event, e.id) for e in first + resumed if e.event != "progress"]
+    assert resumed[-1].data["usage"]["prompt_tokens"] == 96
 
 
 @pytest.mark.parametrize("attach_first", [True, False], ids=["client-left", "client-never-came"])

@@ -1,10 +1,11 @@
-"""The stream buffer's rules on their own: resume points, the ring, the queue state. HTTP is in integration/."""
+"""The stream buffer's rules on their own: resume points, the ring, the queue and progress states. HTTP is in
+integration/."""
 
 from __future__ import annotations
 
 import pytest
 
-from ttft_sse.engine.base import Finished, Piece, Usage
+from ttft_sse.engine.base import Finished, Piece, Progress, Usage
 from ttft_sse.errors import Gone, InvalidRequest
 from ttft_sse.generation import Queued
 from ttft_sse.stores.resumable import Entry, Stream, Streams
@@ -78,6 +79,30 @@ async def test_the_queue_position_is_a_state_told_once_per_change_not_history() 
     assert [item async for item in stream.follow(0)] == [
         Entry(0, Piece(0, "a")),
         Entry(1, Finished("stop", Usage(1, 1))),
+    ]
+
+
+async def test_progress_is_a_state_told_once_per_change_and_gone_at_the_first_token() -> None:
+    stream = make(buffer_events=2)
+    stream._queued(1)
+    stream._progressed(Progress(100, 24))  # admitted: the prompt is computing
+    late = stream.follow(0)  # a reader that attaches mid-prompt hears the latest progress, not the queue before it
+    assert await anext(late) == Progress(100, 24)
+    stream._progressed(Progress(100, 24))  # the same again is no change: nothing to tell
+    stream._progressed(Progress(100, 56))
+    assert await anext(late) == Progress(100, 56)
+    stream._publish(Piece(0, "a"))
+    stream._progressed(Progress(100, 88))  # too late: the first token has come, so it is not kept
+    stream._publish(Piece(1, "b"))
+    assert [await anext(late), await anext(late)] == [Entry(0, Piece(0, "a")), Entry(1, Piece(1, "b"))]
+    await late.aclose()
+    # Not history: it takes no number and no place in the ring (2 items kept, both tokens), and a reader that
+    # resumes, or starts over, gets the buffered items alone.
+    stream._publish(Finished("stop", Usage(100, 2)))
+    assert (stream.first, stream.last, stream.buffered) == (1, 2, 2)
+    assert [item async for item in stream.follow(stream.resume_point("abc.0"))] == [
+        Entry(1, Piece(1, "b")),
+        Entry(2, Finished("stop", Usage(100, 2))),
     ]
 
 

@@ -2,7 +2,8 @@
 
 ``POST /streams`` takes the body of ``POST /stream`` (a whole conversation fits; a query string would not),
 starts the generation at once and answers 201 ``{"id", "url", "lane"}``. ``GET`` on the url is the same SSE stream as
-``/stream`` — ``queued``, ``token`` … ``done`` | ``error`` — where every token and the final event carry an id;
+``/stream`` — ``queued``, ``progress`` (a long prompt), ``token`` … ``done`` | ``error`` — where every token and the
+final event carry an id (``queued`` and ``progress`` are states, not history: no id);
 a reconnect with ``Last-Event-ID`` (header, which ``EventSource`` sends by itself, or ``?lastEventId=``) gets
 exactly what it missed, then the live rest. ``DELETE`` stops the generation. The rules (grace, buffers, ids) are
 in :mod:`ttft_sse.stores.resumable`.
@@ -24,6 +25,7 @@ from starlette.responses import JSONResponse, Response
 from ttft_sse.admission.grants import GRANT_PARAMETER, Grants
 from ttft_sse.api.body import arrival_of, caller_of, generation_request, query_of, runtime_of
 from ttft_sse.api.sse import CACHE_CONTROL, SSE_HEADERS, TokenStream, sse_event
+from ttft_sse.engine.base import Progress
 from ttft_sse.errors import InvalidRequest, Overloaded, Unauthorized, listed
 from ttft_sse.generation import Queued
 from ttft_sse.stores.resumable import Position, StreamStore, event_id
@@ -111,7 +113,7 @@ async def _events(streams: StreamStore, position: Position) -> AsyncIterator[Ser
         # then (it starts the grace clock), not whenever the garbage collector gets to it.
         async with aclosing(streams.follow(position)) as entries:
             async for entry in entries:
-                if isinstance(entry, Queued):
+                if isinstance(entry, Queued | Progress):
                     yield sse_event(entry)
                 else:
                     yield sse_event(entry.item, id=event_id(position.stream_id, entry.seq))

@@ -1,6 +1,7 @@
 // The chat page. Each question POSTs the whole conversation to /streams (a conversation does not fit a query
 // string), and the answer is read with EventSource on the stream's url. After a network cut EventSource
 // reconnects by itself with Last-Event-ID, and the server sends exactly what was missed: the page does nothing.
+// Before the first token, a long prompt's `progress` events show how far the server has computed it.
 //
 // Answers are drawn as Markdown by markdown.js, which hands back sanitised DOM fragments; questions, errors and
 // everything else are written with textContent. No HTML string is ever assigned to the page.
@@ -28,9 +29,10 @@ const keyLabel = $("key-label");
 const keyInput = $("api-key");
 const access = $("access");
 const KEY_STORE = "ttft-sse-api-key"; // this tab only (sessionStorage); sent only to this server
-const LIVE = new Set(["sending", "waiting", "queued", "streaming", "reconnecting"]); // an answer under way
+const LIVE = new Set(["sending", "waiting", "queued", "computing", "streaming", "reconnecting"]); // under way
 const RETRY_MS = 1000; // as the server's `retry:`: how long after EventSource gives up the page tries once more
 const STICK_PX = 48; // a reader this close to the bottom follows the answer; one scrolled further up stays put
+const count = new Intl.NumberFormat("en-US"); // 1,100: the page's words are English, so are its numbers
 
 // Whether the server wants an API key: api/page.py writes it into the page; a 401 says so too.
 let keysRequired = document.querySelector('meta[name="ttft-api-keys"]').content === "required";
@@ -196,6 +198,12 @@ class Answer {
     source.addEventListener("queued", (event) => {
       const { position } = JSON.parse(event.data);
       this.show("queued", `queued: position ${position}`);
+    });
+    // Only before the first token (the server sends none after it; a late one is ignored all the same).
+    source.addEventListener("progress", (event) => {
+      if (this.ended || this.record.tokens) return;
+      const { prompt_tokens: total, computed } = JSON.parse(event.data);
+      this.show("computing", `computing the prompt: ${count.format(computed)} / ${count.format(total)} tokens`);
     });
     source.addEventListener("token", (event) => this.token(JSON.parse(event.data).text, event.lastEventId));
     source.addEventListener("done", (event) => this.done(JSON.parse(event.data)));

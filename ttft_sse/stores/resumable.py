@@ -18,6 +18,14 @@ so), and at most ``max_streams`` streams exist at once (finished ones nobody rea
 Event ids are ``<stream id>.<n>``: an id names its stream, so one from another stream is refused instead of
 being misread as a position in this one.
 
+Two things are states, not history: the place in the admission queue (``Queued``) and, once admitted, how far a long
+prompt is computed (``Progress``, from ``Run.progress_events``, at most a few a second). A stream keeps the latest of
+each, replaced in place: neither is buffered, numbered or counted in ``buffer_events``, so ids count tokens and the
+final item alone and ``Last-Event-ID`` resumes exactly as without them. A reader is told a state once per change,
+while it has caught up with the buffer; a reader that attaches while the prompt computes hears where it is now, and
+the first item clears both, so a reader that resumes after the first token (or reads the stream again) never hears
+a stale one.
+
 A stream belongs to the key that created it (its ``owner``, a key id; None on a server without keys): asked for by
 another, it is not there (the 404 of an unknown id, and of an expired one too: nothing tells another key that it
 existed). Who the asker is, is the HTTP layer's to say (``ttft_sse/admission/grants.py``). An id is a credential, so
@@ -44,7 +52,7 @@ import anyio
 import structlog
 
 from ttft_sse.admission.grants import digest
-from ttft_sse.engine.base import Finished, Piece
+from ttft_sse.engine.base import Finished, Piece, Progress
 from ttft_sse.errors import Cancelled, Gone, InvalidRequest, NotFound, Overloaded, ServiceError
 from ttft_sse.generation import Queued
 
@@ -82,7 +90,8 @@ class StreamStore(Protocol):
 
     ``reserve`` / ``unreserve`` bracket the admission of a stream's generation; ``start`` runs it and returns the
     new stream's id (owned by the run's caller's key); ``locate`` checks that the stream is ``owner``'s and a reader's
-    ``Last-Event-ID`` (404, 410 or 400 before any response starts); ``follow`` yields from there to the final item;
+    ``Last-Event-ID`` (404, 410 or 400 before any response starts); ``follow`` yields from there to the final item,
+    with the queue position and the prompt's progress as they change (states, not history: no number);
     ``delete`` cancels the generation wherever it runs (``owner``'s streams only); ``close`` ends this process's part
     at shutdown.
     """
@@ -95,7 +104,7 @@ class StreamStore(Protocol):
 
     async def locate(self, stream_id: str, last_event_id: str | None, owner: str | None) -> Position: ...
 
-    def follow(self, position: Position) -> AsyncGenerator[Entry | Queued, None]: ...
+    def follow(self, position: Position) -> AsyncGenerator[Entry | Queued | Progress, None]: ...
 
     async def delete(self, stream_id: str, owner: str | None) -> None: ...
 
@@ -166,6 +175,7 @@ class Stream:
         self._entries: deque[Entry] = deque(maxlen=buffer_events)
         self._next = 0
         self.position = 0  # place in the admission queue while queued; 0 once admitted (or not yet known)
+        self.progress: Progress | None = None  # how far the prompt is computed, once admitted; None from the 1st item
         self.final: Entry | None = None
         self.closed = False  # removed from the registry (expired or deleted) ...
         self.gone = ""  # ... and why
@@ -207,12 +217,13 @@ class Stream:
     def _dropped(self, start: int) -> Gone:
         return dropped(self.id, start, first=self.first, kept=self.kept)
 
-    async def follow(self, start: int) -> AsyncGenerator[Entry | Queued, None]:
+    async def follow(self, start: int) -> AsyncGenerator[Entry | Queued | Progress, None]:
         """Attach as the stream's reader: buffered items from ``start``, then live ones, until the final item.
 
-        While the generation waits for a slot, ``Queued`` tells the position (not buffered: it is a state, not
-        history). Ends early, quietly, when another reader takes over; raises ``Gone`` if this reader falls more
-        than the buffer behind. Detaching (closing this iterator) starts the expiry clock.
+        While the generation waits for a slot, ``Queued`` tells the position, and then ``Progress`` how far its
+        prompt is computed (not buffered: they are states, not history). Ends early, quietly, when another reader
+        takes over; raises ``Gone`` if this reader falls more than the buffer behind. Detaching (closing this
+        iterator) starts the expiry clock.
         """
         if self.closed:  # expired or deleted between the request's checks and this first step
             raise Gone(f"stream {self.id} is gone: {self.gone}", code="stream_expired")
@@ -222,7 +233,7 @@ class Stream:
         self._registry._attached(self, start=start, replaced=replaced)
         if replaced:
             self._notify()  # the old reader wakes, sees it is no longer the reader, and ends
-        cursor, told = start, 0
+        cursor, told, told_progress = start, 0, None
         try:
             while True:
                 changed = self._changed
@@ -241,6 +252,10 @@ class Stream:
                     told = self.position
                     yield Queued(told)
                     continue
+                if self.progress is not None and self.progress != told_progress:
+                    told_progress = self.progress
+                    yield told_progress
+                    continue
                 await changed.wait()
         finally:
             if self._reader is me:
@@ -253,13 +268,19 @@ class Stream:
         entry = Entry(self._next, item)
         self._next += 1
         self._entries.append(entry)
-        self.position = 0
+        self.position, self.progress = 0, None
         if not isinstance(item, Piece):
             self.final = entry
         self._notify()
 
     def _queued(self, position: int) -> None:
         self.position = position
+        self._notify()
+
+    def _progressed(self, progress: Progress) -> None:
+        if self.final is not None or self.closed or self._next:  # the first item has come: no prompt to tell of
+            return
+        self.position, self.progress = 0, progress
         self._notify()
 
     def _notify(self) -> None:
@@ -336,7 +357,7 @@ class Streams:
         start = stream.resume_point(last_event_id)
         return Position(stream.id, start, finished=stream.ended and start > stream.last)
 
-    async def follow(self, position: Position) -> AsyncGenerator[Entry | Queued, None]:
+    async def follow(self, position: Position) -> AsyncGenerator[Entry | Queued | Progress, None]:
         # Again: the stream may have gone since locate(); follow() then says so (Gone).
         stream = self._live.get(position.stream_id)
         if stream is None:
@@ -369,10 +390,12 @@ class Streams:
     async def _pump(self, stream: Stream, run: Run) -> None:
         structlog.contextvars.bind_contextvars(stream=digest(stream.id))  # this task's context only
         try:
-            async with aclosing(run.events()) as events:
+            async with aclosing(run.progress_events()) as events:
                 async for item in events:
                     if isinstance(item, Queued):
                         stream._queued(item.position)
+                    elif isinstance(item, Progress):
+                        stream._progressed(item)
                     else:
                         stream._publish(item)
         except ServiceError as exc:

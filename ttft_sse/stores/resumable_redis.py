@@ -9,7 +9,8 @@ them::
 
     ttft:stream:{<id>}          hash    owner (replica), key (the creator's key id, "" without keys), state (live |
                                         ended | gone), last (newest item's number), position
-                                        (in the owner's admission queue), why (once gone); a tombstone for
+                                        (in the owner's admission queue), progress ("<computed> <prompt tokens>"
+                                        until the first item), why (once gone); a tombstone for
                                         TOMBSTONE_SECONDS after the stream has gone, so a late reconnect hears 410
     ttft:stream:{<id>}:events   stream  item n at entry id 0-(n+1); exactly MAXLEN buffer_events entries kept
     ttft:stream:{<id>}:alive    string  exists while the stream has had a reader within the grace (TTL = grace)
@@ -29,6 +30,9 @@ them::
 * A reader whose stream is live while the owner's heartbeat key has gone (the owner was killed, or lost Redis)
   appends the final ``error`` (code ``owner_lost``) itself: every reader, on every replica, ends with that same
   event within ``LEASE_SECONDS`` + ``POLL_SECONDS``. A stopping replica removes its heartbeat at once.
+* The queue position and the prompt's progress are states, not history: hash fields, never entries of the Redis
+  Stream (no id, no place in its MAXLEN), cleared by the first item. While the prompt computes, readers block
+  ``PROGRESS_SECONDS`` on ``XREAD``, not ``POLL_SECONDS``: a hash field's change does not wake an ``XREAD``.
 * ``max_streams`` bounds the generations this replica runs for streams; finished streams live in Redis, with
   expiries, not in the replica.
 """
@@ -52,9 +56,9 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from ttft_sse.admission.grants import digest
-from ttft_sse.engine.base import Finished, Piece, Usage
+from ttft_sse.engine.base import Finished, Piece, Progress, Usage
 from ttft_sse.errors import Cancelled, Gone, Overloaded, ServiceError, Unavailable, redis_unavailable
-from ttft_sse.generation import Queued
+from ttft_sse.generation import PROGRESS_SECONDS, Queued
 from ttft_sse.settings import Settings
 from ttft_sse.stores.resumable import Entry, Item, Position, dropped, resume_point, unknown
 
@@ -83,17 +87,18 @@ local f = redis.call('HMGET', KEYS[1], 'state', 'last')
 if f[1] ~= 'live' then return f[1] or 'missing' end
 if tonumber(f[2]) + 1 ~= tonumber(ARGV[1]) then return 'out_of_order' end
 redis.call('XADD', KEYS[2], 'MAXLEN', ARGV[5], '0-' .. (tonumber(ARGV[1]) + 1), 'kind', ARGV[2], 'data', ARGV[3])
-redis.call('HSET', KEYS[1], 'last', ARGV[1], 'position', 0)
+redis.call('HSET', KEYS[1], 'last', ARGV[1], 'position', 0, 'progress', '')
 if ARGV[4] == '1' then redis.call('HSET', KEYS[1], 'state', 'ended') end
 redis.call('EXPIRE', KEYS[1], ARGV[7])
 redis.call('EXPIRE', KEYS[2], ARGV[6])
 return 'ok'
 """
 
-# ARGV: position
-QUEUED = """
-if redis.call('HGET', KEYS[1], 'state') ~= 'live' then return 0 end
-redis.call('HSET', KEYS[1], 'position', ARGV[1])
+# Set a state (the queue position, the prompt's progress) of a live stream before its first item. ARGV: field, value …
+STATE = """
+local f = redis.call('HMGET', KEYS[1], 'state', 'last')
+if f[1] ~= 'live' or f[2] ~= '-1' then return 0 end
+redis.call('HSET', KEYS[1], unpack(ARGV))
 return 1
 """
 
@@ -108,7 +113,7 @@ if ARGV[3] == 'ended' and f[1] ~= 'live' then return {f[1], ''} end
 if f[1] == 'live' then
   local seq = tonumber(f[2]) + 1
   redis.call('XADD', KEYS[2], 'MAXLEN', ARGV[5], '0-' .. (seq + 1), 'kind', ARGV[1], 'data', ARGV[2])
-  redis.call('HSET', KEYS[1], 'last', seq, 'position', 0)
+  redis.call('HSET', KEYS[1], 'last', seq, 'position', 0, 'progress', '')
 end
 redis.call('HSET', KEYS[1], 'state', ARGV[3])
 if ARGV[3] == 'gone' then
@@ -195,7 +200,7 @@ class RedisStreams:
         self.owner = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
         self._redis: Redis = Redis.from_url(settings.redis_url, decode_responses=True)
         self._append = self._redis.register_script(APPEND)
-        self._queued = self._redis.register_script(QUEUED)
+        self._state = self._redis.register_script(STATE)
         self._end = self._redis.register_script(END)
         self._expire = self._redis.register_script(EXPIRE)
         self._detach = self._redis.register_script(DETACH)
@@ -282,7 +287,7 @@ class RedisStreams:
         start = resume_point(stream_id, last_event_id, last=last, first=first, kept=self.buffer_events)
         return Position(stream_id, start, finished=state == "ended" and start > last)
 
-    async def follow(self, position: Position) -> AsyncGenerator[Entry | Queued, None]:
+    async def follow(self, position: Position) -> AsyncGenerator[Entry | Queued | Progress, None]:
         """Attach as the stream's reader (taking over from any other, on any replica) and read from Redis until
         the final item. Renews the reader and alive keys every ``POLL_SECONDS``; ends quietly when another reader
         takes over or this server stops; writes the final ``owner_lost`` error when the owner's heartbeat is gone.
@@ -298,7 +303,7 @@ class RedisStreams:
                 pipe.hget(keys.meta, "owner")
                 replaced, _, owner = await pipe.execute()
         log.info("stream_attached", stream=digest(stream_id), start=cursor, replaced=replaced is not None)
-        told, sent = 0, 0
+        told, told_progress, sent = 0, "", 0
         got = True  # the last read brought entries (none made yet counts as "go on reading")
         try:
             while not self._closing.is_set():
@@ -307,9 +312,9 @@ class RedisStreams:
                         pipe.get(keys.reader)
                         pipe.pexpire(keys.alive, grace_ms)
                         pipe.expire(keys.events, self._ttl)
-                        pipe.hmget(keys.meta, ["state", "last", "position"])
+                        pipe.hmget(keys.meta, ["state", "last", "position", "progress"])
                         pipe.exists(replica_key(owner or ""))
-                        reader, _, _, (state, last, queued), owner_alive = await pipe.execute()
+                        reader, _, _, (state, last, queued, progress), owner_alive = await pipe.execute()
                     if reader is None:  # this reader's key lapsed (a slow client held the loop): take it back
                         await self._redis.set(keys.reader, token, px=lease_ms, nx=True)
                     elif reader != token:
@@ -321,13 +326,20 @@ class RedisStreams:
                         return  # gone, and its final item (if it had one) was read or has expired
                     if state == "live" and not owner_alive:
                         await self._owner_lost(stream_id, owner or "")
-                # The queue position is a state, told once per change; it is 0 from the first item on.
-                if queued and int(queued) != told:
-                    told = int(queued)
+                # The queue position and the prompt's progress are states, told once per change, until the first item.
+                place = int(queued or 0)
+                if place and place != told:
+                    told = place
                     yield Queued(told)
+                computing = state == "live" and last == "-1" and not place
+                if computing and progress and progress != told_progress:
+                    told_progress = progress
+                    computed, prompt_tokens = progress.split()
+                    yield Progress(int(prompt_tokens), int(computed))
+                wait = PROGRESS_SECONDS if computing else POLL_SECONDS
                 with redis_unavailable("the stream store"):
                     reply: list[tuple[str, list[tuple[str, dict[str, str]]]]] = await self._redis.xread(
-                        {keys.events: f"0-{cursor}"}, count=READ_BATCH, block=round(POLL_SECONDS * 1000)
+                        {keys.events: f"0-{cursor}"}, count=READ_BATCH, block=round(wait * 1000)
                     )  # type: ignore[assignment]  # redis-py types the RESP2 reply loosely
                 got = False
                 for _, entries in reply:
@@ -399,10 +411,14 @@ class RedisStreams:
             return bool(outcome == "ok")
 
         try:
-            async with aclosing(run.events()) as events:
+            async with aclosing(run.progress_events()) as events:
                 async for item in events:
                     if isinstance(item, Queued):
-                        await self._queued(keys=[keys.meta], args=[item.position])
+                        await self._state(keys=[keys.meta], args=["position", item.position])
+                        continue
+                    if isinstance(item, Progress):
+                        progress = f"{item.computed} {item.prompt_tokens}"
+                        await self._state(keys=[keys.meta], args=["position", 0, "progress", progress])
                         continue
                     if not await put(item):
                         log.info("stream_generation_stopped", reason="the stream was deleted or has expired")
