@@ -1,9 +1,10 @@
 """The server on the llama.cpp engine (``TTFT_ENGINE=llamacpp``, and ``auto`` with a scripted measurement): SSE,
 ``/complete`` and the OpenAI chat surface on a real hypercorn server with the bundled model; ``/readyz`` says which
-engine runs and why."""
+engine runs and why; a ``/prefill`` then the request finds the prefix cached and answers the same."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -58,6 +59,38 @@ def test_sse_stream_complete_and_chat_completions_give_one_greedy_text(llama_ser
     assert done.data["usage"]["cached_tokens"] < reused and complete["usage"]["cached_tokens"] == reused
     assert chat["usage"]["prompt_tokens_details"] == {"cached_tokens": reused}
     assert done.data["finish_reason"] == complete["finish_reason"]
+
+
+def test_a_prefill_then_the_request_finds_the_prefix_cached_and_answers_the_same(llama_server: str) -> None:
+    system = {"role": "system", "content": " ".join(f"Rule {i} of the ferry desk: answer briefly." for i in range(12))}
+    question = "Which ferry leaves first in the morning?"
+    typed = [system, {"role": "user", "content": question[:-10]}]  # the user is still typing
+    full = [system, {"role": "user", "content": question}]
+    with httpx.Client(timeout=120) as client:
+        alone = client.post(
+            f"{llama_server}/complete", json={"messages": full, "max_tokens": 16, "cache_salt": "alone"}
+        ).json()
+        accepted = client.post(f"{llama_server}/prefill", json={"messages": typed, "cache_salt": "typed"})
+        assert accepted.status_code == 202
+        prefix = accepted.json()["prompt_tokens"]
+        assert accepted.json()["cached_tokens"] < prefix
+        # Asked again, /prefill says how much of the prefix the cache holds (each newer prefill goes on from where
+        # the one it supersedes got to).
+        deadline = time.monotonic() + 60
+        while (
+            client.post(f"{llama_server}/prefill", json={"messages": typed, "cache_salt": "typed"}).json()[
+                "cached_tokens"
+            ]
+            < prefix
+        ):
+            assert time.monotonic() < deadline, "the prefill did not end in time"
+            time.sleep(0.2)
+        answer = client.post(
+            f"{llama_server}/complete", json={"messages": full, "max_tokens": 16, "cache_salt": "typed"}
+        ).json()
+    assert alone["usage"]["cached_tokens"] == 0
+    assert answer["usage"]["cached_tokens"] == prefix
+    assert answer["text"] == alone["text"]
 
 
 def test_metrics_are_served_without_the_batched_engines_cache_series(llama_server: str) -> None:

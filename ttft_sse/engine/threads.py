@@ -348,12 +348,12 @@ class Commands(Generic[T]):
             self.stopping = True
             self._cond.notify()
 
-    def take(self, *, wait: bool) -> list[T]:
-        """Every command posted so far, in order. With ``wait``, block until there is one or the loop is stopping
-        (then the list may be empty)."""
+    def take(self, *, wait: bool, timeout: float | None = None) -> list[T]:
+        """Every command posted so far, in order. With ``wait``, block until there is one, the loop is stopping or
+        ``timeout`` seconds have passed (then the list may be empty)."""
         with self._cond:
-            while wait and not self._items and not self.stopping:
-                self._cond.wait()
+            if wait and not self._items and not self.stopping:
+                self._cond.wait_for(lambda: bool(self._items) or self.stopping, timeout)
             items, self._items = self._items, []
             return items
 

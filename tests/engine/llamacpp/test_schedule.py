@@ -165,3 +165,152 @@ def test_when_reuse_ends_the_admitted_compute_their_whole_prompts_and_nothing_is
     plan_of.end_reuse(admitted)
     assert again.cached == again.computed == 0
     assert not plan_of.reuse and all(kept == Kept() for kept in plan_of.kept)
+
+
+def prefill(key: str, prompt: tuple[int, ...], *, salt: str = "", owner: str = "") -> Sequence:
+    return Sequence(key, prompt, max_tokens=0, salt=salt, background=True, owner=owner)
+
+
+def test_a_prefill_computes_its_prompt_in_chunks_without_logits_and_its_id_keeps_it() -> None:
+    plan_of = schedule(sequences=2, chunk=4, reuse=True)
+    p = prefill("p", tuple(range(10)))
+    plan_of.add(p)
+    assert plan_of.admit() == [p]
+    steps = [plan_of.plan() for _ in range(3)]
+    assert [[(r.token, r.logits) for r in s.rows] for s in steps] == [
+        [(0, False), (1, False), (2, False), (3, False)],
+        [(4, False), (5, False), (6, False), (7, False)],
+        [(8, False), (9, False)],
+    ]
+    assert [s.prefilled for s in steps] == [(), (), (p,)] and not any(s.outputs for s in steps)
+    assert plan_of.remove("p") is p
+    assert plan_of.take_ended() == [p] and p.rows == 10
+    assert plan_of.kept[p.seq].tokens == tuple(range(10))
+    # The request that follows takes that id and computes the rest of its prompt.
+    request = Sequence("r", (*range(10), 50, 51), max_tokens=4)
+    plan_of.add(request)
+    plan_of.admit()
+    assert (request.seq, request.cached) == (p.seq, 10)
+
+
+def test_a_prefill_gets_what_keeps_the_steps_prompt_rows_within_a_chunk_after_the_requests_and_none_while_held() -> (
+    None
+):
+    plan_of = schedule(sequences=3, batch_tokens=32, chunk=4, reuse=True)
+    a = Sequence("a", (1,), max_tokens=50)
+    plan_of.add(a)
+    plan_of.admit()
+    plan_of.plan()
+    a.generated.append(2)  # a stream decodes
+    b = Sequence("b", (7, 7, 7), max_tokens=4)  # a short prompt: it goes whole, its 3 rows first
+    plan_of.add(b)
+    p = prefill("p", tuple(range(100, 120)))
+    plan_of.add(p)
+    plan_of.admit()
+    rows = plan_of.plan().rows
+    assert [(r.seq, r.token) for r in rows] == [(0, 2), (1, 7), (1, 7), (1, 7), (2, 100)]
+    a.generated.append(3)
+    b.generated.append(8)
+    assert [(r.seq, r.token) for r in plan_of.plan(held=True).rows] == [(0, 3), (1, 8)]
+    a.generated.append(4)
+    b.generated.append(9)
+    assert [(r.seq, r.token) for r in plan_of.plan().rows] == [(0, 4), (1, 9), (2, 101), (2, 102), (2, 103), (2, 104)]
+
+
+def test_a_prefill_waits_while_held_or_while_a_request_waits_and_gives_its_id_up_to_a_request() -> None:
+    plan_of = schedule(sequences=1, batch_tokens=4, chunk=4, reuse=True)
+    p = prefill("p", tuple(range(100, 120)))
+    plan_of.add(p)
+    assert plan_of.admit(held=True) == [] and list(plan_of.prefills) == [p]
+    assert plan_of.admit() == [p]
+    plan_of.plan()  # 4 of its 20 tokens
+    request = Sequence("r", (100, 101, 9, 9), max_tokens=4)  # not a continuation of the prefill's prompt
+    plan_of.add(request)
+    assert plan_of.admit() == [request]
+    assert (request.seq, request.cached) == (0, 2)  # the prefill's id, with what it shares of its computed part
+    assert list(plan_of.prefills) == [p] and (p.seq, p.computed) == (-1, 0)  # waiting again
+    assert plan_of.take_ended() == []
+    plan_of.plan()
+    request.generated.append(5)
+    assert plan_of.admit() == []  # the id is the request's until it leaves
+    plan_of.remove("r")
+    assert plan_of.admit() == [p] and p.cached == 2  # what the request's cells share with its prompt
+
+
+def test_a_request_that_starts_with_a_prefills_prompt_ends_it_and_finds_what_it_computed() -> None:
+    plan_of = schedule(sequences=2, batch_tokens=8, chunk=8, reuse=True)
+    p = prefill("p", tuple(range(100, 120)), salt="s")
+    plan_of.add(p)
+    plan_of.admit()
+    plan_of.plan()  # 8 of its 20 tokens
+    request = Sequence("r", (*range(100, 120), 7), max_tokens=4, salt="s")
+    plan_of.add(request)
+    assert plan_of.admit() == [request]
+    assert plan_of.take_ended() == [p] and p.rows == 8
+    assert (request.seq, request.cached) == (p.seq, 8)
+    assert not plan_of.prefills and list(plan_of.running) == ["r"]
+
+
+def test_a_newer_prefill_of_the_same_owner_ends_the_older_and_the_keep_of_its_prompt() -> None:
+    now = [0.0]
+    plan_of = Schedule(
+        sequences=3, cells=1000, batch_tokens=4, chunk=4, reuse=True, keep_seconds=60, clock=lambda: now[0]
+    )
+    done = prefill("done", (1, 2, 3, 4), owner="tab")
+    plan_of.add(done)
+    plan_of.admit()
+    [step] = [plan_of.plan()]
+    assert step.prefilled == (done,)
+    plan_of.remove("done")
+    assert plan_of.kept[done.seq] == Kept("", (1, 2, 3, 4), "tab", 60.0)
+    older = prefill("older", tuple(range(100, 120)), owner="tab")
+    plan_of.add(older)
+    plan_of.admit()
+    plan_of.plan()
+    newer = prefill("newer", (1, 2, 3, 4, 5, 6), owner="tab")
+    plan_of.add(newer)
+    assert plan_of.take_ended() == [done, older]
+    assert plan_of.kept[done.seq] == Kept("", (1, 2, 3, 4))  # kept no longer for the request that follows
+    assert plan_of.kept[older.seq].tokens == (100, 101, 102, 103)  # what it computed stays
+    assert plan_of.admit() == [newer] and (newer.seq, newer.cached) == (done.seq, 4)
+
+
+def test_a_prefills_prompt_is_kept_for_the_request_that_starts_with_it_unless_no_other_id_is_free() -> None:
+    now = [0.0]
+    plan_of = Schedule(
+        sequences=2, cells=1000, batch_tokens=8, chunk=8, reuse=True, keep_seconds=60, clock=lambda: now[0]
+    )
+    p = prefill("p", (1, 2, 3, 4))
+    plan_of.add(p)
+    plan_of.admit()
+    plan_of.plan()
+    plan_of.remove("p")
+    other = Sequence("other", (1, 2, 9), max_tokens=4)  # shares 2 tokens with it, but does not start with it
+    plan_of.add(other)
+    plan_of.admit()
+    assert other.seq != p.seq
+    follows = Sequence("follows", (1, 2, 3, 4, 5), max_tokens=4)
+    plan_of.add(follows)
+    plan_of.admit()
+    assert (follows.seq, follows.cached) == (p.seq, 4)
+    for key in ("other", "follows"):
+        plan_of.remove(key)
+    # Expired, it is evicted like any kept prefix: the longest shared prefix wins.
+    p2 = prefill("p2", (1, 2, 3, 4, 8))
+    plan_of.add(p2)
+    plan_of.admit()
+    plan_of.plan()
+    plan_of.remove("p2")
+    now[0] = 61.0
+    again = Sequence("again", (1, 2, 3, 7), max_tokens=4)
+    plan_of.add(again)
+    plan_of.admit()
+    assert (again.seq, again.cached) == (p2.seq, 3)
+
+
+def test_a_prefill_whose_prompt_a_free_id_holds_computes_nothing() -> None:
+    plan_of = schedule(reuse=True)
+    run_to_end(plan_of, Sequence("a", (1, 2, 3), max_tokens=4), generated=(4, 5))
+    p = prefill("p", (1, 2, 3, 4))
+    plan_of.add(p)
+    assert plan_of.admit() == [] and plan_of.take_ended() == [p] and p.rows == 0

@@ -14,6 +14,10 @@ and a request takes the free sequence whose cells hold the longest prefix of its
 The prefix is the request's ``cached_tokens``. Off, or where llama.cpp cannot free part of a sequence's cells, a
 request's cells are freed when it ends.
 
+Prefills (``POST /prefill``, :meth:`LlamaCppEngine.prefill`) use that reuse: a prefill is a sequence of the loop that
+computes a prompt's KV into a free sequence and leaves it there, as background work the schedule gives only what real
+requests leave (engine/llamacpp/schedule.py); the request that follows takes that sequence and computes the rest.
+
 Shared with the other engines, so that a request means the same on each: the prompt (engine/prompts.py, with the
 tokenizer transformers builds from the file's metadata, so the same token ids), the text and stop sequences
 (engine/text.py), and sampling (engine/sampling.py, over llama.cpp's logits, with the request's own generator: a
@@ -27,7 +31,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,7 +42,7 @@ from ttft_sse.engine import prompts, sampling
 from ttft_sse.engine.base import NORMAL, Finished, Hold, ModelInfo, Piece, Prompt, SamplingParams
 from ttft_sse.engine.base import check_mode as _check_mode
 from ttft_sse.engine.llamacpp import library
-from ttft_sse.engine.llamacpp.schedule import Schedule
+from ttft_sse.engine.llamacpp.schedule import Plan, Schedule
 from ttft_sse.engine.llamacpp.schedule import Sequence as Running
 from ttft_sse.engine.loading import budget, sources
 from ttft_sse.engine.text import TokenText
@@ -50,7 +54,19 @@ from ttft_sse.stages import StageClock
 log = structlog.get_logger("ttft_sse.engine")
 
 Item = Piece | Finished
-Delivery = tuple[int, bool, int] | EngineError  # (token, last, cached prompt tokens) or why the request failed
+HOLD_POLL_SECONDS = 0.02
+"""How often the loop asks again, while only held prefills are left to compute, whether they are held still."""
+
+
+@dataclass(frozen=True)
+class _Prefilled:
+    """To a prefill's inbox: it ended, having computed ``tokens`` of its prompt's KV."""
+
+    tokens: int
+
+
+# (token, last, cached prompt tokens), a prefill's end, or why the request failed
+Delivery = tuple[int, bool, int] | _Prefilled | EngineError
 
 
 @dataclass
@@ -58,6 +74,15 @@ class _Submit:
     key: str
     prompt: tuple[int, ...]
     params: SamplingParams
+
+
+@dataclass(frozen=True)
+class _Prefill:
+    key: str
+    prompt: tuple[int, ...]
+    salt: str
+    owner: str
+    hold: Hold
 
 
 @dataclass(frozen=True)
@@ -70,8 +95,9 @@ class LlamaStats:
     """The loop's state, for tests and the benchmark. Counters only grow."""
 
     running: bool  # the loop's thread is alive
-    sequences: int  # requests holding a sequence id
+    sequences: int  # requests and prefills holding a sequence id
     waiting: int  # requests waiting for a sequence id
+    prefills: int  # prefills computing or waiting for a sequence id
     steps: int  # decodes run
     cells: int  # KV cells of each sequence
 
@@ -86,7 +112,9 @@ class LlamaCppEngine(prompts.TokenizedPrompts):
         self._tokenizer: Any = None
         self._eos: frozenset[int] = frozenset()
         self._mailboxes: Mailboxes[str, Delivery] = Mailboxes(alive=self._alive, dead=self._dead)
-        self._loop: Loop[_Submit | _Cancel] = Loop(name="ttft-llama", body=self._run, on_failure=self._failed)
+        self._loop: Loop[_Submit | _Prefill | _Cancel] = Loop(
+            name="ttft-llama", body=self._run, on_failure=self._failed
+        )
         self._ids = itertools.count(1)
         self._closed = False
         self._schedule: Schedule | None = None
@@ -182,15 +210,40 @@ class LlamaCppEngine(prompts.TokenizedPrompts):
         return schedule.cached(prompt.token_ids, cache_salt)
 
     async def prefill(self, prompt: Prompt, *, cache_salt: str = "", owner: str = "", hold: Hold = None) -> int:
-        """Nothing: there is no prefix cache to compute into (docs/engine.md, "The llama.cpp engine")."""
-        return 0
+        """Compute ``prompt``'s KV into a free sequence as background work, all but what a free sequence holds already,
+        and leave it there for the request that follows (engine/llamacpp/schedule.py: kept for it
+        ``TTFT_PREFILL_KEEP_SECONDS``, then evicted like any prefix); a newer prefill of ``owner`` ends this one. It
+        computes nothing while ``hold()`` is true. The tokens it computed; nothing without prefix reuse."""
+        if not self._reuse or not prompt.n_tokens:
+            return 0
+        self._running()
+        key = f"llama-prefill-{next(self._ids)}"
+        inbox = self._mailboxes.open(key)
+        ended = False
+        try:
+            self._loop.post(_Prefill(key, prompt.token_ids, cache_salt, owner, hold))
+            async for delivery in inbox:
+                ended = True
+                if isinstance(delivery, EngineError):
+                    raise delivery
+                if isinstance(delivery, _Prefilled):
+                    return delivery.tokens
+            return 0  # close() ended every inbox
+        finally:
+            inbox.close()
+            if not ended:
+                self._loop.post(_Cancel(key))  # cancelled: it leaves before the loop's next step
 
-    async def stream(self, prompt: Prompt, params: SamplingParams) -> AsyncGenerator[Item, None]:
+    def _running(self) -> None:
+        """Raise if the engine is closed; start the loop again if it stopped (the error was logged then)."""
         if self._closed or self._runner is None:
             raise EngineError("the engine is not running: it was closed, or never loaded")
         if not self._loop.alive:
             log.warning("llamacpp_loop_restarted", reason="the loop had stopped (see the error logged before)")
             self._loop.start()
+
+    async def stream(self, prompt: Prompt, params: SamplingParams) -> AsyncGenerator[Item, None]:
+        self._running()
         key = f"llama-{next(self._ids)}"
         tokenizer = self._tokenizer
         text = TokenText(lambda ids: tokenizer.decode(ids, skip_special_tokens=True), params.stop, self._eos)
@@ -206,6 +259,8 @@ class LlamaCppEngine(prompts.TokenizedPrompts):
                 if isinstance(delivery, EngineError):
                     ended = True
                     raise delivery
+                if isinstance(delivery, _Prefilled):
+                    continue  # never sent to a request
                 token, ended, cached = delivery
                 if first_at is None:
                     first_at = time.perf_counter()
@@ -242,13 +297,14 @@ class LlamaCppEngine(prompts.TokenizedPrompts):
             running=self._loop.alive,
             sequences=len(schedule.running) if schedule else 0,
             waiting=len(schedule.waiting) if schedule else 0,
+            prefills=_prefills(schedule) if schedule else 0,
             steps=self._steps,
             cells=self.runner.cells_per_sequence,
         )
 
     # -- the loop's thread -------------------------------------------------------------------------------------
 
-    def _run(self, commands: Commands[_Submit | _Cancel]) -> None:
+    def _run(self, commands: Commands[_Submit | _Prefill | _Cancel]) -> None:
         runner = self.runner
         runner.clear()  # a loop started after a failure finds the cells of the requests it failed
         settings = self._settings
@@ -258,39 +314,73 @@ class LlamaCppEngine(prompts.TokenizedPrompts):
             batch_tokens=runner.shape.batch_tokens,
             chunk=settings.prefill_chunk_tokens,
             reuse=self._reuse,
+            keep_seconds=settings.prefill_keep_seconds,
         )
         draws: dict[str, tuple[SamplingParams, Any]] = {}  # key → (params, torch generator or None)
+        holds: dict[str, Callable[[], bool]] = {}  # prefill's key → its hold()
+        paused = False  # only held prefills are left: ask them again in a while
         while not commands.stopping:
-            for command in commands.take(wait=schedule.empty):
+            idle = schedule.empty
+            for command in commands.take(wait=idle or paused, timeout=None if idle else HOLD_POLL_SECONDS):
                 if isinstance(command, _Cancel):
                     self._leave(schedule, command.key, draws)
-                    continue
-                sequence = Running(command.key, command.prompt, command.params.max_tokens, command.params.cache_salt)
-                if not schedule.fits(sequence):
-                    self._mailboxes.deliver(
-                        [(command.key, EngineError("the request does not fit a sequence's KV cells"))]
-                    )
-                    continue
-                draws[command.key] = (command.params, _generator(command.params))
-                schedule.add(sequence)
-            self._take(schedule, schedule.admit())
-            plan = schedule.plan()
-            if not plan:
-                continue
-            runner.decode(plan.rows)
-            self._steps += 1
-            deliveries: list[tuple[str, Delivery]] = []
-            for row, sequence in plan.outputs:
-                params, generator = draws[sequence.key]
-                token = _pick(runner.logits(row), params, generator)
-                sequence.generated.append(token)
-                last = token in self._eos or len(sequence.generated) >= sequence.max_tokens
-                if last:
-                    self._leave(schedule, sequence.key, draws)
-                deliveries.append((sequence.key, (token, last, sequence.cached)))
-            self.batch_log.append(tuple(key for key, _ in deliveries))
-            del self.batch_log[:-512]
-            self._mailboxes.deliver(deliveries)
+                elif isinstance(command, _Prefill):
+                    self._add_prefill(schedule, command, holds)
+                else:
+                    self._add(schedule, command, draws)
+            self._answer_ended(schedule, holds)
+            held = any(hold() for hold in holds.values())
+            self._take(schedule, schedule.admit(held))
+            plan = schedule.plan(held)
+            paused = not plan
+            if plan:
+                self._step(schedule, plan, draws)
+            self._answer_ended(schedule, holds)
+
+    def _answer_ended(self, schedule: Schedule, holds: dict[str, Callable[[], bool]]) -> None:
+        """Each prefill that ended is answered the tokens it computed; its hold is asked no more."""
+        ended = schedule.take_ended()
+        for prefill in ended:
+            holds.pop(prefill.key, None)
+        self._mailboxes.deliver((prefill.key, _Prefilled(prefill.rows)) for prefill in ended)
+
+    def _add(self, schedule: Schedule, command: _Submit, draws: dict[str, tuple[SamplingParams, Any]]) -> None:
+        sequence = Running(command.key, command.prompt, command.params.max_tokens, command.params.cache_salt)
+        if not schedule.fits(sequence):
+            self._mailboxes.deliver([(command.key, EngineError("the request does not fit a sequence's KV cells"))])
+            return
+        draws[command.key] = (command.params, _generator(command.params))
+        schedule.add(sequence)
+
+    def _add_prefill(self, schedule: Schedule, command: _Prefill, holds: dict[str, Callable[[], bool]]) -> None:
+        sequence = Running(command.key, command.prompt, 0, command.salt, background=True, owner=command.owner)
+        if not schedule.reuse or not schedule.fits(sequence):
+            self._mailboxes.deliver([(command.key, _Prefilled(0))])  # nothing to keep it in
+            return
+        if command.hold is not None:
+            holds[command.key] = command.hold
+        schedule.add(sequence)
+
+    def _step(self, schedule: Schedule, plan: Plan, draws: dict[str, tuple[SamplingParams, Any]]) -> None:
+        """Run ``plan``'s decode, pick a token for each row that asked for logits and hand them over; the sequences
+        that ended (a request's last token, a prefill's prompt computed) leave."""
+        runner = self.runner
+        runner.decode(plan.rows)
+        self._steps += 1
+        deliveries: list[tuple[str, Delivery]] = []
+        for row, sequence in plan.outputs:
+            params, generator = draws[sequence.key]
+            token = _pick(runner.logits(row), params, generator)
+            sequence.generated.append(token)
+            last = token in self._eos or len(sequence.generated) >= sequence.max_tokens
+            if last:
+                self._leave(schedule, sequence.key, draws)
+            deliveries.append((sequence.key, (token, last, sequence.cached)))
+        for prefill in plan.prefilled:
+            self._leave(schedule, prefill.key, draws)
+        self.batch_log.append(tuple(key for key, _ in deliveries))
+        del self.batch_log[:-512]
+        self._mailboxes.deliver(deliveries)
 
     def _take(self, schedule: Schedule, admitted: list[Running]) -> None:
         """Free the cells of each admitted sequence's id past the prefix it reuses (all of them where it reuses
@@ -303,7 +393,7 @@ class LlamaCppEngine(prompts.TokenizedPrompts):
             reason="llama.cpp cannot free part of a sequence's KV cells for this model: every prompt is computed whole",
         )
         self._reuse = False
-        held = {s.seq for s in schedule.running.values()} - {s.seq for s in admitted}
+        held = {s.seq for s in schedule.running.values() if not s.background} - {s.seq for s in admitted}
         for seq in range(len(schedule.kept)):
             if seq not in held:
                 self.runner.forget(seq)
@@ -360,3 +450,9 @@ def _eos(transformers: Any, location: str, tokenizer: Any) -> frozenset[int]:
     if eos is None:
         eos = tokenizer.eos_token_id
     return frozenset(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+
+
+def _prefills(schedule: Schedule) -> int:
+    """The prefills computing or waiting, read from another thread than the loop's (copied at once, in C: a dict
+    the loop changes meanwhile is never iterated in Python)."""
+    return len(schedule.prefills) + sum(s.background for s in list(schedule.running.values()))

@@ -18,14 +18,33 @@ same salt (else the one left longest ago, unused ones first): that prefix is ``c
 the rest of the prompt gets rows. At least the prompt's last token is always computed, for its logits. The engine
 removes the id's cells past the prefix before the id's first step (:attr:`Sequence.cached`).
 
+**Prefills** (``POST /prefill``; :attr:`Sequence.background`) compute a prompt's KV into a free id and leave it there
+for the request that follows, as background work that never stands in a real request's way:
+
+* they wait in a queue of their own and take a free id only where no request waits and their ``held`` is not set (a
+  request waits for a slot at the gate); each takes the free id holding the longest prefix of its prompt, and only the
+  rest is computed;
+* a request that waits makes way: a prefill whose prompt the request's starts with ends (the request computes it,
+  and finds in that prefill's id what it computed), and while requests outnumber the free ids, the prefills admitted
+  last give their ids up and wait again (what they computed stays in the id's cells, to be found or evicted);
+* a step gives them rows after every real one, and no more than keeps the step's prompt rows within ``chunk`` (a
+  whole chunk where nothing else computes a prompt); none while ``held``;
+* a newer prefill of the same ``owner`` ends the older (:meth:`Schedule.add`);
+* done, its id keeps the prompt for ``keep_seconds``: meanwhile only a sequence whose prompt starts with all of it
+  takes that id, unless no other id is free; then it is evicted like any kept prefix.
+
+The prefills that ended (done, ended by a request or a newer prefill, cancelled, or with nothing to compute) are
+listed in :attr:`Schedule.ended` for the engine to answer.
+
 Nothing here calls llama.cpp: the engine's loop (engine/llamacpp/engine.py) runs the plan.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
 
 
 @dataclass
@@ -38,9 +57,12 @@ class Sequence:
     salt: str = (
         ""  # whose kept tokens it may reuse: those of requests with the same salt (ttft_sse/admission/isolation.py)
     )
+    background: bool = False  # a prefill: its prompt's KV computed for a request to come, no token generated
+    owner: str = ""  # a prefill's: whose newer prefill ends it
     seq: int = -1  # llama.cpp's sequence id, once admitted
     cached: int = 0  # leading prompt tokens whose KV the id kept from an earlier request (set at admission)
     computed: int = 0  # prompt tokens in the KV cache (cached ones included)
+    rows: int = 0  # prompt rows computed for it, over every admission (a prefill's work)
     generated: list[int] = field(default_factory=list)
 
     @property
@@ -64,10 +86,13 @@ class Sequence:
 
 @dataclass(frozen=True)
 class Kept:
-    """What a free sequence id's cells hold: ``tokens`` of a request of ``salt``."""
+    """What a free sequence id's cells hold: ``tokens`` of a request of ``salt``; for a prefill's, kept for the
+    request that follows it until ``until`` (the schedule's clock; 0: not kept), ``owner``'s."""
 
     salt: str = ""
     tokens: tuple[int, ...] = ()
+    owner: str = ""
+    until: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -82,7 +107,8 @@ class Row:
 class Plan:
     rows: tuple[Row, ...]
     outputs: tuple[tuple[int, Sequence], ...]  # (row index, sequence) of the rows that ask for logits
-    prompt_rows: int
+    prompt_rows: int  # real requests' (not prefills')
+    prefilled: tuple[Sequence, ...] = ()  # prefills whose prompt the step completes (the engine then removes them)
 
     def __bool__(self) -> bool:
         return bool(self.rows)
@@ -91,47 +117,105 @@ class Plan:
 class Schedule:
     """Waiting and running sequences, and the rows of the next step."""
 
-    def __init__(self, *, sequences: int, cells: int, batch_tokens: int, chunk: int, reuse: bool = False) -> None:
-        """``cells``: each sequence's KV cells. ``reuse``: a sequence id keeps its tokens when its request leaves."""
+    def __init__(
+        self,
+        *,
+        sequences: int,
+        cells: int,
+        batch_tokens: int,
+        chunk: int,
+        reuse: bool = False,
+        keep_seconds: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """``cells``: each sequence's KV cells. ``reuse``: a sequence id keeps its tokens when its request leaves.
+        ``keep_seconds``: how long a prefill's prompt is kept for the request that follows it."""
         if batch_tokens < sequences:
             raise ValueError(f"batch_tokens ({batch_tokens}) must hold a row for each of {sequences} sequences")
         self.cells = cells
         self.batch_tokens = batch_tokens
         self.chunk = chunk
         self.reuse = reuse
+        self.keep_seconds = keep_seconds
+        self._clock = clock
         # Free ids, the one left longest ago first (unused ones before any, 0 first).
         self._free = list(range(sequences))
         # By id: what its cells hold. Replaced whole, never changed in place, so that another thread may read it
         # (:meth:`cached`) while the loop runs; a running id's entry says nothing (it is not reusable).
         self.kept: list[Kept] = [Kept()] * sequences
         self.waiting: deque[Sequence] = deque()
-        self.running: dict[str, Sequence] = {}
+        self.running: dict[str, Sequence] = {}  # prefills computing included
+        self.prefills: deque[Sequence] = deque()  # prefills waiting for an id
+        self.ended: list[Sequence] = []  # prefills ended since the engine last took them
 
     @property
     def empty(self) -> bool:
-        return not self.waiting and not self.running
+        return not self.waiting and not self.running and not self.prefills
 
     def fits(self, sequence: Sequence) -> bool:
         """Whether ``sequence``'s prompt and max_tokens fit a sequence's cells (else it must not be added)."""
         return sequence.cells <= self.cells
 
     def add(self, sequence: Sequence) -> None:
-        self.waiting.append(sequence)
+        """Queue a request, or a prefill: that one ends the prefill of its ``owner`` before it, and the keep of that
+        prefill's prompt (the newer prompt replaces it)."""
+        if not sequence.background:
+            self.waiting.append(sequence)
+            return
+        if sequence.owner:
+            for older in [s for s in (*self.prefills, *self.running.values()) if s.owner == sequence.owner]:
+                self.remove(older.key)
+            self.kept = [replace(k, owner="", until=0.0) if k.owner == sequence.owner else k for k in self.kept]
+        self.prefills.append(sequence)
 
-    def admit(self) -> list[Sequence]:
-        """Give waiting sequences ids, in arrival order, while ids last: each the free id whose kept tokens share the
+    def admit(self, held: bool = False) -> list[Sequence]:
+        """Give waiting sequences ids while ids last: requests first, in arrival order (prefills making way for them
+        first), then, unless ``held`` or a request still waits, prefills; each the free id whose kept tokens share the
         longest prefix with its prompt (the caller then frees the id's cells past ``cached``)."""
+        self._make_way()
         admitted = []
         while self.waiting and self._free:
-            sequence = self.waiting.popleft()
-            shared = [self._shared(seq, sequence.prompt, sequence.salt) for seq in self._free]
-            best = max(range(len(shared)), key=lambda i: (shared[i], -i))  # the longest; on a tie, left longest ago
-            sequence.seq = self._free.pop(best)
-            sequence.cached = sequence.computed = max(0, min(shared[best], len(sequence.prompt) - 1))
-            self.kept[sequence.seq] = Kept()
-            self.running[sequence.key] = sequence
-            admitted.append(sequence)
+            admitted.append(self._take(self.waiting.popleft()))
+        while self.prefills and self._free and not held and not self.waiting:
+            prefill = self.prefills.popleft()
+            if self.cached(prefill.prompt, prefill.salt) >= len(prefill.prompt):
+                self.ended.append(prefill)  # a free id holds all of it already
+                continue
+            admitted.append(self._take(prefill))
         return admitted
+
+    def _take(self, sequence: Sequence) -> Sequence:
+        free, now = self._free, self._clock()
+        shared = [self._shared(seq, sequence.prompt, sequence.salt) for seq in free]
+        # An id that keeps a prefill's prompt for the request that follows goes to a sequence that starts with all
+        # of it, or where no other id is free.
+        open_ = [
+            i for i, seq in enumerate(free) if self.kept[seq].until <= now or shared[i] >= len(self.kept[seq].tokens)
+        ]
+        best = max(open_ or range(len(free)), key=lambda i: (shared[i], -i))  # the longest; on a tie, left longest ago
+        sequence.seq = free.pop(best)
+        last = len(sequence.prompt) - (0 if sequence.background else 1)  # a request computes its last token's logits
+        sequence.cached = sequence.computed = max(0, min(shared[best], last))
+        self.kept[sequence.seq] = Kept()
+        self.running[sequence.key] = sequence
+        return sequence
+
+    def _make_way(self) -> None:
+        """Prefills make way for the waiting requests: one whose prompt a request's starts with (the same salt) ends,
+        and while requests outnumber the free ids, those admitted last give their ids up (what they computed stays in
+        the ids' cells) and wait again, first in their queue."""
+        if not self.waiting:
+            return
+        for prefill in [*self.prefills, *(s for s in self.running.values() if s.background)]:
+            n = len(prefill.prompt)
+            if any(r.salt == prefill.salt and r.prompt[:n] == prefill.prompt for r in self.waiting):
+                self.remove(prefill.key)
+        computing = [s for s in self.running.values() if s.background]
+        while computing and len(self.waiting) > len(self._free):
+            prefill = computing.pop()
+            self._leave(self.running.pop(prefill.key))
+            prefill.seq, prefill.cached, prefill.computed = -1, 0, 0
+            self.prefills.appendleft(prefill)
 
     def cached(self, prompt: tuple[int, ...], salt: str) -> int:
         """The most leading tokens of ``prompt`` that a free id holds for requests of ``salt``. Safe from any
@@ -145,6 +229,8 @@ class Schedule:
         self.kept = [Kept()] * len(self.kept)
         for sequence in admitted:
             sequence.cached = sequence.computed = 0
+        for prefill in [*self.prefills, *(s for s in self.running.values() if s.background)]:
+            self.remove(prefill.key)  # nothing to compute into any more
 
     def _shared(self, seq: int, prompt: tuple[int, ...], salt: str) -> int:
         kept = self.kept[seq]
@@ -153,30 +239,48 @@ class Schedule:
         return _common_prefix(kept.tokens, prompt)
 
     def remove(self, key: str) -> Sequence | None:
-        """Take a sequence out (finished or cancelled); its id is free again. With ``reuse``, the id keeps the
-        sequence's tokens; else the caller frees its KV cells."""
-        for waiting in self.waiting:
-            if waiting.key == key:
-                self.waiting.remove(waiting)
-                return None
+        """Take a sequence out (finished or cancelled; a prefill also when done, or ended: it goes to :attr:`ended`);
+        its id is free again. With ``reuse``, the id keeps the sequence's tokens (a prefill done keeps them for
+        ``keep_seconds``); else the caller frees its KV cells."""
+        for queue in (self.waiting, self.prefills):
+            for waiting in queue:
+                if waiting.key == key:
+                    queue.remove(waiting)
+                    if waiting.background:
+                        self.ended.append(waiting)
+                    return None
         sequence = self.running.pop(key, None)
         if sequence is not None:
-            if self.reuse:
-                self.kept[sequence.seq] = Kept(sequence.salt, sequence.held)
-            self._free.append(sequence.seq)
+            self._leave(sequence)
+            if sequence.background:
+                self.ended.append(sequence)
         return sequence
 
-    def plan(self) -> Plan:
+    def _leave(self, sequence: Sequence) -> None:
+        if self.reuse:
+            done = sequence.background and sequence.computed == len(sequence.prompt) and self.keep_seconds > 0
+            until = self._clock() + self.keep_seconds if done else 0.0
+            self.kept[sequence.seq] = Kept(sequence.salt, sequence.held, sequence.owner if done else "", until)
+        self._free.append(sequence.seq)
+
+    def take_ended(self) -> list[Sequence]:
+        """The prefills that ended since the last call."""
+        ended, self.ended = self.ended, []
+        return ended
+
+    def plan(self, held: bool = False) -> Plan:
+        """The next step's rows: the decoding streams', the requests' prompts', then (unless ``held``) prefills'."""
         rows: list[Row] = []
         outputs: list[tuple[int, Sequence]] = []
-        decoding = [s for s in self.running.values() if s.decoding]
+        real = [s for s in self.running.values() if not s.background]
+        decoding = [s for s in real if s.decoding]
         for sequence in decoding:
             position = len(sequence.prompt) + len(sequence.generated) - 1
             outputs.append((len(rows), sequence))
             rows.append(Row(sequence.seq, sequence.generated[-1], position, True))
         budget = self.batch_tokens - len(rows)
         prompt_rows = 0
-        for sequence in _prefilling(self.running.values()):
+        for sequence in _prefilling(real):
             if budget <= 0:
                 break
             left = len(sequence.prompt) - sequence.computed
@@ -187,9 +291,27 @@ class Schedule:
                     outputs.append((len(rows), sequence))
                 rows.append(Row(sequence.seq, sequence.prompt[position], position, last))
             sequence.computed += take
+            sequence.rows += take
             budget -= take
             prompt_rows += take
-        return Plan(tuple(rows), tuple(outputs), prompt_rows)
+        # Prefills: what keeps the step's prompt rows within a chunk (a stream waits no longer for them than for a
+        # request's chunk, and a request that comes waits at most a chunk's step).
+        room = min(budget, self.chunk - prompt_rows) if self.chunk else budget
+        prefilled = []
+        for sequence in [] if held else _prefilling(s for s in self.running.values() if s.background):
+            if room <= 0:
+                break
+            take = min(len(sequence.prompt) - sequence.computed, room)
+            rows.extend(
+                Row(sequence.seq, sequence.prompt[p], p, False)
+                for p in range(sequence.computed, sequence.computed + take)
+            )
+            sequence.computed += take
+            sequence.rows += take
+            room -= take
+            if sequence.computed == len(sequence.prompt):
+                prefilled.append(sequence)
+        return Plan(tuple(rows), tuple(outputs), prompt_rows, tuple(prefilled))
 
 
 def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
