@@ -530,7 +530,7 @@ def test_light_and_dark_follow_the_system_and_both_stay_readable(browser: Browse
     assert backgrounds["light"] > 0.8 and backgrounds["dark"] < 0.05
 
 
-OWN_FILES = ("chat.js", "markdown.js", "store.js", "chat.css", "favicon.svg")
+OWN_FILES = ("chat.js", "markdown.js", "prefill.js", "store.js", "chat.css", "favicon.svg")
 VENDORED = ("markdown-it.min.js", "purify.min.js", "markdown-it.LICENSE", "dompurify.LICENSE", "README.md")
 
 
@@ -549,7 +549,7 @@ def test_the_page_is_served_from_the_package_with_a_strict_content_security_poli
     # Nothing remote: the page works offline (the SVG's xmlns is a name, not a fetch).
     for text in (index.text, *(r.text for path, r in assets.items() if path != "favicon.svg")):
         assert not re.search(r"https?://|//[a-z0-9.-]+\.[a-z]{2,}/", text)
-    for path in ("chat.js", "markdown.js", "store.js"):
+    for path in ("chat.js", "markdown.js", "prefill.js", "store.js"):
         assert not re.search(r"innerHTML|outerHTML|insertAdjacentHTML|document\.write|eval\(", assets[path].text)
 
 

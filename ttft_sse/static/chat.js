@@ -12,6 +12,7 @@
 // answer; Stop, Escape and New chat do.
 
 import { renderMarkdown } from "./markdown.js";
+import { Prefiller } from "./prefill.js";
 import { clearTurns, loadSettings, loadTurns, saveSettings, saveTurns } from "./store.js";
 
 const $ = (id) => document.getElementById(id);
@@ -329,38 +330,16 @@ function request() {
   return body;
 }
 
-// Prefill while the user types: after a pause in typing (and when a conversation is loaded or the system prompt
-// changes), the conversation as it stands goes to POST /prefill, so that the server has computed most of the prompt
-// before Enter. Background work for the server; nothing here waits for it or shows it. One session per tab, so that
-// the tab's newer prefill supersedes its older one.
-const PREFILL_PAUSE_MS = 300;
-const PREFILL_SESSION = Math.random().toString(36).slice(2);
-let prefillTimer = 0;
-let prefilled = "";
-
-function prefill() {
-  clearTimeout(prefillTimer);
-  prefillTimer = 0;
-  if (current) return; // an answer is under way: the server is busy with it
-  const body = request();
-  const draft = input.value;
-  if (draft.trim()) body.messages.push({ role: "user", content: draft });
-  if (!body.messages.some((message) => message.content.trim())) return;
-  const text = JSON.stringify(body.messages);
-  if (text === prefilled) return;
-  prefilled = text;
-  const headers = { "Content-Type": "application/json", "X-Prefill-Session": PREFILL_SESSION };
-  if (keyInput.value) headers.Authorization = `Bearer ${keyInput.value}`;
-  fetch("prefill", { method: "POST", headers, body: JSON.stringify({ messages: body.messages }) }).catch(() => {});
-}
-
-function prefillSoon() {
-  clearTimeout(prefillTimer);
-  prefillTimer = setTimeout(prefill, PREFILL_PAUSE_MS);
-}
+// The conversation as the server would see it if Enter were pressed now, for POST /prefill (prefill.js).
+const prefiller = new Prefiller(() => {
+  if (current) return null; // an answer is under way: the server is busy with it
+  const { messages } = request();
+  if (input.value.trim()) messages.push({ role: "user", content: input.value });
+  return messages;
+}, () => keyInput.value);
 
 function ask(question) {
-  clearTimeout(prefillTimer);
+  prefiller.cancel();
   const asked = { role: "user", content: question };
   turns.push(asked);
   const body = request();
@@ -519,7 +498,7 @@ keyInput.addEventListener("input", () => {
 showAccess();
 showModel();
 restore();
-input.addEventListener("input", prefillSoon);
-systemPrompt.addEventListener("input", prefillSoon);
-prefillSoon(); // a conversation loaded (or a system prompt kept) is computed before the first keystroke
+input.addEventListener("input", () => prefiller.soon());
+systemPrompt.addEventListener("input", () => prefiller.soon());
+prefiller.soon(); // a conversation loaded (or a system prompt kept) is computed before the first keystroke
 input.focus();
