@@ -162,8 +162,9 @@ class Settings:
     # settings know nothing of.
     warm_prompts: str | None = None
     # The prefix store, in MiB (0: off): on drain the pinned and most used prefixes' KV is written to the cache
-    # directory, and read back at the next start before /readyz turns 200 (engine/batched/prefix_store.py;
-    # docs/settings.md, "Prefixes that survive a restart"). Off by default: the file holds users' prompts.
+    # directory, and read back at the next start before /readyz turns 200 (engine/batched/prefix_store.py,
+    # engine/llamacpp/prefix_store.py; docs/settings.md, "Prefixes that survive a restart"). Off by default: the file
+    # holds users' prompts.
     prefix_store_mb: int = 0
     # Whose requests share prefix-cache blocks: "shared" (everyone's) or "key" (each API key's apart): the timing
     # trade-off is in docs/settings.md, "Isolation".

@@ -245,8 +245,7 @@ class KeepsWarm(Protocol):
 @runtime_checkable
 class StoresPrefixes(Protocol):
     """An engine whose prefix cache survives a restart (``TTFT_PREFIX_STORE_MB``): written to the cache directory
-    on drain, read back at start. The single engine keeps no prefix cache; the llama.cpp engine does not store its
-    own."""
+    on drain, read back at start (the batched and the llama.cpp engines). The single engine keeps no prefix cache."""
 
     async def store_prefixes(self) -> None:
         """Write the pinned and the most used prefixes' KV to the cache directory, within the setting's bound."""

@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from ttft_sse.engine import kv_file
 from ttft_sse.engine.batched import prefix_file
 from ttft_sse.engine.batched.prefix_file import Prefix, Stored, Unusable
 
@@ -70,10 +71,10 @@ def test_a_changed_header_is_refused_by_the_checksum(tmp_path: Path) -> None:
     import safetensors
 
     with safetensors.safe_open(str(path), "pt") as opened:
-        meta = json.loads(opened.metadata()[prefix_file.METADATA])
+        meta = json.loads(opened.metadata()[kv_file.METADATA])
         tensors = {name: opened.get_tensor(name) for name in opened.keys()}  # noqa: SIM118
     meta["prefixes"][0]["tokens"][0] = 99
-    save_file(tensors, str(path), metadata={prefix_file.METADATA: json.dumps(meta)})
+    save_file(tensors, str(path), metadata={kv_file.METADATA: json.dumps(meta)})
     read = prefix_file.read(path, KEY)
     assert isinstance(read, Unusable) and read.what == "corrupt"
 

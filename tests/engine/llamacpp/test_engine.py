@@ -21,6 +21,7 @@ from tests.support.texts import STORY
 from ttft_sse.engine.base import ChatMessage, Finished, Piece, Prompt, SamplingParams, Usage
 from ttft_sse.engine.llamacpp import library
 from ttft_sse.engine.llamacpp.engine import LlamaCppEngine
+from ttft_sse.engine.llamacpp.schedule import salt_hash
 from ttft_sse.engine.loading.sources import bundled_gguf
 from ttft_sse.errors import EngineError
 from ttft_sse.settings import Settings
@@ -235,7 +236,7 @@ async def test_a_conversations_second_turn_reuses_the_first_turn_and_its_answer(
     eventually(lambda: engine.state().sequences == 0)
     schedule = engine._schedule
     assert schedule is not None
-    [kept] = [k for k in schedule.kept if k.salt == "conversation"]
+    [kept] = [k for k in schedule.kept if k.salt == salt_hash("conversation")]
     assert kept.tokens[: first.n_tokens] == first.token_ids
     assert len(kept.tokens) == first.n_tokens + finished.usage.completion_tokens - 1
     turn += [ChatMessage("assistant", answer), ChatMessage("user", "And my dog?")]

@@ -314,3 +314,32 @@ def test_a_prefill_whose_prompt_a_free_id_holds_computes_nothing() -> None:
     p = prefill("p", (1, 2, 3, 4))
     plan_of.add(p)
     assert plan_of.admit() == [] and plan_of.take_ended() == [p] and p.rows == 0
+
+
+def test_the_prefix_store_ranks_prefills_prompts_first_then_the_ids_left_last_and_puts_back_into_vacant_ids() -> None:
+    now = [0.0]
+    plan_of = Schedule(
+        sequences=4, cells=1000, batch_tokens=8, chunk=8, reuse=True, keep_seconds=60, clock=lambda: now[0]
+    )
+    for key, prompt in (("old", (1, 2)), ("new", (3, 4))):
+        plan_of.add(Sequence(key, prompt, max_tokens=1))
+        plan_of.admit()
+        plan_of.plan()
+        plan_of.remove(key)
+        now[0] += 1
+    warm = prefill("warm", (5, 6, 7))
+    plan_of.add(warm)
+    plan_of.admit()
+    plan_of.plan()
+    plan_of.remove("warm")
+    # A prefill's prompt first; then the request left last first. Ids that hold nothing are not ranked.
+    assert [plan_of.kept[seq].tokens for seq in plan_of.ranked()] == [(5, 6, 7), (3, 4), (1, 2)]
+    vacant = plan_of.vacant()
+    assert [plan_of.kept[seq].tokens for seq in vacant] == [(), (1, 2), (3, 4), (5, 6, 7)]
+    now[0] += 1
+    plan_of.hold(vacant[0], "s", (8, 9), keep=True)  # put back by the prefix store, a prefill's prompt
+    assert plan_of.kept[vacant[0]] == Kept("s", (8, 9), "", 63.0)
+    assert plan_of.ranked()[0] == vacant[0]  # kept for the request to come, the newest keep
+    request = Sequence("r", (8, 9, 10), max_tokens=2, salt="s")
+    plan_of.add(request)
+    assert plan_of.admit() == [request] and (request.seq, request.cached) == (vacant[0], 2)

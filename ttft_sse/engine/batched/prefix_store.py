@@ -25,7 +25,6 @@ internals are not the ones this code knows.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -33,10 +32,12 @@ from typing import Any, TypeVar
 
 import structlog
 
+from ttft_sse.engine import kv_file
 from ttft_sse.engine.base import NORMAL, ModelInfo
 from ttft_sse.engine.batched import prefix_file
 from ttft_sse.engine.batched.pins import Pinned, Pins
-from ttft_sse.engine.batched.prefix_file import Prefix, Stored, Unusable
+from ttft_sse.engine.batched.prefix_file import Prefix, Stored
+from ttft_sse.engine.kv_file import Unusable, model_key, path_of
 from ttft_sse.engine.library import internals
 from ttft_sse.engine.library.paged_cache import BLOCK_TOKENS
 from ttft_sse.engine.library.scheduler import PrefixCounters
@@ -44,8 +45,6 @@ from ttft_sse.settings import Settings
 
 log = structlog.get_logger("ttft_sse.engine")
 
-FOLDER = "prefixes"
-"""The cache directory's folder of prefix files, one per model file."""
 RESTORE_SHARE = 2
 """A restore fills at most 1/RESTORE_SHARE of the KV cache: the rest is the requests'."""
 ALLOCATOR_PARTS = ("_copy_view", "ledger", "block_table", "pool", "index", "tokens_per_page", "bytes_per_block")
@@ -82,7 +81,7 @@ class PrefixStore:
         elif not stored.prefixes:
             log.info("prefix_store", outcome="not_written", reason="the cache holds no block of a prefix to keep")
         elif await asyncio.to_thread(prefix_file.write, path := self.path(info), stored):
-            log.info("prefix_store", outcome="written", path=str(path), **_sizes(stored, started))
+            log.info("prefix_store", outcome="written", path=str(path), **kv_file.sizes(stored, started))
 
     async def restore(self, manager: Any, info: ModelInfo) -> None:
         """Read the prefix file back into the cache and keep what the warm prompts' share allows; one log line."""
@@ -118,7 +117,7 @@ class PrefixStore:
             restored_prefixes=len(restored),
             restored_tokens=sum(p.tokens for p in restored),
             kept_tokens=kept,
-            **_sizes(read, started),
+            **kv_file.sizes(read, started),
         )
 
     def path(self, info: ModelInfo) -> Path:
@@ -155,21 +154,6 @@ def _cache(manager: Any) -> Any:
     return cache
 
 
-def _sizes(stored: Stored, started: float) -> dict[str, Any]:
-    return {
-        "prefixes": len(stored.prefixes),
-        "tokens": sum(len(p.tokens) for p in stored.prefixes),
-        "bytes": stored.bytes,
-        "ms": round((time.perf_counter() - started) * 1000, 1),
-    }
-
-
-def path_of(cache_dir: Path, source: str) -> Path:
-    """The prefix file of the model at ``source`` (a file, a directory or a model id) in ``cache_dir``."""
-    name = Path(source).stem or "model"
-    return cache_dir / FOLDER / f"{name}-{model_key(source)}.safetensors"
-
-
 def key(info: ModelInfo, cache: Any, settings: Settings) -> dict[str, Any]:
     """What decides a KV block's bytes: the model file, the engine and every choice of its arithmetic (the weights'
     layout and rows, the decoder layers, the attention, the torch threads, the C sources built for this CPU), the
@@ -196,23 +180,6 @@ def key(info: ModelInfo, cache: Any, settings: Settings) -> dict[str, Any]:
             for name, a in cache.cache_allocators.items()
         },
     }
-
-
-def model_key(source: str) -> str:
-    """The model file's key: a GGUF's from its size and the bytes at both ends (engine/loading/sources.py's), a
-    directory's from its files' names, sizes and times; a model id is its own key."""
-    from ttft_sse.engine.loading.sources import gguf_key
-
-    path = Path(source)
-    if path.is_file():
-        return gguf_key(path)
-    digest = hashlib.sha256(source.encode())
-    if path.is_dir():
-        for entry in sorted(path.iterdir()):
-            if entry.is_file():
-                stat = entry.stat()
-                digest.update(f"\0{entry.name}\0{stat.st_size}\0{stat.st_mtime_ns}".encode())
-    return digest.hexdigest()[:16]
 
 
 def _native_key() -> str | None:

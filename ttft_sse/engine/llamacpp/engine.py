@@ -18,6 +18,10 @@ Prefills (``POST /prefill``, :meth:`LlamaCppEngine.prefill`) use that reuse: a p
 computes a prompt's KV into a free sequence and leaves it there, as background work the schedule gives only what real
 requests leave (engine/llamacpp/schedule.py); the request that follows takes that sequence and computes the rest.
 
+Prefixes that survive a restart (``TTFT_PREFIX_STORE_MB``, :meth:`LlamaCppEngine.store_prefixes` on drain and
+:meth:`LlamaCppEngine.restore_prefixes` at start): the free sequences' cells written to the cache directory and read
+back into free sequences (engine/llamacpp/prefix_store.py), in the loop's thread between two steps.
+
 Shared with the other engines, so that a request means the same on each: the prompt (engine/prompts.py, with the
 tokenizer transformers builds from the file's metadata, so the same token ids), the text and stop sequences
 (engine/text.py), and sampling (engine/sampling.py, over llama.cpp's logits, with the request's own generator: a
@@ -29,11 +33,13 @@ step holds: docs/engine.md ("The llama.cpp engine") says what is promised.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import itertools
 import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import structlog
@@ -42,7 +48,8 @@ from ttft_sse.engine import prompts, sampling
 from ttft_sse.engine.base import NORMAL, Finished, Hold, ModelInfo, Piece, Prompt, SamplingParams
 from ttft_sse.engine.base import check_mode as _check_mode
 from ttft_sse.engine.llamacpp import library
-from ttft_sse.engine.llamacpp.schedule import Plan, Schedule
+from ttft_sse.engine.llamacpp.prefix_store import PrefixStore
+from ttft_sse.engine.llamacpp.schedule import Plan, Schedule, salt_hash
 from ttft_sse.engine.llamacpp.schedule import Sequence as Running
 from ttft_sse.engine.loading import budget, sources
 from ttft_sse.engine.text import TokenText
@@ -54,6 +61,7 @@ from ttft_sse.stages import StageClock
 log = structlog.get_logger("ttft_sse.engine")
 
 Item = Piece | Finished
+T = TypeVar("T")
 HOLD_POLL_SECONDS = 0.02
 """How often the loop asks again, while only held prefills are left to compute, whether they are held still."""
 
@@ -91,6 +99,18 @@ class _Cancel:
 
 
 @dataclass(frozen=True)
+class _Visit:
+    """Work for the loop's thread between two steps (the prefix store's copies): ``work(runner, schedule)``, whose
+    result or exception goes to ``done``."""
+
+    work: Callable[[library.Runner, Schedule], Any]
+    done: concurrent.futures.Future[Any]
+
+
+Command = _Submit | _Prefill | _Cancel | _Visit
+
+
+@dataclass(frozen=True)
 class LlamaStats:
     """The loop's state, for tests and the benchmark. Counters only grow."""
 
@@ -112,14 +132,13 @@ class LlamaCppEngine(prompts.TokenizedPrompts):
         self._tokenizer: Any = None
         self._eos: frozenset[int] = frozenset()
         self._mailboxes: Mailboxes[str, Delivery] = Mailboxes(alive=self._alive, dead=self._dead)
-        self._loop: Loop[_Submit | _Prefill | _Cancel] = Loop(
-            name="ttft-llama", body=self._run, on_failure=self._failed
-        )
+        self._loop: Loop[Command] = Loop(name="ttft-llama", body=self._run, on_failure=self._failed)
         self._ids = itertools.count(1)
         self._closed = False
         self._schedule: Schedule | None = None
         self._steps = 0
         self._reuse = settings.prefix_cache  # off for good once llama.cpp cannot free part of a sequence
+        self._prefix_store = PrefixStore(settings)
         self.batch_log: list[tuple[str, ...]] = []
         """The request ids that received a token, step by step (the most recent 512 steps)."""
 
@@ -207,7 +226,7 @@ class LlamaCppEngine(prompts.TokenizedPrompts):
         schedule = self._schedule
         if schedule is None or not schedule.reuse:
             return 0
-        return schedule.cached(prompt.token_ids, cache_salt)
+        return schedule.cached(prompt.token_ids, salt_hash(cache_salt))
 
     async def prefill(self, prompt: Prompt, *, cache_salt: str = "", owner: str = "", hold: Hold = None) -> int:
         """Compute ``prompt``'s KV into a free sequence as background work, all but what a free sequence holds already,
@@ -283,6 +302,32 @@ class LlamaCppEngine(prompts.TokenizedPrompts):
             if not ended:
                 self._loop.post(_Cancel(key))  # its sequence leaves before the loop's next step
 
+    async def store_prefixes(self) -> None:
+        """The free sequences' prefixes to the cache directory (engine/llamacpp/prefix_store.py); nothing without
+        prefix reuse, or once the loop has stopped (its cells are gone)."""
+        if self._reuse and not self._closed and self._runner is not None and self._loop.alive:
+            await self._prefix_store.store(self._in_loop, self._runner, self.info)
+
+    async def restore_prefixes(self) -> None:
+        """The prefixes of the last drain back into free sequences (engine/llamacpp/prefix_store.py)."""
+        if self._reuse and not self._closed:
+            self._running()
+            await self._prefix_store.restore(self._in_loop, self.runner, self.info)
+
+    async def _in_loop(self, work: Callable[[library.Runner, Schedule], T]) -> T:
+        """``work(runner, schedule)`` in the loop's thread between two steps, and its result; an EngineError where
+        the loop stops first."""
+        done: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self._loop.post(_Visit(work, done))
+        waiting = asyncio.wrap_future(done)
+        while True:
+            finished, _ = await asyncio.wait({waiting}, timeout=self._mailboxes.poll_seconds)
+            if finished:
+                return waiting.result()
+            if not self._loop.alive:
+                waiting.cancel()
+                raise self._dead()
+
     async def close(self) -> None:
         """End every generation (without a ``Finished``), stop the loop and free llama.cpp's model."""
         self._closed = True
@@ -304,7 +349,7 @@ class LlamaCppEngine(prompts.TokenizedPrompts):
 
     # -- the loop's thread -------------------------------------------------------------------------------------
 
-    def _run(self, commands: Commands[_Submit | _Prefill | _Cancel]) -> None:
+    def _run(self, commands: Commands[Command]) -> None:
         runner = self.runner
         runner.clear()  # a loop started after a failure finds the cells of the requests it failed
         settings = self._settings
@@ -326,6 +371,8 @@ class LlamaCppEngine(prompts.TokenizedPrompts):
                     self._leave(schedule, command.key, draws)
                 elif isinstance(command, _Prefill):
                     self._add_prefill(schedule, command, holds)
+                elif isinstance(command, _Visit):
+                    _visit(command, runner, schedule)
                 else:
                     self._add(schedule, command, draws)
             self._answer_ended(schedule, holds)
@@ -345,7 +392,8 @@ class LlamaCppEngine(prompts.TokenizedPrompts):
         self._mailboxes.deliver((prefill.key, _Prefilled(prefill.rows)) for prefill in ended)
 
     def _add(self, schedule: Schedule, command: _Submit, draws: dict[str, tuple[SamplingParams, Any]]) -> None:
-        sequence = Running(command.key, command.prompt, command.params.max_tokens, command.params.cache_salt)
+        salt = salt_hash(command.params.cache_salt)
+        sequence = Running(command.key, command.prompt, command.params.max_tokens, salt)
         if not schedule.fits(sequence):
             self._mailboxes.deliver([(command.key, EngineError("the request does not fit a sequence's KV cells"))])
             return
@@ -353,7 +401,8 @@ class LlamaCppEngine(prompts.TokenizedPrompts):
         schedule.add(sequence)
 
     def _add_prefill(self, schedule: Schedule, command: _Prefill, holds: dict[str, Callable[[], bool]]) -> None:
-        sequence = Running(command.key, command.prompt, 0, command.salt, background=True, owner=command.owner)
+        salt = salt_hash(command.salt)
+        sequence = Running(command.key, command.prompt, 0, salt, background=True, owner=command.owner)
         if not schedule.reuse or not schedule.fits(sequence):
             self._mailboxes.deliver([(command.key, _Prefilled(0))])  # nothing to keep it in
             return
@@ -414,6 +463,16 @@ class LlamaCppEngine(prompts.TokenizedPrompts):
 
     def _dead(self) -> BaseException:
         return EngineError("generation failed: the llama.cpp loop stopped")
+
+
+def _visit(command: _Visit, runner: library.Runner, schedule: Schedule) -> None:
+    """Run a visit's work and hand its result (or what it raised) to the waiting event loop."""
+    if not command.done.set_running_or_notify_cancel():
+        return  # its caller gave up waiting
+    try:
+        command.done.set_result(command.work(runner, schedule))
+    except Exception as exc:
+        command.done.set_exception(exc)
 
 
 def _pick(logits: np.ndarray, params: SamplingParams, generator: Any) -> int:

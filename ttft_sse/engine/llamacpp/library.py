@@ -1,5 +1,6 @@
 """llama.cpp through llama-cpp-python's low-level binding (``llama_cpp.llama_cpp``, ctypes): a model, one context
-with ``sequences`` sequences of KV cells, a batch, a decode, a row of logits, a sequence's cells freed.
+with ``sequences`` sequences of KV cells, a batch, a decode, a row of logits, a sequence's cells freed, a sequence's
+state (its cells as bytes) copied out and put back.
 
 Only the engine's loop thread calls a :class:`Runner` after :func:`open_runner` (llama.cpp's context is not safe
 across threads). ``llama-cpp-python`` is an optional dependency (``pip install 'ttft-sse[llamacpp]'``): it is
@@ -73,7 +74,7 @@ class Shape:
 class Runner:
     """A loaded model and its context. Close it from the thread that used it."""
 
-    def __init__(self, lib: Any, model: Any, context: Any, shape: Shape) -> None:
+    def __init__(self, lib: Any, model: Any, context: Any, shape: Shape, choices: dict[str, Any]) -> None:
         self._lib = lib
         self._model = model
         self._context = context
@@ -86,6 +87,11 @@ class Runner:
         self.description = buffer.value.decode(errors="replace")  # e.g. "llama ?B Q4_1"
         self.shape = shape
         self.cells_per_sequence = int(lib.llama_n_ctx_seq(context))
+        self.choices = choices
+        """The context's parameters that decide a KV cell's bytes and layout (the cache's types, flash attention, a
+        stream of cells per sequence)."""
+        self.system = bytes(lib.llama_print_system_info() or b"").decode(errors="replace").strip()
+        """The CPU features llama.cpp's build uses here (its kernels: ``AVX512 = 1 | ...``)."""
         self._batch = lib.llama_batch_init(shape.batch_tokens, 0, 1)
         self._closed = False
 
@@ -121,6 +127,24 @@ class Runner:
     def last_position(self, seq: int) -> int:
         """The last position sequence ``seq`` holds in the KV cache, -1 when it holds none."""
         return int(self._lib.llama_memory_seq_pos_max(self._memory, seq))
+
+    def state_size(self, seq: int) -> int:
+        """The bytes of sequence ``seq``'s state: the positions of its cells and every layer's keys and values in
+        them (llama.cpp's ``llama_state_seq_get_size``)."""
+        return int(self._lib.llama_state_seq_get_size(self._context, seq))
+
+    def state(self, seq: int) -> np.ndarray:
+        """Sequence ``seq``'s state as bytes (uint8), as llama.cpp writes it."""
+        size = self.state_size(seq)
+        data = np.empty(size, dtype=np.uint8)
+        written = int(self._lib.llama_state_seq_get_data(self._context, _bytes(data), size, seq))
+        return data[:written]
+
+    def set_state(self, seq: int, state: np.ndarray) -> bool:
+        """Put ``state`` (of :meth:`state`) into sequence ``seq``'s cells, in place of what they held. False where
+        llama.cpp refuses it (too few cells, another layout; it logs why): the sequence holds nothing then."""
+        data = np.ascontiguousarray(state, dtype=np.uint8)
+        return int(self._lib.llama_state_seq_set_data(self._context, _bytes(data), data.size, seq)) > 0
 
     def clear(self) -> None:
         """Free every sequence's cells."""
@@ -163,7 +187,18 @@ def open_runner(path: str, shape: Shape) -> Runner:
     if not context:
         lib.llama_model_free(model)
         raise StartupError(f"llama.cpp cannot make a context of {shape.cells} cells for {path}")
-    return Runner(lib, model, context, shape)
+    choices = {
+        "type_k": int(params.type_k),
+        "type_v": int(params.type_v),
+        "flash_attn": int(params.flash_attn_type),
+        "kv_unified": bool(params.kv_unified),
+    }
+    return Runner(lib, model, context, shape, choices)
+
+
+def _bytes(data: np.ndarray) -> Any:
+    """``data``'s buffer as the ``uint8_t *`` llama.cpp's state calls take."""
+    return data.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
 
 
 def _quiet(lib: Any) -> None:

@@ -36,11 +36,15 @@ for the request that follows, as background work that never stands in a real req
 The prefills that ended (done, ended by a request or a newer prefill, cancelled, or with nothing to compute) are
 listed in :attr:`Schedule.ended` for the engine to answer.
 
+**The prefix store** (engine/llamacpp/prefix_store.py) copies the free ids' cells out on drain, the most useful first
+(:meth:`Schedule.ranked`), and puts them back at start into free ids (:meth:`Schedule.vacant`, :meth:`Schedule.hold`).
+
 Nothing here calls llama.cpp: the engine's loop (engine/llamacpp/engine.py) runs the plan.
 """
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -54,9 +58,7 @@ class Sequence:
     key: str
     prompt: tuple[int, ...]
     max_tokens: int
-    salt: str = (
-        ""  # whose kept tokens it may reuse: those of requests with the same salt (ttft_sse/admission/isolation.py)
-    )
+    salt: str = ""  # whose kept tokens it may reuse: the same salt's (the engine gives the cache salt's salt_hash)
     background: bool = False  # a prefill: its prompt's KV computed for a request to come, no token generated
     owner: str = ""  # a prefill's: whose newer prefill ends it
     seq: int = -1  # llama.cpp's sequence id, once admitted
@@ -263,6 +265,29 @@ class Schedule:
             self.kept[sequence.seq] = Kept(sequence.salt, sequence.held, sequence.owner if done else "", until)
         self._free.append(sequence.seq)
 
+    def ranked(self) -> list[int]:
+        """The free ids whose cells hold tokens, the most useful first: those a prefill (or a warm prompt) computed
+        and no request has taken since, the newest prefill first; then the others, the one left last first."""
+        held = [seq for seq in reversed(self._free) if self.kept[seq].tokens]
+        return sorted(held, key=lambda seq: -self.kept[seq].until)  # stable: the one left last first on a tie
+
+    def vacant(self) -> list[int]:
+        """The free ids, those that hold nothing first, then the one left longest ago first: where to put back what
+        the prefix store read."""
+        return sorted(self._free, key=lambda seq: bool(self.kept[seq].tokens))
+
+    def hold(self, seq: int, salt: str, tokens: tuple[int, ...], keep: bool = False) -> None:
+        """The free id ``seq``'s cells now hold ``tokens`` of ``salt`` (put back by the prefix store; nothing where
+        ``tokens`` is empty): it becomes the id left last (left first where it holds nothing); with ``keep``, its
+        tokens are kept ``keep_seconds`` for a request to come, as a prefill's prompt."""
+        until = self._clock() + self.keep_seconds if keep and tokens and self.keep_seconds > 0 else 0.0
+        self.kept[seq] = Kept(salt, tokens, "", until)
+        self._free.remove(seq)
+        if tokens:
+            self._free.append(seq)
+        else:
+            self._free.insert(0, seq)
+
     def take_ended(self) -> list[Sequence]:
         """The prefills that ended since the last call."""
         ended, self.ended = self.ended, []
@@ -312,6 +337,13 @@ class Schedule:
             if sequence.computed == len(sequence.prompt):
                 prefilled.append(sequence)
         return Plan(tuple(rows), tuple(outputs), prompt_rows, tuple(prefilled))
+
+
+def salt_hash(salt: str) -> str:
+    """What the schedule keeps of a request's cache salt (and the prefix store writes): a hash of it, "" for none."""
+    if not salt:
+        return ""
+    return hashlib.blake2b(salt.encode(), digest_size=16, person=b"ttft-llama-salt").hexdigest()
 
 
 def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
