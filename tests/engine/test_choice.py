@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,7 @@ from structlog.testing import capture_logs
 from tests.support.caches import Caches
 from tests.support.engines import llama_cpp_or_skip
 from ttft_sse.engine import choice
+from ttft_sse.engine.base import StoresPrefixes
 from ttft_sse.engine.batched.engine import BatchedEngine
 from ttft_sse.engine.choice import AutoEngine, Choice, create_engine, decide
 from ttft_sse.engine.fake import FakeEngine
@@ -124,6 +126,29 @@ def test_auto_engine_is_the_chosen_engine_once_loaded() -> None:
         _ = engine.info
     assert engine.active == 0
     assert not hasattr(engine, "stats")  # read through to the chosen engine, once there is one
+
+
+class _Storing:
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    async def store_prefixes(self) -> None:
+        self.calls.append("store")
+
+    async def restore_prefixes(self) -> None:
+        self.calls.append("restore")
+
+
+def test_auto_engine_stores_and_restores_prefixes_where_the_chosen_engine_does() -> None:
+    engine = AutoEngine(Settings(engine="auto"))
+    assert isinstance(engine, StoresPrefixes)  # the runtime asks this before it calls them
+    chosen = _Storing()
+    engine._engine = chosen  # type: ignore[assignment]
+    asyncio.run(engine.restore_prefixes())
+    asyncio.run(engine.store_prefixes())
+    assert chosen.calls == ["restore", "store"]
+    engine._engine = object()  # type: ignore[assignment]  # an engine that keeps no prefixes (the single one)
+    asyncio.run(engine.store_prefixes())  # nothing to do, nothing raised
 
 
 def test_auto_takes_the_engine_whose_kv_cache_fits_where_only_one_does(tmp_path: Path, fresh_cache: Caches) -> None:

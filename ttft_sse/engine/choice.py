@@ -41,6 +41,7 @@ from ttft_sse.engine.base import (
     Progress,
     Prompt,
     SamplingParams,
+    StoresPrefixes,
     keep_warm,
 )
 from ttft_sse.engine.cache_files import write_whole
@@ -353,6 +354,16 @@ class AutoEngine:
 
     async def warm(self, prompt: Prompt) -> int:
         return await keep_warm(self.chosen, prompt)
+
+    async def store_prefixes(self) -> None:
+        """The chosen engine's, where it keeps prefixes across a restart (the single engine does not): said here, not
+        read through, since a protocol check need not look through ``__getattr__``."""
+        if isinstance(self._engine, StoresPrefixes):
+            await self._engine.store_prefixes()
+
+    async def restore_prefixes(self) -> None:
+        if isinstance(self._engine, StoresPrefixes):
+            await self._engine.restore_prefixes()
 
     async def close(self) -> None:
         if self._engine is not None:
