@@ -48,6 +48,7 @@ from ttft_sse.engine import prompts, sampling
 from ttft_sse.engine.base import NORMAL, Finished, Hold, ModelInfo, Piece, Prompt, SamplingParams
 from ttft_sse.engine.base import check_mode as _check_mode
 from ttft_sse.engine.llamacpp import library
+from ttft_sse.engine.llamacpp.commands import Cancel, Command, Delivery, Prefill, Prefilled, Submit, Visit, visit
 from ttft_sse.engine.llamacpp.prefix_store import PrefixStore
 from ttft_sse.engine.llamacpp.schedule import Plan, Schedule, salt_hash
 from ttft_sse.engine.llamacpp.schedule import Sequence as Running
@@ -64,50 +65,6 @@ Item = Piece | Finished
 T = TypeVar("T")
 HOLD_POLL_SECONDS = 0.02
 """How often the loop asks again, while only held prefills are left to compute, whether they are held still."""
-
-
-@dataclass(frozen=True)
-class _Prefilled:
-    """To a prefill's inbox: it ended, having computed ``tokens`` of its prompt's KV."""
-
-    tokens: int
-
-
-# (token, last, cached prompt tokens), a prefill's end, or why the request failed
-Delivery = tuple[int, bool, int] | _Prefilled | EngineError
-
-
-@dataclass
-class _Submit:
-    key: str
-    prompt: tuple[int, ...]
-    params: SamplingParams
-
-
-@dataclass(frozen=True)
-class _Prefill:
-    key: str
-    prompt: tuple[int, ...]
-    salt: str
-    owner: str
-    hold: Hold
-
-
-@dataclass(frozen=True)
-class _Cancel:
-    key: str
-
-
-@dataclass(frozen=True)
-class _Visit:
-    """Work for the loop's thread between two steps (the prefix store's copies): ``work(runner, schedule)``, whose
-    result or exception goes to ``done``."""
-
-    work: Callable[[library.Runner, Schedule], Any]
-    done: concurrent.futures.Future[Any]
-
-
-Command = _Submit | _Prefill | _Cancel | _Visit
 
 
 @dataclass(frozen=True)
@@ -240,18 +197,18 @@ class LlamaCppEngine(prompts.TokenizedPrompts):
         inbox = self._mailboxes.open(key)
         ended = False
         try:
-            self._loop.post(_Prefill(key, prompt.token_ids, cache_salt, owner, hold))
+            self._loop.post(Prefill(key, prompt.token_ids, cache_salt, owner, hold))
             async for delivery in inbox:
                 ended = True
                 if isinstance(delivery, EngineError):
                     raise delivery
-                if isinstance(delivery, _Prefilled):
+                if isinstance(delivery, Prefilled):
                     return delivery.tokens
             return 0  # close() ended every inbox
         finally:
             inbox.close()
             if not ended:
-                self._loop.post(_Cancel(key))  # cancelled: it leaves before the loop's next step
+                self._loop.post(Cancel(key))  # cancelled: it leaves before the loop's next step
 
     def _running(self) -> None:
         """Raise if the engine is closed; start the loop again if it stopped (the error was logged then)."""
@@ -273,12 +230,12 @@ class LlamaCppEngine(prompts.TokenizedPrompts):
         cached = 0
         ended = False
         try:
-            self._loop.post(_Submit(key, prompt.token_ids, params))
+            self._loop.post(Submit(key, prompt.token_ids, params))
             async for delivery in inbox:
                 if isinstance(delivery, EngineError):
                     ended = True
                     raise delivery
-                if isinstance(delivery, _Prefilled):
+                if isinstance(delivery, Prefilled):
                     continue  # never sent to a request
                 token, ended, cached = delivery
                 if first_at is None:
@@ -300,7 +257,7 @@ class LlamaCppEngine(prompts.TokenizedPrompts):
         finally:
             inbox.close()
             if not ended:
-                self._loop.post(_Cancel(key))  # its sequence leaves before the loop's next step
+                self._loop.post(Cancel(key))  # its sequence leaves before the loop's next step
 
     async def store_prefixes(self) -> None:
         """The free sequences' prefixes to the cache directory (engine/llamacpp/prefix_store.py); nothing without
@@ -318,7 +275,7 @@ class LlamaCppEngine(prompts.TokenizedPrompts):
         """``work(runner, schedule)`` in the loop's thread between two steps, and its result; an EngineError where
         the loop stops first."""
         done: concurrent.futures.Future[T] = concurrent.futures.Future()
-        self._loop.post(_Visit(work, done))
+        self._loop.post(Visit(work, done))
         waiting = asyncio.wrap_future(done)
         while True:
             finished, _ = await asyncio.wait({waiting}, timeout=self._mailboxes.poll_seconds)
@@ -367,12 +324,12 @@ class LlamaCppEngine(prompts.TokenizedPrompts):
         while not commands.stopping:
             idle = schedule.empty
             for command in commands.take(wait=idle or paused, timeout=None if idle else HOLD_POLL_SECONDS):
-                if isinstance(command, _Cancel):
+                if isinstance(command, Cancel):
                     self._leave(schedule, command.key, draws)
-                elif isinstance(command, _Prefill):
+                elif isinstance(command, Prefill):
                     self._add_prefill(schedule, command, holds)
-                elif isinstance(command, _Visit):
-                    _visit(command, runner, schedule)
+                elif isinstance(command, Visit):
+                    visit(command, runner, schedule)
                 else:
                     self._add(schedule, command, draws)
             self._answer_ended(schedule, holds)
@@ -389,9 +346,9 @@ class LlamaCppEngine(prompts.TokenizedPrompts):
         ended = schedule.take_ended()
         for prefill in ended:
             holds.pop(prefill.key, None)
-        self._mailboxes.deliver((prefill.key, _Prefilled(prefill.rows)) for prefill in ended)
+        self._mailboxes.deliver((prefill.key, Prefilled(prefill.rows)) for prefill in ended)
 
-    def _add(self, schedule: Schedule, command: _Submit, draws: dict[str, tuple[SamplingParams, Any]]) -> None:
+    def _add(self, schedule: Schedule, command: Submit, draws: dict[str, tuple[SamplingParams, Any]]) -> None:
         salt = salt_hash(command.params.cache_salt)
         sequence = Running(command.key, command.prompt, command.params.max_tokens, salt)
         if not schedule.fits(sequence):
@@ -400,11 +357,11 @@ class LlamaCppEngine(prompts.TokenizedPrompts):
         draws[command.key] = (command.params, _generator(command.params))
         schedule.add(sequence)
 
-    def _add_prefill(self, schedule: Schedule, command: _Prefill, holds: dict[str, Callable[[], bool]]) -> None:
+    def _add_prefill(self, schedule: Schedule, command: Prefill, holds: dict[str, Callable[[], bool]]) -> None:
         salt = salt_hash(command.salt)
         sequence = Running(command.key, command.prompt, 0, salt, background=True, owner=command.owner)
         if not schedule.reuse or not schedule.fits(sequence):
-            self._mailboxes.deliver([(command.key, _Prefilled(0))])  # nothing to keep it in
+            self._mailboxes.deliver([(command.key, Prefilled(0))])  # nothing to keep it in
             return
         if command.hold is not None:
             holds[command.key] = command.hold
@@ -463,16 +420,6 @@ class LlamaCppEngine(prompts.TokenizedPrompts):
 
     def _dead(self) -> BaseException:
         return EngineError("generation failed: the llama.cpp loop stopped")
-
-
-def _visit(command: _Visit, runner: library.Runner, schedule: Schedule) -> None:
-    """Run a visit's work and hand its result (or what it raised) to the waiting event loop."""
-    if not command.done.set_running_or_notify_cancel():
-        return  # its caller gave up waiting
-    try:
-        command.done.set_result(command.work(runner, schedule))
-    except Exception as exc:
-        command.done.set_exception(exc)
 
 
 def _pick(logits: np.ndarray, params: SamplingParams, generator: Any) -> int:
