@@ -43,10 +43,13 @@ def whole(tokens: int) -> int:
     return (tokens - 1) // BLOCK_TOKENS * BLOCK_TOKENS
 
 
+@pytest.mark.parametrize("kv_dtype", ["fp32", "f16"])
 async def test_the_next_engine_finds_the_stored_blocks_and_answers_as_a_fresh_computation(
-    settings: Settings, stored_at: Path
+    settings: Settings, stored_at: Path, kv_dtype: str
 ) -> None:
-    store = settings.replace(prefix_store_mb=64)
+    """In both KV dtypes: an f16 cache's blocks are written and read back as the cache holds them (2 bytes a value),
+    so a restored prompt answers as the f16 cache's own fresh computation does."""
+    store = settings.replace(prefix_store_mb=64, kv_dtype=kv_dtype)
     first = loaded(store)
     try:
         prompt = prompt_of(first, QUESTION, SYSTEM)
@@ -60,6 +63,8 @@ async def test_the_next_engine_finds_the_stored_blocks_and_answers_as_a_fresh_co
     (written,) = events(logs)
     assert written["outcome"] == "written" and stored_at.is_file()
     assert written["prefixes"] >= 2 and 0 < written["bytes"] < stored_at.stat().st_size
+    value_bytes = 2 if kv_dtype == "f16" else 4  # 30 layers x keys and values x 3 heads x 64 a token
+    assert written["bytes"] == written["tokens"] * 30 * 2 * 3 * 64 * value_bytes
 
     second = loaded(store)
     try:
