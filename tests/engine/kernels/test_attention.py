@@ -4,8 +4,12 @@
 
 from __future__ import annotations
 
+import ctypes
+import dataclasses
+import itertools
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -420,3 +424,130 @@ def test_the_function_the_marked_modules_call_is_the_one_that_dispatches_marked_
     called = functions.get_interface(paged_module.config._attn_implementation, None)
     assert called is grouped.grouped_sdpa
     assert getattr(called, attention.DISPATCHES) is True
+
+
+# -- a request's rows in blocks (attention.c's attend_n): each row's bits are its own ------------------------------
+
+
+BUILDS = {"native": (), "avx2": ("-mno-avx512f",), "no-f16c": ("-mno-avx512f", "-mno-f16c")}
+"""attention.c's builds: this CPU's, what a CPU without AVX-512 gets, and an AVX2 one without F16C (fp16 widened in
+plain C)."""
+
+
+@pytest.fixture(scope="module", params=list(BUILDS))
+def part_functions(request: pytest.FixtureRequest) -> dict[bool, Any]:
+    """``ttft_attention_part`` (False: an fp32 cache) and ``ttft_attention_part_f16`` (True) of one build."""
+    library = builds.built(attention.build, *BUILDS[request.param])
+    arguments = (*attention.ARGUMENTS[:-1], ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p)
+    return {
+        half: compiler.load(library, attention.PAGED_PART_HALF if half else attention.PAGED_PART, arguments)
+        for half in (False, True)
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class Rows:
+    """A step's queries (``[rows, heads * dim]``) of ``requests`` (new rows, keys) side by side, over a KV cache
+    (``[slots, kv_heads * dim]``, fp16 values or fp32) whose rows ``index`` reads scattered."""
+
+    requests: list[tuple[int, int]]
+    shape: tuple[int, int, int]  # heads, KV heads, dim
+    q: Any
+    k: Any
+    v: Any
+    index: Any
+
+    @staticmethod
+    def random(requests: list[tuple[int, int]], shape: tuple[int, int, int], half: bool, seed: int) -> Rows:
+        rng = np.random.default_rng(seed)
+        heads, kv_heads, dim = shape
+        rows, keys = sum(n for n, _ in requests), sum(k for _, k in requests)
+        slots = 2 * keys + 5
+        k, v = (
+            (rng.standard_normal((slots, kv_heads * dim)) * 2).astype(np.float16 if half else np.float32) for _ in "kv"
+        )
+        q = rng.standard_normal((rows, heads * dim)).astype(np.float32)
+        return Rows(requests, shape, q, k, v, rng.permutation(slots)[:keys].astype(np.int64))
+
+    def starts(self, of: int) -> Any:
+        """Where each request's rows (``of`` 0) or keys (1) start, with the total last."""
+        return np.cumsum([0, *(request[of] for request in self.requests)]).astype(np.int32)
+
+    @property
+    def parts(self) -> int:
+        """A row's heads of one KV head a part."""
+        return len(self.q) * self.shape[1]
+
+    def computed(self, function: Any, cuts: list[int]) -> Any:
+        """The attention computed part range by part range (``cuts``: the ranges' bounds) into one output."""
+        heads, kv_heads, dim = self.shape
+        cu_q, cu_k, out = self.starts(0), self.starts(1), np.full_like(self.q, np.nan)
+        at = [a.ctypes.data for a in (self.q, self.k, self.v, self.index, cu_q, cu_k, out)]
+        for first, last in itertools.pairwise(cuts):
+            assert function(
+                at[0], heads, kv_heads, dim, at[1], at[2], kv_heads * dim, dim, at[3], at[4], at[5],
+                len(self.requests), 512, dim**-0.5, first, last, at[6],
+            ) == 0  # fmt: skip
+        return out
+
+    def row_alone(self, function: Any, request: int, row: int) -> Any:
+        """Row ``row`` of request ``request`` computed as a request of one row over the keys it sees."""
+        (new, keys), q0, k0 = self.requests[request], self.starts(0)[request], self.starts(1)[request]
+        seen = keys - new + row + 1
+        alone = dataclasses.replace(
+            self, requests=[(1, seen)], q=self.q[q0 + row][None], index=self.index[k0 : k0 + seen]
+        )
+        return alone.computed(function, [0, alone.parts])[0]
+
+
+SHAPES = {"smollm2": (9, 3, 64), "no-groups": (6, 6, 16), "8-a-kv-head": (16, 2, 32), "dim-128": (10, 5, 128)}
+SHAPES["6-a-kv-head-dim-48"] = (12, 2, 48)  # a group of 4 heads then one of 2, a head size of no inlined case
+# Rows of one request see one key more each: decodes, short prompts of odd and even rows, prompts behind a cached
+# prefix, one whose rows start at its first key, side by side.
+ROWS = [(1, 40), (5, 5), (1, 1), (2, 2), (3, 20), (7, 300), (4, 9), (30, 70), (1, 17), (9, 9)]
+
+
+@pytest.mark.parametrize("half", [False, True], ids=["fp32-cache", "f16-cache"])
+@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
+def test_each_row_of_a_request_is_the_bits_of_that_row_alone_over_the_keys_it_sees(
+    part_functions: dict[bool, Any], shape: tuple[int, int, int], half: bool
+) -> None:
+    rows = Rows.random(ROWS, shape, half, seed=sum(shape))
+    whole = rows.computed(part_functions[half], [0, rows.parts])
+    assert not np.isnan(whole).any()
+    for s, (new, _) in enumerate(ROWS):
+        for row in range(new):
+            alone = rows.row_alone(part_functions[half], s, row)
+            assert np.array_equal(whole[rows.starts(0)[s] + row], alone), (s, row)
+
+
+@pytest.mark.parametrize("half", [False, True], ids=["fp32-cache", "f16-cache"])
+@pytest.mark.parametrize("shape", [SHAPES["smollm2"], SHAPES["no-groups"]], ids=["smollm2", "no-groups"])
+def test_parts_split_at_any_bound_or_in_chunks_of_any_size_give_the_same_bits(
+    part_functions: dict[bool, Any], shape: tuple[int, int, int], half: bool
+) -> None:
+    """The helper threads share a step's attention by ranges of parts (helpers.c): a block of rows never takes a
+    part outside the range it is given, and each row's bits do not depend on the block it falls in."""
+    requests = [(1, 30), (5, 5), (7, 40), (2, 2), (4, 19)]
+    rows = Rows.random(requests, shape, half, seed=7)
+    function, parts = part_functions[half], rows.parts
+    whole = rows.computed(function, [0, parts])
+    heads, kv_heads, dim = shape
+    part_of = np.arange(parts).reshape(-1, kv_heads).repeat(heads // kv_heads * dim, axis=1)  # each output's part
+    for cut in range(parts + 1):
+        assert np.array_equal(rows.computed(function, [0, cut, parts]), whole), cut
+        for first, last in ((0, cut), (cut, parts)):  # nothing written outside the range
+            alone = rows.computed(function, [first, last])
+            inside = (part_of >= first) & (part_of < last)
+            assert np.array_equal(alone[inside], whole[inside]) and np.isnan(alone[~inside]).all(), (first, last)
+    for size in range(1, 8):
+        assert np.array_equal(rows.computed(function, [*range(0, parts, size), parts]), whole), size
+
+
+def test_a_row_with_no_key_to_see_gets_zeros_and_the_next_rows_their_own_bits(part_functions: dict[bool, Any]) -> None:
+    # Not a step continuous batching builds (more new rows than keys), but a defined one: rows 0 and 1 see nothing.
+    rows = Rows.random([(2, 2), (4, 2), (1, 3)], SHAPES["smollm2"], False, seed=9)
+    whole = rows.computed(part_functions[False], [0, rows.parts])
+    assert np.array_equal(whole[2:4], np.zeros_like(whole[2:4]))
+    for row in (2, 3):
+        assert np.array_equal(whole[2 + row], rows.row_alone(part_functions[False], 1, row))

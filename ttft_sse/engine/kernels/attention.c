@@ -19,6 +19,11 @@
    Without either it returns -2 (the caller keeps the library's path). dim must be a multiple of 16, up to 256
    (else -1). The two builds sum in other orders (each is the same for every row, whatever else the step holds).
 
+   Loads, more than multiply-adds, bound these products, so each value loaded serves several: a row's scores take
+   4 keys at a time against its query heads (held in registers on AVX-512), and on AVX-512 2 consecutive rows of a
+   request are attended together, each key and value row read once for both. A row's result is the same bits in a
+   block or alone (see attend_n).
+
    A KV cache in f16 (TTFT_KV_DTYPE) holds fp16 values, read by the functions named _f16: each key and value is
    widened to fp32 as it is loaded (exactly: every fp16 value is an fp32 one; AVX-512's vcvtph2ps, F16C's on AVX2,
    half.h's plain C on an AVX2 build without F16C), then the same arithmetic as over fp32 values. So the attention
@@ -62,22 +67,23 @@ static inline v16 v_round(v16 x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_
 /* p * 2^n, n whole. */
 static inline v16 v_scale2(v16 p, v16 n) { return _mm512_scalef_ps(p, n); }
 
-/* r[i] = the sum of a[i]'s 16 lanes, for 16 vectors at once (a transpose as it adds). */
-static inline v16 v_sums16(const v16 a[16]) {
-    __m512 b[8], c[4], d[2];
-    for (int i = 0; i < 8; i++)
-        b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
-    for (int i = 0; i < 4; i++) {
-        __m512d x = _mm512_castps_pd(b[2 * i]), y = _mm512_castps_pd(b[2 * i + 1]);
-        c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-    }
-    for (int i = 0; i < 2; i++)
-        d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x88),
-                             _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xDD));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], 0x88), _mm512_shuffle_f32x4(d[0], d[1], 0xDD));
+/* The sums of 16 vectors' lanes (r[i]: a[i]'s 16 lanes; a transpose as it adds) in two steps: each 4 vectors'
+   lanes added pairwise twice (v_quarter: a[4i .. 4i+3]'s, 4 sums of 4 lanes each, in one vector), then the four
+   quarters' (v_sums_quarters). */
+typedef __m512 quarter;
+static inline quarter v_quarter(v16 a0, v16 a1, v16 a2, v16 a3) {
+    __m512d x = _mm512_castps_pd(_mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1)));
+    __m512d y = _mm512_castps_pd(_mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3)));
+    return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+}
+static inline v16 v_sums_quarters(const quarter c[4]) {
+    __m512 d0 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+    __m512 d1 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x88), _mm512_shuffle_f32x4(c[2], c[3], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(d0, d1, 0x88), _mm512_shuffle_f32x4(d0, d1, 0xDD));
 }
 
-#define V_PARTS (MAX_DIM / 16) /* 16-float parts of a value row summed at once: all of them (32 registers) */
+#define ACCUMULATORS 24 /* the values' sums a block of rows keeps in registers (a row's head's 16-float part each) */
+#define ROWS 2          /* query rows of one request attended together, at most (rows_for) */
 #else
 typedef struct {
     __m256 lo, hi;
@@ -149,23 +155,24 @@ static inline __m256 scale2(__m256 p, __m256 n) {
 }
 static inline v16 v_scale2(v16 p, v16 n) { return (v16){scale2(p.lo, n.lo), scale2(p.hi, n.hi)}; }
 
-/* r[i] = the sum of a[i]'s 8 lanes, for 8 vectors at once. */
-static inline __m256 sums8(const __m256 a[8]) {
-    __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
-    __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
-    __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3); /* halves: a[0..3] then a[4..7], low then high */
+/* The sums of 16 vectors' lanes in two steps, as AVX-512's: each vector's halves added, then each 4 vectors' sums
+   of 2 lanes added pairwise twice (v_quarter: 2 sums of 4 lanes for each of the 4, in one register), then the
+   quarters' halves (v_sums_quarters). */
+typedef __m256 quarter;
+static inline quarter v_quarter(v16 a0, v16 a1, v16 a2, v16 a3) {
+    __m256 h0 = _mm256_add_ps(a0.lo, a0.hi), h1 = _mm256_add_ps(a1.lo, a1.hi);
+    __m256 h2 = _mm256_add_ps(a2.lo, a2.hi), h3 = _mm256_add_ps(a3.lo, a3.hi);
+    return _mm256_hadd_ps(_mm256_hadd_ps(h0, h1), _mm256_hadd_ps(h2, h3)); /* halves: a0..a3, low then high */
+}
+static inline __m256 halves8(quarter u0, quarter u1) {
     return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
-/* r[i] = the sum of a[i]'s 16 lanes, for 16 vectors at once. */
-static inline v16 v_sums16(const v16 a[16]) {
-    __m256 halves[16];
-    for (int i = 0; i < 16; i++) halves[i] = _mm256_add_ps(a[i].lo, a[i].hi);
-    return (v16){sums8(halves), sums8(halves + 8)};
-}
+static inline v16 v_sums_quarters(const quarter c[4]) { return (v16){halves8(c[0], c[1]), halves8(c[2], c[3])}; }
 
-/* 16-float parts of a value row summed at once: one (two registers a query head; the rows are read again for each
-   part, from cache). More parts spill the accumulators out of AVX2's 16 registers and are slower. */
-#define V_PARTS 1
+#define ACCUMULATORS 4 /* the values' sums kept in registers (two each, of 16) */
+/* One row at a time: a block of 2 rows' sums spill AVX2's 16 registers for 3 query heads a KV head (measured slower
+   on Zen 4), and gained ~5 % for 1 or 2, where a decode step's row, alone in a block's code, took 10-75 % longer. */
+#define ROWS 1
 #endif
 
 /* exp(x) for x <= 0 (scores minus their max), as Cephes' expf: n = round(x / ln 2), exp(x) = 2^n exp(x - n ln 2),
@@ -187,6 +194,13 @@ static inline v16 v_exp(v16 x) {
 
 #define GROUP 4 /* query heads that share a KV head, attended together: each key and value row is read once */
 
+/* Query rows attended together for `heads` query heads: as many (up to ROWS) as keep the values' sums of a block
+   (rows x heads, a 16-float part of each at least) within ACCUMULATORS. */
+static inline __attribute__((always_inline)) int rows_for(int heads) {
+    int most = ACCUMULATORS / heads;
+    return most < 1 ? 1 : most > ROWS ? ROWS : most;
+}
+
 /* 16 values of a KV row from value `at` on, as fp32: fp16 ones (half) widened, or fp32 ones as they are. */
 static inline __attribute__((always_inline)) v16 kv_load(const void *row, int64_t at, int half) {
     return half ? v_load_half((const uint16_t *)row + at) : v_load((const float *)row + at);
@@ -198,86 +212,123 @@ static inline __attribute__((always_inline)) const void *kv_row(const void *base
     return (const char *)base + i * stride * (half ? 2 : 4);
 }
 
-/* One query row, for query heads q[0..heads-1] (rows of dim = 16 * parts floats, dim apart) that share one KV
-   head, against keys key[0..count-1] (row numbers into k and v, which hold fp16 values where half, else fp32); p:
-   GROUP x (count rounded up to 16) floats of room. Inlined with constant heads, parts and half (see attend), so that
-   the accumulators stay in registers. */
-static inline __attribute__((always_inline)) void attend_n(int heads, int64_t parts, int half, const float *q,
-                                                           const void *k, const void *v, const int64_t *key,
-                                                           int64_t count, int64_t stride, float scale, float *p,
-                                                           float *out) {
-    int64_t dim = 16 * parts, room = (count + 15) / 16 * 16;
-    if (count <= 0) { /* no key to see (not in a step continuous batching builds) */
-        for (int64_t d = 0; d < heads * dim; d++) out[d] = 0.0f;
-        return;
-    }
-    v16 scales = v_set1(scale), part[GROUP][16];
+/* Consecutive query rows 0 .. rows-1 of one request (rows <= R = rows_for(heads)), row r seeing keys key[0 .. count
+   + r - 1] (row numbers into k and v, which hold fp16 values where half, else fp32; count >= 1), for the query heads
+   q[r * row_stride + h * dim ..] (h < heads, dim = 16 * parts floats) that share one KV head; out laid out as q. p:
+   R x heads x (count + rows - 1 rounded up to 16) floats of room. Inlined with constant R, heads, parts and half
+   (ATTEND_TYPED), so that the sums stay in registers.
+
+   Each key and value row is read once for the block's rows and heads, and each row's result is the bits it has in
+   a block of one: its scores are the same products summed in the same order (a key past its count, up to the
+   block's last row's, gets a score too, never read: the max and the exponentials take the row's own count of
+   lanes, and its sum of values stops at its count), its exponentials and sums the same, over its own keys. */
+static inline __attribute__((always_inline)) void attend_n(int R, int heads, int64_t parts, int half, int rows,
+                                                           const float *q, int64_t row_stride, const void *k,
+                                                           const void *v, const int64_t *key, int64_t count,
+                                                           int64_t stride, float scale, float *p, float *out) {
+    int64_t dim = 16 * parts, most = count + rows - 1, room = (most + 15) / 16 * 16; /* the block's keys */
+#define AT(r, h, j) (p + ((r) * heads + (h)) * room + (j)) /* row r's head h's score (then weight) of key j */
+    v16 scales = v_set1(scale);
     for (int64_t j0 = 0; j0 < room; j0 += 16) {
-        for (int l = 0; l < 16; l++) {
-            if (j0 + l >= count) {
-                for (int h = 0; h < heads; h++) part[h][l] = v_zero();
-                continue;
+        for (int r = 0; r < R; r++) {
+            if (r >= rows) continue;
+            const float *qr = q + r * row_stride;
+            quarter quarters[GROUP][4];
+            for (int t = 0; t < 4; t++) { /* keys j0 + 4t .. j0 + 4t + 3; past the block's last, the last again */
+                const void *kr[4];
+                for (int l = 0; l < 4; l++) {
+                    int64_t j = j0 + 4 * t + l;
+                    kr[l] = kv_row(k, key[j < most ? j : most - 1], stride, half);
+                }
+                v16 acc[GROUP][4]; /* key l's products with head h, summed part after part */
+                for (int l = 0; l < 4; l++) {
+                    v16 x = kv_load(kr[l], 0, half);
+                    for (int h = 0; h < heads; h++) acc[h][l] = v_mul(v_load(qr + h * dim), x);
+                }
+                for (int64_t d = 16; d < dim; d += 16)
+                    for (int l = 0; l < 4; l++) {
+                        v16 x = kv_load(kr[l], d, half);
+                        for (int h = 0; h < heads; h++) acc[h][l] = v_fma(v_load(qr + h * dim + d), x, acc[h][l]);
+                    }
+                for (int h = 0; h < heads; h++) quarters[h][t] = v_quarter(acc[h][0], acc[h][1], acc[h][2], acc[h][3]);
             }
-            const void *kr = kv_row(k, key[j0 + l], stride, half);
-            for (int h = 0; h < heads; h++) {
-                const float *qh = q + h * dim;
-                v16 acc = v_mul(v_load(qh), kv_load(kr, 0, half));
-                for (int64_t d = 16; d < dim; d += 16) acc = v_fma(v_load(qh + d), kv_load(kr, d, half), acc);
-                part[h][l] = acc;
-            }
+            for (int h = 0; h < heads; h++) v_store(AT(r, h, j0), v_mul(v_sums_quarters(quarters[h]), scales));
         }
-        for (int h = 0; h < heads; h++) v_store(p + h * room + j0, v_mul(v_sums16(part[h]), scales));
     }
-    float inverse[GROUP];
-    for (int h = 0; h < heads; h++) {
-        float *ph = p + h * room;
-        v16 top = v_set1(-INFINITY), sum = v_zero();
-        for (int64_t j = 0; j < room; j += 16) top = v_max_first(top, v_load(ph + j), count - j);
-        v16 max = v_set1(v_max_all(top));
-        for (int64_t j = 0; j < room; j += 16) {
-            v16 e = v_first(v_exp(v_sub(v_load(ph + j), max)), count - j);
-            v_store(ph + j, e);
-            sum = v_add(sum, e);
-        }
-        inverse[h] = 1.0f / v_sum_all(sum);
-    }
-    for (int64_t d0 = 0; d0 < parts; d0 += V_PARTS) { /* the value rows' parts d0 .. d1-1, for every key */
-        int64_t d1 = d0 + V_PARTS < parts ? d0 + V_PARTS : parts;
-        v16 acc[GROUP][V_PARTS];
-        for (int h = 0; h < heads; h++)
-            for (int64_t d = d0; d < d1; d++) acc[h][d - d0] = v_zero();
-        for (int64_t j = 0; j < count; j++) {
-            const void *vr = kv_row(v, key[j], stride, half);
-            for (int64_t d = d0; d < d1; d++) {
-                v16 x = kv_load(vr, 16 * d, half);
-                for (int h = 0; h < heads; h++) acc[h][d - d0] = v_fma(v_set1(p[h * room + j]), x, acc[h][d - d0]);
-            }
-        }
+    float inverse[ROWS][GROUP];
+    for (int r = 0; r < R; r++) {
+        if (r >= rows) continue;
+        int64_t seen = count + r, through = (seen + 15) / 16 * 16; /* row r's keys, and its tiles' */
         for (int h = 0; h < heads; h++) {
-            v16 scaled = v_set1(inverse[h]);
-            for (int64_t d = d0; d < d1; d++) v_store(out + h * dim + 16 * d, v_mul(acc[h][d - d0], scaled));
+            v16 top = v_set1(-INFINITY), sum = v_zero();
+            for (int64_t j = 0; j < through; j += 16) top = v_max_first(top, v_load(AT(r, h, j)), seen - j);
+            v16 max = v_set1(v_max_all(top));
+            for (int64_t j = 0; j < through; j += 16) {
+                v16 e = v_first(v_exp(v_sub(v_load(AT(r, h, j)), max)), seen - j);
+                v_store(AT(r, h, j), e);
+                sum = v_add(sum, e);
+            }
+            inverse[r][h] = 1.0f / v_sum_all(sum);
         }
     }
+    /* The values' parts d0 .. d0+C-1 at a time, over every key: C as many as keep the block's sums in registers. */
+    int C = ACCUMULATORS / (R * heads) < 1 ? 1 : ACCUMULATORS / (R * heads);
+    if (C > parts) C = (int)parts;
+    for (int64_t d0 = 0; d0 < parts; d0 += C) {
+        int n = d0 + C < parts ? C : (int)(parts - d0);
+        /* Row r's head h's part d0 + c summed in acc[(r * heads + h) * C + c]. */
+        v16 acc[ACCUMULATORS > ROWS * GROUP ? ACCUMULATORS : ROWS * GROUP];
+        for (int a = 0; a < R * heads * C; a++) acc[a] = v_zero();
+        for (int64_t j = 0; j < most; j++) { /* key j: every row sees it up to count, then rows j - count + 1 on */
+            const void *vr = kv_row(v, key[j], stride, half);
+            int64_t from = j < count ? 0 : j - count + 1;
+            for (int c = 0; c < C; c++) {
+                if (c >= n) continue;
+                v16 x = kv_load(vr, 16 * (d0 + c), half);
+                for (int r = 0; r < R; r++) {
+                    if (r >= rows || r < from) continue;
+                    for (int h = 0; h < heads; h++) {
+                        v16 *sum = &acc[(r * heads + h) * C + c];
+                        *sum = v_fma(v_set1(*AT(r, h, j)), x, *sum);
+                    }
+                }
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            if (r >= rows) continue;
+            for (int h = 0; h < heads; h++) {
+                v16 scaled = v_set1(inverse[r][h]);
+                float *o = out + r * row_stride + h * dim + 16 * d0;
+                for (int c = 0; c < n; c++) v_store(o + 16 * c, v_mul(acc[(r * heads + h) * C + c], scaled));
+            }
+        }
+    }
+#undef AT
 }
 
-/* attend_n for one element type of the cache: its common shapes inlined with constant heads and parts. */
+/* attend_n for one element type of the cache: its common shapes inlined with constant heads and parts (and so
+   rows_for's R). */
 #define ATTEND_TYPED(name, half)                                                                                    \
-    static void name(int heads, int64_t dim, const float *q, const void *k, const void *v, const int64_t *key,    \
-                     int64_t count, int64_t stride, float scale, float *p, float *out) {                          \
+    static void name(int heads, int64_t dim, int rows, const float *q, int64_t row_stride, const void *k,         \
+                     const void *v, const int64_t *key, int64_t count, int64_t stride, float scale, float *p,     \
+                     float *out) {                                                                                 \
         switch (heads * 100 + dim / 16) {                                                                          \
-        case 104: attend_n(1, 4, half, q, k, v, key, count, stride, scale, p, out); break;                         \
-        case 204: attend_n(2, 4, half, q, k, v, key, count, stride, scale, p, out); break;                         \
-        case 304: attend_n(3, 4, half, q, k, v, key, count, stride, scale, p, out); break;                         \
-        case 404: attend_n(4, 4, half, q, k, v, key, count, stride, scale, p, out); break;                         \
-        case 108: attend_n(1, 8, half, q, k, v, key, count, stride, scale, p, out); break;                         \
-        case 208: attend_n(2, 8, half, q, k, v, key, count, stride, scale, p, out); break;                         \
-        case 308: attend_n(3, 8, half, q, k, v, key, count, stride, scale, p, out); break;                         \
-        case 408: attend_n(4, 8, half, q, k, v, key, count, stride, scale, p, out); break;                         \
-        default: attend_n(heads, dim / 16, half, q, k, v, key, count, stride, scale, p, out);                     \
+        case 104: ATTEND(1, 4, half); break;                                                                       \
+        case 204: ATTEND(2, 4, half); break;                                                                       \
+        case 304: ATTEND(3, 4, half); break;                                                                       \
+        case 404: ATTEND(4, 4, half); break;                                                                       \
+        case 108: ATTEND(1, 8, half); break;                                                                       \
+        case 208: ATTEND(2, 8, half); break;                                                                       \
+        case 308: ATTEND(3, 8, half); break;                                                                       \
+        case 408: ATTEND(4, 8, half); break;                                                                       \
+        default: ATTEND(heads, dim / 16, half);                                                                    \
         }                                                                                                          \
     }
+#define ATTEND(heads, parts, half)                                                                                  \
+    attend_n(rows_for(heads), heads, parts, half, rows, q, row_stride, k, v, key, count, stride, scale, p, out)
 ATTEND_TYPED(attend_full, 0)
 ATTEND_TYPED(attend_half, 1)
+#undef ATTEND
 #undef ATTEND_TYPED
 
 /* `floats` of room, kept by each thread (the caller's, the kernel's helpers): no allocation a call, and none that
@@ -295,9 +346,11 @@ static float *scratch(int64_t floats) {
 
 /* Parts first .. last-1 of the step's attention into out, where part u is query row u / kv_heads of the step (rows
    of all its requests, in order) for the query heads of KV head u % kv_heads: heads / kv_heads x dim floats,
-   contiguous in out, part after part. Parts of requests of more than max_rows rows are left alone. Each head of
-   each row is computed from its own inputs alone: any split of the parts gives the same bits (the kernel's helper
-   threads share a step's attention this way: helpers.c). k and v hold fp16 values where half, else fp32. */
+   contiguous in out, part after part. Parts of requests of more than max_rows rows are left alone. A request's
+   parts go KV head by KV head (its keys and values stay in the core's caches for the next rows), its rows of one KV
+   head in blocks of consecutive rows (attend_n), each row getting the bits it gets alone: any split of the parts
+   gives the same bits (the kernel's helper threads share a step's attention this way: helpers.c). k and v hold
+   fp16 values where half, else fp32. */
 static inline __attribute__((always_inline)) int part_of(const float *q, int64_t heads, int64_t kv_heads, int64_t dim,
                                                          const void *k, const void *v, int64_t key_stride,
                                                          int64_t head_stride, const int64_t *index,
@@ -309,24 +362,40 @@ static inline __attribute__((always_inline)) int part_of(const float *q, int64_t
     for (int64_t s = 0; s < requests; s++)
         if (cu_q[s + 1] * kv_heads > first && cu_q[s] * kv_heads < last && cu_k[s + 1] - cu_k[s] > longest)
             longest = cu_k[s + 1] - cu_k[s];
-    float *p = scratch(GROUP * (longest + 16));
+    float *p = scratch(ROWS * GROUP * (longest + 16));
     if (!p) return -3;
     for (int64_t s = 0; s < requests; s++) {
         int64_t q0 = cu_q[s], lq = cu_q[s + 1] - q0, lk = cu_k[s + 1] - cu_k[s];
         int64_t u0 = q0 * kv_heads, u1 = (q0 + lq) * kv_heads;
         if (lq > max_rows || u1 <= first || u0 >= last) continue;
         const int64_t *key = index + cu_k[s];
-        for (int64_t u = first > u0 ? first : u0; u < (last < u1 ? last : u1); u++) {
-            int64_t i = u / kv_heads - q0, g = u % kv_heads, count = lk - lq + i + 1;
+        for (int64_t g = 0; g < kv_heads; g++) {
+            /* The request's rows i0 .. i1-1 whose part of KV head g, (q0 + i) * kv_heads + g, is one of these. */
+            int64_t from = first - u0 - g, to = last - u0 - g;
+            int64_t i0 = from <= 0 ? 0 : (from + kv_heads - 1) / kv_heads;
+            int64_t i1 = to <= 0 ? 0 : (to + kv_heads - 1) / kv_heads;
+            if (i1 > lq) i1 = lq;
+            const void *kh = kv_row(k, g, head_stride, half), *vh = kv_row(v, g, head_stride, half);
             for (int64_t h = g * groups; h < (g + 1) * groups;) {
                 int64_t left = (g + 1) * groups - h; /* query heads of this KV head from h on */
                 int n = (int)(left < GROUP ? left : GROUP);
-                int64_t at = ((q0 + i) * heads + h) * dim;
-                const void *kh = kv_row(k, g, head_stride, half), *vh = kv_row(v, g, head_stride, half);
-                if (half)
-                    attend_half(n, dim, q + at, kh, vh, key, count, key_stride, scale, p, out + at);
-                else
-                    attend_full(n, dim, q + at, kh, vh, key, count, key_stride, scale, p, out + at);
+                for (int64_t i = i0; i < i1;) {
+                    int64_t count = lk - lq + i + 1; /* row i's keys; the next row's one more */
+                    int64_t at = ((q0 + i) * heads + h) * dim;
+                    if (count <= 0) { /* no key to see (not in a step continuous batching builds) */
+                        for (int64_t d = 0; d < n * dim; d++) out[at + d] = 0.0f;
+                        i++;
+                        continue;
+                    }
+                    int rows = (int)(i1 - i < rows_for(n) ? i1 - i : rows_for(n));
+                    if (half)
+                        attend_half(n, dim, rows, q + at, heads * dim, kh, vh, key, count, key_stride, scale, p,
+                                    out + at);
+                    else
+                        attend_full(n, dim, rows, q + at, heads * dim, kh, vh, key, count, key_stride, scale, p,
+                                    out + at);
+                    i += rows;
+                }
                 h += n;
             }
         }
