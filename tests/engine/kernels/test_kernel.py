@@ -598,6 +598,7 @@ STEPS = {
     "decode-8x200": [(1, 200)] * 8,  # a decode step of 8 streams
     "decode-1x1000": [(1, 1000)],  # one stream's decode step: one row, shared by its KV heads
     "prefill-mix": [(37, 37), (1, 300), (15, 50), (1, 9)],  # new prompts, one behind a known prefix, and decodes
+    "behind-a-long-prefix": [(30, 1150), (1, 40)],  # a chunk a part, made whole pairs of rows (helpers.c)
 }
 
 

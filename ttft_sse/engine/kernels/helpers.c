@@ -373,11 +373,12 @@ int ttft_share_attention(ttft_attention_part_fn part, const float *q, int64_t he
     if (part(q, heads, kv_heads, dim, k, v, key_stride, head_stride, index, cu_q, cu_k, requests, max_rows, scale, 0,
              0, out) != 0)
         return 1; /* a shape it refuses (kv_heads divides heads from here on) */
-    int64_t pairs = 0; /* (query row, key) */
+    int64_t pairs = 0, widest = 0; /* (query row, key); the most rows of a request */
     for (int64_t s = 0; s < requests; s++) {
         int64_t lq = cu_q[s + 1] - cu_q[s], lk = cu_k[s + 1] - cu_k[s];
         if (lq > max_rows) return 1;
         pairs += lq * lk - lq * (lq - 1) / 2;
+        if (lq > widest) widest = lq;
     }
     int64_t M = cu_q[requests] * kv_heads, N = heads / kv_heads * dim;
     int64_t work = 2 * pairs * heads * dim; /* multiply-adds: scores and values */
@@ -388,6 +389,10 @@ int ttft_share_attention(ttft_attention_part_fn part, const float *q, int64_t he
                              .max_rows = max_rows, .scale = scale};
     j.per = (CHUNK_WORK * M + work - 1) / work;
     if (j.per < 1) j.per = 1;
+    /* Chunks of whole pairs of rows where a request has several and that leaves two chunks or more: attention.c
+       attends a request's consecutive rows of one KV head together (each key and value read once for both) within
+       the parts a call is given, and a long context makes a chunk of each part, which attends each row alone. */
+    if (widest > 1 && M >= 4 * kv_heads) j.per = (j.per + 2 * kv_heads - 1) / (2 * kv_heads) * (2 * kv_heads);
     while ((M + j.per - 1) / j.per > SHARE_CHUNKS) j.per *= 2;
     j.chunks = (M + j.per - 1) / j.per;
     if (j.chunks < 2) return 1;
