@@ -263,6 +263,16 @@ def test_the_prefix_of_a_message_being_typed_starts_every_request_that_completes
     for more in GOES_ON:
         final = reference.prepare(prompt=None, messages=[system, ChatMessage("user", TYPED + more)], raw=False)
         assert final.token_ids[: head.n_tokens] == head.token_ids, more
+    # A conversation that ends before the user's next message (a system prompt, a loaded conversation) runs on through
+    # the template's start of that message: every question that follows starts with it.
+    for before in ([system], [system, ChatMessage("user", "Hi"), ChatMessage("assistant", "Hello! How can I help?")]):
+        head = reference.prepare_prefix(prompt=None, messages=before, raw=False)
+        assert head.text.endswith("<|im_start|>user"), head.text[-40:]
+        for question in (TYPED, "1850?", "\n\nthanks", " 中文", "é"):
+            final = reference.prepare(prompt=None, messages=[*before, ChatMessage("user", question)], raw=False)
+            assert final.token_ids[: head.n_tokens] == head.token_ids, question
+        ended = reference.prepare(prompt=None, messages=before, raw=False)  # the conversation as a request
+        assert head.n_tokens > ended.n_tokens - 4  # past the system message's own end, not short of it
     # A plain prompt, through the template as a user message, and a raw one, likewise.
     for raw in (False, True):
         head = reference.prepare_prefix(prompt=TYPED, messages=None, raw=raw)

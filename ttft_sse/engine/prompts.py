@@ -188,7 +188,14 @@ def prepare_prefix(
     :data:`PROBES` appended to that, and the whole prompt as it stands (the message sent as it is), is tokenized, and
     the tokens all of them share are the stable prefix. A tokenizer merges characters into tokens within a
     pre-token (a word, a run of digits, of punctuation or of spaces), and the probes start the next pre-token every
-    way text can. Never the prompt's last token: a request computes that one itself."""
+    way text can. Never the prompt's last token: a request computes that one itself.
+
+    A conversation whose last message is not the user's (a warm prompt's system prompt or few-shot examples, a
+    conversation loaded before its user types) is followed by the user's next message: its prefix runs on through the
+    template's start of that message, as if the user had typed nothing yet. Where the request sends something else
+    after it, the tokens past the point where they part are computed for nothing; the ones before are found."""
+    if messages and messages[-1].role != "user":
+        messages = [*messages, ChatMessage("user", "")]
     whole = prepare(tokenizer, context_length, prompt=prompt, messages=messages, raw=raw)
     if messages is None:
         assert prompt is not None
