@@ -1,7 +1,7 @@
 """Running streams' largest token gap while a 1,100-token prompt is computed beside them, as a ``/prefill`` or as a
 request: docs/performance.md's "The first token while the user types".
 
-    python benchmarks/prefill_gaps.py [--port 8000] [--rounds 4] [--streams 3]
+    python benchmarks/prefill_gaps.py [--rounds 4] [--streams 3]
 
 starts ``ttft-sse serve`` (its defaults, the bundled model), then, each round, opens ``--streams`` streams of a long
 answer (``max_tokens`` 320) and, once each has its eighth token, computes a new conversation (a 1,100-token system
@@ -19,9 +19,7 @@ import asyncio
 import itertools
 import json
 import os
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,6 +31,7 @@ import httpx
 from tokenizers import Tokenizer
 
 sys.path.insert(0, str(Path(__file__).parent))
+from serve import serving
 from typing_prompts import system_prompt
 
 from ttft_sse.engine.loading.sources import bundled_gguf, model_dir
@@ -86,27 +85,6 @@ async def one_round(
     return gaps, own
 
 
-def start(port: int, log: Path) -> subprocess.Popen[bytes]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TTFT_")} | {"TTFT_LOG_FORMAT": "json"}
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "ttft_sse", "serve", "--port", str(port)],
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    while True:
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited: {log.read_text()[-2000:]}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=2).status_code == 200:
-                return proc
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-
-
 def prefill_ends(log: Path) -> list[float]:
     """When each prefill the server logged as done (``prefill``, outcome ok) ended, in order (Unix seconds)."""
     ends = []
@@ -147,19 +125,14 @@ async def run(base: str, rounds: int, streams: int, system: list[str]) -> Result
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--streams", type=int, default=3)
     args = parser.parse_args()
     tokenizer = Tokenizer.from_file(str(model_dir(bundled_gguf(), Settings.from_env().cache_dir) / "tokenizer.json"))
     system = [system_prompt(7000 + n, tokenizer) for n in range(args.rounds * len(ARMS))]
     log = Path(tempfile.mkdtemp(prefix="prefill-gaps-")) / "server.log"
-    proc = start(args.port, log)
-    try:
-        results = asyncio.run(run(f"http://127.0.0.1:{args.port}", args.rounds, args.streams, system))
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(120)
+    with log.open("wb") as out, serving({"TTFT_LOG_FORMAT": "json", "TTFT_LOG_LEVEL": "info"}, log=out) as base:
+        results = asyncio.run(run(base, args.rounds, args.streams, system))
     ends = prefill_ends(log)
     within = sum(done < ended for done, ended in zip(ends, results["prefill"][2], strict=False))
     print(f"{args.streams} streams, {args.rounds} rounds, load {os.getloadavg()[0]:.1f}; server log {log}")
