@@ -1,7 +1,7 @@
 """The first request after a start, behind a 1,100-token system prompt, against a 44-token prompt on the same server:
 docs/performance.md's "The first request after a restart".
 
-    python benchmarks/first_request.py [--port 8000]
+    python benchmarks/first_request.py [--port 8000] [--model FILE.gguf] [--store-mb 64]
 
 starts ``ttft-sse serve`` (its defaults, the bundled model) five times, one after another: cold; with
 ``TTFT_WARM_PROMPTS`` (a file of the system prompt); with the warm prompt file and ``TTFT_PREFIX_STORE_MB=64``, then
@@ -94,8 +94,10 @@ def start(port: int, settings: dict[str, str], log: Path) -> tuple[subprocess.Po
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--model", type=Path, help="a GGUF file (default: the bundled model)")
+    parser.add_argument("--store-mb", type=int, default=64, help="TTFT_PREFIX_STORE_MB (default 64)")
     args = parser.parse_args()
-    gguf = bundled_gguf()
+    gguf = args.model.resolve() if args.model else bundled_gguf()
     cache_dir = Settings.from_env().cache_dir
     tokenizer = Tokenizer.from_file(str(model_dir(gguf, cache_dir) / "tokenizer.json"))
     system = system_prompt(4242, tokenizer)
@@ -106,13 +108,14 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="first-request-"))
     warm = tmp / "warm.jsonl"
     warm.write_text(json.dumps({"messages": [{"role": "system", "content": system}]}) + "\n")
-    store = {"TTFT_PREFIX_STORE_MB": "64"}
+    store = {"TTFT_PREFIX_STORE_MB": str(args.store_mb)}
+    model = {"TTFT_MODEL": str(gguf)} if args.model else {}
     runs = [
-        ("cold", {}, signal.SIGKILL),
-        ("warm prompt file", {"TTFT_WARM_PROMPTS": str(warm)}, signal.SIGKILL),
-        ("warm prompt file, store on (writes)", {"TTFT_WARM_PROMPTS": str(warm), **store}, signal.SIGTERM),
-        ("warm prompt file + restored KV", {"TTFT_WARM_PROMPTS": str(warm), **store}, signal.SIGKILL),
-        ("restored KV alone", store, signal.SIGKILL),
+        ("cold", model, signal.SIGKILL),
+        ("warm prompt file", {**model, "TTFT_WARM_PROMPTS": str(warm)}, signal.SIGKILL),
+        ("warm prompt file, store on (writes)", {**model, "TTFT_WARM_PROMPTS": str(warm), **store}, signal.SIGTERM),
+        ("warm prompt file + restored KV", {**model, "TTFT_WARM_PROMPTS": str(warm), **store}, signal.SIGKILL),
+        ("restored KV alone", {**model, **store}, signal.SIGKILL),
     ]
     prefixes = path_of(cache_dir, str(gguf))
     prefixes.unlink(missing_ok=True)
