@@ -17,7 +17,7 @@ from dataclasses import replace
 import pytest
 
 from tests.support.engines import collect, llama_cpp_or_skip
-from ttft_sse.engine.base import ChatMessage, Prompt, SamplingParams
+from ttft_sse.engine.base import ChatMessage, KeepsWarm, Prompt, SamplingParams
 from ttft_sse.engine.llamacpp.engine import LlamaCppEngine
 from ttft_sse.engine.llamacpp.schedule import Sequence
 from ttft_sse.settings import Settings
@@ -135,3 +135,32 @@ async def test_a_prefill_gives_the_only_sequence_up_to_a_request_and_computes_on
     # The request's cells took its sequence (another salt): it computes its prompt again, whole.
     assert await asyncio.wait_for(task, 120) == settings.prefill_chunk_tokens + prompt.n_tokens
     assert engine.cached(prompt, "mine") == prompt.n_tokens
+
+
+def test_a_warm_prompt_keeps_its_sequence_for_good_past_the_prefills_keep(settings: Settings) -> None:
+    """Two sequences, prefills kept 0 s: the warm prompt's sequence is not given to the unrelated requests after it
+    (they take the other one, though it holds their own earlier prompt), and the question behind it finds it whole.
+    One warm prompt is the bound with two sequences: a second is computed as a prefill, not kept (0)."""
+    llama_cpp_or_skip()
+    engine = LlamaCppEngine(settings.replace(max_concurrency=2, prefill_keep_seconds=0))
+    engine.load(StageClock())
+
+    async def run() -> None:
+        warm = engine.prepare_prefix(prompt=None, messages=[system("harbour")], raw=False)
+        assert isinstance(engine, KeepsWarm)
+        assert await engine.warm(warm) == warm.n_tokens
+        for topic in ("museum", "bakery", "station"):
+            other = engine.prepare(prompt=None, messages=[system(topic), ChatMessage("user", QUESTION)], raw=False)
+            _, finished = await collect(engine.stream(other, SamplingParams(2)))
+            assert finished.usage.cached_tokens < 16, topic  # the template's start at most: not the warm sequence
+        asked = engine.prepare(prompt=None, messages=[system("harbour"), ChatMessage("user", QUESTION)], raw=False)
+        assert asked.token_ids[: warm.n_tokens] == warm.token_ids
+        _, finished = await collect(engine.stream(asked, SamplingParams(2)))
+        assert finished.usage.cached_tokens == warm.n_tokens
+        second = engine.prepare_prefix(prompt=None, messages=[system("orchard")], raw=False)
+        assert await engine.warm(second) == 0
+
+    try:
+        asyncio.run(run())
+    finally:
+        asyncio.run(engine.close())

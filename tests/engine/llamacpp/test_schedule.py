@@ -3,6 +3,9 @@ the kept tokens of free ids reused by a prompt that starts with them."""
 
 from __future__ import annotations
 
+import math
+from dataclasses import replace
+
 from ttft_sse.engine.llamacpp.schedule import Kept, Schedule, Sequence
 
 
@@ -343,3 +346,29 @@ def test_the_prefix_store_ranks_prefills_prompts_first_then_the_ids_left_last_an
     request = Sequence("r", (8, 9, 10), max_tokens=2, salt="s")
     plan_of.add(request)
     assert plan_of.admit() == [request] and (request.seq, request.cached) == (vacant[0], 2)
+
+
+def test_a_warm_prompt_is_kept_for_good_and_a_warm_prompt_a_free_id_holds_keeps_that_id() -> None:
+    now = [0.0]
+    plan_of = Schedule(
+        sequences=2, cells=1000, batch_tokens=8, chunk=8, reuse=True, keep_seconds=60, clock=lambda: now[0]
+    )
+    warm = replace(prefill("warm", (1, 2, 3, 4)), keep=math.inf)
+    plan_of.add(warm)
+    plan_of.admit()
+    plan_of.plan()
+    plan_of.remove("warm")
+    now[0] = 1e9  # any prefill's keep long over
+    other = Sequence("other", (1, 2, 9), max_tokens=4)  # shares 2 tokens with it: it would take it, were it not kept
+    plan_of.add(other)
+    plan_of.admit()
+    assert other.seq != warm.seq
+    plan_of.remove("other")
+    # A free id that holds a warm prompt already (put back by the prefix store, kept 60 s): the warm prompt computes
+    # nothing and keeps that id for good.
+    plan_of.hold(other.seq, "", (5, 6, 7), keep=True)
+    again = replace(prefill("again", (5, 6, 7)), keep=math.inf)
+    plan_of.take_ended()  # the first warm prompt's end
+    plan_of.add(again)
+    assert plan_of.admit() == [] and plan_of.take_ended() == [again]
+    assert plan_of.kept[other.seq].until == math.inf

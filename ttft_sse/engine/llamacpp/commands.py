@@ -39,6 +39,7 @@ class Prefill:
     salt: str
     owner: str
     hold: Hold
+    keep: float | None = None  # seconds its prompt is kept once done; None: TTFT_PREFILL_KEEP_SECONDS
 
 
 @dataclass(frozen=True)

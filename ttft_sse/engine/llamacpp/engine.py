@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import itertools
+import math
 import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
@@ -94,6 +95,7 @@ class LlamaCppEngine(prompts.TokenizedPrompts):
         self._closed = False
         self._schedule: Schedule | None = None
         self._steps = 0
+        self._warm = 0  # sequences that keep a warm prompt for good
         self._reuse = settings.prefix_cache  # off for good once llama.cpp cannot free part of a sequence
         self._prefix_store = PrefixStore(settings)
         self.batch_log: list[tuple[str, ...]] = []
@@ -190,6 +192,23 @@ class LlamaCppEngine(prompts.TokenizedPrompts):
         and leave it there for the request that follows (engine/llamacpp/schedule.py: kept for it
         ``TTFT_PREFILL_KEEP_SECONDS``, then evicted like any prefix); a newer prefill of ``owner`` ends this one. It
         computes nothing while ``hold()`` is true. The tokens it computed; nothing without prefix reuse."""
+        return await self._prefill(prompt, cache_salt=cache_salt, owner=owner, hold=hold)
+
+    async def warm(self, prompt: Prompt) -> int:
+        """A warm prompt (``TTFT_WARM_PROMPTS``): computed as a prefill and kept for good in its sequence, which then
+        goes only to a request that starts with all of it, unless no other sequence is free. At most a quarter of the
+        sequences (one at least) keep warm prompts: past that, it is computed as a prefill and 0 returned. The
+        tokens kept."""
+        if not self._reuse or self._warm >= max(1, self._settings.max_concurrency // 4):
+            await self._prefill(prompt)
+            return 0
+        self._warm += 1
+        await self._prefill(prompt, owner=f"\x00warm-{self._warm}", keep=math.inf)
+        return prompt.n_tokens
+
+    async def _prefill(
+        self, prompt: Prompt, *, cache_salt: str = "", owner: str = "", hold: Hold = None, keep: float | None = None
+    ) -> int:
         if not self._reuse or not prompt.n_tokens:
             return 0
         self._running()
@@ -197,7 +216,7 @@ class LlamaCppEngine(prompts.TokenizedPrompts):
         inbox = self._mailboxes.open(key)
         ended = False
         try:
-            self._loop.post(Prefill(key, prompt.token_ids, cache_salt, owner, hold))
+            self._loop.post(Prefill(key, prompt.token_ids, cache_salt, owner, hold, keep))
             async for delivery in inbox:
                 ended = True
                 if isinstance(delivery, EngineError):
@@ -359,7 +378,9 @@ class LlamaCppEngine(prompts.TokenizedPrompts):
 
     def _add_prefill(self, schedule: Schedule, command: Prefill, holds: dict[str, Callable[[], bool]]) -> None:
         salt = salt_hash(command.salt)
-        sequence = Running(command.key, command.prompt, 0, salt, background=True, owner=command.owner)
+        sequence = Running(
+            command.key, command.prompt, 0, salt, background=True, owner=command.owner, keep=command.keep
+        )
         if not schedule.reuse or not schedule.fits(sequence):
             self._mailboxes.deliver([(command.key, Prefilled(0))])  # nothing to keep it in
             return

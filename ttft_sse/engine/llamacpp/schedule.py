@@ -30,7 +30,8 @@ for the request that follows, as background work that never stands in a real req
 * a step gives them rows after every real one, and no more than keeps the step's prompt rows within ``chunk`` (a
   whole chunk where nothing else computes a prompt); none while ``held``;
 * a newer prefill of the same ``owner`` ends the older (:meth:`Schedule.add`);
-* done, its id keeps the prompt for ``keep_seconds``: meanwhile only a sequence whose prompt starts with all of it
+* done, its id keeps the prompt for ``keep_seconds`` (a warm prompt's, for good: :attr:`Sequence.keep`): meanwhile
+  only a sequence whose prompt starts with all of it
   takes that id, unless no other id is free; then it is evicted like any kept prefix.
 
 The prefills that ended (done, ended by a request or a newer prefill, cancelled, or with nothing to compute) are
@@ -61,6 +62,7 @@ class Sequence:
     salt: str = ""  # whose kept tokens it may reuse: the same salt's (the engine gives the cache salt's salt_hash)
     background: bool = False  # a prefill: its prompt's KV computed for a request to come, no token generated
     owner: str = ""  # a prefill's: whose newer prefill ends it
+    keep: float | None = None  # a prefill's: seconds its prompt is kept once done (None: the schedule's keep_seconds)
     seq: int = -1  # llama.cpp's sequence id, once admitted
     cached: int = 0  # leading prompt tokens whose KV the id kept from an earlier request (set at admission)
     computed: int = 0  # prompt tokens in the KV cache (cached ones included)
@@ -181,6 +183,7 @@ class Schedule:
         while self.prefills and self._free and not held and not self.waiting:
             prefill = self.prefills.popleft()
             if self.cached(prefill.prompt, prefill.salt) >= len(prefill.prompt):
+                self._keep_held(prefill)
                 self.ended.append(prefill)  # a free id holds all of it already
                 continue
             admitted.append(self._take(prefill))
@@ -258,10 +261,21 @@ class Schedule:
                 self.ended.append(sequence)
         return sequence
 
+    def _keep_held(self, prefill: Sequence) -> None:
+        """A prefill whose whole prompt a free id holds already: that id keeps it at least as long as the prefill
+        would have (a warm prompt's, for good, over a prefix the store put back)."""
+        keep = self.keep_seconds if prefill.keep is None else prefill.keep
+        for seq in self._free:
+            kept = self.kept[seq]
+            if keep > 0 and kept.salt == prefill.salt and kept.tokens[: len(prefill.prompt)] == prefill.prompt:
+                self.kept[seq] = replace(kept, until=max(kept.until, self._clock() + keep))
+                return
+
     def _leave(self, sequence: Sequence) -> None:
         if self.reuse:
-            done = sequence.background and sequence.computed == len(sequence.prompt) and self.keep_seconds > 0
-            until = self._clock() + self.keep_seconds if done else 0.0
+            keep = self.keep_seconds if sequence.keep is None else sequence.keep
+            done = sequence.background and sequence.computed == len(sequence.prompt) and keep > 0
+            until = self._clock() + keep if done else 0.0
             self.kept[sequence.seq] = Kept(sequence.salt, sequence.held, sequence.owner if done else "", until)
         self._free.append(sequence.seq)
 
