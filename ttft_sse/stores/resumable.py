@@ -156,6 +156,16 @@ def resume_point(stream_id: str, last_event_id: str | None, *, last: int, first:
     return start
 
 
+def too_many_streams(held: str, grace: float) -> Overloaded:
+    """The refusal of a new stream by a store at ``TTFT_MAX_STREAMS``: ``held`` says what it holds (each store counts
+    its own kind of stream); retry after ``grace``."""
+    return Overloaded(
+        f"{held} (TTFT_MAX_STREAMS); retry, or end streams you no longer read with DELETE",
+        retry_after=grace,
+        code="too_many_streams",
+    )
+
+
 def dropped(stream_id: str, start: int, *, first: int, kept: int) -> Gone:
     return Gone(
         f"stream {stream_id} no longer holds event {start}: its buffer keeps the last "
@@ -312,12 +322,7 @@ class Streams:
         """Hold a place for one stream, or raise ``Overloaded``. Call before admitting its generation; then
         :meth:`start` (which takes the place) or :meth:`unreserve` (if admission failed)."""
         if len(self._live) + self._reserved >= self.max_streams and not self._evict():
-            raise Overloaded(
-                f"{len(self._live)} streams are open, the most this server keeps (TTFT_MAX_STREAMS); "
-                f"retry, or end streams you no longer read with DELETE",
-                retry_after=self.grace,
-                code="too_many_streams",
-            )
+            raise too_many_streams(f"{len(self._live)} streams are open, the most this server keeps", self.grace)
         self._reserved += 1
 
     def unreserve(self) -> None:

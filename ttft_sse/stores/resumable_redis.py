@@ -57,11 +57,11 @@ from redis.exceptions import RedisError
 
 from ttft_sse.admission.grants import digest
 from ttft_sse.engine.base import Finished, Piece, Progress, Usage
-from ttft_sse.errors import Cancelled, Gone, Overloaded, ServiceError, Unavailable, redis_unavailable
+from ttft_sse.errors import Cancelled, Gone, ServiceError, Unavailable, redis_unavailable
 from ttft_sse.generation import PROGRESS_SECONDS, Queued
 from ttft_sse.settings import Settings
 from ttft_sse.stores.redis_scripts import APPEND, DETACH, END, EXPIRE, STATE
-from ttft_sse.stores.resumable import Entry, Item, Position, dropped, resume_point, unknown
+from ttft_sse.stores.resumable import Entry, Item, Position, dropped, resume_point, too_many_streams, unknown
 
 if TYPE_CHECKING:
     from ttft_sse.generation import Run
@@ -160,12 +160,8 @@ class RedisStreams:
 
     def reserve(self) -> None:
         if len(self._running) + self._reserved >= self.max_streams:
-            raise Overloaded(
-                f"{len(self._running)} streams are generating on this server, the most it runs (TTFT_MAX_STREAMS); "
-                f"retry, or end streams you no longer read with DELETE",
-                retry_after=self.grace,
-                code="too_many_streams",
-            )
+            held = f"{len(self._running)} streams are generating on this server, the most it runs"
+            raise too_many_streams(held, self.grace)
         self._reserved += 1
 
     def unreserve(self) -> None:
